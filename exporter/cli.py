@@ -1,0 +1,208 @@
+"""The `gpumem-exporter` command: serve (node daemon), demo (replay), record.
+
+Errors a user can fix (bad flags, a taken port, an unreadable trace) end with one line on
+stderr and exit status 2; a traceback means a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from urllib.parse import urlparse
+
+from exporter import __version__
+from exporter.config import Config, ConfigError, load_config
+from exporter.runtime import build_runtime, live_sources
+from exporter.server import HttpServer, ServerStartError, create_app
+from exporter.sources import Source
+from exporter.trace import TraceError, TraceWriter
+
+log = logging.getLogger("exporter")
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def _add_server_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--host",
+        help="address to listen on (default 127.0.0.1; 0.0.0.0 in containers) [GPUMEM_HOST]",
+    )
+    parser.add_argument("--port", help="port to listen on (default 9445) [GPUMEM_PORT]")
+    parser.add_argument(
+        "--interval-s", help="seconds between samples (default 1) [GPUMEM_INTERVAL_S]"
+    )
+    parser.add_argument(
+        "--labels", help="constant labels, e.g. model=llama3,tier=prod [GPUMEM_LABELS]"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpumem-exporter",
+        description="Prometheus exporter for PyTorch's CUDA caching allocator, NVML and host "
+        "memory. In a PyTorch server call exporter.start(); these commands run it "
+        "standalone.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="node daemon: NVML device and per-process memory, host memory",
+        description="Serve NVML (all visible GPUs, per-process memory) and host memory on "
+        "/metrics. Needs no torch; for unmodified or non-Python servers.",
+    )
+    _add_server_flags(serve)
+
+    demo = commands.add_parser(
+        "demo",
+        help="replay a trace recorded on a real GPU, no GPU needed",
+        description="Serve the metrics of a recorded trace at the pace it was recorded, "
+        "looping. Without --trace, plays the trace shipped with the package "
+        "(an H100 serving inference-like traffic, then fragmenting, retrying and "
+        "running out of memory).",
+    )
+    _add_server_flags(demo)
+    demo.add_argument(
+        "--trace", type=Path, help="trace file made by `record` or exporter.start(record_to=...)"
+    )
+    demo.add_argument(
+        "--no-loop", action="store_true", help="play the trace once, then hold its last sample"
+    )
+
+    record = commands.add_parser(
+        "record",
+        help="record a running exporter's metrics into a trace file",
+        description="Scrape a running exporter's /metrics every interval and write the "
+        "samples to a trace that `demo --trace FILE` replays.",
+    )
+    record.add_argument(
+        "--url", required=True, help="exporter base URL or /metrics URL, e.g. http://127.0.0.1:9445"
+    )
+    record.add_argument("-o", "--output", required=True, type=Path, help="trace file to write")
+    record.add_argument("--duration-s", type=float, required=True, help="how long to record")
+    record.add_argument(
+        "--interval-s", type=float, default=1.0, help="seconds between scrapes (default 1)"
+    )
+    return parser
+
+
+def _config(args: argparse.Namespace) -> Config:
+    try:
+        return load_config(
+            host=args.host, port=args.port, interval_s=args.interval_s, labels=args.labels
+        )
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _serve(config: Config, sources: Sequence[Source], mode: str) -> int:
+    runtime = build_runtime(config, mode=mode, sources=sources)
+    app = create_app(
+        sampler=runtime.sampler,
+        registry=runtime.registry,
+        stale_after_s=config.stale_threshold_s,
+        mode=mode,
+    )
+    try:
+        http = HttpServer(app, config.host, config.port)
+    except ServerStartError as exc:
+        raise CliError(str(exc)) from None
+    runtime.sampler.start()
+    log.info("gpumem-exporter %s (%s) serving %s/metrics", __version__, mode, http.url)
+    try:
+        http.run()
+    finally:
+        runtime.sampler.stop()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = _config(args)
+    return _serve(config, live_sources(config, torch=False), "node")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from exporter.sources.replay import ReplaySource
+
+    config = _config(args)
+    if args.trace is not None and not args.trace.is_file():
+        raise CliError(f"trace file not found: {args.trace}")
+    try:
+        replay = ReplaySource(args.trace, loop=not args.no_loop)
+    except TraceError as exc:
+        raise CliError(str(exc)) from None
+    meta = replay.meta
+    log.info(
+        "replaying %s: %s, %.0f s per loop",
+        replay.path,
+        meta.get("description", "recorded trace"),
+        replay.duration_s,
+    )
+    return _serve(config, [replay], "demo")
+
+
+def _metrics_url(url: str) -> str:
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise CliError(f"--url must be an http(s) URL, got {url!r}")
+    return url if parsed.path.rstrip("/").endswith("/metrics") else url.rstrip("/") + "/metrics"
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from exporter.record import RecordError, record_url
+
+    url = _metrics_url(args.url)
+    if not args.duration_s > 0:
+        raise CliError("--duration-s must be positive")
+    if not 0.05 <= args.interval_s <= 3600:
+        raise CliError("--interval-s must be between 0.05 and 3600")
+    if not args.output.parent.is_dir():
+        raise CliError(f"output directory does not exist: {args.output.parent}")
+    writer = TraceWriter(
+        args.output, meta={"recorded_by": "gpumem-exporter record", "source_url": url}
+    )
+    try:
+        count = record_url(url, writer, duration_s=args.duration_s, interval_s=args.interval_s)
+    except RecordError as exc:
+        writer.abort()
+        raise CliError(str(exc)) from None
+    except KeyboardInterrupt:
+        count = writer.count  # keep what was recorded so far
+    if count == 0:
+        writer.abort()
+        raise CliError("no samples recorded")
+    path = writer.close()
+    print(f"recorded {count} samples to {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    handlers = {"serve": cmd_serve, "demo": cmd_demo, "record": cmd_record}
+    if args.command not in handlers:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return handlers[args.command](args)
+    except CliError as exc:
+        print(f"gpumem-exporter {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

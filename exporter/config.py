@@ -1,0 +1,169 @@
+"""One config object, filled from defaults, then `GPUMEM_*` environment, then explicit values.
+
+Explicit values are CLI flags or keyword arguments to `exporter.start()`. Invalid values raise
+ConfigError with a one-line message naming the setting and where it came from.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PORT = 9445
+DEFAULT_HOST = "127.0.0.1"
+ENV_PREFIX = "GPUMEM_"
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; str() is a one-line message for the user."""
+
+
+@dataclass(frozen=True)
+class Config:
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    interval_s: float = 1.0
+    # Constant labels on every series, e.g. {"model": "llama3-70b"}.
+    labels: dict[str, str] = field(default_factory=dict)
+    # Sample considered stale (and /healthz unhealthy) after this many seconds;
+    # 0 means max(3 intervals, 5 s).
+    stale_after_s: float = 0.0
+    # Which sources run: torch (allocator), nvml, host.
+    torch: bool = True
+    nvml: bool = True
+    host_memory: bool = True
+    admin_token: str | None = field(default=None, repr=False)
+    admin_token_file: str | None = None
+
+    @property
+    def stale_threshold_s(self) -> float:
+        return self.stale_after_s or max(3 * self.interval_s, 5.0)
+
+    def resolved_admin_token(self) -> str | None:
+        """The admin token, read from the file if one is named (so rotations are seen)."""
+        if self.admin_token_file:
+            try:
+                token = Path(self.admin_token_file).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot read admin token file {self.admin_token_file}: {exc.strerror}"
+                ) from None
+            return token or None
+        return self.admin_token or None
+
+
+def parse_labels(text: str, origin: str = "labels") -> dict[str, str]:
+    """Parse "k=v,k2=v2" into a dict, rejecting names Prometheus would refuse."""
+    labels = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not _valid_label_name(name):
+            raise ConfigError(
+                f"{origin}: expected name=value with a valid, unreserved label name, got {item!r}"
+            )
+        labels[name] = value.strip()
+    return labels
+
+
+_RESERVED_LABELS = {
+    "device",
+    "gpu",
+    "gpu_uuid",
+    "pool",
+    "pid",
+    "source",
+    "rank",
+    "local_rank",
+    "pod",
+    "namespace",
+    "instance",
+    "job",
+}
+
+
+def _valid_label_name(name: str) -> bool:
+    return (
+        bool(name)
+        and not name.startswith("__")
+        and name not in _RESERVED_LABELS
+        and (name[0].isalpha() or name[0] == "_")
+        and all(c.isalnum() or c == "_" for c in name)
+        and name.isascii()
+    )
+
+
+def _convert(name: str, value: Any, origin: str) -> Any:
+    try:
+        if name == "port":
+            port = int(value)
+            if not 0 <= port <= 65535:
+                raise ValueError
+            return port
+        if name in ("interval_s", "stale_after_s"):
+            number = float(value)
+            if not number >= 0 or number > 3600 or (name == "interval_s" and number < 0.01):
+                raise ValueError
+            return number
+        if name in ("torch", "nvml", "host_memory"):
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if name == "labels":
+            if isinstance(value, str):
+                return parse_labels(value, origin)
+            labels = {str(k): str(v) for k, v in dict(value).items()}
+            for label in labels:
+                if not _valid_label_name(label):
+                    raise ConfigError(f"{origin}: invalid or reserved label name {label!r}")
+            return labels
+        if name == "host":
+            host = str(value).strip()
+            if host not in ("localhost", "") and not _is_ip(host):
+                raise ValueError
+            return host or DEFAULT_HOST
+        return None if value in (None, "") else str(value)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError):
+        expected = {
+            "port": "an integer 0-65535",
+            "interval_s": "seconds between 0.01 and 3600",
+            "stale_after_s": "seconds between 0 and 3600",
+            "host": "an IP address or localhost",
+        }.get(name, "true or false")
+        raise ConfigError(f"{origin}: expected {expected}, got {value!r}") from None
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def load_config(env: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+    """Defaults, then GPUMEM_* from `env` (os.environ by default), then non-None overrides."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    names = {f.name for f in fields(Config)}
+    for name in names:
+        key = ENV_PREFIX + name.upper()
+        if key in env and env[key] != "":
+            values[name] = _convert(name, env[key], key)
+    for name, value in overrides.items():
+        if name not in names:
+            raise ConfigError(f"unknown setting {name!r}")
+        if value is not None:
+            values[name] = _convert(name, value, name)
+    return Config(**values)

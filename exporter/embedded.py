@@ -1,0 +1,182 @@
+"""The one-line embedding: `exporter.start()` in an inference server, or `exporter.attach(app)`.
+
+Promise to the host process: after arguments are validated (ConfigError for bad settings),
+nothing raised inside the exporter reaches the caller. A taken port or a missing NVML is
+logged in one line and reported on the handle; the sampler keeps running.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from exporter.config import Config, load_config
+from exporter.runtime import Runtime, build_runtime, live_sources
+from exporter.sampler import Listener, Sampler
+from exporter.server import HttpServer, ServerStartError, add_routes, create_app
+from exporter.trace import TraceWriter
+
+log = logging.getLogger("exporter")
+
+_lock = threading.Lock()
+_handle: Handle | None = None
+
+
+@dataclass
+class Handle:
+    """A running embedded exporter. `stop()` is safe to call more than once."""
+
+    runtime: Runtime
+    url: str | None = None
+    error: str | None = None
+    recorder: TraceWriter | None = None
+    _http: HttpServer | None = field(default=None, repr=False)
+    _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def config(self) -> Config:
+        return self.runtime.config
+
+    @property
+    def sampler(self) -> Sampler:
+        return self.runtime.sampler
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        return self.runtime.registry
+
+    def stop(self) -> None:
+        global _handle
+        with _lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            if _handle is self:
+                _handle = None
+        try:
+            if self._http is not None:
+                self._http.stop()
+            self.sampler.stop()
+            self.registry.unregister(self.runtime.collector)
+            if self.recorder is not None:
+                path = self.recorder.close()
+                log.info(
+                    "gpumem-exporter: trace of %d samples written to %s", self.recorder.count, path
+                )
+        except Exception as exc:
+            log.error("gpumem-exporter: error while stopping: %s", exc)
+
+
+def start(
+    *,
+    port: int | None = None,
+    host: str | None = None,
+    interval_s: float | None = None,
+    labels: dict[str, str] | None = None,
+    serve_http: bool = True,
+    record_to: str | Path | None = None,
+    listeners: list[Listener] | None = None,
+    **settings: Any,
+) -> Handle:
+    """Start the sampler thread and (unless serve_http=False) the HTTP server thread.
+
+    Idempotent: a second call returns the running handle. `record_to` also writes every sample
+    to a trace file that `gpumem-exporter demo --trace FILE` replays.
+    """
+    global _handle
+    with _lock:
+        if _handle is not None:
+            log.debug("gpumem-exporter already started; returning the running handle")
+            return _handle
+        config = load_config(port=port, host=host, interval_s=interval_s, labels=labels, **settings)
+        all_listeners = list(listeners or [])
+        recorder = None
+        if record_to is not None:
+            recorder = TraceWriter(record_to, meta={"recorded_by": "exporter.start"})
+            all_listeners.append(recorder)
+        runtime = build_runtime(
+            config,
+            mode="embedded",
+            sources=live_sources(config, torch=True),
+            listeners=all_listeners,
+        )
+        handle = Handle(runtime, recorder=recorder)
+        runtime.sampler.start()
+        if serve_http:
+            _serve(runtime, handle)
+        _handle = handle
+        return handle
+
+
+def _serve(runtime: Runtime, handle: Handle) -> None:
+    config = runtime.config
+    try:
+        app = create_app(
+            sampler=runtime.sampler,
+            registry=runtime.registry,
+            stale_after_s=config.stale_threshold_s,
+            mode=runtime.mode,
+        )
+        http = HttpServer(app, config.host, config.port)
+    except ServerStartError as exc:
+        handle.error = str(exc)
+        log.error(
+            "gpumem-exporter: %s; metrics are not served over HTTP (set GPUMEM_PORT or port=...)",
+            exc,
+        )
+        return
+    except Exception as exc:
+        handle.error = f"HTTP server failed to start: {exc}"
+        log.error("gpumem-exporter: %s", handle.error)
+        return
+    http.start()
+    handle._http = http
+    handle.url = http.url
+    log.info("gpumem-exporter serving %s/metrics", http.url)
+
+
+def attach(
+    app: Any,
+    *,
+    registry: CollectorRegistry = REGISTRY,
+    interval_s: float | None = None,
+    labels: dict[str, str] | None = None,
+    **settings: Any,
+) -> Handle:
+    """Mount /healthz, /readyz (and /metrics if the app has none) on the host's FastAPI app.
+
+    Metrics go into `registry` (the default prometheus_client registry unless told), so a
+    server that already serves /metrics from it, like vLLM, shows them without a new port.
+    """
+    global _handle
+    with _lock:
+        if _handle is not None:
+            return _handle
+        config = load_config(interval_s=interval_s, labels=labels, **settings)
+        runtime = build_runtime(
+            config, mode="embedded", sources=live_sources(config, torch=True), registry=registry
+        )
+        paths = {getattr(route, "path", None) for route in app.routes}
+        add_routes(
+            app,
+            sampler=runtime.sampler,
+            registry=registry,
+            stale_after_s=config.stale_threshold_s,
+            mode=runtime.mode,
+            include_metrics="/metrics" not in paths,
+        )
+        runtime.sampler.start()
+        _handle = Handle(runtime)
+        return _handle
+
+
+def stop() -> None:
+    """Stop the running embedded exporter, if any."""
+    handle = _handle
+    if handle is not None:
+        handle.stop()

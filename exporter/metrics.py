@@ -1,0 +1,284 @@
+"""Turns the latest sample into Prometheus metric families: the one place names are made.
+
+A custom collector renders whatever the sampler published last, so a GPU or process that is
+gone from the sample is gone from the scrape (no stale gauges), and counters are the
+allocator's own monotonic values rather than re-counted here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from exporter.sample import (
+    ALLOCATOR_COUNTERS,
+    ALLOCATOR_GAUGES,
+    POOL_GAUGES,
+    Sample,
+)
+
+TORCH_PREFIX = "torch_cuda_"
+ALLOCATOR_LABELS = ("device", "gpu_uuid")
+GPU_LABELS = ("gpu", "gpu_uuid")
+
+# GpuReading field -> metric name
+GPU_MEMORY_GAUGES = {
+    "total_bytes": "gpu_memory_total_bytes",
+    "used_bytes": "gpu_memory_used_bytes",
+    "free_bytes": "gpu_memory_free_bytes",
+    "driver_reserved_bytes": "gpu_memory_driver_reserved_bytes",
+}
+# HostReading field -> metric name. Current RSS is left to client_python's process collector.
+HOST_GAUGES = {
+    "total_bytes": "host_memory_total_bytes",
+    "available_bytes": "host_memory_available_bytes",
+    "swap_total_bytes": "host_swap_total_bytes",
+    "swap_used_bytes": "host_swap_used_bytes",
+    "process_resident_peak_bytes": "process_resident_memory_peak_bytes",
+}
+
+_HELP = {
+    "allocated_bytes": "Bytes of live tensors held by the CUDA caching allocator.",
+    "reserved_bytes": "Bytes the caching allocator holds from the driver (allocated plus cache).",
+    "active_bytes": "Allocated bytes plus freed blocks still in use by a stream.",
+    "inactive_split_bytes": "Free bytes inside partly used segments (fragmentation).",
+    "requested_bytes": "Bytes callers asked for, before the allocator's rounding.",
+    "allocated_peak_bytes": "Peak allocated bytes since the process last reset peaks.",
+    "reserved_peak_bytes": "Peak reserved bytes since the process last reset peaks.",
+    "segments": "Segments (cudaMalloc'd regions) the allocator holds.",
+    "allocations": "Live allocations.",
+    "alloc_retries": "Allocations that failed, flushed the cache and were retried.",
+    "ooms": "Out-of-memory errors raised by the allocator.",
+    "device_malloc": "Device allocations (cudaMalloc, or cuMemMap with expandable segments).",
+    "device_free": "Device frees (cudaFree, or cuMemUnmap with expandable segments).",
+    "sync_all_streams": "Full stream synchronisations (each empty_cache counts one).",
+}
+
+
+@dataclass
+class SourceStatus:
+    """The sampler's account of one source, exported as gpumem_exporter_source_*."""
+
+    up: bool = False
+    duration_s: float = 0.0
+    errors: int = 0
+
+
+@dataclass
+class ExporterState:
+    """What the collector renders: the latest sample plus the sampler's own health."""
+
+    sample: Sample | None = None
+    sources: dict[str, SourceStatus] = field(default_factory=dict)
+
+
+def identity_labels(env: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    """Labels put on every series of this process: rank/local_rank when set, then the user's."""
+    labels = {}
+    for key, name in (("RANK", "rank"), ("LOCAL_RANK", "local_rank")):
+        if env.get(key):
+            labels[name] = env[key]
+    labels.update(extra)
+    return labels
+
+
+class SampleCollector(Collector):
+    def __init__(
+        self,
+        state: Callable[[], ExporterState],
+        *,
+        const_labels: Mapping[str, str],
+        version: str,
+        mode: str,
+        torch_version: str = "",
+    ) -> None:
+        self._state = state
+        self._const_names = tuple(const_labels)
+        self._const_values = tuple(const_labels.values())
+        self._version = version
+        self._mode = mode
+        self._torch_version = torch_version
+
+    def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, doc, labels=self._const_names + labels)
+
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
+        return CounterMetricFamily(name, doc, labels=self._const_names + labels)
+
+    def _values(self, *values: object) -> list[str]:
+        return [*self._const_values, *(str(v) for v in values)]
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state()
+        yield from self._exporter_families(state)
+        sample = state.sample
+        if sample is None:
+            return
+        yield from self._allocator_families(sample)
+        yield from self._gpu_families(sample)
+        yield from self._host_families(sample)
+
+    def _exporter_families(self, state: ExporterState) -> Iterator[Metric]:
+        info = InfoMetricFamily(
+            "gpumem_exporter_build", "gpumem-exporter version and mode.", labels=self._const_names
+        )
+        info.add_metric(list(self._const_values), {"version": self._version, "mode": self._mode})
+        yield info
+        up = self._gauge(
+            "gpumem_exporter_source_up", "1 if the source's last read succeeded.", ("source",)
+        )
+        duration = self._gauge(
+            "gpumem_exporter_source_duration_seconds",
+            "Wall time of the source's last read.",
+            ("source",),
+        )
+        errors = self._counter(
+            "gpumem_exporter_source_errors", "Failed reads of the source.", ("source",)
+        )
+        for name, status in sorted(state.sources.items()):
+            up.add_metric(self._values(name), 1.0 if status.up else 0.0)
+            duration.add_metric(self._values(name), status.duration_s)
+            errors.add_metric(self._values(name), status.errors)
+        yield from (up, duration, errors)
+        if state.sample is not None:
+            last = self._gauge(
+                "gpumem_exporter_last_sample_timestamp_seconds",
+                "Unix time of the last completed sample.",
+            )
+            last.add_metric(self._values(), state.sample.timestamp)
+            yield last
+
+    def _allocator_families(self, sample: Sample) -> Iterator[Metric]:
+        if not sample.allocators:
+            return
+        gauges = {
+            k: self._gauge(TORCH_PREFIX + k, _HELP[k], ALLOCATOR_LABELS) for k in ALLOCATOR_GAUGES
+        }
+        counters = {
+            k: self._counter(TORCH_PREFIX + k, _HELP[k], ALLOCATOR_LABELS)
+            for k in ALLOCATOR_COUNTERS
+        }
+        pools = {
+            k: self._gauge(
+                f"{TORCH_PREFIX}pool_{k}", f"Per pool: {_HELP[k]}", (*ALLOCATOR_LABELS, "pool")
+            )
+            for k in POOL_GAUGES
+        }
+        fragmentation = self._gauge(
+            "torch_cuda_fragmentation_ratio",
+            "inactive_split / reserved; only where the allocator tracks inactive_split.",
+            ALLOCATOR_LABELS,
+        )
+        cached_free = self._gauge(
+            "torch_cuda_cached_free_ratio",
+            "(reserved - allocated) / reserved: cache held but not used by tensors.",
+            ALLOCATOR_LABELS,
+        )
+        non_allocator = self._gauge(
+            "torch_cuda_non_allocator_bytes",
+            "GPU memory of this process outside the caching allocator (NVML used - reserved): "
+            "CUDA context, NCCL, library workspaces.",
+            ALLOCATOR_LABELS,
+        )
+        info = InfoMetricFamily(
+            "torch_cuda_allocator",
+            "CUDA caching allocator settings.",
+            labels=self._const_names + ALLOCATOR_LABELS,
+        )
+        outside = sample.non_allocator_bytes()
+        for reading in sample.allocators:
+            ids = (reading.device, reading.gpu_uuid)
+            for key, value in reading.gauges.items():
+                gauges[key].add_metric(self._values(*ids), value)
+            for key, value in reading.counters.items():
+                counters[key].add_metric(self._values(*ids), value)
+            for pool, pool_gauges in sorted(reading.pools.items()):
+                for key, value in pool_gauges.items():
+                    pools[key].add_metric(self._values(*ids, pool), value)
+            if (ratio := reading.fragmentation_ratio) is not None:
+                fragmentation.add_metric(self._values(*ids), ratio)
+            if (ratio := reading.cached_free_ratio) is not None:
+                cached_free.add_metric(self._values(*ids), ratio)
+            if reading.device in outside:
+                non_allocator.add_metric(self._values(*ids), outside[reading.device])
+            max_split = reading.max_split_size_bytes
+            info.add_metric(
+                self._values(*ids),
+                {
+                    "backend": reading.backend,
+                    "expandable_segments": str(reading.expandable_segments).lower(),
+                    "max_split_size_bytes": "" if max_split is None else str(max_split),
+                    "torch_version": self._torch_version,
+                },
+            )
+        families: list[Metric] = [
+            *gauges.values(),
+            *counters.values(),
+            *pools.values(),
+            fragmentation,
+            cached_free,
+            non_allocator,
+            info,
+        ]
+        yield from (f for f in families if f.samples)
+
+    def _gpu_families(self, sample: Sample) -> Iterator[Metric]:
+        if not sample.gpus:
+            return
+        memory = {
+            field_name: self._gauge(
+                name, f"GPU memory as NVML reports it ({field_name}).", GPU_LABELS
+            )
+            for field_name, name in GPU_MEMORY_GAUGES.items()
+        }
+        up = self._gauge(
+            "gpu_up", "1 while NVML answers for the GPU; 0 when lost or refused.", GPU_LABELS
+        )
+        info = InfoMetricFamily(
+            "gpu", "GPU identity from NVML.", labels=self._const_names + GPU_LABELS
+        )
+        for gpu in sample.gpus:
+            ids = (gpu.index, gpu.uuid)
+            up.add_metric(self._values(*ids), 1.0 if gpu.up else 0.0)
+            info.add_metric(
+                self._values(*ids),
+                {
+                    "name": gpu.name,
+                    "driver_version": gpu.driver_version,
+                    "pci_bus_id": gpu.pci_bus_id,
+                },
+            )
+            for field_name, family in memory.items():
+                value = getattr(gpu, field_name)
+                if value is not None:
+                    family.add_metric(self._values(*ids), value)
+        process = self._gauge(
+            "gpu_process_memory_used_bytes",
+            "GPU memory used by a process (NVML; host PIDs).",
+            (*GPU_LABELS, "pid"),
+        )
+        for entry in sample.processes:
+            process.add_metric(
+                self._values(entry.gpu_index, entry.gpu_uuid, entry.pid), entry.used_bytes
+            )
+        families: list[Metric] = [*memory.values(), process, up, info]
+        yield from (f for f in families if f.samples)
+
+    def _host_families(self, sample: Sample) -> Iterator[Metric]:
+        host = sample.host
+        if host is None:
+            return
+        for field_name, name in HOST_GAUGES.items():
+            value = getattr(host, field_name)
+            if value is not None:
+                family = self._gauge(name, f"Host memory ({field_name}).")
+                family.add_metric(self._values(), value)
+                yield family

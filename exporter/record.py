@@ -1,0 +1,162 @@
+"""Record a running exporter: scrape its /metrics and turn each scrape back into a sample.
+
+This is the inverse of exporter.metrics, driven by the same name tables, so that any exporter
+(a pod in an incident, a node daemon) can be recorded without admin access and replayed with
+`gpumem-exporter demo --trace FILE`.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.metrics import GPU_MEMORY_GAUGES, HOST_GAUGES, TORCH_PREFIX
+from exporter.sample import (
+    ALLOCATOR_COUNTERS,
+    ALLOCATOR_GAUGES,
+    POOL_GAUGES,
+    AllocatorReading,
+    GpuReading,
+    HostReading,
+    ProcessGpuReading,
+    Sample,
+)
+from exporter.trace import TraceWriter
+
+_GPU_FIELDS = {name: field for field, name in GPU_MEMORY_GAUGES.items()}
+_HOST_FIELDS = {name: field for field, name in HOST_GAUGES.items()}
+
+
+class RecordError(RuntimeError):
+    """Recording failed; str() is a one-line reason."""
+
+
+def sample_from_exposition(text: str, timestamp: float) -> Sample:
+    """Rebuild a Sample from the text exposition of one scrape."""
+    allocators: dict[tuple[int, str], AllocatorReading] = {}
+    gpus: dict[tuple[int, str], GpuReading] = {}
+    processes: list[ProcessGpuReading] = []
+    host: dict[str, int] = {}
+    non_allocator: dict[tuple[int, str], int] = {}
+
+    def allocator(labels: dict[str, str]) -> AllocatorReading:
+        key = (int(labels["device"]), labels["gpu_uuid"])
+        if key not in allocators:
+            allocators[key] = AllocatorReading(
+                device=key[0], gpu_uuid=key[1], backend="native", expandable_segments=False
+            )
+        return allocators[key]
+
+    def gpu(labels: dict[str, str]) -> GpuReading:
+        key = (int(labels["gpu"]), labels["gpu_uuid"])
+        if key not in gpus:
+            gpus[key] = GpuReading(index=key[0], uuid=key[1])
+        return gpus[key]
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            name, labels, value = s.name, s.labels, s.value
+            if name.startswith(TORCH_PREFIX) and "device" in labels:
+                key = name[len(TORCH_PREFIX) :]
+                if key in ALLOCATOR_GAUGES:
+                    allocator(labels).gauges[key] = int(value)
+                elif key.endswith("_total") and key[: -len("_total")] in ALLOCATOR_COUNTERS:
+                    allocator(labels).counters[key[: -len("_total")]] = int(value)
+                elif key.startswith("pool_") and key[len("pool_") :] in POOL_GAUGES:
+                    pools = allocator(labels).pools.setdefault(labels["pool"], {})
+                    pools[key[len("pool_") :]] = int(value)
+                elif key == "allocator_info":
+                    reading = allocator(labels)
+                    reading.backend = labels.get("backend", "native")
+                    reading.expandable_segments = labels.get("expandable_segments") == "true"
+                    split = labels.get("max_split_size_bytes", "")
+                    reading.max_split_size_bytes = int(split) if split else None
+                elif key == "non_allocator_bytes":
+                    non_allocator[(int(labels["device"]), labels["gpu_uuid"])] = int(value)
+            elif name in _GPU_FIELDS and "gpu" in labels:
+                setattr(gpu(labels), _GPU_FIELDS[name], int(value))
+            elif name == "gpu_up" and "gpu" in labels:
+                gpu(labels).up = value == 1.0
+            elif name == "gpu_info" and "gpu" in labels:
+                reading_gpu = gpu(labels)
+                reading_gpu.name = labels.get("name", "")
+                reading_gpu.driver_version = labels.get("driver_version", "")
+                reading_gpu.pci_bus_id = labels.get("pci_bus_id", "")
+            elif name == "gpu_process_memory_used_bytes":
+                processes.append(
+                    ProcessGpuReading(
+                        gpu_index=int(labels["gpu"]),
+                        gpu_uuid=labels["gpu_uuid"],
+                        pid=int(labels["pid"]),
+                        used_bytes=int(value),
+                    )
+                )
+            elif name in _HOST_FIELDS:
+                host[_HOST_FIELDS[name]] = int(value)
+    sample = Sample(
+        timestamp=timestamp,
+        allocators=list(allocators.values()),
+        gpus=list(gpus.values()),
+        processes=processes,
+        host=HostReading(**host) if _complete_host(host) else None,
+    )
+    sample.self_pid = _self_pid(sample, non_allocator)
+    return sample
+
+
+def _complete_host(host: dict[str, Any]) -> bool:
+    return all(
+        k in host for k in ("total_bytes", "available_bytes", "swap_total_bytes", "swap_used_bytes")
+    )
+
+
+def _self_pid(sample: Sample, non_allocator: dict[tuple[int, str], int]) -> int | None:
+    """The exporting process's PID, which the exposition does not carry directly.
+
+    non_allocator = NVML used(pid) - reserved, so the PID is the one whose NVML entry on that
+    GPU equals reserved + non_allocator exactly (both come from the same scrape).
+    """
+    for reading in sample.allocators:
+        outside = non_allocator.get((reading.device, reading.gpu_uuid))
+        reserved = reading.gauges.get("reserved_bytes")
+        if outside is None or reserved is None:
+            continue
+        for entry in sample.processes:
+            if entry.gpu_uuid == reading.gpu_uuid and entry.used_bytes == reserved + outside:
+                return entry.pid
+    return None
+
+
+def scrape(url: str, timeout_s: float = 5.0) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return str(response.read().decode("utf-8"))
+    except urllib.error.HTTPError as exc:
+        raise RecordError(f"{url} answered HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise RecordError(f"cannot scrape {url}: {reason}") from None
+
+
+def record_url(
+    url: str,
+    writer: TraceWriter,
+    *,
+    duration_s: float,
+    interval_s: float,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Scrape `url` every interval for `duration_s`; returns the number of samples written."""
+    deadline = time.monotonic() + duration_s
+    while True:
+        started = time.monotonic()
+        writer(sample_from_exposition(scrape(url), clock()))
+        if started + interval_s > deadline:
+            return writer.count
+        sleep(max(interval_s - (time.monotonic() - started), 0.0))

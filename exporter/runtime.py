@@ -1,0 +1,69 @@
+"""Wiring shared by every way of running: sources -> sampler -> collector -> registry."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+
+from exporter import __version__
+from exporter.config import Config
+from exporter.metrics import SampleCollector, identity_labels
+from exporter.sampler import Listener, Sampler
+from exporter.sources import Source
+
+
+@dataclass
+class Runtime:
+    config: Config
+    mode: str
+    sampler: Sampler
+    registry: CollectorRegistry
+    collector: SampleCollector
+
+
+def live_sources(config: Config, *, torch: bool) -> list[Source]:
+    """The sources that read this machine, as the config enables them."""
+    sources: list[Source] = []
+    if torch and config.torch:
+        from exporter.sources.torch_allocator import TorchAllocatorSource
+
+        sources.append(TorchAllocatorSource())
+    if config.nvml:
+        from exporter.sources.nvml import NvmlSource
+
+        sources.append(NvmlSource())
+    if config.host_memory:
+        from exporter.sources.host import HostMemorySource
+
+        sources.append(HostMemorySource())
+    return sources
+
+
+def build_runtime(
+    config: Config,
+    *,
+    mode: str,
+    sources: Sequence[Source],
+    registry: CollectorRegistry | None = None,
+    listeners: Sequence[Listener] = (),
+) -> Runtime:
+    """Create the sampler and register the collector; a new registry gets process metrics."""
+    if registry is None:
+        registry = CollectorRegistry()
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+    sampler = Sampler(sources, interval_s=config.interval_s, listeners=listeners)
+    torch_module = sys.modules.get("torch")  # never import torch just to learn its version
+    collector = SampleCollector(
+        sampler.state,
+        const_labels=identity_labels(os.environ, config.labels),
+        version=__version__,
+        mode=mode,
+        torch_version=str(getattr(torch_module, "__version__", "")),
+    )
+    registry.register(collector)
+    return Runtime(config, mode, sampler, registry, collector)

@@ -1,0 +1,164 @@
+"""The plain values a sample carries from the sources to metrics, detectors and traces.
+
+Sources fill these; nothing here reads hardware or writes metrics. Every value is optional in
+the sense that a field which is not defined on a backend is left out (None or absent from a
+dict) rather than reported as 0: "no fragmentation" and "fragmentation unknown" must not look
+the same on a dashboard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Gauges read from the allocator's `.all.current`/`.all.peak`, keyed by the metric suffix
+# (`torch_cuda_<key>`). Counters are keyed likewise, without the `_total` suffix.
+ALLOCATOR_GAUGES = (
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "requested_bytes",
+    "allocated_peak_bytes",
+    "reserved_peak_bytes",
+    "segments",
+    "allocations",
+)
+ALLOCATOR_COUNTERS = (
+    "alloc_retries",
+    "ooms",
+    "device_malloc",
+    "device_free",
+    "sync_all_streams",
+)
+POOL_GAUGES = (
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "requested_bytes",
+)
+
+
+@dataclass
+class AllocatorReading:
+    """One CUDA device's caching-allocator state inside this process."""
+
+    device: int
+    gpu_uuid: str
+    backend: str  # "native" or "cudaMallocAsync"
+    expandable_segments: bool
+    gauges: dict[str, int] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)
+    pools: dict[str, dict[str, int]] = field(default_factory=dict)  # pool -> gauges
+    max_split_size_bytes: int | None = None
+
+    @property
+    def fragmentation_ratio(self) -> float | None:
+        """inactive_split / reserved, only where the allocator defines inactive_split."""
+        inactive = self.gauges.get("inactive_split_bytes")
+        reserved = self.gauges.get("reserved_bytes", 0)
+        if inactive is None or reserved <= 0:
+            return None
+        return inactive / reserved
+
+    @property
+    def cached_free_ratio(self) -> float | None:
+        """(reserved - allocated) / reserved: defined on every backend."""
+        reserved = self.gauges.get("reserved_bytes", 0)
+        allocated = self.gauges.get("allocated_bytes")
+        if allocated is None or reserved <= 0:
+            return None
+        return max(reserved - allocated, 0) / reserved
+
+
+@dataclass
+class GpuReading:
+    """One GPU as NVML sees it."""
+
+    index: int
+    uuid: str
+    name: str = ""
+    driver_version: str = ""
+    pci_bus_id: str = ""
+    up: bool = True
+    total_bytes: int | None = None
+    used_bytes: int | None = None
+    free_bytes: int | None = None
+    driver_reserved_bytes: int | None = None
+
+
+@dataclass
+class ProcessGpuReading:
+    """One process's memory on one GPU, as NVML reports it (host PIDs)."""
+
+    gpu_index: int
+    gpu_uuid: str
+    pid: int
+    used_bytes: int
+
+
+@dataclass
+class HostReading:
+    total_bytes: int
+    available_bytes: int
+    swap_total_bytes: int
+    swap_used_bytes: int
+    process_resident_bytes: int | None = None
+    process_resident_peak_bytes: int | None = None
+
+
+@dataclass
+class SourceReading:
+    """What one source returns from one read: any subset of the parts of a sample."""
+
+    allocators: list[AllocatorReading] = field(default_factory=list)
+    gpus: list[GpuReading] = field(default_factory=list)
+    processes: list[ProcessGpuReading] = field(default_factory=list)
+    host: HostReading | None = None
+    # PID that NVML would show for this process; replays carry the recorded one.
+    self_pid: int | None = None
+
+
+@dataclass
+class Sample:
+    """Everything read in one tick, merged from all sources."""
+
+    timestamp: float
+    allocators: list[AllocatorReading] = field(default_factory=list)
+    gpus: list[GpuReading] = field(default_factory=list)
+    processes: list[ProcessGpuReading] = field(default_factory=list)
+    host: HostReading | None = None
+    self_pid: int | None = None
+
+    def non_allocator_bytes(self) -> dict[int, int]:
+        """NVML per-process used minus torch reserved, per CUDA device of this process.
+
+        Only where NVML lists this process's PID on the allocator's GPU: inside a container
+        without the host PID namespace the PIDs differ and nothing is reported.
+        """
+        if self.self_pid is None:
+            return {}
+        used_by_uuid = {p.gpu_uuid: p.used_bytes for p in self.processes if p.pid == self.self_pid}
+        result = {}
+        for reading in self.allocators:
+            used = used_by_uuid.get(reading.gpu_uuid)
+            reserved = reading.gauges.get("reserved_bytes")
+            if used is not None and reserved is not None:
+                result[reading.device] = max(used - reserved, 0)
+        return result
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Sample:
+        host = data.get("host")
+        return cls(
+            timestamp=float(data["timestamp"]),
+            allocators=[AllocatorReading(**a) for a in data.get("allocators", [])],
+            gpus=[GpuReading(**g) for g in data.get("gpus", [])],
+            processes=[ProcessGpuReading(**p) for p in data.get("processes", [])],
+            host=HostReading(**host) if host else None,
+            self_pid=data.get("self_pid"),
+        )

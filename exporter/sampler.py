@@ -1,0 +1,159 @@
+"""The sidecar thread: reads every source at the interval and publishes one merged sample.
+
+The sampler owns timing, error accounting and isolation (as node_exporter's frame does for its
+collectors): each source is timed, a failing source is logged (rate-limited) and reported as
+down while the others go on, and nothing raised by a source or a listener reaches the host
+process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from exporter.metrics import ExporterState, SourceStatus
+from exporter.sample import Sample
+from exporter.sources import Source
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[Sample], None]
+
+# At most one log line per source (or listener) per this many seconds: a broken source
+# ticking at 10 Hz must not flood the inference server's logs.
+LOG_EVERY_S = 60.0
+
+
+class _RateLimitedLog:
+    def __init__(self, every_s: float = LOG_EVERY_S) -> None:
+        self._every_s = every_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def error(self, key: str, message: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -self._every_s) < self._every_s:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return
+        suppressed = self._suppressed.pop(key, 0)
+        self._last[key] = now
+        more = f" ({suppressed} similar errors suppressed)" if suppressed else ""
+        log.error("%s: %s: %s%s", message, type(exc).__name__, exc, more)
+
+
+class Sampler:
+    """Ticks the sources; `tick()` can also be called directly (tests, one-shot reads)."""
+
+    def __init__(
+        self,
+        sources: Sequence[Source],
+        *,
+        interval_s: float = 1.0,
+        listeners: Sequence[Listener] = (),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be positive, got {interval_s}")
+        self.sources = list(sources)
+        self.interval_s = interval_s
+        self.listeners = list(listeners)
+        self._clock = clock
+        self._state = ExporterState(sources={s.name: SourceStatus() for s in self.sources})
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._errors = _RateLimitedLog()
+        self._pid = os.getpid()
+
+    # -- reading ------------------------------------------------------------------------
+
+    def state(self) -> ExporterState:
+        """The latest published state; cheap, safe from any thread."""
+        with self._lock:
+            return ExporterState(
+                sample=self._state.sample,
+                sources={
+                    k: SourceStatus(v.up, v.duration_s, v.errors)
+                    for k, v in self._state.sources.items()
+                },
+            )
+
+    @property
+    def latest(self) -> Sample | None:
+        with self._lock:
+            return self._state.sample
+
+    def sample_age_s(self) -> float | None:
+        sample = self.latest
+        return None if sample is None else max(self._clock() - sample.timestamp, 0.0)
+
+    # -- ticking ------------------------------------------------------------------------
+
+    def tick(self) -> Sample:
+        sample = Sample(timestamp=0.0, self_pid=self._pid)
+        statuses = {}
+        for source in self.sources:
+            previous = self._state.sources.get(source.name, SourceStatus())
+            started = time.perf_counter()
+            try:
+                reading = source.read()
+            except Exception as exc:
+                duration = time.perf_counter() - started
+                statuses[source.name] = SourceStatus(False, duration, previous.errors + 1)
+                self._errors.error(f"source:{source.name}", f"source {source.name} failed", exc)
+                continue
+            duration = time.perf_counter() - started
+            statuses[source.name] = SourceStatus(True, duration, previous.errors)
+            sample.allocators.extend(reading.allocators)
+            sample.gpus.extend(reading.gpus)
+            sample.processes.extend(reading.processes)
+            if reading.host is not None:
+                sample.host = reading.host
+            if reading.self_pid is not None:
+                sample.self_pid = reading.self_pid
+        sample.timestamp = self._clock()
+        with self._lock:
+            self._state = ExporterState(sample=sample, sources=statuses)
+        for listener in self.listeners:
+            try:
+                listener(sample)
+            except Exception as exc:
+                name = getattr(listener, "__name__", type(listener).__name__)
+                self._errors.error(f"listener:{name}", f"sample listener {name} failed", exc)
+        return sample
+
+    def _run(self) -> None:
+        next_tick = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception as exc:  # never let the thread die: it is the exporter
+                self._errors.error("tick", "sampler tick failed", exc)
+            next_tick += self.interval_s
+            delay = next_tick - time.monotonic()
+            if delay < 0:  # fell behind (slow source, suspended process): do not burst
+                next_tick = time.monotonic()
+                delay = 0
+            self._stop.wait(delay)
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        # A daemon thread: an exporter must never keep the inference server from exiting.
+        self._thread = threading.Thread(target=self._run, name="gpumem-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        for source in self.sources:
+            try:
+                source.close()
+            except Exception as exc:
+                self._errors.error(f"close:{source.name}", f"closing {source.name} failed", exc)

@@ -1,0 +1,140 @@
+"""HTTP: the FastAPI routes and the uvicorn server that runs them in a thread of its own.
+
+`/metrics`, `/healthz` and `/readyz` are open (Prometheus and kubelet probes need no token).
+The routes are added to a given app so that `exporter.attach()` can put them on the host's own
+FastAPI app as well.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+from exporter.sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+
+class ServerStartError(RuntimeError):
+    """The HTTP server could not start (e.g. port in use); str() says why in one line."""
+
+
+def add_routes(
+    app: FastAPI,
+    *,
+    sampler: Sampler,
+    registry: CollectorRegistry,
+    stale_after_s: float,
+    mode: str,
+    include_metrics: bool = True,
+) -> None:
+    if include_metrics:
+
+        @app.get("/metrics", include_in_schema=True, tags=["exporter"])
+        def metrics(request: Request) -> Response:
+            """Prometheus exposition of the latest sample (OpenMetrics if asked for)."""
+            encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+            return Response(content=encoder(registry), media_type=content_type)
+
+    @app.get("/healthz", tags=["exporter"])
+    def healthz() -> JSONResponse:
+        """200 while samples are fresh; 503 when the sampler has stopped producing them."""
+        age = sampler.sample_age_s()
+        healthy = age is not None and age <= stale_after_s
+        body = {
+            "status": "ok" if healthy else ("stale" if age is not None else "starting"),
+            "mode": mode,
+            "sample_age_s": None if age is None else round(age, 3),
+            "stale_after_s": stale_after_s,
+        }
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    @app.get("/readyz", tags=["exporter"])
+    def readyz() -> JSONResponse:
+        """200 once the first sample has been taken."""
+        ready = sampler.latest is not None
+        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+
+
+def create_app(**route_args: Any) -> FastAPI:
+    app = FastAPI(
+        title="gpumem-exporter",
+        description="PyTorch CUDA allocator, NVML and host memory metrics for Prometheus.",
+        docs_url=None,  # the Swagger page loads its scripts from a CDN: off for air-gapped use
+        redoc_url=None,
+    )
+    add_routes(app, **route_args)
+    return app
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before starting uvicorn so that a taken port is a clear error, not a thread exit."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ServerStartError(f"port {port} on {host} is already in use") from None
+        raise ServerStartError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+class HttpServer:
+    """uvicorn on a pre-bound socket, in the calling thread (`run`) or a daemon thread."""
+
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        self.sock = bind_socket(host, port)
+        self.host = host
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(
+            app,
+            log_config=None,  # never reconfigure the host process's logging
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+        )
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def run(self) -> None:
+        """Serve in this thread until stopped (uvicorn handles SIGINT/SIGTERM in the main one)."""
+        self._server.run(sockets=[self.sock])
+
+    def start(self, on_exit: Callable[[], None] | None = None) -> None:
+        def target() -> None:
+            try:
+                self.run()
+            except BaseException as exc:  # a SystemExit here must not look like a host crash
+                log.error("gpumem-exporter HTTP server stopped: %s", exc)
+            if on_exit is not None:
+                on_exit()
+
+        self._thread = threading.Thread(target=target, name="gpumem-http", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        self.sock.close()

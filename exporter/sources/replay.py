@@ -1,0 +1,118 @@
+"""Replay: plays back a trace recorded on a real GPU at the pace it was recorded, looping.
+
+So that a replay looks like one long-lived process to Prometheus, counters keep rising across
+loops (each loop adds the trace's own increase, which makes the seam continuous) and lifetime
+peaks never drop below the trace's highest peak once it has been reached.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import time
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from exporter.sample import Sample, SourceReading
+from exporter.trace import read_trace
+
+DEMO_TRACE = "demo_trace.jsonl.gz"
+
+
+def demo_trace_path() -> Path:
+    """The trace shipped inside the package (recorded by scripts/record_demo_trace.py)."""
+    return Path(str(resources.files("exporter") / "data" / DEMO_TRACE))
+
+
+class ReplaySource:
+    name = "replay"
+
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        loop: bool = True,
+    ) -> None:
+        self.path = Path(path) if path is not None else demo_trace_path()
+        self.meta, self._samples = read_trace(self.path)
+        self._clock = clock
+        self._loop = loop
+        t0 = self._samples[0].timestamp
+        self._offsets = [s.timestamp - t0 for s in self._samples]
+        step = (self._offsets[-1] / (len(self._samples) - 1)) if len(self._samples) > 1 else 1.0
+        # One loop lasts the recording plus one sampling step, so the last sample gets its turn.
+        self.duration_s = self._offsets[-1] + step
+        first, last = self._samples[0], self._samples[-1]
+        self._counter_increase = _counter_increase(first, last)
+        self._peak_max = _peak_max(self._samples)
+        self._started: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True once a non-looping replay has played its last sample."""
+        return (
+            not self._loop
+            and self._started is not None
+            and self._clock() - self._started >= self.duration_s
+        )
+
+    def position(self) -> tuple[int, int]:
+        """(loop number, sample index) for the current time."""
+        if self._started is None:
+            self._started = self._clock()
+        elapsed = self._clock() - self._started
+        loop, offset = divmod(elapsed, self.duration_s)
+        if not self._loop and loop >= 1:
+            return 0, len(self._samples) - 1
+        index = max(bisect.bisect_right(self._offsets, offset) - 1, 0)
+        return int(loop), index
+
+    def read(self) -> SourceReading:
+        loop, index = self.position()
+        recorded = self._samples[index]
+        allocators = copy.deepcopy(recorded.allocators)
+        if loop:
+            for reading in allocators:
+                key = (reading.device, reading.gpu_uuid)
+                for name, increase in self._counter_increase.get(key, {}).items():
+                    if name in reading.counters:
+                        reading.counters[name] += loop * increase
+                for name, peak in self._peak_max.get(key, {}).items():
+                    reading.gauges[name] = max(reading.gauges.get(name, 0), peak)
+        return SourceReading(
+            allocators=allocators,
+            gpus=copy.deepcopy(recorded.gpus),
+            processes=copy.deepcopy(recorded.processes),
+            host=copy.deepcopy(recorded.host),
+            self_pid=recorded.self_pid,
+        )
+
+    def close(self) -> None:
+        pass
+
+
+_Key = tuple[int, str]
+
+
+def _counter_increase(first: Sample, last: Sample) -> dict[_Key, dict[str, int]]:
+    start = {(a.device, a.gpu_uuid): a.counters for a in first.allocators}
+    result: dict[_Key, dict[str, int]] = {}
+    for reading in last.allocators:
+        key = (reading.device, reading.gpu_uuid)
+        before = start.get(key, {})
+        result[key] = {k: max(v - before.get(k, 0), 0) for k, v in reading.counters.items()}
+    return result
+
+
+def _peak_max(samples: list[Sample]) -> dict[_Key, dict[str, Any]]:
+    result: dict[_Key, dict[str, Any]] = {}
+    for sample in samples:
+        for reading in sample.allocators:
+            peaks = result.setdefault((reading.device, reading.gpu_uuid), {})
+            for name in ("allocated_peak_bytes", "reserved_peak_bytes"):
+                if name in reading.gauges:
+                    peaks[name] = max(peaks.get(name, 0), reading.gauges[name])
+    return result

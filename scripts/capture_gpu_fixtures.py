@@ -1,0 +1,146 @@
+"""Capture real allocator and NVML readings on a GPU machine for the CPU tests.
+
+Run on a machine with a CUDA GPU, from the repository root:
+
+    python3 scripts/capture_gpu_fixtures.py --out tests/data
+
+For each allocator configuration (native, expandable_segments, cudaMallocAsync) a fresh
+process allocates a fixed pattern (varied sizes, alternating frees, so inactive_split is not
+zero where it is tracked), then writes:
+- the raw `torch.cuda.memory_stats_as_nested_dict(0)` and the flat `memory_stats(0)`;
+- the reading the exporter's own sources produce (TorchAllocatorSource, NvmlSource);
+- the raw NVML values (v1 and v2 memory info, per-process list) and this process's PID;
+- independent truth: torch.cuda.memory_allocated/reserved and the tensor bytes held live.
+The CPU tests check the exporter's mapping against these files; nothing in them is typed by
+hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+CONFIGS = {
+    "native": "",
+    "expandable": "expandable_segments:True",
+    "async": "backend:cudaMallocAsync",
+}
+
+
+def _nvml_raw() -> dict:
+    import pynvml
+
+    pynvml.nvmlInit()
+    devices = []
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        v1 = pynvml.nvmlDeviceGetMemoryInfo(h)
+        v2 = pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+        devices.append(
+            {
+                "index": i,
+                "uuid": pynvml.nvmlDeviceGetUUID(h),
+                "name": pynvml.nvmlDeviceGetName(h),
+                "pci_bus_id": pynvml.nvmlDeviceGetPciInfo(h).busId,
+                "memory_v1": {"total": v1.total, "free": v1.free, "used": v1.used},
+                "memory_v2": {
+                    "total": v2.total,
+                    "free": v2.free,
+                    "used": v2.used,
+                    "reserved": v2.reserved,
+                },
+                "processes": [{"pid": p.pid, "usedGpuMemory": p.usedGpuMemory} for p in procs],
+            }
+        )
+    return {
+        "driver_version": pynvml.nvmlSystemGetDriverVersion(),
+        "nvml_version": pynvml.nvmlSystemGetNVMLVersion(),
+        "devices": devices,
+    }
+
+
+def child(config_name: str, out: Path) -> None:
+    import torch
+
+    from exporter.sources.nvml import NvmlSource
+    from exporter.sources.torch_allocator import TorchAllocatorSource
+
+    before_init = {
+        "is_initialized": torch.cuda.is_initialized(),
+        "memory_stats_as_nested_dict_0": torch.cuda.memory_stats_as_nested_dict(0),
+    }
+    device = torch.device("cuda:0")
+    keep = []
+    # Varied sizes in both pools; free every other one so split blocks go inactive.
+    sizes = [512, 4096, 300_000, 1_500_000, 3_000_000, 7_000_000, 9_000_000, 50_000_000]
+    allocs = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes * 4]
+    for i, tensor in enumerate(allocs):
+        if i % 2 == 0:
+            keep.append(tensor)
+    del allocs
+    torch.cuda.synchronize()
+    live_bytes = sum(t.numel() * t.element_size() for t in keep)
+
+    stats = torch.cuda.memory_stats_as_nested_dict(0)
+    flat = torch.cuda.memory_stats(0)
+    source_reading = TorchAllocatorSource().read()
+    nvml_reading = NvmlSource().read()
+    settings = None
+    if hasattr(torch._C, "_accelerator_getAllocatorSettings"):
+        try:
+            settings = str(torch._C._accelerator_getAllocatorSettings())
+        except Exception as exc:  # record what it did, whatever it was
+            settings = f"error: {exc!r}"
+    result = {
+        "config": config_name,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "device_name": torch.cuda.get_device_name(0),
+        "device_uuid": str(torch.cuda.get_device_properties(0).uuid),
+        "allocator_backend": torch.cuda.get_allocator_backend(),
+        "allocator_settings": settings,
+        "pid": os.getpid(),
+        "before_init": before_init,
+        "truth": {
+            "memory_allocated": torch.cuda.memory_allocated(0),
+            "memory_reserved": torch.cuda.memory_reserved(0),
+            "live_tensor_bytes": live_bytes,
+        },
+        "memory_stats_as_nested_dict": stats,
+        "memory_stats": flat,
+        "exporter_allocators": [asdict(a) for a in source_reading.allocators],
+        "exporter_gpus": [asdict(g) for g in nvml_reading.gpus],
+        "exporter_processes": [asdict(p) for p in nvml_reading.processes],
+        "nvml_raw": _nvml_raw(),
+    }
+    path = out / f"allocator_{config_name}.json"
+    path.write_text(json.dumps(result, indent=1, sort_keys=True, default=str) + "\n")
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("tests/data"))
+    parser.add_argument("--child", choices=sorted(CONFIGS))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        child(args.child, args.out)
+        return
+    for name, conf in CONFIGS.items():
+        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+        subprocess.run(
+            [sys.executable, __file__, "--child", name, "--out", str(args.out)], env=env, check=True
+        )
+
+
+if __name__ == "__main__":
+    main()

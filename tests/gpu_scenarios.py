@@ -1,0 +1,257 @@
+"""Scenarios for the GPU tests, each run in a fresh process (allocator settings and CUDA
+contexts are per process): `python tests/gpu_scenarios.py NAME [ARG]` prints one JSON object.
+
+The scenarios only measure; tests/test_gpu.py asserts. Every number the exporter reports is
+paired with an independent reading (torch's own accessors, raw NVML calls, tensor sizes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.request
+from dataclasses import asdict
+from typing import Any
+
+MiB = 1 << 20
+
+
+def _nvml_pids() -> dict[str, dict[int, int]]:
+    """Raw NVML, independent of the exporter: uuid -> {pid: used bytes}."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    result = {}
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+        result[pynvml.nvmlDeviceGetUUID(h)] = {p.pid: p.usedGpuMemory for p in procs}
+    return result
+
+
+def _sampler(interval_s: float = 0.02) -> Any:
+    from exporter.sampler import Sampler
+    from exporter.sources.host import HostMemorySource
+    from exporter.sources.nvml import NvmlSource
+    from exporter.sources.torch_allocator import TorchAllocatorSource
+
+    return Sampler(
+        [TorchAllocatorSource(), NvmlSource(), HostMemorySource()], interval_s=interval_s
+    )
+
+
+def exact_bytes() -> dict[str, Any]:
+    import torch
+
+    from exporter.sources.torch_allocator import TorchAllocatorSource
+
+    source = TorchAllocatorSource()
+    torch.zeros(1, device="cuda:0")
+    torch.cuda.synchronize()
+    before = source.read().allocators[0]
+    truth_before = (torch.cuda.memory_allocated(0), torch.cuda.memory_reserved(0))
+    n = 64 * MiB
+    tensor = torch.empty(n, dtype=torch.uint8, device="cuda:0")
+    during = source.read().allocators[0]
+    truth_during = (torch.cuda.memory_allocated(0), torch.cuda.memory_reserved(0))
+    del tensor
+    after = source.read().allocators[0]
+    return {
+        "n": n,
+        "before": asdict(before),
+        "during": asdict(during),
+        "after": asdict(after),
+        "truth_before": truth_before,
+        "truth_during": truth_during,
+    }
+
+
+def context_size() -> dict[str, Any]:
+    import torch
+
+    x = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    sampler = _sampler()
+    sample = sampler.tick()
+    del x
+    uuid = sample.allocators[0].gpu_uuid
+    return {
+        "pid": os.getpid(),
+        "sample": sample.to_dict(),
+        "non_allocator": sample.non_allocator_bytes(),
+        "raw_nvml_used": _nvml_pids().get(uuid, {}).get(os.getpid()),
+        "torch_reserved": torch.cuda.memory_reserved(0),
+    }
+
+
+def no_init() -> dict[str, Any]:
+    import torch
+
+    sampler = _sampler()
+    sampler.start()
+    time.sleep(0.5)
+    sampler.stop()
+    sample = sampler.latest
+    return {
+        "is_initialized": torch.cuda.is_initialized(),
+        "allocators": len(sample.allocators),
+        "gpus": len(sample.gpus),
+        "pid_on_gpus": [u for u, pids in _nvml_pids().items() if os.getpid() in pids],
+    }
+
+
+def one_device(index: str) -> dict[str, Any]:
+    """Use only cuda:index (set_device, as a rank would); sample from a thread meanwhile."""
+    import torch
+
+    used = int(index)
+    torch.cuda.set_device(used)
+    sampler = _sampler(interval_s=0.01)
+    sampler.start()
+    tensors = []
+    for i in range(50):
+        tensors.append(torch.empty((i + 1) * MiB, dtype=torch.uint8, device=f"cuda:{used}"))
+        if i % 3 == 0:
+            tensors.pop(0)
+        time.sleep(0.01)
+    torch.cuda.synchronize()
+    time.sleep(0.2)
+    sampler.stop()
+    sample = sampler.latest
+    # Read NVML and the context flags before anything else could touch another device.
+    pid_on_gpus = [u for u, pids in _nvml_pids().items() if os.getpid() in pids]
+    has_context = [
+        bool(torch._C._cuda_hasPrimaryContext(i)) for i in range(torch.cuda.device_count())
+    ]
+    return {
+        "used": used,
+        "used_uuid": f"GPU-{torch.cuda.get_device_properties(used).uuid}",
+        "device_count": torch.cuda.device_count(),
+        "has_context": has_context,
+        "allocator_devices": [a.device for a in sample.allocators],
+        "pid_on_gpus": pid_on_gpus,
+    }
+
+
+def backend() -> dict[str, Any]:
+    import torch
+
+    from exporter.metrics import ExporterState, SampleCollector
+
+    keep = []
+    allocs = [
+        torch.empty(s, dtype=torch.uint8, device="cuda:0")
+        for s in [3 * MiB, 5 * MiB, 7 * MiB, 2 * MiB] * 8
+    ]
+    keep = allocs[::2]
+    del allocs
+    sampler = _sampler()
+    sample = sampler.tick()
+    collector = SampleCollector(
+        lambda: ExporterState(sample=sample), const_labels={}, version="test", mode="embedded"
+    )
+    names = sorted({s.name for family in collector.collect() for s in family.samples})
+    return {
+        "backend": torch.cuda.get_allocator_backend(),
+        "reading": asdict(sample.allocators[0]),
+        "metric_names": names,
+        "truth_allocated": torch.cuda.memory_allocated(0),
+        "truth_reserved": torch.cuda.memory_reserved(0),
+        "kept": len(keep),
+    }
+
+
+def oom() -> dict[str, Any]:
+    import torch
+
+    from exporter.sources.torch_allocator import TorchAllocatorSource
+
+    torch.cuda.set_per_process_memory_fraction(
+        (2 << 30) / torch.cuda.get_device_properties(0).total_memory, 0
+    )
+    source = TorchAllocatorSource()
+    held = torch.empty(512 * MiB, dtype=torch.uint8, device="cuda:0")
+    cached = torch.empty(1024 * MiB, dtype=torch.uint8, device="cuda:0")
+    del cached  # a cached free segment the next, larger request cannot use
+    before = source.read().allocators[0].counters
+    bigger = torch.empty(1200 * MiB, dtype=torch.uint8, device="cuda:0")  # flush + retry
+    del bigger
+    raised = False
+    try:
+        torch.empty(4 << 30, dtype=torch.uint8, device="cuda:0")
+    except torch.cuda.OutOfMemoryError:
+        raised = True
+    after = source.read().allocators[0].counters
+    del held
+    flat = torch.cuda.memory_stats(0)
+    return {
+        "raised": raised,
+        "before": before,
+        "after": after,
+        "truth": {"num_ooms": flat["num_ooms"], "num_alloc_retries": flat["num_alloc_retries"]},
+    }
+
+
+def http() -> dict[str, Any]:
+    import torch
+
+    import exporter
+
+    handle = exporter.start(port=0, interval_s=0.05)
+    time.sleep(0.3)
+    initialized_by_start = torch.cuda.is_initialized()
+    x = torch.empty(32 * MiB, dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    time.sleep(0.3)
+    with urllib.request.urlopen(f"{handle.url}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    with urllib.request.urlopen(f"{handle.url}/healthz", timeout=5) as response:
+        health = json.loads(response.read())
+    truth = torch.cuda.memory_allocated(0), torch.cuda.memory_reserved(0)
+    del x
+    handle.stop()
+    return {
+        "url": handle.url,
+        "error": handle.error,
+        "metrics": text,
+        "health": health,
+        "truth_allocated": truth[0],
+        "truth_reserved": truth[1],
+        "initialized_by_start": initialized_by_start,
+    }
+
+
+def read_cost() -> dict[str, Any]:
+    import torch
+
+    from exporter.sources.nvml import NvmlSource
+    from exporter.sources.torch_allocator import TorchAllocatorSource
+
+    x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda:0")
+    result = {}
+    for name, source in (("torch", TorchAllocatorSource()), ("nvml", NvmlSource())):
+        source.read()
+        times = []
+        for _ in range(2000):
+            t0 = time.perf_counter()
+            source.read()
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        result[name] = {
+            "median_us": times[len(times) // 2] * 1e6,
+            "p99_us": times[int(len(times) * 0.99)] * 1e6,
+        }
+    del x
+    return result
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in (exact_bytes, context_size, no_init, one_device, backend, oom, http, read_cost)
+}
+
+if __name__ == "__main__":
+    name, *args = sys.argv[1:]
+    print(json.dumps(SCENARIOS[name](*args), default=str))

@@ -1,0 +1,159 @@
+"""Checks on a real GPU: every number against an independent reading, and no stray contexts.
+
+Run on the GPU machine: `pytest -m gpu`. Each scenario runs in a fresh process
+(tests/gpu_scenarios.py) because allocator settings and CUDA contexts are per process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+MiB = 1 << 20
+
+
+def run_scenario(name: str, *args: str, alloc_conf: str = "") -> dict:
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=alloc_conf)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tests" / "gpu_scenarios.py"), name, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_allocated_and_reserved_move_by_the_bytes_allocated():
+    r = run_scenario("exact_bytes")
+    n = r["n"]
+    before, during, after = r["before"]["gauges"], r["during"]["gauges"], r["after"]["gauges"]
+    assert during["allocated_bytes"] - before["allocated_bytes"] == n
+    assert during["requested_bytes"] - before["requested_bytes"] == n
+    assert during["reserved_bytes"] - before["reserved_bytes"] >= n
+    assert (during["allocated_bytes"], during["reserved_bytes"]) == tuple(r["truth_during"])
+    assert (before["allocated_bytes"], before["reserved_bytes"]) == tuple(r["truth_before"])
+    assert after["allocated_bytes"] == before["allocated_bytes"]
+    assert after["reserved_bytes"] == during["reserved_bytes"]  # the cache keeps the segment
+    assert during["allocated_peak_bytes"] >= during["allocated_bytes"]
+
+
+def test_non_allocator_bytes_is_nvml_used_minus_reserved():
+    r = run_scenario("context_size")
+    non_allocator = r["non_allocator"]
+    assert list(non_allocator) == ["0"], r
+    outside = non_allocator["0"]
+    assert outside == r["raw_nvml_used"] - r["torch_reserved"]
+    # A CUDA context plus cuBLAS/kernels is hundreds of MB (FACTS.md: ~520-545 MB).
+    assert 100 * MiB < outside < 4096 * MiB
+    gpu = next(
+        g for g in r["sample"]["gpus"] if g["uuid"] == r["sample"]["allocators"][0]["gpu_uuid"]
+    )
+    assert (
+        gpu["total_bytes"] == gpu["used_bytes"] + gpu["free_bytes"] + gpu["driver_reserved_bytes"]
+    )
+
+
+def test_sampling_never_initializes_cuda():
+    r = run_scenario("no_init")
+    assert r == {"is_initialized": False, "allocators": 0, "gpus": r["gpus"], "pid_on_gpus": []}
+    assert r["gpus"] >= 1
+
+
+def _devices() -> int:
+    return torch.cuda.device_count()
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(_devices() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("used", ["0", "1"])
+def test_no_context_on_a_gpu_the_process_never_used(used):
+    r = run_scenario("one_device", used)
+    assert r["device_count"] >= 2
+    assert r["allocator_devices"] == [int(used)]
+    assert r["pid_on_gpus"] == [r["used_uuid"]], r
+    assert [i for i, has in enumerate(r["has_context"]) if has] == [int(used)]
+
+
+def test_native_backend_reports_fragmentation():
+    r = run_scenario("backend")
+    reading = r["reading"]
+    assert r["backend"] == "native" and reading["backend"] == "native"
+    assert reading["gauges"]["allocated_bytes"] == r["truth_allocated"]
+    assert reading["gauges"]["reserved_bytes"] == r["truth_reserved"]
+    assert reading["gauges"]["inactive_split_bytes"] > 0
+    assert "torch_cuda_fragmentation_ratio" in r["metric_names"]
+    assert "torch_cuda_pool_reserved_bytes" in r["metric_names"]
+
+
+def test_expandable_segments_leave_fragmentation_undefined():
+    r = run_scenario("backend", alloc_conf="expandable_segments:True")
+    reading = r["reading"]
+    assert reading["expandable_segments"] is True
+    assert "inactive_split_bytes" not in reading["gauges"]
+    assert "torch_cuda_fragmentation_ratio" not in r["metric_names"]
+    assert "torch_cuda_inactive_split_bytes" not in r["metric_names"]
+    assert "torch_cuda_cached_free_ratio" in r["metric_names"]
+    assert reading["gauges"]["allocated_bytes"] == r["truth_allocated"]
+
+
+def test_cuda_malloc_async_exports_only_what_it_tracks():
+    r = run_scenario("backend", alloc_conf="backend:cudaMallocAsync")
+    reading = r["reading"]
+    assert r["backend"] == "cudaMallocAsync" == reading["backend"]
+    assert set(reading["gauges"]) <= {
+        "allocated_bytes",
+        "reserved_bytes",
+        "active_bytes",
+        "allocated_peak_bytes",
+        "reserved_peak_bytes",
+    }
+    assert reading["counters"] == {} and reading["pools"] == {}
+    assert reading["gauges"]["allocated_bytes"] == r["truth_allocated"] > 0
+    assert "torch_cuda_alloc_retries_total" not in r["metric_names"]
+    assert "torch_cuda_fragmentation_ratio" not in r["metric_names"]
+
+
+def test_retries_and_ooms_are_counted():
+    r = run_scenario("oom")
+    assert r["raised"]
+    assert r["after"]["ooms"] == r["before"]["ooms"] + 1 == r["truth"]["num_ooms"]
+    assert r["after"]["alloc_retries"] > r["before"]["alloc_retries"]
+    assert r["after"]["alloc_retries"] == r["truth"]["num_alloc_retries"]
+
+
+def test_embedded_http_serves_the_allocator():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = run_scenario("http")
+    assert r["error"] is None and r["health"]["status"] == "ok"
+    assert r["initialized_by_start"] is False
+    values = {
+        (s.name, s.labels.get("device")): s.value
+        for f in text_string_to_metric_families(r["metrics"])
+        for s in f.samples
+    }
+    assert values[("torch_cuda_allocated_bytes", "0")] == r["truth_allocated"]
+    assert values[("torch_cuda_reserved_bytes", "0")] == r["truth_reserved"]
+    assert ("torch_cuda_non_allocator_bytes", "0") in values
+    assert ("gpu_memory_total_bytes", None) not in values  # gpu_* carry gpu, not device
+
+
+def test_read_cost_is_reported():
+    r = run_scenario("read_cost")
+    print(json.dumps(r))
+    assert r["torch"]["median_us"] > 0 and r["nvml"]["median_us"] > 0

@@ -36,7 +36,8 @@ GPU_MEMORY_GAUGES = {
     "free_bytes": "gpu_memory_free_bytes",
     "driver_reserved_bytes": "gpu_memory_driver_reserved_bytes",
 }
-# HostReading field -> metric name. Current RSS is left to client_python's process collector.
+# HostReading field -> metric name. Current RSS comes from client_python's process collector
+# in live modes; a replay exports the recorded one under the same name (REPLAY_HOST_GAUGES).
 HOST_GAUGES = {
     "total_bytes": "host_memory_total_bytes",
     "available_bytes": "host_memory_available_bytes",
@@ -44,6 +45,7 @@ HOST_GAUGES = {
     "swap_used_bytes": "host_swap_used_bytes",
     "process_resident_peak_bytes": "process_resident_memory_peak_bytes",
 }
+REPLAY_HOST_GAUGES = {**HOST_GAUGES, "process_resident_bytes": "process_resident_memory_bytes"}
 
 _HELP = {
     "allocated_bytes": "Bytes of live tensors held by the CUDA caching allocator.",
@@ -99,8 +101,10 @@ class SampleCollector(Collector):
         version: str,
         mode: str,
         torch_version: str = "",
+        host_gauges: Mapping[str, str] = HOST_GAUGES,
     ) -> None:
         self._state = state
+        self._host_gauges = host_gauges
         self._const_names = tuple(const_labels)
         self._const_values = tuple(const_labels.values())
         self._version = version
@@ -276,7 +280,7 @@ class SampleCollector(Collector):
         host = sample.host
         if host is None:
             return
-        for field_name, name in HOST_GAUGES.items():
+        for field_name, name in self._host_gauges.items():
             value = getattr(host, field_name)
             if value is not None:
                 family = self._gauge(name, f"Host memory ({field_name}).")

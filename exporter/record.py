@@ -15,7 +15,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.metrics import GPU_MEMORY_GAUGES, HOST_GAUGES, TORCH_PREFIX
+from exporter.metrics import GPU_MEMORY_GAUGES, REPLAY_HOST_GAUGES, TORCH_PREFIX
 from exporter.sample import (
     ALLOCATOR_COUNTERS,
     ALLOCATOR_GAUGES,
@@ -29,7 +29,7 @@ from exporter.sample import (
 from exporter.trace import TraceWriter
 
 _GPU_FIELDS = {name: field for field, name in GPU_MEMORY_GAUGES.items()}
-_HOST_FIELDS = {name: field for field, name in HOST_GAUGES.items()}
+_HOST_FIELDS = {name: field for field, name in REPLAY_HOST_GAUGES.items()}
 
 
 class RecordError(RuntimeError):

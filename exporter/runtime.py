@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 
 from exporter import __version__
 from exporter.config import Config
-from exporter.metrics import SampleCollector, identity_labels
+from exporter.metrics import HOST_GAUGES, REPLAY_HOST_GAUGES, SampleCollector, identity_labels
 from exporter.sampler import Listener, Sampler
 from exporter.sources import Source
 
@@ -51,10 +51,16 @@ def build_runtime(
     registry: CollectorRegistry | None = None,
     listeners: Sequence[Listener] = (),
 ) -> Runtime:
-    """Create the sampler and register the collector; a new registry gets process metrics."""
+    """Create the sampler and register the collector.
+
+    A new registry gets client_python's process metrics, except in a replay, which serves the
+    recorded process's resident memory instead of its own.
+    """
+    replay = mode == "demo"
     if registry is None:
         registry = CollectorRegistry()
-        ProcessCollector(registry=registry)
+        if not replay:
+            ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
     sampler = Sampler(sources, interval_s=config.interval_s, listeners=listeners)
     torch_module = sys.modules.get("torch")  # never import torch just to learn its version
@@ -64,6 +70,7 @@ def build_runtime(
         version=__version__,
         mode=mode,
         torch_version=str(getattr(torch_module, "__version__", "")),
+        host_gauges=REPLAY_HOST_GAUGES if replay else HOST_GAUGES,
     )
     registry.register(collector)
     return Runtime(config, mode, sampler, registry, collector)

@@ -83,7 +83,7 @@ def child(config_name: str, out: Path) -> None:
     for i, tensor in enumerate(allocs):
         if i % 2 == 0:
             keep.append(tensor)
-    del allocs
+    del allocs, tensor
     torch.cuda.synchronize()
     live_bytes = sum(t.numel() * t.element_size() for t in keep)
 

@@ -46,6 +46,7 @@ LAYERS, HIDDEN, FFN, HEADS = 12, 4096, 11008, 32
 HEAD_DIM = HIDDEN // HEADS
 CAP_BYTES = 20 * GiB
 FRAG_TARGET_BYTES = 10 * GiB  # allocated during the fragmentation phase; half stays live
+FRAG_ROUND_BYTES = 340 << 20
 PHASES = (("serving", 60.0), ("fragmentation", 40.0), ("pressure", 30.0), ("recovery", 20.0))
 
 
@@ -142,7 +143,7 @@ def main() -> None:
     torch.cuda.synchronize()
     sampler.start()
     prefix_cache: list[torch.Tensor] = []
-    frag_bytes, frag_rounds = 0, 0
+    frag_bytes, frag_rounds, frag_size = 0, 0, float(1 << 20)
     start = time.monotonic()
     events = []
 
@@ -161,20 +162,18 @@ def main() -> None:
             if phase == "serving":
                 log(serve_one(decoder, rng))
             elif phase == "fragmentation":
-                # Blocks of 1-9 MB come from 20 MB segments. Each batch keeps every other block
-                # alive, and block sizes creep up over the phase, so the holes left behind are
-                # too small for later requests: inactive_split / reserved climbs.
+                # Rounds of blocks, each round's blocks 7% larger than the last round's. Every
+                # other block stays alive, so each round leaves holes that later, larger
+                # requests cannot use: free space piles up inside partly used segments and
+                # inactive_split / reserved climbs, as with a prefix cache of odd sizes.
                 progress = min((time.monotonic() - phase_start) / duration, 1.0)
-                base = (1 + 7 * progress) * (1 << 20)
                 while frag_bytes < FRAG_TARGET_BYTES * progress:
-                    batch = [
-                        torch.empty(
-                            int(base + rng.random() * (1 << 20)), dtype=torch.uint8, device=device
-                        )
-                        for _ in range(24)
-                    ]
-                    frag_bytes += sum(t.numel() for t in batch)
+                    count = max(2, FRAG_ROUND_BYTES // int(frag_size))
+                    batch = [torch.empty(int(frag_size), dtype=torch.uint8, device=device)
+                             for _ in range(count)]
                     prefix_cache.extend(batch[::2])
+                    frag_bytes += int(frag_size) * count
+                    frag_size *= 1.07
                     del batch
                 frag_rounds += 1
                 if frag_rounds % 4 == 0:
@@ -194,7 +193,7 @@ def main() -> None:
                         log(f"burst {ask / GiB:.2f} GiB ok")
                     except torch.cuda.OutOfMemoryError:
                         log(f"burst {ask / GiB:.2f} GiB OOM")
-                log(serve_one(decoder, rng, scale=1.5))
+                log(serve_one(decoder, rng))
                 if phase_end - time.monotonic() < 8 and not any("OOM" in e for e in events):
                     try:  # the request that no cache flush can satisfy
                         huge = torch.empty(CAP_BYTES, dtype=torch.uint8, device=device)

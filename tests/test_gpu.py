@@ -150,7 +150,13 @@ def test_embedded_http_serves_the_allocator():
     assert values[("torch_cuda_allocated_bytes", "0")] == r["truth_allocated"]
     assert values[("torch_cuda_reserved_bytes", "0")] == r["truth_reserved"]
     assert ("torch_cuda_non_allocator_bytes", "0") in values
-    assert ("gpu_memory_total_bytes", None) not in values  # gpu_* carry gpu, not device
+    gpu_labels = [
+        s.labels
+        for f in text_string_to_metric_families(r["metrics"])
+        for s in f.samples
+        if s.name == "gpu_memory_total_bytes"
+    ]
+    assert gpu_labels and all("gpu" in lb and "device" not in lb for lb in gpu_labels)
 
 
 def test_read_cost_is_reported():

@@ -53,6 +53,10 @@ _POOL_FAMILIES = (
 )
 # What cudaMallocAsync actually tracks (everything else reads 0 there).
 _ASYNC_DEFINED = {"allocated_bytes", "reserved_bytes", "active_bytes"}
+# Expandable segments are left out of inactive_split on purpose (pytorch/pytorch#159564) and
+# the segment count collapses (read 0 with 280 MB reserved on an H200): 0 there means "not
+# tracked", not "no fragmentation".
+_NOT_TRACKED_WITH_EXPANDABLE = {"inactive_split_bytes", "segment"}
 
 
 def parse_alloc_conf(env: Mapping[str, str]) -> dict[str, str]:
@@ -89,9 +93,7 @@ def allocator_reading_from_stats(
     for family, key in _CURRENT.items():
         if backend == ASYNC and family not in _ASYNC_DEFINED:
             continue
-        if family == "inactive_split_bytes" and expandable_segments:
-            # Expandable segments are left out of inactive_split on purpose
-            # (pytorch/pytorch#159564): 0 there means "not tracked", not "no fragmentation".
+        if family in _NOT_TRACKED_WITH_EXPANDABLE and expandable_segments:
             continue
         value = _current(stats, family)
         if value is not None:
@@ -107,7 +109,7 @@ def allocator_reading_from_stats(
         for pool_stat, pool in _POOLS.items():
             pool_gauges = {}
             for family in _POOL_FAMILIES:
-                if family == "inactive_split_bytes" and expandable_segments:
+                if family in _NOT_TRACKED_WITH_EXPANDABLE and expandable_segments:
                     continue
                 value = _current(stats, family, pool_stat)
                 if value is not None:

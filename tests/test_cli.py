@@ -1,0 +1,180 @@
+"""The command line, run as a user runs it: real processes, real HTTP, real promtool."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.trace import read_trace
+from tests.conftest import require_tool
+
+CLI = [sys.executable, "-m", "exporter.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@contextmanager
+def running(*args: str) -> Iterator[str]:
+    """Start `gpumem-exporter ARGS --port P`, wait for /readyz, yield the base URL."""
+    port = free_port()
+    proc = subprocess.Popen([*CLI, *args, "--port", str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/readyz", timeout=1):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"exporter did not start: {proc.stdout.read()}") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            # uvicorn re-raises the SIGTERM it handled once it has shut down cleanly.
+            assert proc.wait(timeout=15) in (0, -signal.SIGTERM)
+        finally:
+            proc.kill()
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def first(values: dict, name: str) -> float:
+    return next(v for (n, _), v in values.items() if n == name)
+
+
+@pytest.mark.parametrize("command", [[], ["serve"], ["demo"], ["record"]])
+def test_help_everywhere(command):
+    proc = run_cli(*command, "--help")
+    assert proc.returncode == 0 and "usage: gpumem-exporter" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["demo", "--port", "http"], "port: expected an integer"),
+        (["demo", "--interval-s", "-1"], "interval_s: expected seconds"),
+        (["demo", "--trace", "/nonexistent.gz"], "trace file not found: /nonexistent.gz"),
+        (["serve", "--labels", "pod=x"], "unreserved label name"),
+        (["record", "--url", "ftp://x", "-o", "t.gz", "--duration-s", "1"], "http(s) URL"),
+        (["record", "--url", "http://127.0.0.1:9", "-o", "/nonexistent/t.gz",
+          "--duration-s", "1"], "output directory does not exist"),
+        (["record", "--url", "http://127.0.0.1:9", "-o", "t.gz", "--duration-s", "0"],
+         "--duration-s must be positive"),
+    ],
+)
+def test_user_errors_are_one_line_and_exit_2(args, message, tmp_path):
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_a_bad_trace_file_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "bad.gz"
+    bad.write_text("not a trace")
+    proc = run_cli("demo", "--trace", str(bad))
+    assert proc.returncode == 2 and "is not a gzip trace file" in proc.stderr
+
+
+def test_a_taken_port_is_a_one_line_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_cli("demo", "--port", str(port))
+    assert proc.returncode == 2
+    assert f"port {port} on 127.0.0.1 is already in use" in proc.stderr
+
+
+def test_demo_serves_moving_allocator_nvml_and_host_metrics_that_promtool_accepts():
+    promtool = require_tool("promtool")
+    with running("demo", "--interval-s", "0.5") as url:
+        before = scrape(url)
+        time.sleep(4)
+        after = scrape(url)
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+            text = response.read().decode()
+    for family in ("torch_cuda_allocated_bytes", "torch_cuda_reserved_bytes",
+                   "torch_cuda_inactive_split_bytes", "torch_cuda_fragmentation_ratio",
+                   "torch_cuda_alloc_retries_total", "torch_cuda_ooms_total",
+                   "torch_cuda_non_allocator_bytes", "gpu_memory_used_bytes",
+                   "gpu_memory_free_bytes", "gpu_process_memory_used_bytes",
+                   "host_memory_available_bytes", "process_resident_memory_bytes",
+                   "gpumem_exporter_last_sample_timestamp_seconds"):
+        assert any(name == family for name, _ in after), family
+    assert first(after, "gpumem_exporter_build_info") == 1
+    assert ("gpumem_exporter_build_info", (("mode", "demo"), ("version", "0.1.0"))) in after
+    moved = [name for name in ("torch_cuda_allocated_bytes", "torch_cuda_active_bytes",
+                               "gpu_memory_used_bytes", "host_memory_available_bytes")
+             if first(before, name) != first(after, name)]
+    assert "torch_cuda_allocated_bytes" in moved
+    proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout + proc.stderr == "", proc.stdout + proc.stderr
+
+
+def test_record_a_running_exporter_and_replay_it(tmp_path):
+    trace = tmp_path / "incident.jsonl.gz"
+    with running("demo", "--interval-s", "0.2") as url:
+        proc = run_cli("record", "--url", url, "-o", str(trace), "--duration-s", "1.5",
+                       "--interval-s", "0.25")
+        assert proc.returncode == 0, proc.stderr
+        live = scrape(url)
+    assert "recorded" in proc.stdout
+    meta, samples = read_trace(trace)
+    assert meta["source_url"] == url + "/metrics"
+    assert len(samples) >= 4
+    assert samples[-1].allocators and samples[-1].gpus and samples[-1].host
+    with running("demo", "--trace", str(trace), "--no-loop") as url:
+        replayed = scrape(url)
+    assert first(replayed, "torch_cuda_reserved_bytes") > 0
+    assert {n for n, _ in replayed if n.startswith("torch_cuda")} == {
+        n for n, _ in live if n.startswith("torch_cuda")}
+
+
+def test_serve_without_nvml_reports_the_source_down_and_host_up():
+    with running("serve") as url:
+        values = scrape(url)
+    up = {dict(labels)["source"]: v for (n, labels), v in values.items()
+          if n == "gpumem_exporter_source_up"}
+    assert up["host"] == 1
+    assert set(up) == {"nvml", "host"}  # the node daemon never reads torch
+    if not Path("/dev/nvidiactl").exists():
+        assert up["nvml"] == 0
+
+
+def test_entry_point_is_installed():
+    exe = Path(sys.executable).parent / "gpumem-exporter"
+    if not exe.exists():
+        pytest.skip("package not installed with its console script")
+    proc = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ))
+    assert proc.returncode == 0 and proc.stdout.startswith("gpumem-exporter 0.1.0")

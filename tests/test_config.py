@@ -1,0 +1,71 @@
+"""Configuration: defaults, GPUMEM_* environment, explicit values, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from exporter.config import Config, ConfigError, load_config
+
+
+def test_defaults():
+    config = load_config(env={})
+    assert (config.host, config.port, config.interval_s) == ("127.0.0.1", 9445, 1.0)
+    assert config.stale_threshold_s == 5.0
+    assert config.resolved_admin_token() is None
+
+
+def test_environment_then_explicit_values_win():
+    env = {
+        "GPUMEM_PORT": "9500",
+        "GPUMEM_INTERVAL_S": "0.5",
+        "GPUMEM_LABELS": "model=llama",
+        "GPUMEM_NVML": "off",
+        "GPUMEM_HOST": "0.0.0.0",
+    }
+    config = load_config(env=env)
+    assert (config.port, config.interval_s, config.labels, config.nvml, config.host) == (
+        9500,
+        0.5,
+        {"model": "llama"},
+        False,
+        "0.0.0.0",
+    )
+    assert load_config(env=env, port=9600, labels={"tier": "prod"}).port == 9600
+    assert load_config(env=env, port=None).port == 9500  # None means "not given"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"GPUMEM_PORT": "http"}, "GPUMEM_PORT: expected an integer 0-65535, got 'http'"),
+        ({"GPUMEM_PORT": "70000"}, "GPUMEM_PORT: expected an integer"),
+        ({"GPUMEM_INTERVAL_S": "0"}, "GPUMEM_INTERVAL_S: expected seconds between 0.01"),
+        ({"GPUMEM_INTERVAL_S": "nan"}, "GPUMEM_INTERVAL_S"),
+        ({"GPUMEM_HOST": "example.com"}, "GPUMEM_HOST: expected an IP address"),
+        ({"GPUMEM_LABELS": "model"}, "GPUMEM_LABELS: expected name=value"),
+        ({"GPUMEM_LABELS": "device=3"}, "unreserved label name"),
+        ({"GPUMEM_LABELS": "1x=3"}, "GPUMEM_LABELS"),
+        ({"GPUMEM_NVML": "maybe"}, "GPUMEM_NVML: expected true or false"),
+    ],
+)
+def test_bad_values_name_the_setting(env, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(env=env)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_keyword_is_an_error():
+    with pytest.raises(ConfigError, match="unknown setting 'prot'"):
+        load_config(env={}, prot=1)
+
+
+def test_token_file_is_read_and_stripped_and_never_shown(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    config = load_config(env={"GPUMEM_ADMIN_TOKEN_FILE": str(token_file)})
+    assert config.resolved_admin_token() == "s3cret"
+    assert "s3cret" not in repr(load_config(env={"GPUMEM_ADMIN_TOKEN": "s3cret"}))
+    missing = Config(admin_token_file=str(tmp_path / "nope"))
+    with pytest.raises(ConfigError, match="cannot read admin token file"):
+        missing.resolved_admin_token()

@@ -1,0 +1,162 @@
+"""The NVML source against NVML values captured on 2x H200 (tests/data/allocator_native.json),
+served by a test double that raises NVIDIA's own pynvml exception classes."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pynvml
+import pytest
+
+from exporter.sources.nvml import INIT_RETRY_S, NvmlSource, NvmlUnavailable
+from tests.conftest import DATA_DIR
+
+
+class FakeNvml:
+    NVMLError = pynvml.NVMLError
+    NVMLError_GpuIsLost = pynvml.NVMLError_GpuIsLost
+    NVMLError_NotSupported = pynvml.NVMLError_NotSupported
+    NVMLError_NoPermission = pynvml.NVMLError_NoPermission
+    NVMLError_ArgumentVersionMismatch = pynvml.NVMLError_ArgumentVersionMismatch
+    nvmlMemory_v2 = pynvml.nvmlMemory_v2
+
+    def __init__(self, raw: dict):
+        self.raw = raw
+        self.failures: dict[tuple[str, int], Exception] = {}
+        self.calls: list[str] = []
+        self.init_error: Exception | None = None
+
+    def _fail(self, name: str, index: int) -> None:
+        self.calls.append(f"{name}:{index}")
+        if (name, index) in self.failures:
+            raise self.failures[(name, index)]
+
+    def nvmlInit(self):
+        self.calls.append("init")
+        if self.init_error:
+            raise self.init_error
+
+    def nvmlShutdown(self):
+        self.calls.append("shutdown")
+
+    def nvmlSystemGetDriverVersion(self):
+        return self.raw["driver_version"]
+
+    def nvmlDeviceGetCount(self):
+        return len(self.raw["devices"])
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return index
+
+    def nvmlDeviceGetUUID(self, h):
+        return self.raw["devices"][h]["uuid"]
+
+    def nvmlDeviceGetName(self, h):
+        return self.raw["devices"][h]["name"].encode()  # older bindings return bytes
+
+    def nvmlDeviceGetPciInfo(self, h):
+        return SimpleNamespace(busId=self.raw["devices"][h]["pci_bus_id"])
+
+    def nvmlDeviceGetMemoryInfo(self, h, version=None):
+        if version is None:
+            self._fail("memory_v1", h)
+            return SimpleNamespace(**self.raw["devices"][h]["memory_v1"])
+        self._fail("memory_v2", h)
+        return SimpleNamespace(**self.raw["devices"][h]["memory_v2"])
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        self._fail("processes", h)
+        return [SimpleNamespace(**p) for p in self.raw["devices"][h]["processes"]]
+
+
+@pytest.fixture
+def raw():
+    return json.loads((DATA_DIR / "allocator_native.json").read_text())["nvml_raw"]
+
+
+def test_reading_matches_nvml_v2_and_the_process_list(raw):
+    reading = NvmlSource(FakeNvml(raw)).read()
+    assert [g.index for g in reading.gpus] == list(range(len(raw["devices"])))
+    for gpu, dev in zip(reading.gpus, raw["devices"], strict=True):
+        v2 = dev["memory_v2"]
+        assert (gpu.uuid, gpu.name, gpu.pci_bus_id) == (dev["uuid"], dev["name"], dev["pci_bus_id"])
+        assert gpu.driver_version == raw["driver_version"]
+        assert (gpu.total_bytes, gpu.used_bytes, gpu.free_bytes, gpu.driver_reserved_bytes) == (
+            v2["total"],
+            v2["used"],
+            v2["free"],
+            v2["reserved"],
+        )
+        # The v2 split is complete: total = used + free + driver reserved (seen on H200).
+        assert gpu.total_bytes == gpu.used_bytes + gpu.free_bytes + gpu.driver_reserved_bytes
+        # v1's used is v2's used plus what the driver reserves.
+        assert dev["memory_v1"]["used"] == v2["used"] + v2["reserved"]
+    expected = [
+        (d["uuid"], p["pid"], p["usedGpuMemory"]) for d in raw["devices"] for p in d["processes"]
+    ]
+    assert [(p.gpu_uuid, p.pid, p.used_bytes) for p in reading.processes] == expected
+
+
+def test_a_lost_gpu_is_reported_down_and_no_longer_polled(raw):
+    nvml = FakeNvml(raw)
+    nvml.failures[("memory_v2", 0)] = pynvml.NVMLError_GpuIsLost()
+    source = NvmlSource(nvml)
+    first = source.read()
+    assert first.gpus[0].up is False and first.gpus[0].total_bytes is None
+    assert all(g.up for g in first.gpus[1:])
+    nvml.calls.clear()
+    second = source.read()
+    assert second.gpus[0].up is False
+    assert not any(call.endswith(":0") for call in nvml.calls)
+
+
+def test_v1_is_used_where_v2_is_not_supported(raw):
+    nvml = FakeNvml(raw)
+    nvml.failures[("memory_v2", 0)] = pynvml.NVMLError_NotSupported()
+    gpu = NvmlSource(nvml).read().gpus[0]
+    v1 = raw["devices"][0]["memory_v1"]
+    assert (gpu.total_bytes, gpu.used_bytes, gpu.free_bytes) == (
+        v1["total"],
+        v1["used"],
+        v1["free"],
+    )
+    assert gpu.driver_reserved_bytes is None and gpu.up
+
+
+def test_per_process_refusal_is_a_state_not_a_failure(raw):
+    nvml = FakeNvml(raw)
+    nvml.failures[("processes", 0)] = pynvml.NVMLError_NoPermission()
+    source = NvmlSource(nvml)
+    reading = source.read()
+    assert reading.gpus[0].up and reading.gpus[0].total_bytes is not None
+    assert all(p.gpu_index != 0 for p in reading.processes)
+    nvml.calls.clear()
+    source.read()
+    assert "processes:0" not in nvml.calls  # not asked again
+
+
+def test_processes_without_a_reading_are_left_out(raw):
+    raw["devices"][0]["processes"] = [
+        {"pid": 1, "usedGpuMemory": None},
+        {"pid": 2, "usedGpuMemory": 5},
+    ]
+    reading = NvmlSource(FakeNvml(raw)).read()
+    assert [(p.pid, p.used_bytes) for p in reading.processes if p.gpu_index == 0] == [(2, 5)]
+
+
+def test_init_failure_is_retried_slowly(raw):
+    nvml = FakeNvml(raw)
+    nvml.init_error = pynvml.NVMLError_DriverNotLoaded()
+    now = [1000.0]
+    source = NvmlSource(nvml, clock=lambda: now[0])
+    with pytest.raises(NvmlUnavailable, match="NVML unavailable"):
+        source.read()
+    with pytest.raises(NvmlUnavailable):
+        source.read()
+    assert nvml.calls.count("init") == 1
+    nvml.init_error = None
+    now[0] += INIT_RETRY_S
+    assert len(source.read().gpus) == len(raw["devices"])
+    source.close()
+    assert nvml.calls[-1] == "shutdown"

@@ -1,0 +1,137 @@
+"""HTTP routes, the embedded start()/attach() API, and what the host process is promised."""
+
+from __future__ import annotations
+
+import socket
+import urllib.error
+import urllib.request
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry, Gauge
+
+import exporter
+from exporter.config import ConfigError
+from exporter.sample import HostReading, SourceReading
+from exporter.sampler import Sampler
+from exporter.server import ServerStartError, bind_socket, create_app
+
+
+class HostSource:
+    name = "host"
+
+    def read(self) -> SourceReading:
+        return SourceReading(host=HostReading(100, 50, 10, 1, 5, 6))
+
+    def close(self) -> None:
+        pass
+
+
+def app_with_clock(now: list[float]) -> tuple[FastAPI, Sampler]:
+    from exporter.config import load_config
+    from exporter.runtime import build_runtime
+
+    runtime = build_runtime(load_config(env={}), mode="embedded", sources=[HostSource()])
+    runtime.sampler._clock = lambda: now[0]
+    app = create_app(sampler=runtime.sampler, registry=runtime.registry, stale_after_s=5.0,
+                     mode="embedded")
+    return app, runtime.sampler
+
+
+def test_health_readiness_and_metrics():
+    now = [1000.0]
+    app, sampler = app_with_clock(now)
+    client = TestClient(app)
+    assert client.get("/readyz").status_code == 503
+    assert client.get("/healthz").json()["status"] == "starting"
+    sampler.tick()
+    assert client.get("/readyz").status_code == 200
+    assert client.get("/healthz").status_code == 200
+    now[0] += 6  # no sample for longer than stale_after_s
+    health = client.get("/healthz")
+    assert health.status_code == 503 and health.json()["status"] == "stale"
+    metrics = client.get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert "host_memory_total_bytes 100.0" in metrics.text
+    openmetrics = client.get("/metrics", headers={"Accept": "application/openmetrics-text"})
+    assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
+    assert openmetrics.text.rstrip().endswith("# EOF")
+
+
+def test_no_page_loads_from_a_cdn():
+    app, _ = app_with_clock([0.0])
+    client = TestClient(app)
+    assert client.get("/docs").status_code == 404
+    assert client.get("/openapi.json").status_code == 200
+
+
+def test_bind_reports_a_taken_port_clearly():
+    taken = bind_socket("127.0.0.1", 0)
+    port = taken.getsockname()[1]
+    with pytest.raises(ServerStartError, match=f"port {port} on 127.0.0.1 is already in use"):
+        bind_socket("127.0.0.1", port)
+    taken.close()
+
+
+@pytest.fixture
+def stopped():
+    yield
+    exporter.stop()
+
+
+def test_start_serves_and_is_idempotent(stopped):
+    handle = exporter.start(port=0, interval_s=0.05, labels={"model": "test"})
+    assert handle.error is None and handle.url
+    assert exporter.start() is handle
+    with urllib.request.urlopen(handle.url + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    assert 'gpumem_exporter_build_info{mode="embedded",model="test",version=' in text
+    handle.stop()
+    handle.stop()  # safe twice
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(handle.url + "/metrics", timeout=2)
+
+
+def test_a_taken_port_is_logged_not_raised(stopped, caplog):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        handle = exporter.start(port=port, interval_s=0.05)
+    assert handle.url is None
+    assert handle.error == f"port {port} on 127.0.0.1 is already in use"
+    assert "already in use" in caplog.text
+    assert handle.sampler._thread is not None  # the sampler still runs
+
+
+def test_invalid_arguments_raise_config_error(stopped):
+    with pytest.raises(ConfigError):
+        exporter.start(port="nine")
+
+
+def test_attach_uses_the_hosts_app_and_registry(stopped):
+    registry = CollectorRegistry()
+    Gauge("host_app_requests", "the host's own metric", registry=registry).set(3)
+    app = FastAPI()
+
+    @app.get("/metrics")
+    def host_metrics() -> str:
+        return "host's own route"
+
+    handle = exporter.attach(app, registry=registry, interval_s=0.05)
+    client = TestClient(app)
+    assert client.get("/metrics").json() == "host's own route"  # left alone
+    handle.sampler.tick()
+    assert client.get("/healthz").status_code == 200
+    names = {m.name for m in registry.collect()}
+    assert {"host_app_requests", "gpumem_exporter_source_up"} <= names
+    handle.stop()
+    assert "gpumem_exporter_source_up" not in {m.name for m in registry.collect()}
+
+
+def test_attach_adds_metrics_when_the_app_has_none(stopped):
+    registry = CollectorRegistry()
+    app = FastAPI()
+    exporter.attach(app, registry=registry, interval_s=0.05).sampler.tick()
+    assert "gpumem_exporter_source_up" in TestClient(app).get("/metrics").text

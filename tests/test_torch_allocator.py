@@ -1,0 +1,190 @@
+"""The allocator source against readings captured on an H200 (tests/data/allocator_*.json,
+made by scripts/capture_gpu_fixtures.py), and its context rules against a test double."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from exporter.sources.torch_allocator import (
+    TorchAllocatorSource,
+    allocator_reading_from_stats,
+    parse_alloc_conf,
+)
+from tests.conftest import DATA_DIR
+
+
+def capture(name: str) -> dict:
+    return json.loads((DATA_DIR / f"allocator_{name}.json").read_text())
+
+
+def reading_of(name: str):
+    data = capture(name)
+    return data, allocator_reading_from_stats(
+        data["memory_stats_as_nested_dict"],
+        device=0,
+        gpu_uuid="GPU-" + data["device_uuid"],
+        backend=data["allocator_backend"],
+        expandable_segments="expandable_segments:True" in data["alloc_conf"],
+    )
+
+
+@pytest.mark.parametrize("name", ["native", "expandable", "async"])
+def test_current_bytes_match_torch_and_the_flat_stats(name):
+    data, reading = reading_of(name)
+    flat = data["memory_stats"]
+    assert reading.gauges["allocated_bytes"] == data["truth"]["memory_allocated"]
+    assert reading.gauges["reserved_bytes"] == data["truth"]["memory_reserved"]
+    assert reading.gauges["active_bytes"] == flat["active_bytes.all.current"]
+    assert reading.gauges["allocated_peak_bytes"] == flat["allocated_bytes.all.peak"]
+    assert reading.gauges["reserved_peak_bytes"] == flat["reserved_bytes.all.peak"]
+    # Live tensors are part of what is allocated, never more.
+    assert reading.gauges["allocated_bytes"] >= data["truth"]["live_tensor_bytes"]
+
+
+def test_native_backend_reports_everything_it_tracks():
+    data, reading = reading_of("native")
+    flat = data["memory_stats"]
+    assert reading.backend == "native" and not reading.expandable_segments
+    assert reading.gauges["inactive_split_bytes"] == flat["inactive_split_bytes.all.current"] > 0
+    assert reading.gauges["requested_bytes"] == flat["requested_bytes.all.current"]
+    assert reading.gauges["segments"] == flat["segment.all.current"]
+    assert reading.gauges["allocations"] == flat["allocation.all.current"]
+    assert reading.counters == {
+        "alloc_retries": flat["num_alloc_retries"],
+        "ooms": flat["num_ooms"],
+        "device_malloc": flat["num_device_alloc"],
+        "device_free": flat["num_device_free"],
+        "sync_all_streams": flat["num_sync_all_streams"],
+    }
+    for pool, key in (("large", "large_pool"), ("small", "small_pool")):
+        assert reading.pools[pool]["reserved_bytes"] == flat[f"reserved_bytes.{key}.current"]
+    pools_reserved = sum(p["reserved_bytes"] for p in reading.pools.values())
+    assert pools_reserved == reading.gauges["reserved_bytes"]
+    ratio = reading.fragmentation_ratio
+    assert ratio == pytest.approx(
+        flat["inactive_split_bytes.all.current"] / flat["reserved_bytes.all.current"]
+    )
+    assert reading.max_split_size_bytes is None  # -1: not set
+
+
+def test_expandable_segments_hide_what_is_not_tracked():
+    data, reading = reading_of("expandable")
+    # The allocator reads 0 for these under expandable segments: left out, not exported as 0.
+    assert data["memory_stats"]["inactive_split_bytes.all.current"] == 0
+    assert data["memory_stats"]["segment.all.current"] == 0
+    assert "inactive_split_bytes" not in reading.gauges
+    assert "segments" not in reading.gauges
+    assert all("inactive_split_bytes" not in p for p in reading.pools.values())
+    assert reading.fragmentation_ratio is None
+    assert reading.cached_free_ratio == pytest.approx(
+        1 - data["truth"]["memory_allocated"] / data["truth"]["memory_reserved"]
+    )
+
+
+def test_cuda_malloc_async_reports_only_its_defined_numbers():
+    data, reading = reading_of("async")
+    assert data["allocator_backend"] == "cudaMallocAsync"
+    assert set(reading.gauges) == {
+        "allocated_bytes",
+        "reserved_bytes",
+        "active_bytes",
+        "allocated_peak_bytes",
+        "reserved_peak_bytes",
+    }
+    assert reading.counters == {} and reading.pools == {}
+    assert reading.fragmentation_ratio is None
+    assert reading.cached_free_ratio is not None
+
+
+def test_parse_alloc_conf_reads_both_variable_names():
+    assert parse_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True, a:1"}) == {
+        "expandable_segments": "True",
+        "a": "1",
+    }
+    assert parse_alloc_conf({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}) == {
+        "backend": "cudaMallocAsync"
+    }
+    assert parse_alloc_conf({}) == {}
+
+
+class FakeCuda:
+    """Records every call so tests can prove which devices were touched."""
+
+    def __init__(self, stats: dict, initialized: bool, contexts: set[int], count: int = 2):
+        self.stats = stats
+        self.initialized = initialized
+        self.contexts = contexts
+        self.count = count
+        self.calls: list[tuple] = []
+
+    def is_initialized(self):
+        return self.initialized
+
+    def device_count(self):
+        return self.count
+
+    def memory_stats_as_nested_dict(self, device=None):
+        self.calls.append(("memory_stats_as_nested_dict", device))
+        assert isinstance(device, int), "device index must always be explicit"
+        return self.stats
+
+    def get_allocator_backend(self):
+        return "native"
+
+    def get_device_properties(self, index):
+        self.calls.append(("get_device_properties", index))
+        return SimpleNamespace(uuid=f"0000-{index}")
+
+
+def fake_torch(cuda: FakeCuda, with_context_api: bool = True):
+    c = SimpleNamespace()
+    if with_context_api:
+        c._cuda_hasPrimaryContext = lambda i: i in cuda.contexts
+    return SimpleNamespace(cuda=cuda, _C=c)
+
+
+def test_nothing_is_touched_before_cuda_is_initialized():
+    cuda = FakeCuda(capture("native")["memory_stats_as_nested_dict"], False, set())
+    reading = TorchAllocatorSource(fake_torch(cuda), env={}).read()
+    assert reading.allocators == [] and cuda.calls == []
+
+
+def test_only_devices_with_a_context_are_read_with_explicit_indices():
+    cuda = FakeCuda(capture("native")["memory_stats_as_nested_dict"], True, {1})
+    source = TorchAllocatorSource(fake_torch(cuda), env={})
+    reading = source.read()
+    assert [a.device for a in reading.allocators] == [1]
+    assert [a.gpu_uuid for a in reading.allocators] == ["GPU-0000-1"]
+    assert {call[1] for call in cuda.calls} == {1}
+
+
+def test_expandable_setting_comes_from_the_environment():
+    cuda = FakeCuda(capture("expandable")["memory_stats_as_nested_dict"], True, {0}, count=1)
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    (reading,) = TorchAllocatorSource(fake_torch(cuda), env=env).read().allocators
+    assert reading.expandable_segments and "inactive_split_bytes" not in reading.gauges
+
+
+def test_without_the_private_context_api_unused_devices_are_filtered_by_their_stats():
+    used = capture("native")["memory_stats_as_nested_dict"]
+    untouched = {k: v for k, v in used.items() if not isinstance(v, dict)}
+    untouched["reserved_bytes"] = {"all": {"current": 0, "peak": 0}}
+
+    class TwoDevices(FakeCuda):
+        def memory_stats_as_nested_dict(self, device=None):
+            super().memory_stats_as_nested_dict(device)
+            return used if device == 0 else untouched
+
+    cuda = TwoDevices(used, True, set())
+    reading = TorchAllocatorSource(fake_torch(cuda, with_context_api=False), env={}).read()
+    assert [a.device for a in reading.allocators] == [0]
+
+
+def test_without_torch_imported_the_source_reports_nothing(monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert TorchAllocatorSource(env={}).read().allocators == []

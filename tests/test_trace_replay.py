@@ -1,0 +1,130 @@
+"""Trace files and their replay: atomic writes, clear errors, real pace, monotonic counters."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from exporter.sample import Sample
+from exporter.sources.replay import ReplaySource, demo_trace_path
+from exporter.trace import TraceError, TraceWriter, read_trace
+
+
+def demo_samples() -> list[Sample]:
+    return read_trace(demo_trace_path())[1]
+
+
+def test_the_shipped_demo_trace_was_recorded_on_a_gpu_and_holds_an_incident():
+    meta, samples = read_trace(demo_trace_path())
+    assert "H200" in meta["device_name"] or "H100" in meta["device_name"]
+    assert meta["script"] == "scripts/record_demo_trace.py"
+    assert len(samples) > 100
+    first, last = samples[0].allocators[0], samples[-1].allocators[0]
+    assert last.counters["alloc_retries"] > first.counters["alloc_retries"]
+    assert last.counters["ooms"] > first.counters["ooms"]
+    ratios = [s.allocators[0].fragmentation_ratio for s in samples]
+    assert max(r for r in ratios if r is not None) > 0.3
+    assert all(s.gpus and s.host and s.processes for s in samples)
+
+
+def test_writer_publishes_the_file_only_on_close(tmp_path):
+    path = tmp_path / "t.jsonl.gz"
+    writer = TraceWriter(path, meta={"k": "v"})
+    for sample in demo_samples()[:3]:
+        writer(sample)
+    assert not path.exists()
+    assert writer.close() == path
+    meta, samples = read_trace(path)
+    assert meta == {"k": "v"} and samples == demo_samples()[:3]
+    assert list(tmp_path.iterdir()) == [path]  # no temporary left behind
+
+
+def test_abort_leaves_nothing(tmp_path):
+    writer = TraceWriter(tmp_path / "t.jsonl.gz")
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"not gzip", "is not a gzip trace file"),
+        (gzip.compress(b""), "is empty"),
+        (gzip.compress(b'{"format": "other"}\n'), "is not a gpumem-trace file"),
+        (gzip.compress(b'{"format": "gpumem-trace", "version": 9}\n'), "unsupported trace version"),
+        (gzip.compress(b'{"format": "gpumem-trace", "version": 1}\n'), "holds no samples"),
+        (gzip.compress(b'{"format": "gpumem-trace", "version": 1}\n{"x": 1}\n'), "malformed"),
+        (gzip.compress(b'{"format": "gpumem-trace", "version": 1}\n{oops\n'), "malformed"),
+    ],
+)
+def test_bad_trace_files_get_a_one_line_reason(tmp_path, content, message):
+    path = tmp_path / "bad.gz"
+    path.write_bytes(content)
+    with pytest.raises(TraceError) as info:
+        read_trace(path)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_missing_trace_file():
+    with pytest.raises(TraceError, match="not found"):
+        read_trace("/nonexistent/trace.gz")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_replay_follows_the_recorded_pace():
+    samples = demo_samples()
+    clock = Clock()
+    replay = ReplaySource(clock=clock)
+    t0 = samples[0].timestamp
+    assert replay.read().allocators == samples[0].allocators
+    for index in (1, 10, len(samples) // 2, len(samples) - 1):
+        clock.now = samples[index].timestamp - t0 + 1e-6
+        assert replay.position() == (0, index)
+        assert replay.read().host == samples[index].host
+
+
+def test_counters_stay_monotonic_and_continuous_across_loops():
+    samples = demo_samples()
+    clock = Clock()
+    replay = ReplaySource(clock=clock)
+    values = []
+    steps = int(replay.duration_s * 2.5 / 0.25)
+    for step in range(steps):
+        clock.now = step * 0.25
+        values.append(replay.read().allocators[0].counters["alloc_retries"])
+    assert values == sorted(values)
+    increase = (
+        samples[-1].allocators[0].counters["alloc_retries"]
+        - samples[0].allocators[0].counters["alloc_retries"]
+    )
+    assert values[-1] >= 2 * increase  # two loops completed
+    # Peaks never fall back after the first loop.
+    clock.now = replay.duration_s + 0.1
+    peak = replay.read().allocators[0].gauges["reserved_peak_bytes"]
+    assert peak == max(s.allocators[0].gauges["reserved_peak_bytes"] for s in samples)
+
+
+def test_replay_without_loop_holds_the_last_sample():
+    samples = demo_samples()
+    clock = Clock()
+    replay = ReplaySource(clock=clock, loop=False)
+    replay.read()
+    clock.now = replay.duration_s * 3
+    assert replay.finished
+    assert replay.read().allocators == samples[-1].allocators
+
+
+def test_replay_reports_the_recorded_process_identity():
+    sample = demo_samples()[0]
+    reading = ReplaySource(clock=Clock()).read()
+    assert reading.self_pid == sample.self_pid
+    assert json.dumps(Sample(0, allocators=reading.allocators).to_dict())  # serialisable

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--no-loop", action="store_true", help="play the trace once, then hold its last sample"
     )
+    demo.add_argument(
+        "--speed", type=float, default=1.0, help="playback speed (default 1: the recorded pace)"
+    )
 
     record = commands.add_parser(
         "record",
@@ -136,8 +139,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     config = _config(args)
     if args.trace is not None and not args.trace.is_file():
         raise CliError(f"trace file not found: {args.trace}")
+    if not 0.01 <= args.speed <= 1000:
+        raise CliError("--speed must be between 0.01 and 1000")
     try:
-        replay = ReplaySource(args.trace, loop=not args.no_loop)
+        replay = ReplaySource(args.trace, loop=not args.no_loop, speed=args.speed)
     except TraceError as exc:
         raise CliError(str(exc)) from None
     meta = replay.meta

@@ -36,6 +36,11 @@ class Config:
     torch: bool = True
     nvml: bool = True
     host_memory: bool = True
+    # Automatic remediation (off by default): empty_cache on retries with high fragmentation,
+    # a snapshot on the first OOM.
+    remediate: bool = False
+    remediate_cooldown_s: float = 300.0
+    snapshot_dir: str | None = None
     admin_token: str | None = field(default=None, repr=False)
     admin_token_file: str | None = None
 
@@ -109,7 +114,12 @@ def _convert(name: str, value: Any, origin: str) -> Any:
             if not number >= 0 or number > 3600 or (name == "interval_s" and number < 0.01):
                 raise ValueError
             return number
-        if name in ("torch", "nvml", "host_memory"):
+        if name == "remediate_cooldown_s":
+            number = float(value)
+            if not 0 <= number <= 86400:
+                raise ValueError
+            return number
+        if name in ("torch", "nvml", "host_memory", "remediate"):
             if isinstance(value, bool):
                 return value
             text = str(value).strip().lower()
@@ -139,6 +149,7 @@ def _convert(name: str, value: Any, origin: str) -> Any:
             "port": "an integer 0-65535",
             "interval_s": "seconds between 0.01 and 3600",
             "stale_after_s": "seconds between 0 and 3600",
+            "remediate_cooldown_s": "seconds between 0 and 86400",
             "host": "an IP address or localhost",
         }.get(name, "true or false")
         raise ConfigError(f"{origin}: expected {expected}, got {value!r}") from None

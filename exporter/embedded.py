@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from exporter.config import Config, load_config
+from exporter.detectors import Listener as AlertListener
 from exporter.runtime import Runtime, build_runtime, live_sources
 from exporter.sampler import Listener, Sampler
 from exporter.server import HttpServer, ServerStartError, add_routes, create_app
@@ -81,12 +82,14 @@ def start(
     serve_http: bool = True,
     record_to: str | Path | None = None,
     listeners: list[Listener] | None = None,
+    on_alert: AlertListener | None = None,
     **settings: Any,
 ) -> Handle:
     """Start the sampler thread and (unless serve_http=False) the HTTP server thread.
 
     Idempotent: a second call returns the running handle. `record_to` also writes every sample
-    to a trace file that `gpumem-exporter demo --trace FILE` replays.
+    to a trace file that `gpumem-exporter demo --trace FILE` replays. `on_alert(event)` is
+    called (on the sampler thread) when an in-process alert starts firing or clears.
     """
     global _handle
     with _lock:
@@ -146,6 +149,7 @@ def attach(
     registry: CollectorRegistry = REGISTRY,
     interval_s: float | None = None,
     labels: dict[str, str] | None = None,
+    on_alert: AlertListener | None = None,
     **settings: Any,
 ) -> Handle:
     """Mount /healthz, /readyz (and /metrics if the app has none) on the host's FastAPI app.

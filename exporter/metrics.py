@@ -7,7 +7,7 @@ allocator's own monotonic values rather than re-counted here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.core import (
@@ -75,6 +75,15 @@ class SourceStatus:
 
 
 @dataclass
+class ActionStats:
+    """Counts of allocator actions, rendered as gpumem_exporter_* / torch_cuda_* counters."""
+
+    snapshots: dict[str, int] = field(default_factory=dict)  # trigger -> count
+    empty_cache_released_bytes: int = 0
+    remediations: dict[tuple[str, str], int] = field(default_factory=dict)  # (action, outcome)
+
+
+@dataclass
 class ExporterState:
     """What the collector renders: the latest sample plus the sampler's own health."""
 
@@ -102,9 +111,13 @@ class SampleCollector(Collector):
         mode: str,
         torch_version: str = "",
         host_gauges: Mapping[str, str] = HOST_GAUGES,
+        alerts: Callable[[], Iterable[tuple[str, str, bool]]] | None = None,
+        actions: Callable[[], ActionStats] | None = None,
     ) -> None:
+        self._actions = actions
         self._state = state
         self._host_gauges = host_gauges
+        self._alerts = alerts
         self._const_names = tuple(const_labels)
         self._const_values = tuple(const_labels.values())
         self._version = version
@@ -152,6 +165,18 @@ class SampleCollector(Collector):
             duration.add_metric(self._values(name), status.duration_s)
             errors.add_metric(self._values(name), status.errors)
         yield from (up, duration, errors)
+        if self._alerts is not None:
+            firing = self._gauge(
+                "gpumem_exporter_alert_firing",
+                "1 while the in-process detector for the alert is firing.",
+                ("alert", "device"),
+            )
+            for alert, device, is_firing in self._alerts():
+                firing.add_metric(self._values(alert, device), 1.0 if is_firing else 0.0)
+            if firing.samples:
+                yield firing
+        if self._actions is not None:
+            yield from self._action_families(self._actions())
         if state.sample is not None:
             last = self._gauge(
                 "gpumem_exporter_last_sample_timestamp_seconds",
@@ -159,6 +184,26 @@ class SampleCollector(Collector):
             )
             last.add_metric(self._values(), state.sample.timestamp)
             yield last
+
+    def _action_families(self, stats: ActionStats) -> Iterator[Metric]:
+        snapshots = self._counter(
+            "gpumem_exporter_snapshots", "Allocator snapshots written.", ("trigger",)
+        )
+        for trigger, count in sorted(stats.snapshots.items()):
+            snapshots.add_metric(self._values(trigger), count)
+        released = self._counter(
+            "torch_cuda_empty_cache_released_bytes",
+            "Bytes returned to the driver by empty_cache calls of the exporter.",
+        )
+        released.add_metric(self._values(), stats.empty_cache_released_bytes)
+        remediations = self._counter(
+            "gpumem_exporter_remediations",
+            "Automatic remediation actions by outcome.",
+            ("action", "outcome"),
+        )
+        for (action, outcome), count in sorted(stats.remediations.items()):
+            remediations.add_metric(self._values(action, outcome), count)
+        yield from (snapshots, released, remediations)
 
     def _allocator_families(self, sample: Sample) -> Iterator[Metric]:
         if not sample.allocators:

@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
 from exporter import __version__
+from exporter.actions import Actions
 from exporter.config import Config
-from exporter.metrics import HOST_GAUGES, REPLAY_HOST_GAUGES, SampleCollector, identity_labels
+from exporter.detectors import Detectors, load_thresholds
+from exporter.detectors import Listener as AlertListener
+from exporter.metrics import (
+    HOST_GAUGES,
+    REPLAY_HOST_GAUGES,
+    ActionStats,
+    SampleCollector,
+    identity_labels,
+)
+from exporter.remediation import Remediation
 from exporter.sampler import Listener, Sampler
 from exporter.sources import Source
 
@@ -23,6 +34,9 @@ class Runtime:
     sampler: Sampler
     registry: CollectorRegistry
     collector: SampleCollector
+    detectors: Detectors
+    actions: Actions
+    remediation: Remediation | None
 
 
 def live_sources(config: Config, *, torch: bool) -> list[Source]:
@@ -50,6 +64,7 @@ def build_runtime(
     sources: Sequence[Source],
     registry: CollectorRegistry | None = None,
     listeners: Sequence[Listener] = (),
+    on_alert: Sequence[AlertListener] = (),
 ) -> Runtime:
     """Create the sampler and register the collector.
 
@@ -62,7 +77,22 @@ def build_runtime(
         if not replay:
             ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
-    sampler = Sampler(sources, interval_s=config.interval_s, listeners=listeners)
+    detectors = Detectors(load_thresholds(), listeners=list(on_alert))
+    actions = Actions(config.snapshot_dir)
+    remediation = None
+    if config.remediate:
+        remediation = Remediation(actions, detectors, cooldown_s=config.remediate_cooldown_s)
+        detectors.listeners.append(remediation)
+    sampler = Sampler(sources, interval_s=config.interval_s, listeners=[detectors, *listeners])
+
+    def action_stats() -> ActionStats:
+        counts = remediation.counts if remediation is not None else Counter()
+        return ActionStats(
+            snapshots=dict(actions.snapshots),
+            empty_cache_released_bytes=actions.released_bytes_total,
+            remediations=dict(counts),
+        )
+
     torch_module = sys.modules.get("torch")  # never import torch just to learn its version
     collector = SampleCollector(
         sampler.state,
@@ -71,6 +101,8 @@ def build_runtime(
         mode=mode,
         torch_version=str(getattr(torch_module, "__version__", "")),
         host_gauges=REPLAY_HOST_GAUGES if replay else HOST_GAUGES,
+        alerts=detectors.firing,
+        actions=action_stats,
     )
     registry.register(collector)
-    return Runtime(config, mode, sampler, registry, collector)
+    return Runtime(config, mode, sampler, registry, collector, detectors, actions, remediation)

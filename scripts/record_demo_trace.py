@@ -169,15 +169,23 @@ def main() -> None:
                 progress = min((time.monotonic() - phase_start) / duration, 1.0)
                 while frag_bytes < FRAG_TARGET_BYTES * progress:
                     count = max(2, FRAG_ROUND_BYTES // int(frag_size))
-                    batch = [torch.empty(int(frag_size), dtype=torch.uint8, device=device)
-                             for _ in range(count)]
+                    batch = [
+                        torch.empty(int(frag_size), dtype=torch.uint8, device=device)
+                        for _ in range(count)
+                    ]
                     prefix_cache.extend(batch[::2])
                     frag_bytes += int(frag_size) * count
                     frag_size *= 1.07
                     del batch
                 frag_rounds += 1
                 if frag_rounds % 4 == 0:
-                    log(serve_one(decoder, rng, scale=0.25))
+                    stats = torch.cuda.memory_stats_as_nested_dict(device)
+                    inactive = stats["inactive_split_bytes"]["all"]["current"]
+                    reserved = stats["reserved_bytes"]["all"]["current"]
+                    log(
+                        f"fragmentation {inactive / reserved:.2f} of {reserved / GiB:.1f} GiB; "
+                        + serve_one(decoder, rng, scale=0.25)
+                    )
                 else:
                     time.sleep(0.2)
             elif phase == "pressure":

@@ -247,6 +247,140 @@ def read_cost() -> dict[str, Any]:
     return result
 
 
+def actions_on_device(index: str) -> dict[str, Any]:
+    """empty_cache and a snapshot from a new thread (current device 0) of a process that
+    uses only cuda:index: the guards must keep every other GPU free of a context."""
+    import threading
+
+    import torch
+
+    from exporter.actions import Actions
+
+    used = int(index)
+    torch.cuda.set_device(used)
+    keep = torch.empty(64 * MiB, dtype=torch.uint8, device=f"cuda:{used}")
+    cached = torch.empty(256 * MiB, dtype=torch.uint8, device=f"cuda:{used}")
+    del cached
+    reserved_before = torch.cuda.memory_reserved(used)
+    result: dict[str, Any] = {}
+
+    def act() -> None:
+        actions = Actions(snapshot_dir=os.environ.get("TMPDIR", "/tmp"))
+        res = actions.empty_cache(trigger="test")
+        result["released"] = res.released_bytes
+        result["duration_s"] = res.duration_s
+        result["reserved_after_reported"] = res.reserved_after_bytes[used]
+        path = actions.snapshot(trigger="test")
+        import gzip
+        import pickle
+
+        with gzip.open(path, "rb") as f:
+            snap = pickle.load(f)
+        result["snapshot_segments"] = len(snap["segments"])
+        result["snapshot_devices"] = sorted({seg["device"] for seg in snap["segments"]})
+        result["snapshot_name"] = path.name
+
+    thread = threading.Thread(target=act)
+    thread.start()
+    thread.join()
+    pid_on_gpus = [u for u, pids in _nvml_pids().items() if os.getpid() in pids]
+    has_context = [
+        bool(torch._C._cuda_hasPrimaryContext(i)) for i in range(torch.cuda.device_count())
+    ]
+    del keep
+    return {
+        **result,
+        "used": used,
+        "reserved_before": reserved_before,
+        "reserved_after": torch.cuda.memory_reserved(used),
+        "has_context": has_context,
+        "pid_on_gpus": pid_on_gpus,
+        "used_uuid": f"GPU-{torch.cuda.get_device_properties(used).uuid}",
+    }
+
+
+def snapshot_on_async() -> dict[str, Any]:
+    import torch
+
+    from exporter.actions import Actions, ActionUnavailable
+
+    x = torch.empty(MiB, device="cuda:0")
+    try:
+        Actions().snapshot()
+    except ActionUnavailable as exc:
+        return {"unavailable": str(exc), "backend": torch.cuda.get_allocator_backend()}
+    finally:
+        del x
+    return {"unavailable": None}
+
+
+def remediation() -> dict[str, Any]:
+    """Fragment, then retry and OOM under a cap, with remediation on and short durations."""
+    import tempfile
+
+    import torch
+
+    from exporter.config import load_config
+    from exporter.runtime import build_runtime, live_sources
+
+    torch.cuda.set_per_process_memory_fraction(
+        (3 << 30) / torch.cuda.get_device_properties(0).total_memory, 0
+    )
+    snapshot_dir = tempfile.mkdtemp()
+    config = load_config(
+        interval_s=0.05,
+        remediate=True,
+        remediate_cooldown_s=600,
+        snapshot_dir=snapshot_dir,
+        nvml=False,
+    )
+    events: list[dict] = []
+    runtime = build_runtime(
+        config,
+        mode="embedded",
+        sources=live_sources(config, torch=True),
+        on_alert=[lambda e: events.append({"alert": e.alert, "state": e.state, "value": e.value})],
+    )
+    runtime.sampler.start()
+    # Alternating frees of varied sizes: holes that later, larger requests cannot use.
+    keep, size = [], float(MiB)
+    while sum(t.numel() for t in keep) < (1 << 30):
+        batch = [torch.empty(int(size), dtype=torch.uint8, device="cuda:0") for _ in range(20)]
+        keep.extend(batch[::2])
+        del batch
+        size *= 1.05
+    time.sleep(0.5)
+    frag = runtime.detectors.is_firing("GpuMemFragmentationHigh", "0")
+    ratio = runtime.sampler.latest.allocators[0].fragmentation_ratio
+    # A cached free segment, then a larger request that crosses the cap: flush and retry.
+    cached = torch.empty(600 * MiB, dtype=torch.uint8, device="cuda:0")
+    del cached
+    retried = torch.empty(700 * MiB, dtype=torch.uint8, device="cuda:0")
+    del retried
+    time.sleep(0.5)
+    oom = False
+    try:
+        torch.empty(4 << 30, dtype=torch.uint8, device="cuda:0")
+    except torch.cuda.OutOfMemoryError:
+        oom = True
+    time.sleep(0.5)
+    runtime.remediation.wait_idle()
+    runtime.sampler.stop()
+    flat = torch.cuda.memory_stats(0)
+    return {
+        "fragmentation_firing": frag,
+        "ratio": ratio,
+        "oom": oom,
+        "events": events,
+        "remediations": {f"{a}:{o}": n for (a, o), n in runtime.remediation.counts.items()},
+        "snapshots": dict(runtime.actions.snapshots),
+        "snapshot_files": sorted(os.listdir(os.path.join(snapshot_dir, "gpumem-snapshots"))),
+        "released_total": runtime.actions.released_bytes_total,
+        "retries": flat["num_alloc_retries"],
+        "ooms": flat["num_ooms"],
+    }
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (exact_bytes, context_size, no_init, one_device, backend, oom, http, read_cost)

@@ -163,3 +163,36 @@ def test_read_cost_is_reported():
     r = run_scenario("read_cost")
     print(json.dumps(r))
     assert r["torch"]["median_us"] > 0 and r["nvml"]["median_us"] > 0
+
+
+@pytest.mark.parametrize("used", ["0", "1"])
+def test_actions_free_the_cache_and_snapshot_without_touching_other_gpus(used):
+    if int(used) >= _devices():
+        pytest.skip("needs two GPUs")
+    r = run_scenario("actions_on_device", used)
+    assert r["released"] == r["reserved_before"] - r["reserved_after"] >= 256 * MiB
+    assert r["reserved_after_reported"] == r["reserved_after"]
+    assert r["snapshot_segments"] >= 1 and r["snapshot_devices"] == [int(used)]
+    assert "_pid" in r["snapshot_name"] and r["snapshot_name"].endswith(".pickle.gz")
+    assert r["pid_on_gpus"] == [r["used_uuid"]], r
+    assert [i for i, has in enumerate(r["has_context"]) if has] == [int(used)]
+
+
+def test_snapshot_is_refused_clearly_on_cuda_malloc_async():
+    r = run_scenario("snapshot_on_async", alloc_conf="backend:cudaMallocAsync")
+    assert r["backend"] == "cudaMallocAsync"
+    assert "native backend" in r["unavailable"]
+
+
+def test_detectors_fire_and_remediation_acts(monkeypatch):
+    for name in ("FRAGMENTATION_FOR_S", "FRAGMENTATION_MIN_RESERVED_BYTES"):
+        monkeypatch.setenv(f"GPUMEM_DETECT_{name}", "0")
+    r = run_scenario("remediation")
+    assert r["ratio"] > 0.3 and r["fragmentation_firing"], r
+    firing = {e["alert"] for e in r["events"] if e["state"] == "firing"}
+    assert {"GpuMemFragmentationHigh", "GpuMemAllocRetries", "GpuMemOutOfMemory"} <= firing
+    assert r["oom"] and r["ooms"] == 1 and r["retries"] >= 2
+    assert r["remediations"].get("empty_cache:ok") == 1, r
+    assert r["remediations"].get("snapshot:ok") == 1, r
+    assert r["snapshots"] == {"oom": 1} and len(r["snapshot_files"]) == 1
+    assert r["released_total"] > 0

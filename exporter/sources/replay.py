@@ -35,11 +35,15 @@ class ReplaySource:
         *,
         clock: Callable[[], float] = time.monotonic,
         loop: bool = True,
+        speed: float = 1.0,
     ) -> None:
+        if not speed > 0:
+            raise ValueError(f"speed must be positive, got {speed}")
         self.path = Path(path) if path is not None else demo_trace_path()
         self.meta, self._samples = read_trace(self.path)
         self._clock = clock
         self._loop = loop
+        self._speed = speed
         t0 = self._samples[0].timestamp
         self._offsets = [s.timestamp - t0 for s in self._samples]
         step = (self._offsets[-1] / (len(self._samples) - 1)) if len(self._samples) > 1 else 1.0
@@ -63,7 +67,7 @@ class ReplaySource:
         """(loop number, sample index) for the current time."""
         if self._started is None:
             self._started = self._clock()
-        elapsed = self._clock() - self._started
+        elapsed = (self._clock() - self._started) * self._speed
         loop, offset = divmod(elapsed, self.duration_s)
         if not self._loop and loop >= 1:
             return 0, len(self._samples) - 1

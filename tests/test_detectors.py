@@ -1,0 +1,237 @@
+"""In-process detectors: edge triggering, durations, hysteresis, and the recorded incident."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+
+import pytest
+import yaml
+
+from exporter.config import ConfigError
+from exporter.detectors import AlertEvent, Detectors, Thresholds, load_thresholds
+from exporter.sample import AllocatorReading, GpuReading, HostReading, Sample
+from exporter.sources.replay import demo_trace_path
+from exporter.trace import read_trace
+from tests.conftest import REPO_ROOT
+
+GiB = 1 << 30
+
+
+def allocator(reserved: int, allocated: int, inactive: int | None, retries=0, ooms=0):
+    gauges = {"reserved_bytes": reserved, "allocated_bytes": allocated}
+    if inactive is not None:
+        gauges["inactive_split_bytes"] = inactive
+    return AllocatorReading(
+        device=0,
+        gpu_uuid="GPU-a",
+        backend="native",
+        expandable_segments=inactive is None,
+        gauges=gauges,
+        counters={"alloc_retries": retries, "ooms": ooms},
+    )
+
+
+def run(detectors: Detectors, readings, step_s: float = 60.0, key="allocators"):
+    """Feed one reading per step; time carries on across calls for the same detectors."""
+    for reading in readings:
+        t = getattr(detectors, "test_clock", 1000.0)
+        detectors.test_clock = t + step_s  # type: ignore[attr-defined]
+        sample = Sample(timestamp=t)
+        if key == "host":
+            sample.host = reading
+        else:
+            getattr(sample, key).append(reading)
+        detectors(sample)
+
+
+def collect() -> tuple[Detectors, list[AlertEvent]]:
+    events: list[AlertEvent] = []
+    return Detectors(listeners=[events.append]), events
+
+
+def test_fragmentation_fires_after_its_duration_and_clears_with_hysteresis():
+    detectors, events = collect()
+    high = allocator(10 * GiB, 5 * GiB, 4 * GiB)  # ratio 0.4
+    run(detectors, [high] * 10)  # 9 minutes of high fragmentation: still pending
+    assert not detectors.is_firing("GpuMemFragmentationHigh", "0")
+    run(detectors, [high] * 12)
+    assert detectors.is_firing("GpuMemFragmentationHigh", "0")
+    assert [(e.alert, e.state, e.device) for e in events] == [
+        ("GpuMemFragmentationHigh", "firing", "0")
+    ]
+    assert events[0].value == pytest.approx(0.4) and events[0].labels == {"gpu_uuid": "GPU-a"}
+    # Just under the threshold (0.28 > 0.3 * 0.8): keeps firing, no flapping.
+    run(detectors, [allocator(10 * GiB, 5 * GiB, int(2.8 * GiB))] * 3)
+    assert detectors.is_firing("GpuMemFragmentationHigh", "0") and len(events) == 1
+    run(detectors, [allocator(10 * GiB, 5 * GiB, 1 * GiB)])
+    assert [e.state for e in events] == ["firing", "resolved"]
+
+
+def test_fragmentation_never_fires_where_it_is_undefined():
+    detectors, events = collect()
+    run(detectors, [allocator(10 * GiB, 1 * GiB, None)] * 30)  # expandable segments
+    assert not any(e.alert == "GpuMemFragmentationHigh" for e in events)
+
+
+def test_a_small_cache_does_not_count_as_fragmented():
+    detectors, _ = collect()
+    run(detectors, [allocator(GiB // 2, GiB // 4, GiB // 4)] * 30)
+    assert not detectors.is_firing("GpuMemFragmentationHigh", "0")
+
+
+def test_retries_and_ooms_fire_at_once_and_clear_after_a_quiet_window():
+    detectors, events = collect()
+    readings = [
+        allocator(GiB, GiB, 0, retries=r, ooms=o)
+        for r, o in [(0, 0), (0, 0), (2, 0), (3, 1), (3, 1)]
+    ]
+    run(detectors, readings)
+    assert detectors.is_firing("GpuMemAllocRetries", "0")
+    assert detectors.is_firing("GpuMemOutOfMemory", "0")
+    run(detectors, [allocator(GiB, GiB, 0, retries=3, ooms=1)] * 11, step_s=60)
+    assert not detectors.is_firing("GpuMemAllocRetries", "0")
+    fired = [(e.alert, e.state) for e in events]
+    assert fired == [
+        ("GpuMemAllocRetries", "firing"),
+        ("GpuMemOutOfMemory", "firing"),
+        ("GpuMemAllocRetries", "resolved"),
+        ("GpuMemOutOfMemory", "resolved"),
+    ]
+
+
+def test_a_counter_already_above_zero_at_start_fires():
+    detectors, _ = collect()
+    run(detectors, [allocator(GiB, GiB, 0, ooms=1)])
+    assert detectors.is_firing("GpuMemOutOfMemory", "0")
+
+
+def test_cache_gap_fires_only_when_held_long():
+    detectors, _ = collect()
+    gap = allocator(20 * GiB, 4 * GiB, None)  # 16 GiB cached and unused, 80%
+    run(detectors, [gap] * 30)
+    assert not detectors.is_firing("GpuMemCacheGapHigh", "0")
+    run(detectors, [gap] * 2)
+    assert detectors.is_firing("GpuMemCacheGapHigh", "0")
+
+
+def gpu(free: float, total: float = 80 * GiB) -> GpuReading:
+    return GpuReading(
+        index=1,
+        uuid="GPU-b",
+        total_bytes=int(total),
+        free_bytes=int(free),
+        used_bytes=int(total - free),
+    )
+
+
+def test_headroom_low_and_exhaustion_predicted():
+    detectors, _ = collect()
+    run(detectors, [gpu(2 * GiB)] * 12, key="gpus")
+    assert detectors.is_firing("GpuMemHeadroomLow", "1")
+    detectors, _ = collect()
+    # Free memory falling by 400 MB a minute from 15 GiB: gone within the hour.
+    run(detectors, [gpu(15 * GiB - i * 400e6) for i in range(20)], key="gpus")
+    assert detectors.is_firing("GpuMemExhaustionPredicted", "1")
+    # A single step down (a KV cache reserved at start-up) is not a trend.
+    detectors, _ = collect()
+    run(detectors, [gpu(40 * GiB)] * 5 + [gpu(10 * GiB)] * 30, key="gpus")
+    assert not detectors.is_firing("GpuMemExhaustionPredicted", "1")
+
+
+def test_host_memory_pressure_and_swap_growth():
+    detectors, _ = collect()
+    total = 64 * GiB
+    run(detectors, [HostReading(total, int(total * 0.03), 8 * GiB, 0)] * 7, key="host")
+    assert detectors.is_firing("HostMemoryPressure", "")
+    detectors, _ = collect()
+    run(
+        detectors,
+        [HostReading(total, total // 2, 8 * GiB, 2 * GiB + i * 60 * (1 << 20)) for i in range(12)],
+        key="host",
+    )
+    assert detectors.is_firing("HostSwapGrowing", "")
+
+
+def test_alert_lines_are_structured_and_callbacks_cannot_break_detection(caplog):
+    def broken(event):
+        raise RuntimeError("callback bug")
+
+    detectors = Detectors(listeners=[broken])
+    with caplog.at_level(logging.INFO, logger="exporter.alerts"):
+        run(detectors, [allocator(GiB, GiB, 0, ooms=1)])
+    line = next(r.getMessage() for r in caplog.records if "gpumem_alert" in r.getMessage())
+    assert json.loads(line) == {
+        "event": "gpumem_alert",
+        "alert": "GpuMemOutOfMemory",
+        "state": "firing",
+        "device": "0",
+        "value": 1,
+        "gpu_uuid": "GPU-a",
+    }
+    assert "callback bug" in caplog.text
+    assert detectors.is_firing("GpuMemOutOfMemory", "0")
+
+
+def test_thresholds_from_environment():
+    assert load_thresholds({"GPUMEM_DETECT_FRAGMENTATION_RATIO": "0.5"}).fragmentation_ratio == 0.5
+    with pytest.raises(ConfigError, match="GPUMEM_DETECT_HOST_FOR_S: expected a non-negative"):
+        load_thresholds({"GPUMEM_DETECT_HOST_FOR_S": "-1"})
+    with pytest.raises(ConfigError, match="unknown detector threshold"):
+        load_thresholds({}, nope=1)
+
+
+def _duration_s(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600}
+    return sum(int(n) * units[u] for n, u in re.findall(r"(\d+)([smh])", text))
+
+
+def test_detectors_mirror_the_prometheus_rules():
+    """Names and durations match deploy/prometheus/alerts.yaml, the single source of rules."""
+    rules = yaml.safe_load((REPO_ROOT / "deploy/prometheus/alerts.yaml").read_text())
+    alerts = {r["alert"]: r for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    th = Thresholds()
+    durations = {
+        "GpuMemFragmentationHigh": th.fragmentation_for_s,
+        "GpuMemAllocRetries": 0,
+        "GpuMemOutOfMemory": 0,
+        "GpuMemCacheGapHigh": th.cache_gap_for_s,
+        "GpuMemHeadroomLow": th.headroom_for_s,
+        "GpuMemExhaustionPredicted": th.exhaustion_for_s,
+        "HostMemoryPressure": th.host_for_s,
+        "HostSwapGrowing": th.swap_for_s,
+    }
+    assert set(durations) == set(Detectors.ALERTS) <= set(alerts)
+    for name, seconds in durations.items():
+        assert _duration_s(alerts[name].get("for", "0s")) == seconds, name
+    expr = " ".join(a["expr"] for a in alerts.values())
+    for value in (
+        th.fragmentation_ratio,
+        th.cache_gap_ratio,
+        th.headroom_free_ratio,
+        th.exhaustion_free_ratio,
+        th.host_available_ratio,
+    ):
+        assert str(value) in expr
+    for value in (
+        th.fragmentation_min_reserved_bytes,
+        th.cache_gap_bytes,
+        th.swap_min_used_bytes,
+        th.swap_growth_bytes_per_s,
+    ):
+        assert str(int(value)) in expr
+
+
+def test_the_recorded_incident_fires_fragmentation_retries_and_oom():
+    """The real H200 trace, with durations shortened to fit its 150 s."""
+    _, samples = read_trace(demo_trace_path())
+    short = dataclasses.replace(Thresholds(), fragmentation_for_s=5, counter_window_s=30)
+    events: list[AlertEvent] = []
+    detectors = Detectors(short, listeners=[events.append])
+    for sample in samples:
+        detectors(sample)
+    fired = {e.alert for e in events if e.state == "firing"}
+    assert {"GpuMemFragmentationHigh", "GpuMemAllocRetries", "GpuMemOutOfMemory"} <= fired
+    assert not {"HostMemoryPressure", "HostSwapGrowing", "GpuMemHeadroomLow"} & fired

@@ -383,7 +383,19 @@ def remediation() -> dict[str, Any]:
 
 SCENARIOS = {
     f.__name__: f
-    for f in (exact_bytes, context_size, no_init, one_device, backend, oom, http, read_cost)
+    for f in (
+        exact_bytes,
+        context_size,
+        no_init,
+        one_device,
+        backend,
+        oom,
+        http,
+        read_cost,
+        actions_on_device,
+        snapshot_on_async,
+        remediation,
+    )
 }
 
 if __name__ == "__main__":

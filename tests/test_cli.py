@@ -36,8 +36,12 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def running(*args: str) -> Iterator[str]:
     """Start `gpumem-exporter ARGS --port P`, wait for /readyz, yield the base URL."""
     port = free_port()
-    proc = subprocess.Popen([*CLI, *args, "--port", str(port)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [*CLI, *args, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -62,8 +66,11 @@ def running(*args: str) -> Iterator[str]:
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
     with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
         text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def first(values: dict, name: str) -> float:
@@ -84,10 +91,22 @@ def test_help_everywhere(command):
         (["demo", "--trace", "/nonexistent.gz"], "trace file not found: /nonexistent.gz"),
         (["serve", "--labels", "pod=x"], "unreserved label name"),
         (["record", "--url", "ftp://x", "-o", "t.gz", "--duration-s", "1"], "http(s) URL"),
-        (["record", "--url", "http://127.0.0.1:9", "-o", "/nonexistent/t.gz",
-          "--duration-s", "1"], "output directory does not exist"),
-        (["record", "--url", "http://127.0.0.1:9", "-o", "t.gz", "--duration-s", "0"],
-         "--duration-s must be positive"),
+        (
+            [
+                "record",
+                "--url",
+                "http://127.0.0.1:9",
+                "-o",
+                "/nonexistent/t.gz",
+                "--duration-s",
+                "1",
+            ],
+            "output directory does not exist",
+        ),
+        (
+            ["record", "--url", "http://127.0.0.1:9", "-o", "t.gz", "--duration-s", "0"],
+            "--duration-s must be positive",
+        ),
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(args, message, tmp_path):
@@ -122,30 +141,47 @@ def test_demo_serves_moving_allocator_nvml_and_host_metrics_that_promtool_accept
         after = scrape(url)
         with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
             text = response.read().decode()
-    for family in ("torch_cuda_allocated_bytes", "torch_cuda_reserved_bytes",
-                   "torch_cuda_inactive_split_bytes", "torch_cuda_fragmentation_ratio",
-                   "torch_cuda_alloc_retries_total", "torch_cuda_ooms_total",
-                   "torch_cuda_non_allocator_bytes", "gpu_memory_used_bytes",
-                   "gpu_memory_free_bytes", "gpu_process_memory_used_bytes",
-                   "host_memory_available_bytes", "process_resident_memory_bytes",
-                   "gpumem_exporter_last_sample_timestamp_seconds"):
+    for family in (
+        "torch_cuda_allocated_bytes",
+        "torch_cuda_reserved_bytes",
+        "torch_cuda_inactive_split_bytes",
+        "torch_cuda_fragmentation_ratio",
+        "torch_cuda_alloc_retries_total",
+        "torch_cuda_ooms_total",
+        "torch_cuda_non_allocator_bytes",
+        "gpu_memory_used_bytes",
+        "gpu_memory_free_bytes",
+        "gpu_process_memory_used_bytes",
+        "host_memory_available_bytes",
+        "process_resident_memory_bytes",
+        "gpumem_exporter_last_sample_timestamp_seconds",
+    ):
         assert any(name == family for name, _ in after), family
     assert first(after, "gpumem_exporter_build_info") == 1
     assert ("gpumem_exporter_build_info", (("mode", "demo"), ("version", "0.1.0"))) in after
-    moved = [name for name in ("torch_cuda_allocated_bytes", "torch_cuda_active_bytes",
-                               "gpu_memory_used_bytes", "host_memory_available_bytes")
-             if first(before, name) != first(after, name)]
+    moved = [
+        name
+        for name in (
+            "torch_cuda_allocated_bytes",
+            "torch_cuda_active_bytes",
+            "gpu_memory_used_bytes",
+            "host_memory_available_bytes",
+        )
+        if first(before, name) != first(after, name)
+    ]
     assert "torch_cuda_allocated_bytes" in moved
-    proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0 and proc.stdout + proc.stderr == "", proc.stdout + proc.stderr
 
 
 def test_record_a_running_exporter_and_replay_it(tmp_path):
     trace = tmp_path / "incident.jsonl.gz"
     with running("demo", "--interval-s", "0.2") as url:
-        proc = run_cli("record", "--url", url, "-o", str(trace), "--duration-s", "1.5",
-                       "--interval-s", "0.25")
+        proc = run_cli(
+            "record", "--url", url, "-o", str(trace), "--duration-s", "1.5", "--interval-s", "0.25"
+        )
         assert proc.returncode == 0, proc.stderr
         live = scrape(url)
     assert "recorded" in proc.stdout
@@ -157,14 +193,18 @@ def test_record_a_running_exporter_and_replay_it(tmp_path):
         replayed = scrape(url)
     assert first(replayed, "torch_cuda_reserved_bytes") > 0
     assert {n for n, _ in replayed if n.startswith("torch_cuda")} == {
-        n for n, _ in live if n.startswith("torch_cuda")}
+        n for n, _ in live if n.startswith("torch_cuda")
+    }
 
 
 def test_serve_without_nvml_reports_the_source_down_and_host_up():
     with running("serve") as url:
         values = scrape(url)
-    up = {dict(labels)["source"]: v for (n, labels), v in values.items()
-          if n == "gpumem_exporter_source_up"}
+    up = {
+        dict(labels)["source"]: v
+        for (n, labels), v in values.items()
+        if n == "gpumem_exporter_source_up"
+    }
     assert up["host"] == 1
     assert set(up) == {"nvml", "host"}  # the node daemon never reads torch
     if not Path("/dev/nvidiactl").exists():
@@ -175,6 +215,7 @@ def test_entry_point_is_installed():
     exe = Path(sys.executable).parent / "gpumem-exporter"
     if not exe.exists():
         pytest.skip("package not installed with its console script")
-    proc = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ))
+    proc = subprocess.run(
+        [str(exe), "--version"], capture_output=True, text=True, timeout=60, env=dict(os.environ)
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("gpumem-exporter 0.1.0")

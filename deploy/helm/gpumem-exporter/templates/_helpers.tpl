@@ -1,0 +1,112 @@
+{{/*
+Chart name, truncated to the 63 characters a label value may have.
+*/}}
+{{- define "gpumem-exporter.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Fully qualified name: "<release>-<chart>" unless the release name already contains the chart
+name. Truncated to 63 characters (DNS label limit).
+*/}}
+{{- define "gpumem-exporter.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "gpumem-exporter.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Labels every object carries.
+*/}}
+{{- define "gpumem-exporter.labels" -}}
+helm.sh/chart: {{ include "gpumem-exporter.chart" . }}
+{{ include "gpumem-exporter.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: gpumem-exporter
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Labels that select the node daemon's pods; never change them on upgrade (DaemonSet selectors
+are immutable).
+*/}}
+{{- define "gpumem-exporter.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "gpumem-exporter.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "gpumem-exporter.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "gpumem-exporter.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "gpumem-exporter.image" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag }}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+{{- end }}
+
+{{/*
+Name of the Secret holding the admin token, or "" when admin routes stay off.
+*/}}
+{{- define "gpumem-exporter.adminTokenSecretName" -}}
+{{- if and .Values.adminToken.existingSecret .Values.adminToken.value }}
+{{- fail "adminToken: set either value or existingSecret, not both" }}
+{{- end }}
+{{- if .Values.adminToken.existingSecret }}
+{{- .Values.adminToken.existingSecret }}
+{{- else if .Values.adminToken.value }}
+{{- printf "%s-admin-token" (include "gpumem-exporter.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/*
+GPUMEM_LABELS: "k=v,k2=v2" from daemonset.labels, in key order.
+*/}}
+{{- define "gpumem-exporter.constLabels" -}}
+{{- $pairs := list }}
+{{- range $key, $value := .Values.daemonset.labels }}
+{{- $pairs = append $pairs (printf "%s=%v" $key $value) }}
+{{- end }}
+{{- join "," $pairs }}
+{{- end }}
+
+{{/*
+Namespace of an optional object: its own override, else the release namespace.
+Usage: include "gpumem-exporter.namespace" (list . .Values.serviceMonitor.namespace)
+*/}}
+{{- define "gpumem-exporter.namespace" -}}
+{{- $root := index . 0 }}
+{{- default $root.Release.Namespace (index . 1) }}
+{{- end }}
+
+{{/*
+Relabeling that keeps the scraped pod's node as a "node" label, so series from the node daemon
+and from inference pods on the same machine can be joined.
+*/}}
+{{- define "gpumem-exporter.nodeRelabeling" -}}
+- action: replace
+  sourceLabels:
+    - __meta_kubernetes_pod_node_name
+  targetLabel: node
+{{- end }}

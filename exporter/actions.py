@@ -1,34 +1,43 @@
-"""Actions on the allocator: empty_cache and snapshots, guarded, measured and counted.
+"""Actions on the allocator: empty_cache, snapshots, history recording, peak reset.
 
 Guards come from shared/FACTS.md: act only on devices this process already initialized, call
 empty_cache under `torch.cuda.device(i)` (from a new thread the current device is 0, and an
-empty_cache there would create a context on GPU 0), and never snapshot on cudaMallocAsync,
-where `_snapshot` raises. empty_cache waits for queued GPU work and holds each device's
-allocator mutex meanwhile, so it blocks the server's allocations for as long as that takes:
-callers run it off the serving path and rate-limit it.
+empty_cache there would create a context on GPU 0), pass explicit indices to
+reset_peak_memory_stats, and never snapshot on cudaMallocAsync, where `_snapshot` raises.
+empty_cache waits for queued GPU work and holds each device's allocator mutex meanwhile, so it
+blocks the server's allocations for as long as that takes: callers run it off the serving
+path and rate-limit it.
+
+`ReplayActions` does the same on recorded data for the demo: nothing is freed or reset, and
+every result says it is a replay.
 """
 
 from __future__ import annotations
 
-import gzip
 import logging
-import os
-import pickle
-import socket
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from exporter.snapshots import SnapshotInfo, SnapshotStore
+
 log = logging.getLogger("exporter.actions")
+
+STACK_MODES = ("python", "all")
+CONTEXT_MODES = ("all", "alloc", "state")
 
 
 class ActionUnavailable(RuntimeError):
-    """The action cannot run here (no torch, CUDA not initialized, unsupported backend)."""
+    """The action cannot run here (no CUDA yet, unsupported backend): a 409/501, not a 500."""
+
+    def __init__(self, message: str, *, unsupported: bool = False) -> None:
+        super().__init__(message)
+        self.unsupported = unsupported  # True: never possible here (501); False: not now (409)
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,7 @@ class EmptyCacheResult:
     reserved_before_bytes: dict[int, int]
     reserved_after_bytes: dict[int, int]
     duration_s: float
+    replay: bool = False
 
     @property
     def released_bytes(self) -> int:
@@ -46,10 +56,27 @@ class EmptyCacheResult:
         )
 
 
+@dataclass
+class HistoryState:
+    enabled: bool = False
+    max_entries: int = 0
+    stacks: str = "python"
+    context: str = "all"
+    since: float | None = None
+    owner: str = ""  # "api", "startup" or a windowed capture's id
+
+
+@dataclass
+class ActionCounts:
+    snapshots: Counter[str] = field(default_factory=Counter)  # trigger -> count
+    empty_cache: Counter[str] = field(default_factory=Counter)
+    released_bytes_total: int = 0
+
+
 def _torch() -> Any:
     torch = sys.modules.get("torch")  # never import torch for an action: see sources
     if torch is None or not torch.cuda.is_initialized():
-        raise ActionUnavailable("CUDA is not initialized in this process")
+        raise ActionUnavailable("CUDA is not initialized in this process: nothing to act on")
     return torch
 
 
@@ -66,68 +93,191 @@ def _reserved(torch: Any, device: int) -> int:
 
 
 class Actions:
-    """The allocator actions of this process, with their counters for /metrics."""
+    """The allocator actions of this process. Thread-safe; one capture or history at a time."""
 
-    def __init__(self, snapshot_dir: str | os.PathLike[str] | None = None) -> None:
-        self.snapshot_dir = Path(snapshot_dir or tempfile.gettempdir()) / "gpumem-snapshots"
+    replay = False
+
+    def __init__(self, store: SnapshotStore) -> None:
+        self.store = store
+        self.counts = ActionCounts()
+        self.history = HistoryState()
         self._lock = threading.Lock()
-        self.snapshots: Counter[str] = Counter()  # trigger -> count
-        self.empty_cache_calls: Counter[str] = Counter()
-        self.released_bytes_total = 0
 
-    def empty_cache(self, trigger: str = "api") -> EmptyCacheResult:
-        torch = _torch()
+    # -- helpers -------------------------------------------------------------------------
+
+    def _devices(self, torch: Any, device: int | None) -> list[int]:
         devices = initialized_devices(torch)
         if not devices:
             raise ActionUnavailable("no CUDA device is initialized in this process")
+        if device is not None and device not in devices:
+            raise ActionUnavailable(
+                f"device {device} is not initialized in this process (initialized: {devices})"
+            )
+        return devices
+
+    def _native(self, torch: Any) -> None:
+        backend = torch.cuda.get_allocator_backend()
+        if backend != "native":
+            raise ActionUnavailable(
+                f"allocator snapshots and history need the native backend; "
+                f"this process uses {backend}",
+                unsupported=True,
+            )
+
+    # -- empty_cache ---------------------------------------------------------------------
+
+    def empty_cache(self, device: int | None = None, trigger: str = "api") -> EmptyCacheResult:
+        """Release fully free cached segments to the driver.
+
+        PyTorch has no per-device empty_cache: one call releases on every device of the
+        process; `device` picks the device guard (and must be initialized).
+        """
+        torch = _torch()
+        devices = self._devices(torch, device)
         before = {d: _reserved(torch, d) for d in devices}
         started = time.perf_counter()
-        # One call frees cached blocks on every device; the device guard only keeps it from
-        # creating a context on GPU 0 when this thread's current device is 0.
-        with torch.cuda.device(devices[0]):
+        with torch.cuda.device(device if device is not None else devices[0]):
             torch.cuda.empty_cache()
         duration = time.perf_counter() - started
         result = EmptyCacheResult(
             devices, before, {d: _reserved(torch, d) for d in devices}, duration
         )
         with self._lock:
-            self.empty_cache_calls[trigger] += 1
-            self.released_bytes_total += result.released_bytes
+            self.counts.empty_cache[trigger] += 1
+            self.counts.released_bytes_total += result.released_bytes
         log.info(
             "empty_cache (%s) released %d bytes in %.3f s", trigger, result.released_bytes, duration
         )
         return result
 
-    def snapshot(self, trigger: str = "api") -> Path:
-        """Write `torch.cuda.memory._snapshot()` gzip-pickled, atomically; return its path."""
-        torch = _torch()
-        if torch.cuda.get_allocator_backend() != "native":
-            raise ActionUnavailable(
-                "allocator snapshots need the native backend "
-                f"(this process uses {torch.cuda.get_allocator_backend()})"
-            )
-        snapshot = torch.cuda.memory._snapshot()
-        path = self._write(snapshot, trigger)
-        with self._lock:
-            self.snapshots[trigger] += 1
-        log.info("allocator snapshot (%s) written to %s", trigger, path)
-        return path
+    # -- snapshots -----------------------------------------------------------------------
 
-    def _write(self, snapshot: Any, trigger: str) -> Path:
-        self.snapshot_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        rank = os.environ.get("RANK", "")
-        name = (
-            f"{socket.gethostname()}_pid{os.getpid()}{f'_rank{rank}' if rank else ''}"
-            f"_{stamp}_{trigger}_{time.time_ns() % 1_000_000:06d}.pickle.gz"
+    def capture(self) -> Any:
+        """The raw snapshot dict (held GIL: ~2 ms without history, seconds with 50k stacks)."""
+        torch = _torch()
+        self._native(torch)
+        return torch.cuda.memory._snapshot()
+
+    def snapshot(
+        self,
+        trigger: str = "api",
+        info: SnapshotInfo | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> SnapshotInfo:
+        snapshot = self.capture()
+        written = self.store.write(snapshot, trigger, info=info, meta=meta)
+        self.count_snapshot(trigger)
+        log.info("allocator snapshot (%s) written: %s", trigger, written.filename)
+        return written
+
+    def count_snapshot(self, trigger: str) -> None:
+        with self._lock:
+            self.counts.snapshots[trigger] += 1
+
+    # -- history -------------------------------------------------------------------------
+
+    def start_history(
+        self, *, max_entries: int, stacks: str = "python", context: str = "all", owner: str = "api"
+    ) -> HistoryState:
+        torch = _torch()
+        self._native(torch)
+        with self._lock:
+            if self.history.enabled and self.history.owner not in (owner, "api", "startup"):
+                raise ActionUnavailable("a windowed snapshot is recording history right now")
+            # Always bounded: the default max_entries is unbounded (FACTS.md).
+            torch.cuda.memory._record_memory_history(
+                enabled="all", context=context, stacks=stacks, max_entries=max_entries
+            )
+            self.history = HistoryState(True, max_entries, stacks, context, time.time(), owner)
+            return self.history
+
+    def stop_history(self, owner: str = "api") -> HistoryState:
+        torch = _torch()
+        with self._lock:
+            if (
+                self.history.enabled
+                and owner == "api"
+                and self.history.owner not in ("api", "startup")
+            ):
+                raise ActionUnavailable("a windowed snapshot is recording history right now")
+            if self.history.enabled:
+                # Turning recording off clears the buffer: callers snapshot first if they want it.
+                torch.cuda.memory._record_memory_history(enabled=None)
+            self.history = HistoryState()
+            return self.history
+
+    # -- peaks ---------------------------------------------------------------------------
+
+    def reset_peak(self, device: int | None = None) -> list[int]:
+        """Set peak = current on the given (or every initialized) device, process-wide."""
+        torch = _torch()
+        devices = self._devices(torch, device)
+        targets = [device] if device is not None else devices
+        for d in targets:
+            torch.cuda.reset_peak_memory_stats(d)  # explicit index: no context on GPU 0
+        return targets
+
+
+def demo_snapshot_path() -> Path:
+    return Path(str(resources.files("exporter") / "data" / "demo_snapshot.pickle.gz"))
+
+
+class ReplayActions(Actions):
+    """The demo's actions: answered from the snapshot recorded beside the demo trace."""
+
+    replay = True
+
+    def __init__(self, store: SnapshotStore) -> None:
+        super().__init__(store)
+        self._snapshot: dict[str, Any] | None = None
+
+    @property
+    def _recorded(self) -> dict[str, Any]:
+        if self._snapshot is None:  # loaded on first use: the demo starts without it
+            from exporter.viewer import load_snapshot
+
+            self._snapshot = load_snapshot(demo_snapshot_path())
+        return self._snapshot
+
+    def empty_cache(self, device: int | None = None, trigger: str = "api") -> EmptyCacheResult:
+        # What empty_cache would have released: the segments with nothing active in them.
+        devices = sorted({s["device"] for s in self._recorded["segments"]})
+        if device is not None and device not in devices:
+            raise ActionUnavailable(f"device {device} is not in the recording ({devices})")
+        before = {
+            d: sum(s["total_size"] for s in self._recorded["segments"] if s["device"] == d)
+            for d in devices
+        }
+        after = {
+            d: sum(
+                s["total_size"]
+                for s in self._recorded["segments"]
+                if s["device"] == d and s["active_size"] > 0
+            )
+            for d in devices
+        }
+        with self._lock:
+            self.counts.empty_cache[trigger] += 1
+        return EmptyCacheResult(devices, before, after, 0.0, replay=True)
+
+    def capture(self) -> Any:
+        return self._recorded
+
+    def start_history(
+        self, *, max_entries: int, stacks: str = "python", context: str = "all", owner: str = "api"
+    ) -> HistoryState:
+        with self._lock:
+            self.history = HistoryState(True, max_entries, stacks, context, time.time(), owner)
+            return self.history
+
+    def stop_history(self, owner: str = "api") -> HistoryState:
+        with self._lock:
+            self.history = HistoryState()
+            return self.history
+
+    def reset_peak(self, device: int | None = None) -> list[int]:
+        return (
+            [device]
+            if device is not None
+            else sorted({s["device"] for s in self._recorded["segments"]})
         )
-        fd, tmp = tempfile.mkstemp(prefix=".", suffix=".partial", dir=self.snapshot_dir)
-        try:
-            with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb") as f:
-                pickle.dump(snapshot, f, protocol=pickle.HIGHEST_PROTOCOL)
-            path = self.snapshot_dir / name
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path

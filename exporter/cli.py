@@ -7,10 +7,14 @@ stderr and exit status 2; a traceback means a bug.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from exporter import __version__
@@ -19,6 +23,9 @@ from exporter.runtime import build_runtime, live_sources
 from exporter.server import HttpServer, ServerStartError, create_app
 from exporter.sources import Source
 from exporter.trace import TraceError, TraceWriter
+
+if TYPE_CHECKING:
+    from exporter.client import AdminClient
 
 log = logging.getLogger("exporter")
 
@@ -95,7 +102,60 @@ def build_parser() -> argparse.ArgumentParser:
     record.add_argument(
         "--interval-s", type=float, default=1.0, help="seconds between scrapes (default 1)"
     )
+    snapshot = commands.add_parser(
+        "snapshot",
+        help="capture an allocator snapshot from a running exporter",
+        description="POST /snapshot to a running exporter (optionally recording allocation "
+        "history for --record-s seconds first) and download the pickle.",
+    )
+    _add_client_flags(snapshot)
+    snapshot.add_argument(
+        "-o", "--output", required=True, type=Path, help="where to write the snapshot pickle"
+    )
+    snapshot.add_argument(
+        "--record-s", type=float, help="record allocation history for this many seconds, then dump"
+    )
+    snapshot.add_argument(
+        "--stacks",
+        choices=["python", "all"],
+        default="python",
+        help="stack frames to record with --record-s (default python)",
+    )
+
+    empty_cache = commands.add_parser(
+        "empty-cache",
+        help="ask a running exporter to release cached GPU memory",
+        description="POST /empty-cache: returns fully free cached segments to the driver. It "
+        "waits for the process's queued GPU work and blocks its allocations "
+        "meanwhile.",
+    )
+    _add_client_flags(empty_cache)
+    empty_cache.add_argument("--device", type=int, help="CUDA device guard to use")
+
+    view = commands.add_parser(
+        "view",
+        help="render a snapshot as a self-contained HTML page (works offline)",
+        description="Render an allocator snapshot (pickle, optionally gzipped) as one HTML "
+        "page that loads nothing from the network.",
+    )
+    view.add_argument("snapshot", type=Path, help="snapshot pickle")
+    view.add_argument("-o", "--output", required=True, type=Path, help="HTML file to write")
     return parser
+
+
+def _add_client_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url", required=True, help="exporter base URL, e.g. http://127.0.0.1:9445"
+    )
+    parser.add_argument(
+        "--token-file", type=Path, help="file holding the admin bearer token [GPUMEM_ADMIN_TOKEN]"
+    )
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=60.0,
+        help="how long to wait for the exporter (default 60)",
+    )
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -109,12 +169,7 @@ def _config(args: argparse.Namespace) -> Config:
 
 def _serve(config: Config, sources: Sequence[Source], mode: str) -> int:
     runtime = build_runtime(config, mode=mode, sources=sources)
-    app = create_app(
-        sampler=runtime.sampler,
-        registry=runtime.registry,
-        stale_after_s=config.stale_threshold_s,
-        mode=mode,
-    )
+    app = create_app(runtime)
     try:
         http = HttpServer(app, config.host, config.port)
     except ServerStartError as exc:
@@ -190,13 +245,96 @@ def cmd_record(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client(args: argparse.Namespace) -> AdminClient:
+    from exporter.client import AdminClient
+
+    token = os.environ.get("GPUMEM_ADMIN_TOKEN", "")
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text().strip()
+        except OSError as exc:
+            raise CliError(f"cannot read token file {args.token_file}: {exc.strerror}") from None
+    if not token:
+        raise CliError("no admin token: pass --token-file or set GPUMEM_ADMIN_TOKEN")
+    parsed = urlparse(args.url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise CliError(f"--url must be an http(s) URL, got {args.url!r}")
+    return AdminClient(args.url, token, timeout_s=args.timeout_s)
+
+
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    from exporter.client import ClientError
+
+    if args.record_s is not None and not 0 < args.record_s <= 600:
+        raise CliError("--record-s must be between 0 and 600")
+    if not args.output.parent.is_dir():
+        raise CliError(f"output directory does not exist: {args.output.parent}")
+    client = _client(args)
+    try:
+        info = client.snapshot(record_s=args.record_s, stacks=args.stacks)
+        size = client.download(info["id"], args.output)
+    except ClientError as exc:
+        raise CliError(str(exc)) from None
+    replay = " (replay of recorded data)" if info.get("replay") else ""
+    print(f"snapshot {info['id']}{replay}: {size} bytes written to {args.output}")
+    return 0
+
+
+def cmd_empty_cache(args: argparse.Namespace) -> int:
+    from exporter.client import ClientError
+
+    try:
+        result = _client(args).empty_cache(device=args.device)
+    except ClientError as exc:
+        raise CliError(str(exc)) from None
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from exporter.viewer import SnapshotError, load_snapshot, render_html
+
+    try:
+        snapshot = load_snapshot(args.snapshot)
+    except SnapshotError as exc:
+        raise CliError(str(exc)) from None
+    if not args.output.parent.is_dir():
+        raise CliError(f"output directory does not exist: {args.output.parent}")
+    html = render_html(
+        snapshot,
+        title=f"GPU memory snapshot {args.snapshot.name}",
+        meta={"file": str(args.snapshot)},
+    )
+    write_atomically(args.output, html.encode("utf-8"))
+    print(f"wrote {args.output}")
+    return 0
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    handlers = {"serve": cmd_serve, "demo": cmd_demo, "record": cmd_record}
+    handlers = {
+        "serve": cmd_serve,
+        "demo": cmd_demo,
+        "record": cmd_record,
+        "snapshot": cmd_snapshot,
+        "empty-cache": cmd_empty_cache,
+        "view": cmd_view,
+    }
     if args.command not in handlers:
         parser.print_help(sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -40,9 +41,26 @@ class Config:
     # a snapshot on the first OOM.
     remediate: bool = False
     remediate_cooldown_s: float = 300.0
+    # Snapshots: where they are kept (default: <tmp>/gpumem-snapshots-<uid>) and how many.
     snapshot_dir: str | None = None
+    snapshot_max_count: int = 20
+    snapshot_max_bytes: int = 2 << 30
+    # Allocation history recorded from start-up (0 = off), bounded to this many entries.
+    history_max_entries: int = 0
+    # On an OOM, capture a snapshot from the OOM observer (at most one per cooldown).
+    oom_snapshot: bool = False
+    oom_snapshot_cooldown_s: float = 60.0
+    # Minimum seconds between two POST /empty-cache calls.
+    empty_cache_cooldown_s: float = 10.0
     admin_token: str | None = field(default=None, repr=False)
     admin_token_file: str | None = None
+
+    @property
+    def snapshot_directory(self) -> Path:
+        if self.snapshot_dir:
+            return Path(self.snapshot_dir)
+        # Per user, so that another user on the host cannot read or plant snapshots.
+        return Path(tempfile.gettempdir()) / f"gpumem-snapshots-{os.getuid()}"
 
     @property
     def stale_threshold_s(self) -> float:
@@ -114,12 +132,17 @@ def _convert(name: str, value: Any, origin: str) -> Any:
             if not number >= 0 or number > 3600 or (name == "interval_s" and number < 0.01):
                 raise ValueError
             return number
-        if name == "remediate_cooldown_s":
+        if name in ("remediate_cooldown_s", "oom_snapshot_cooldown_s", "empty_cache_cooldown_s"):
             number = float(value)
             if not 0 <= number <= 86400:
                 raise ValueError
             return number
-        if name in ("torch", "nvml", "host_memory", "remediate"):
+        if name in ("snapshot_max_count", "snapshot_max_bytes", "history_max_entries"):
+            number = int(value)
+            if number < 0 or (name == "snapshot_max_count" and number < 1):
+                raise ValueError
+            return number
+        if name in ("torch", "nvml", "host_memory", "remediate", "oom_snapshot"):
             if isinstance(value, bool):
                 return value
             text = str(value).strip().lower()
@@ -150,6 +173,11 @@ def _convert(name: str, value: Any, origin: str) -> Any:
             "interval_s": "seconds between 0.01 and 3600",
             "stale_after_s": "seconds between 0 and 3600",
             "remediate_cooldown_s": "seconds between 0 and 86400",
+            "oom_snapshot_cooldown_s": "seconds between 0 and 86400",
+            "empty_cache_cooldown_s": "seconds between 0 and 86400",
+            "snapshot_max_count": "a whole number of at least 1",
+            "snapshot_max_bytes": "a whole number of bytes",
+            "history_max_entries": "a whole number (0 = off)",
             "host": "an IP address or localhost",
         }.get(name, "true or false")
         raise ConfigError(f"{origin}: expected {expected}, got {value!r}") from None

@@ -119,12 +119,7 @@ def start(
 def _serve(runtime: Runtime, handle: Handle) -> None:
     config = runtime.config
     try:
-        app = create_app(
-            sampler=runtime.sampler,
-            registry=runtime.registry,
-            stale_after_s=config.stale_threshold_s,
-            mode=runtime.mode,
-        )
+        app = create_app(runtime)
         http = HttpServer(app, config.host, config.port)
     except ServerStartError as exc:
         handle.error = str(exc)
@@ -166,14 +161,7 @@ def attach(
             config, mode="embedded", sources=live_sources(config, torch=True), registry=registry
         )
         paths = {getattr(route, "path", None) for route in app.routes}
-        add_routes(
-            app,
-            sampler=runtime.sampler,
-            registry=registry,
-            stale_after_s=config.stale_threshold_s,
-            mode=runtime.mode,
-            include_metrics="/metrics" not in paths,
-        )
+        add_routes(app, runtime, include_metrics="/metrics" not in paths)
         runtime.sampler.start()
         _handle = Handle(runtime)
         return _handle

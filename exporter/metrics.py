@@ -81,6 +81,7 @@ class ActionStats:
     snapshots: dict[str, int] = field(default_factory=dict)  # trigger -> count
     empty_cache_released_bytes: int = 0
     remediations: dict[tuple[str, str], int] = field(default_factory=dict)  # (action, outcome)
+    admin_requests: dict[tuple[str, str], int] = field(default_factory=dict)  # (action, outcome)
 
 
 @dataclass
@@ -203,7 +204,14 @@ class SampleCollector(Collector):
         )
         for (action, outcome), count in sorted(stats.remediations.items()):
             remediations.add_metric(self._values(action, outcome), count)
-        yield from (snapshots, released, remediations)
+        admin = self._counter(
+            "gpumem_exporter_admin_requests",
+            "Admin API requests by action and outcome.",
+            ("action", "outcome"),
+        )
+        for (action, outcome), count in sorted(stats.admin_requests.items()):
+            admin.add_metric(self._values(action, outcome), count)
+        yield from (snapshots, released, remediations, admin)
 
     def _allocator_families(self, sample: Sample) -> Iterator[Metric]:
         if not sample.allocators:

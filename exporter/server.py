@@ -12,15 +12,14 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from exporter.sampler import Sampler
+from exporter.admin import add_admin_routes
+from exporter.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +28,11 @@ class ServerStartError(RuntimeError):
     """The HTTP server could not start (e.g. port in use); str() says why in one line."""
 
 
-def add_routes(
-    app: FastAPI,
-    *,
-    sampler: Sampler,
-    registry: CollectorRegistry,
-    stale_after_s: float,
-    mode: str,
-    include_metrics: bool = True,
-) -> None:
+def add_routes(app: FastAPI, runtime: Runtime, *, include_metrics: bool = True) -> None:
+    """The open routes, and the token-protected admin API (exporter.admin)."""
+    sampler, registry, mode = runtime.sampler, runtime.registry, runtime.mode
+    stale_after_s = runtime.config.stale_threshold_s
+    add_admin_routes(app, runtime.admin)
     if include_metrics:
 
         @app.get("/metrics", include_in_schema=True, tags=["exporter"])
@@ -66,14 +61,14 @@ def add_routes(
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
 
-def create_app(**route_args: Any) -> FastAPI:
+def create_app(runtime: Runtime) -> FastAPI:
     app = FastAPI(
         title="gpumem-exporter",
         description="PyTorch CUDA allocator, NVML and host memory metrics for Prometheus.",
         docs_url=None,  # the Swagger page loads its scripts from a CDN: off for air-gapped use
         redoc_url=None,
     )
-    add_routes(app, **route_args)
+    add_routes(app, runtime)
     return app
 
 

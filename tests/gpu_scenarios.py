@@ -265,20 +265,23 @@ def actions_on_device(index: str) -> dict[str, Any]:
     result: dict[str, Any] = {}
 
     def act() -> None:
-        actions = Actions(snapshot_dir=os.environ.get("TMPDIR", "/tmp"))
-        res = actions.empty_cache(trigger="test")
+        import pickle
+        import tempfile
+
+        from exporter.snapshots import SnapshotStore
+
+        store = SnapshotStore(tempfile.mkdtemp())
+        actions = Actions(store)
+        res = actions.empty_cache()
         result["released"] = res.released_bytes
         result["duration_s"] = res.duration_s
         result["reserved_after_reported"] = res.reserved_after_bytes[used]
-        path = actions.snapshot(trigger="test")
-        import gzip
-        import pickle
-
-        with gzip.open(path, "rb") as f:
+        info = actions.snapshot(trigger="test")
+        with open(store.path(info), "rb") as f:
             snap = pickle.load(f)
         result["snapshot_segments"] = len(snap["segments"])
         result["snapshot_devices"] = sorted({seg["device"] for seg in snap["segments"]})
-        result["snapshot_name"] = path.name
+        result["snapshot_name"] = info.filename
 
     thread = threading.Thread(target=act)
     thread.start()
@@ -300,13 +303,16 @@ def actions_on_device(index: str) -> dict[str, Any]:
 
 
 def snapshot_on_async() -> dict[str, Any]:
+    import tempfile
+
     import torch
 
     from exporter.actions import Actions, ActionUnavailable
+    from exporter.snapshots import SnapshotStore
 
     x = torch.empty(MiB, device="cuda:0")
     try:
-        Actions().snapshot()
+        Actions(SnapshotStore(tempfile.mkdtemp())).snapshot()
     except ActionUnavailable as exc:
         return {"unavailable": str(exc), "backend": torch.cuda.get_allocator_backend()}
     finally:
@@ -373,9 +379,9 @@ def remediation() -> dict[str, Any]:
         "oom": oom,
         "events": events,
         "remediations": {f"{a}:{o}": n for (a, o), n in runtime.remediation.counts.items()},
-        "snapshots": dict(runtime.actions.snapshots),
-        "snapshot_files": sorted(os.listdir(os.path.join(snapshot_dir, "gpumem-snapshots"))),
-        "released_total": runtime.actions.released_bytes_total,
+        "snapshots": dict(runtime.actions.counts.snapshots),
+        "snapshot_files": sorted(f for f in os.listdir(snapshot_dir) if f.endswith(".pickle")),
+        "released_total": runtime.actions.counts.released_bytes_total,
         "retries": flat["num_alloc_retries"],
         "ooms": flat["num_ooms"],
     }

@@ -33,7 +33,7 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 @contextmanager
-def running(*args: str) -> Iterator[str]:
+def running(*args: str, env: dict[str, str] | None = None) -> Iterator[str]:
     """Start `gpumem-exporter ARGS --port P`, wait for /readyz, yield the base URL."""
     port = free_port()
     proc = subprocess.Popen(
@@ -41,6 +41,7 @@ def running(*args: str) -> Iterator[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, **(env or {})},
     )
     url = f"http://127.0.0.1:{port}"
     try:

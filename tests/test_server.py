@@ -34,9 +34,7 @@ def app_with_clock(now: list[float]) -> tuple[FastAPI, Sampler]:
 
     runtime = build_runtime(load_config(env={}), mode="embedded", sources=[HostSource()])
     runtime.sampler._clock = lambda: now[0]
-    app = create_app(
-        sampler=runtime.sampler, registry=runtime.registry, stale_after_s=5.0, mode="embedded"
-    )
+    app = create_app(runtime)
     return app, runtime.sampler
 
 

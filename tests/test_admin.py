@@ -1,0 +1,229 @@
+"""The admin API: auth, validation, snapshots end to end on the demo, retention, concurrency."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import stat
+import time
+
+import pytest
+from fastapi.routing import APIRoute
+from fastapi.testclient import TestClient
+
+from exporter.config import load_config
+from exporter.runtime import build_runtime
+from exporter.server import create_app
+from exporter.snapshots import SnapshotStore
+from exporter.sources.replay import ReplaySource
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def make_app(tmp_path, mode="demo", **settings):
+    settings.setdefault("admin_token", TOKEN)
+    config = load_config(env={}, snapshot_dir=str(tmp_path / "snaps"), **settings)
+    sources = [ReplaySource()] if mode == "demo" else []
+    runtime = build_runtime(config, mode=mode, sources=sources)
+    runtime.sampler.tick()
+    return create_app(runtime), runtime
+
+
+@pytest.fixture
+def demo(tmp_path):
+    app, runtime = make_app(tmp_path)
+    return TestClient(app), runtime
+
+
+def admin_routes(app):
+    for route in app.routes:
+        if isinstance(route, APIRoute) and "admin" in route.tags:
+            for method in route.methods:
+                yield method, route.path.replace("{snapshot_id}", "20260101T000000Z-00000000")
+
+
+def test_without_a_token_every_admin_route_is_off_with_a_message(tmp_path):
+    app, _ = make_app(tmp_path, admin_token=None)
+    client = TestClient(app)
+    routes = list(admin_routes(app))
+    assert len(routes) >= 9
+    for method, path in routes:
+        response = client.request(method, path, headers=AUTH)
+        assert response.status_code == 403, (method, path)
+        assert "GPUMEM_ADMIN_TOKEN" in response.json()["detail"]
+    assert client.get("/metrics").status_code == 200  # open routes stay open
+    assert client.get("/healthz").status_code == 200
+
+
+def test_a_wrong_or_missing_token_is_401_and_never_logged(demo, caplog):
+    client, _ = demo
+    with caplog.at_level(logging.DEBUG):
+        for headers in (
+            {},
+            {"Authorization": "Bearer nope"},
+            {"Authorization": TOKEN},
+            {"Authorization": f"Basic {TOKEN}"},
+        ):
+            response = client.post("/snapshot", headers=headers)
+            assert response.status_code == 401
+            assert response.headers["www-authenticate"] == "Bearer"
+        client.get("/stats", headers=AUTH)
+    assert TOKEN not in caplog.text
+    assert TOKEN not in client.get("/metrics").text
+
+
+def test_token_file_is_reread_so_rotation_works(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("first\n")
+    app, _ = make_app(tmp_path, admin_token=None, admin_token_file=str(token_file))
+    client = TestClient(app)
+    assert client.get("/stats", headers={"Authorization": "Bearer first"}).status_code == 200
+    token_file.write_text("second\n")
+    assert client.get("/stats", headers={"Authorization": "Bearer first"}).status_code == 401
+    assert client.get("/stats", headers={"Authorization": "Bearer second"}).status_code == 200
+
+
+def test_snapshot_list_download_view_delete_on_the_demo(demo):
+    client, _ = demo
+    created = client.post("/snapshot", headers=AUTH)
+    assert created.status_code == 201, created.text
+    info = created.json()
+    assert info["replay"] is True and "replay" in info["note"]
+    assert info["status"] == "ready" and info["size_bytes"] > 0
+    listed = client.get("/snapshots", headers=AUTH).json()["snapshots"]
+    assert [s["id"] for s in listed] == [info["id"]]
+    download = client.get(f"/snapshots/{info['id']}", headers=AUTH)
+    assert download.status_code == 200
+    snapshot = pickle.loads(download.content)  # the format torch's memory_viz loads
+    assert snapshot["segments"] and "device_traces" in snapshot
+    assert info["id"] in download.headers["content-disposition"]
+    view = client.get(f"/snapshots/{info['id']}/view", headers=AUTH)
+    assert view.status_code == 200 and view.headers["content-type"].startswith("text/html")
+    assert "http://" not in view.text and "https://" not in view.text
+    assert client.delete(f"/snapshots/{info['id']}", headers=AUTH).status_code == 204
+    assert client.get(f"/snapshots/{info['id']}", headers=AUTH).status_code == 404
+    assert client.get("/snapshots", headers=AUTH).json()["snapshots"] == []
+    metrics = client.get("/metrics").text
+    assert 'gpumem_exporter_snapshots_total{trigger="api"} 1.0' in metrics
+    assert 'gpumem_exporter_admin_requests_total{action="snapshot",outcome="ok"} 1.0' in metrics
+
+
+def test_files_are_private_and_named_for_incidents(demo):
+    client, runtime = demo
+    info = client.post("/snapshot", headers=AUTH).json()
+    directory = runtime.actions.store.directory
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    name = info["filename"]
+    assert f"pid{os.getpid()}" in name and info["id"] in name and name.endswith(".pickle")
+    assert not [p for p in directory.iterdir() if p.name.endswith(".partial")]
+
+
+def test_windowed_capture_is_202_then_ready_and_one_at_a_time(demo):
+    client, _ = demo
+    started = client.post("/snapshot", json={"record_s": 0.3}, headers=AUTH)
+    assert started.status_code == 202
+    info = started.json()
+    assert info["status"] == "recording"
+    busy = client.post("/snapshot", headers=AUTH)
+    assert busy.status_code == 409 and info["id"] in busy.json()["detail"]
+    assert client.get(f"/snapshots/{info['id']}", headers=AUTH).status_code == 409
+    assert client.delete(f"/snapshots/{info['id']}", headers=AUTH).status_code == 409
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        listed = client.get("/snapshots", headers=AUTH).json()["snapshots"]
+        if listed[0]["status"] == "ready":
+            break
+        time.sleep(0.05)
+    assert listed[0]["status"] == "ready" and listed[0]["trigger"] == "record"
+    assert client.get(f"/snapshots/{info['id']}", headers=AUTH).status_code == 200
+    assert client.post("/snapshot", headers=AUTH).status_code == 201
+
+
+def test_empty_cache_reports_release_and_enforces_its_cooldown(demo):
+    client, _ = demo
+    first = client.post("/empty-cache", headers=AUTH)
+    assert first.status_code == 200, first.text
+    body = first.json()
+    before, after = body["reserved_before_bytes"]["0"], body["reserved_after_bytes"]["0"]
+    assert body["released_bytes"] == before - after > 0
+    assert body["replay"] is True
+    again = client.post("/empty-cache", headers=AUTH)
+    assert again.status_code == 429
+    assert 1 <= int(again.headers["retry-after"]) <= 10
+    assert "blocks allocations" in again.json()["detail"]
+
+
+def test_history_reset_peak_and_stats_on_the_demo(demo):
+    client, _ = demo
+    on = client.post("/history", json={"enabled": True, "max_entries": 5000}, headers=AUTH)
+    assert on.status_code == 200 and on.json()["enabled"] is True
+    assert client.get("/history", headers=AUTH).json()["max_entries"] == 5000
+    off = client.post("/history", json={"enabled": False}, headers=AUTH)
+    assert off.json()["enabled"] is False and off.json()["snapshot"]["trigger"] == "history"
+    assert client.post("/reset-peak", json={"device": 0}, headers=AUTH).json()["devices"] == [0]
+    stats = client.get("/stats", headers=AUTH).json()
+    assert stats["mode"] == "demo" and stats["sample"]["allocators"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "detail"),
+    [
+        ("/snapshot", b"{not json", 422, "invalid request"),
+        ("/snapshot", b'{"record_s": -1}', 422, "record_s"),
+        ("/snapshot", b'{"record_s": 601}', 422, "record_s"),
+        ("/snapshot", b'{"stacks": "cpp"}', 422, "stacks"),
+        ("/snapshot", b'{"surprise": 1}', 422, "surprise"),
+        ("/snapshot", b"[]", 422, "invalid request"),
+        ("/empty-cache", b'{"device": "zero"}', 422, "device"),
+        ("/history", b"{}", 422, "enabled"),
+        ("/snapshot", b'{"x": "' + b"a" * 20000 + b'"}', 413, "16384 bytes"),
+    ],
+)
+def test_bad_requests_get_a_clear_4xx(demo, path, body, status, detail):
+    client, _ = demo
+    response = client.post(path, content=body, headers={**AUTH, "Content-Type": "application/json"})
+    assert response.status_code == status
+    assert detail in response.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    "snapshot_id", ["../../etc/passwd", "..%2F..%2Fetc", "x" * 300, "20260101T000000Z-zzzzzzzz"]
+)
+def test_ids_are_never_paths(demo, snapshot_id):
+    client, _ = demo
+    for method in ("GET", "DELETE"):
+        response = client.request(method, f"/snapshots/{snapshot_id}", headers=AUTH)
+        assert response.status_code == 404
+
+
+def test_live_process_without_cuda_answers_409_not_500(tmp_path):
+    app, _ = make_app(tmp_path, mode="embedded", nvml=False)
+    client = TestClient(app)
+    for path in ("/snapshot", "/empty-cache", "/reset-peak"):
+        response = client.post(path, headers=AUTH)
+        assert response.status_code == 409, (path, response.text)
+        assert "CUDA is not initialized" in response.json()["detail"]
+    assert client.post("/history", json={"enabled": True}, headers=AUTH).status_code == 409
+    assert client.get("/stats", headers=AUTH).json()["replay"] is False
+
+
+def test_retention_keeps_the_newest_within_count_and_bytes(tmp_path):
+    store = SnapshotStore(tmp_path, max_count=3, max_bytes=10_000)
+    ids = [store.write({"segments": [], "n": i}, "api").id for i in range(5)]
+    assert [i.id for i in store.list()] == ids[::-1][:3]
+    assert len(list(tmp_path.glob("*.pickle"))) == 3
+    assert len(list(tmp_path.glob("*.json"))) == 3
+    small = store.list()[0].size_bytes
+    store.max_bytes = 8000 + 3 * small  # the big one plus about one small one
+    big = store.write({"segments": [], "blob": b"x" * 8000}, "api")
+    kept = store.list()
+    assert [i.id for i in kept] == [big.id, ids[-1]]
+    assert sum(i.size_bytes for i in kept) <= store.max_bytes
+    # A restarted exporter finds what is on disk.
+    assert [i.id for i in SnapshotStore(tmp_path).list()] == [big.id, ids[-1]]
+    # The newest is kept even when it alone is over the byte limit.
+    store.max_bytes = 10
+    assert [i.id for i in [store.write({"segments": []}, "api")]] == [store.list()[0].id]
+    assert len(store.list()) == 1

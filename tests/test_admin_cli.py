@@ -1,0 +1,117 @@
+"""The admin API from the outside: CLI clients against a running demo, and a schemathesis run
+of the OpenAPI schema in which no request may get a 5xx."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_tool
+from tests.test_cli import run_cli, running
+
+TOKEN = "cli-test-token"
+
+
+@pytest.fixture
+def demo_env(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    env = {
+        "GPUMEM_ADMIN_TOKEN_FILE": str(token_file),
+        "GPUMEM_SNAPSHOT_DIR": str(tmp_path / "snaps"),
+    }
+    return env, token_file
+
+
+def test_snapshot_view_and_empty_cache_clients(demo_env, tmp_path):
+    env, token_file = demo_env
+    with running("demo", env=env) as url:
+        out = tmp_path / "snap.pickle"
+        proc = run_cli("snapshot", "--url", url, "--token-file", str(token_file), "-o", str(out))
+        assert proc.returncode == 0, proc.stderr
+        assert "replay" in proc.stdout
+        assert pickle.loads(out.read_bytes())["segments"]
+        windowed = tmp_path / "window.pickle"
+        proc = run_cli(
+            "snapshot",
+            "--url",
+            url,
+            "--token-file",
+            str(token_file),
+            "-o",
+            str(windowed),
+            "--record-s",
+            "0.5",
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert windowed.stat().st_size > 0
+        proc = run_cli("empty-cache", "--url", url, "--token-file", str(token_file))
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout)
+        assert result["released_bytes"] > 0 and result["replay"] is True
+        again = run_cli("empty-cache", "--url", url, "--token-file", str(token_file))
+        assert again.returncode == 2 and "HTTP 429" in again.stderr
+    html = tmp_path / "snap.html"
+    proc = run_cli("view", str(out), "-o", str(html))
+    assert proc.returncode == 0, proc.stderr
+    page = html.read_text()
+    assert page.startswith("<!") and "https://" not in page
+
+
+def test_client_errors_are_one_line(demo_env, tmp_path):
+    env, _ = demo_env
+    wrong = tmp_path / "wrong"
+    wrong.write_text("nope")
+    with running("demo", env=env) as url:
+        proc = run_cli(
+            "snapshot", "--url", url, "--token-file", str(wrong), "-o", str(tmp_path / "x")
+        )
+        assert proc.returncode == 2 and "HTTP 401" in proc.stderr
+        assert proc.stderr.count("\n") == 1
+    no_token = run_cli("empty-cache", "--url", url)
+    assert no_token.returncode == 2 and "no admin token" in no_token.stderr
+    missing = run_cli("view", str(tmp_path / "nope.pickle"), "-o", str(tmp_path / "x.html"))
+    assert missing.returncode == 2 and "nope.pickle" in missing.stderr
+    not_pickle = tmp_path / "bad.pickle"
+    not_pickle.write_text("hello")
+    bad = run_cli("view", str(not_pickle), "-o", str(tmp_path / "x.html"))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_no_request_gets_a_server_error(demo_env, tmp_path):
+    # schemathesis is in the test extra: its `st` sits next to this interpreter.
+    st = shutil.which("st", path=str(Path(sys.executable).parent)) or require_tool("st")
+    env, _ = demo_env
+    with running("demo", env=env) as url:
+        proc = subprocess.run(
+            [
+                st,
+                "run",
+                f"{url}/openapi.json",
+                "--checks",
+                "not_a_server_error",
+                "-H",
+                f"Authorization: Bearer {TOKEN}",
+                "-n",
+                "30",
+                "--generation-deterministic",
+                "--request-timeout",
+                "10",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    # It really exercised every operation (the admin ones authenticated) with many cases.
+    tested = re.search(r"Tested: (\d+)", proc.stdout)
+    cases = re.search(r"(\d+) generated, (\d+) passed", proc.stdout)
+    assert tested and int(tested.group(1)) >= 13, proc.stdout[-3000:]
+    assert cases and int(cases.group(1)) >= 200 and cases.group(1) == cases.group(2)

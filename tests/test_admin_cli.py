@@ -108,6 +108,7 @@ def test_no_request_gets_a_server_error(demo_env, tmp_path):
             capture_output=True,
             text=True,
             timeout=600,
+            cwd=tmp_path,  # schemathesis keeps a .schemathesis/ folder in its cwd
         )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     # It really exercised every operation (the admin ones authenticated) with many cases.

@@ -38,6 +38,9 @@ DISABLED = (
     "admin actions are disabled: set GPUMEM_ADMIN_TOKEN or GPUMEM_ADMIN_TOKEN_FILE "
     "(admin_token= / admin_token_file=) to enable them"
 )
+VIEW_CSP = (
+    "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
+)
 REPLAY_NOTE = "replay: answered from data recorded on a real GPU; nothing was changed"
 
 
@@ -118,6 +121,8 @@ class Admin:
         self._last_empty_cache: float | None = None
         self._capture_lock = threading.Lock()
         self._capturing: SnapshotInfo | None = None
+        self._render_lock = threading.Lock()
+        self._pages: dict[str, str] = {}  # snapshot id -> rendered page, oldest first
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -260,6 +265,37 @@ class Admin:
             "snapshot": dumped,
         }
 
+    def render(self, info: SnapshotInfo) -> str:
+        """The viewer page, cached per snapshot: rendering holds the GIL (0.3 s for the demo,
+        seconds for huge snapshots), which an embedded exporter must not repeat per view."""
+        from exporter.viewer import SnapshotError, load_snapshot, render_html
+
+        with self._render_lock:
+            if info.id in self._pages:
+                return self._pages[info.id]
+        meta = {
+            "id": info.id,
+            "trigger": info.trigger,
+            "mode": self.mode,
+            "replay": self.actions.replay,
+            **info.meta,
+        }
+        try:
+            page = render_html(
+                load_snapshot(self.actions.store.path(info)),
+                title=f"GPU memory snapshot {info.id}",
+                meta=meta,
+            )
+        except SnapshotError as exc:
+            raise AdminError(
+                409, f"snapshot {info.id} cannot be rendered: {exc}", "conflict"
+            ) from None
+        with self._render_lock:
+            self._pages[info.id] = page
+            while len(self._pages) > 4:
+                self._pages.pop(next(iter(self._pages)))
+        return page
+
     def stats(self) -> dict[str, Any]:
         sample = self.sampler.latest
         firing = [
@@ -383,25 +419,11 @@ def add_admin_routes(app: FastAPI, admin: Admin) -> None:
     @guarded("view")
     async def view_snapshot(request: Request, snapshot_id: str) -> Response:
         """A self-contained HTML page (no external resource) of the snapshot."""
-        from exporter.viewer import load_snapshot, render_html
-
         info = _ready(snapshot_id)
-
-        def render() -> str:
-            meta = {
-                "id": info.id,
-                "trigger": info.trigger,
-                "mode": admin.mode,
-                "replay": admin.actions.replay,
-                **info.meta,
-            }
-            return render_html(
-                load_snapshot(admin.actions.store.path(info)),
-                title=f"GPU memory snapshot {info.id}",
-                meta=meta,
-            )
-
-        return HTMLResponse(await run_in_threadpool(render))
+        html = await run_in_threadpool(admin.render, info)
+        return HTMLResponse(
+            html, headers={"Content-Security-Policy": VIEW_CSP, "X-Content-Type-Options": "nosniff"}
+        )
 
     @app.delete("/snapshots/{snapshot_id}", tags=tags, status_code=204)
     @guarded("delete")

@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay a trace recorded on a real GPU, no GPU needed",
         description="Serve the metrics of a recorded trace at the pace it was recorded, "
         "looping. Without --trace, plays the trace shipped with the package "
-        "(an H100 serving inference-like traffic, then fragmenting, retrying and "
+        "(an H200 serving inference-like traffic, then fragmenting, retrying and "
         "running out of memory).",
     )
     _add_server_flags(demo)

@@ -107,6 +107,7 @@ def start(
             mode="embedded",
             sources=live_sources(config, torch=True),
             listeners=all_listeners,
+            on_alert=[on_alert] if on_alert else [],
         )
         handle = Handle(runtime, recorder=recorder)
         runtime.sampler.start()
@@ -158,7 +159,11 @@ def attach(
             return _handle
         config = load_config(interval_s=interval_s, labels=labels, **settings)
         runtime = build_runtime(
-            config, mode="embedded", sources=live_sources(config, torch=True), registry=registry
+            config,
+            mode="embedded",
+            sources=live_sources(config, torch=True),
+            registry=registry,
+            on_alert=[on_alert] if on_alert else [],
         )
         paths = {getattr(route, "path", None) for route in app.routes}
         add_routes(app, runtime, include_metrics="/metrics" not in paths)

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict
 from typing import Any
@@ -385,6 +386,149 @@ def remediation() -> dict[str, Any]:
         "retries": flat["num_alloc_retries"],
         "ooms": flat["num_ooms"],
     }
+
+
+def _post(url: str, token: str, body: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body or {}).encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _get(url: str, token: str) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return response.status, response.read()
+
+
+def admin_http() -> dict[str, Any]:
+    """The admin API in a real CUDA process: snapshots (immediate, windowed), view,
+    empty_cache, history, reset-peak, stats."""
+    import pickle
+    import tempfile
+    import threading
+
+    import torch
+
+    import exporter
+
+    token = "gpu-test-token"
+    snapshot_dir = tempfile.mkdtemp()
+    handle = exporter.start(
+        port=0,
+        interval_s=0.05,
+        admin_token=token,
+        snapshot_dir=snapshot_dir,
+        empty_cache_cooldown_s=0,
+    )
+    base = handle.url
+    result: dict[str, Any] = {}
+    keep = [torch.empty((i % 7 + 1) * MiB, dtype=torch.uint8, device="cuda:0") for i in range(40)]
+    cached = torch.empty(512 * MiB, dtype=torch.uint8, device="cuda:0")
+    del cached
+    torch.cuda.synchronize()
+    time.sleep(0.2)
+    status, info = _post(f"{base}/snapshot", token)
+    result["immediate_status"] = status
+    _, raw = _get(f"{base}/snapshots/{info['id']}", token)
+    snap = pickle.loads(raw)
+    result["immediate_segments"] = len(snap["segments"])
+    result["immediate_devices"] = sorted({s["device"] for s in snap["segments"]})
+    result["immediate_reserved"] = sum(s["total_size"] for s in snap["segments"])
+    result["truth_reserved"] = torch.cuda.memory_reserved(0)
+    status, page = _get(f"{base}/snapshots/{info['id']}/view", token)
+    result["view_status"] = status
+    result["view_bytes"] = len(page)
+    result["view_external"] = b"https://" in page or b"http://" in page
+
+    # Windowed: allocations made while recording must show up in the trace.
+    status, window = _post(f"{base}/snapshot", token, {"record_s": 1.0})
+    result["window_status"] = status
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            t = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda:0")
+            del t
+            time.sleep(0.005)
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    busy_status, _ = _post(f"{base}/snapshot", token)
+    result["busy_status"] = busy_status
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        _, listing = _get(f"{base}/snapshots", token)
+        entry = next(s for s in json.loads(listing)["snapshots"] if s["id"] == window["id"])
+        if entry["status"] != "recording":
+            break
+        time.sleep(0.1)
+    stop.set()
+    worker.join()
+    result["window_final_status"] = entry["status"]
+    _, raw = _get(f"{base}/snapshots/{window['id']}", token)
+    windowed = pickle.loads(raw)
+    traces = windowed.get("device_traces", [[]])
+    result["window_trace_entries"] = sum(len(t) for t in traces)
+    result["window_actions"] = sorted({e["action"] for t in traces for e in t})
+    result["window_frames"] = any(e.get("frames") for t in traces for e in t)
+    result["history_after_window"] = json.loads(_get(f"{base}/history", token)[1])["enabled"]
+    status, page = _get(f"{base}/snapshots/{window['id']}/view", token)
+    result["window_view_status"] = status
+
+    status, cleared = _post(f"{base}/empty-cache", token)
+    result["empty_cache_status"] = status
+    result["empty_cache"] = cleared
+    result["reserved_after_empty_cache"] = torch.cuda.memory_reserved(0)
+    status, hist = _post(f"{base}/history", token, {"enabled": True, "max_entries": 1000})
+    result["history_on"] = (status, hist["enabled"])
+    status, hist = _post(f"{base}/history", token, {"enabled": False})
+    result["history_off"] = (status, hist["enabled"], bool(hist["snapshot"]))
+    peak_before = torch.cuda.max_memory_allocated(0)
+    status, reset = _post(f"{base}/reset-peak", token, {"device": 0})
+    result["reset_peak"] = (
+        status,
+        reset["devices"],
+        peak_before,
+        torch.cuda.max_memory_allocated(0),
+        torch.cuda.memory_allocated(0),
+    )
+    _, stats = _get(f"{base}/stats", token)
+    result["stats_allocators"] = len(json.loads(stats)["sample"]["allocators"])
+    del keep
+    handle.stop()
+    return result
+
+
+def oom_exit() -> dict[str, Any]:
+    """An uncaught OOM ends the process; the OOM snapshot must be on disk all the same."""
+    import torch
+
+    import exporter
+
+    snapshot_dir = os.environ["SNAPSHOT_DIR"]
+    exporter.start(
+        serve_http=False,
+        interval_s=0.02,
+        oom_snapshot=True,
+        snapshot_dir=snapshot_dir,
+        history_max_entries=5000,
+    )
+    torch.cuda.set_per_process_memory_fraction(
+        (1 << 30) / torch.cuda.get_device_properties(0).total_memory, 0
+    )
+    held = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda:0")
+    time.sleep(0.3)  # the sampler sees CUDA in use and arms the observer and history
+    torch.empty(2 << 30, dtype=torch.uint8, device="cuda:0")  # raises: the process dies
+    del held
+    return {"unreachable": True}
 
 
 SCENARIOS = {

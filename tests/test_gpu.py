@@ -196,3 +196,48 @@ def test_detectors_fire_and_remediation_acts(monkeypatch):
     assert r["remediations"].get("snapshot:ok") == 1, r
     assert r["snapshots"] == {"remediation": 1} and len(r["snapshot_files"]) == 1
     assert r["released_total"] > 0
+
+
+def test_admin_api_on_a_real_allocator():
+    r = run_scenario("admin_http")
+    assert r["immediate_status"] == 201 and r["immediate_devices"] == [0]
+    assert r["immediate_reserved"] == r["truth_reserved"]
+    assert r["view_status"] == 200 and not r["view_external"]
+    assert r["window_status"] == 202 and r["busy_status"] == 409
+    assert r["window_final_status"] == "ready"
+    assert r["window_trace_entries"] > 10 and {"alloc", "free_completed"} <= set(
+        r["window_actions"]
+    )
+    assert r["window_frames"] and r["window_view_status"] == 200
+    assert r["history_after_window"] is False  # the window stopped what it started
+    assert r["empty_cache_status"] == 200
+    released = r["empty_cache"]["released_bytes"]
+    assert released >= 512 * MiB and r["empty_cache"]["replay"] is False
+    assert r["empty_cache"]["reserved_after_bytes"]["0"] == r["reserved_after_empty_cache"]
+    assert r["history_on"] == [200, True] and r["history_off"] == [200, False, True]
+    status, devices, peak_before, peak_after, current = r["reset_peak"]
+    assert status == 200 and devices == [0] and peak_after == current <= peak_before
+    assert r["stats_allocators"] == 1
+
+
+def test_oom_snapshot_survives_the_process_dying(tmp_path):
+    import pickle
+
+    env = dict(os.environ, SNAPSHOT_DIR=str(tmp_path))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tests" / "gpu_scenarios.py"), "oom_exit"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0 and "OutOfMemoryError" in proc.stderr
+    files = sorted(tmp_path.glob("*_oom.pickle"))
+    assert len(files) == 1, (list(tmp_path.iterdir()), proc.stderr[-3000:])
+    snapshot = pickle.loads(files[0].read_bytes())
+    assert snapshot["segments"]
+    actions = {e["action"] for t in snapshot["device_traces"] for e in t}
+    assert "oom" in actions  # history was on since start-up, so the OOM itself is recorded
+    meta = json.loads(files[0].with_name(files[0].name + ".json").read_text())
+    assert meta["meta"]["alloc_size"] >= 2 << 30

@@ -134,3 +134,25 @@ def test_attach_adds_metrics_when_the_app_has_none(stopped):
     app = FastAPI()
     exporter.attach(app, registry=registry, interval_s=0.05).sampler.tick()
     assert "gpumem_exporter_source_up" in TestClient(app).get("/metrics").text
+
+
+def test_on_alert_reaches_the_callers_callback(stopped):
+    from exporter.sample import AllocatorReading, Sample
+
+    events = []
+    handle = exporter.start(serve_http=False, on_alert=events.append)
+    sample = Sample(
+        timestamp=1.0,
+        allocators=[
+            AllocatorReading(
+                device=0,
+                gpu_uuid="GPU-x",
+                backend="native",
+                expandable_segments=False,
+                gauges={"reserved_bytes": 1, "allocated_bytes": 1},
+                counters={"ooms": 1},
+            )
+        ],
+    )
+    handle.runtime.detectors(sample)
+    assert [(e.alert, e.state) for e in events] == [("GpuMemOutOfMemory", "firing")]

@@ -1,0 +1,1 @@
+"""Examples of using gpumem-exporter; not part of the installed package."""

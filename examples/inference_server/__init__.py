@@ -1,0 +1,1 @@
+"""A small FastAPI + PyTorch inference server that embeds gpumem-exporter."""

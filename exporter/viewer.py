@@ -1,0 +1,1124 @@
+"""A self-contained, offline HTML viewer for PyTorch CUDA allocator snapshots.
+
+`torch.cuda._memory_viz` writes pages that load MemoryViz.js and d3 from public CDNs, so they
+are blank on an air-gapped cluster. This module renders the same data (the dict returned by
+`torch.cuda.memory._snapshot()`) into one HTML page that loads nothing: the SVG and HTML are
+built here in Python, the CSS is inline, there is no script, and a Content-Security-Policy meta
+tag blocks any external load that slips in.
+
+`load_snapshot` reads a snapshot file (plain or gzip-compressed pickle) with a restricted
+unpickler, because a snapshot may be an upload from an untrusted source and pickle can run
+code. `render_html` is a pure function of the snapshot dict.
+"""
+
+from __future__ import annotations
+
+import gzip
+import html
+import io
+import math
+import os
+import pickle
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+__all__ = ["SnapshotError", "load_snapshot", "render_html"]
+
+NO_HISTORY_MESSAGE = (
+    "no allocation history was recorded: enable it with POST /history or record_s=N"
+)
+
+# A snapshot is built from dicts, lists, tuples, str, int, float, bool and None, which pickle
+# encodes with opcodes of its own: the demo snapshot (protocol 4) needs no global at all.
+# Older protocols encode sets and bytes through these callables, and a snapshot that passed
+# through other tools may hold an OrderedDict. Each is harmless to call with any argument.
+# Everything else (os.system, builtins.eval, copyreg._reconstructor, torch classes) is refused.
+_ALLOWED_GLOBALS = frozenset(
+    {
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("collections", "OrderedDict"),
+        ("_codecs", "encode"),  # bytes pickled with protocol 0-2
+    }
+)
+
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+class SnapshotError(ValueError):
+    """The file is not a readable allocator snapshot; str() is a one-line reason."""
+
+
+class _SnapshotUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        # Protocols 0-2 name the builtins module as Python 2 did.
+        module = "builtins" if module == "__builtin__" else module
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        raise SnapshotError(
+            f"refusing to unpickle {module}.{name}: an allocator snapshot holds only plain "
+            "dicts, lists and numbers"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise SnapshotError("refusing a pickle with persistent ids: not an allocator snapshot")
+
+
+def load_snapshot(path: str | os.PathLike[str], *, max_bytes: int = 1 << 30) -> dict[str, Any]:
+    """Read a snapshot written with pickle.dump, optionally gzip-compressed.
+
+    The format is detected from the magic bytes, not the file name. `max_bytes` caps the
+    uncompressed size, so that a small gzip bomb cannot exhaust memory.
+    """
+    name = os.fspath(path)
+    try:
+        with open(name, "rb") as raw:
+            head = raw.read(2)
+            raw.seek(0)
+            if head == _GZIP_MAGIC:
+                with gzip.GzipFile(fileobj=raw) as unzipped:
+                    data = unzipped.read(max_bytes + 1)
+            else:
+                data = raw.read(max_bytes + 1)
+    except FileNotFoundError:
+        raise SnapshotError(f"{name}: no such file") from None
+    except IsADirectoryError:
+        raise SnapshotError(f"{name}: is a directory, not a snapshot file") from None
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        raise SnapshotError(f"{name}: cannot read: {exc}") from None
+    if len(data) > max_bytes:
+        raise SnapshotError(f"{name}: larger than {_fmt_bytes(max_bytes)} uncompressed")
+    if not data:
+        raise SnapshotError(f"{name}: empty file, not a snapshot")
+    try:
+        obj = _SnapshotUnpickler(io.BytesIO(data)).load()
+    except SnapshotError as exc:
+        raise SnapshotError(f"{name}: {exc}") from None
+    except Exception as exc:  # any malformed byte string; pickle raises many types
+        raise SnapshotError(f"{name}: not a pickle file ({type(exc).__name__})") from None
+    if not isinstance(obj, dict) or "segments" not in obj:
+        kind = type(obj).__name__
+        raise SnapshotError(
+            f"{name}: a pickled {kind} without 'segments': not an allocator snapshot"
+        )
+    return obj
+
+
+# -- normalised model ------------------------------------------------------------------------
+# The snapshot may come from any torch version (keys appear and disappear) or from an upload,
+# so values are read defensively once here and the renderers work on typed records.
+
+ALLOCATED, PENDING, INACTIVE = "active_allocated", "active_pending_free", "inactive"
+
+
+def _int(value: Any) -> int:
+    if type(value) is int:  # the common case, first: this runs for every block and event
+        return value
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return int(value)
+    return 0
+
+
+def _list(value: Any) -> Sequence[Any]:
+    return value if isinstance(value, (list, tuple)) else ()
+
+
+class Frame(NamedTuple):  # a NamedTuple: built for every frame of every block, and hashable
+    filename: str
+    line: int
+    name: str
+
+    def text(self) -> str:
+        return f"{self.filename}:{self.line} {self.name}"
+
+
+def _frames(value: Any) -> tuple[Frame, ...]:
+    return tuple(
+        Frame(str(f.get("filename", "?")), _int(f.get("line")), str(f.get("name", "?")))
+        for f in _list(value)
+        if isinstance(f, dict)
+    )
+
+
+@dataclass
+class Block:
+    address: int
+    size: int
+    requested_size: int
+    state: str
+    frames: tuple[Frame, ...]
+
+
+@dataclass
+class Segment:
+    device: int
+    address: int
+    total_size: int
+    stream: int
+    segment_type: str
+    pool: str
+    is_expandable: bool
+    blocks: list[Block]
+    # Used when a snapshot has no block list (very old torch): segment-level sums.
+    allocated_size: int = 0
+    active_size: int = 0
+
+    @property
+    def allocated(self) -> int:
+        if not self.blocks:
+            return self.allocated_size
+        return sum(b.size for b in self.blocks if b.state == ALLOCATED)
+
+    @property
+    def active(self) -> int:
+        if not self.blocks:
+            return self.active_size
+        return sum(b.size for b in self.blocks if b.state != INACTIVE)
+
+
+@dataclass
+class TraceEntry:
+    action: str
+    addr: int
+    size: int
+    stream: int
+    time_us: int
+    # The entries' frames are not read: the page does not show them, and parsing them was
+    # two thirds of the render time on a 100k-entry history.
+
+
+def _segments(snapshot: Mapping[str, Any]) -> list[Segment]:
+    segments = []
+    for s in _list(snapshot.get("segments")):
+        if not isinstance(s, dict):
+            continue
+        blocks = []
+        for b in _list(s.get("blocks")):
+            if not isinstance(b, dict):
+                continue
+            state = str(b.get("state", INACTIVE))
+            # A free block's frames (if any) are its last user's: not shown, so not parsed.
+            frames = _frames(b.get("frames")) if state != INACTIVE else ()
+            blocks.append(
+                Block(
+                    _int(b.get("address")),
+                    _int(b.get("size")),
+                    _int(b.get("requested_size")),
+                    state,
+                    frames,
+                )
+            )
+        pool = s.get("segment_pool_id", (0, 0))
+        pool_text = ",".join(str(p) for p in pool) if isinstance(pool, list | tuple) else str(pool)
+        segments.append(
+            Segment(
+                device=_int(s.get("device")),
+                address=_int(s.get("address")),
+                total_size=_int(s.get("total_size")),
+                stream=_int(s.get("stream")),
+                segment_type=str(s.get("segment_type", "?")),
+                pool=pool_text,
+                is_expandable=bool(s.get("is_expandable", False)),
+                blocks=blocks,
+                allocated_size=_int(s.get("allocated_size")),
+                active_size=_int(s.get("active_size")),
+            )
+        )
+    return segments
+
+
+def _traces(snapshot: Mapping[str, Any]) -> dict[int, list[TraceEntry]]:
+    """device -> entries in time order; device_traces holds one list per device index."""
+    traces: dict[int, list[TraceEntry]] = {}
+    for device, entries in enumerate(_list(snapshot.get("device_traces"))):
+        parsed = [
+            TraceEntry(
+                str(e.get("action", "?")),
+                _int(e.get("addr")),
+                _int(e.get("size")),
+                _int(e.get("stream")),
+                _int(e.get("time_us")),
+            )
+            for e in _list(entries)
+            if isinstance(e, dict)
+        ]
+        if parsed:
+            parsed.sort(key=lambda e: e.time_us)  # already in order; cheap insurance
+            traces[device] = parsed
+    return traces
+
+
+# -- formatting ------------------------------------------------------------------------------
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _fmt_bytes(n: float) -> str:
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{sign}{int(n)} B"
+            digits = 2 if n < 10 else 1 if n < 100 else 0
+            return f"{sign}{n:.{digits}f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "n/a"
+
+
+def _hex(addr: int) -> str:
+    return f"0x{addr:x}"
+
+
+# Frames in torch's own code (and C++ frames with stacks="all") say little about who
+# allocated: the summary line of a stack shows the innermost frame outside them.
+_LIBRARY_MARKERS = ("/torch/", "/site-packages/", "/dist-packages/", "<frozen ")
+
+
+def _user_frame(frames: Sequence[Frame]) -> Frame | None:
+    python = [f for f in frames if f.filename.endswith(".py")]
+    for f in python:
+        if not any(m in f.filename for m in _LIBRARY_MARKERS):
+            return f
+    if python:
+        return python[0]
+    return frames[0] if frames else None
+
+
+MAX_FRAMES_SHOWN = 40
+
+
+def _stack_html(frames: Sequence[Frame]) -> str:
+    """A collapsible stack, innermost frame first (the order torch records them in)."""
+    if not frames:
+        return '<span class="muted">no stack recorded</span>'
+    top = _user_frame(frames)
+    summary = _e(top.text()) if top else ""
+    shown = frames[:MAX_FRAMES_SHOWN]
+    lines = "".join(f"<li>{_e(f.text())}</li>" for f in shown)
+    if len(frames) > len(shown):
+        lines += f'<li class="muted">… {len(frames) - len(shown)} more frames</li>'
+    return (
+        f"<details><summary><code>{summary}</code> "
+        f'<span class="muted">({len(frames)} frames)</span></summary>'
+        f'<ol class="stack">{lines}</ol></details>'
+    )
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]], cls: str = "") -> str:
+    """Cells are HTML already (callers escape); header cells are escaped here."""
+    head = "".join(f"<th>{_e(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+# -- summary ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Totals:
+    reserved: int = 0
+    allocated: int = 0
+    pending: int = 0
+    inactive: int = 0
+    requested: int = 0
+    fragmented: int = 0  # inactive bytes in segments that hold an active block
+    releasable: int = 0  # segments with nothing active: empty_cache frees them
+    largest_free: int = 0
+    segments: int = 0
+    blocks: int = 0
+    expandable: int = 0
+    pools: set[str] = field(default_factory=set)
+
+    @property
+    def active(self) -> int:
+        return self.allocated + self.pending
+
+    def add(self, seg: Segment) -> None:
+        self.reserved += seg.total_size
+        self.segments += 1
+        self.blocks += len(seg.blocks)
+        self.expandable += seg.is_expandable
+        self.pools.add(seg.pool)
+        active = seg.active
+        if seg.blocks:
+            self.allocated += sum(b.size for b in seg.blocks if b.state == ALLOCATED)
+            self.pending += sum(b.size for b in seg.blocks if b.state == PENDING)
+            self.requested += sum(b.requested_size for b in seg.blocks if b.state != INACTIVE)
+            free = [b.size for b in seg.blocks if b.state == INACTIVE]
+            inactive = sum(free)
+            self.largest_free = max([self.largest_free, *free])
+        else:
+            self.allocated += seg.allocated_size
+            self.pending += max(0, seg.active_size - seg.allocated_size)
+            inactive = max(0, seg.total_size - seg.active_size)
+        self.inactive += inactive
+        if active:
+            self.fragmented += inactive
+        else:
+            self.releasable += seg.total_size
+
+
+def _totals(segments: Iterable[Segment]) -> Totals:
+    t = Totals()
+    for s in segments:
+        t.add(s)
+    return t
+
+
+def _summary_html(
+    segments: list[Segment],
+    devices: list[int],
+    traces: dict[int, list[TraceEntry]],
+    snapshot: Mapping[str, Any],
+) -> str:
+    total = _totals(segments)
+    ooms = sum(1 for entries in traces.values() for e in entries if e.action == "oom")
+    cards = [
+        ("Reserved", _fmt_bytes(total.reserved), f"{total.segments} segments", ""),
+        (
+            "Allocated",
+            _fmt_bytes(total.allocated),
+            f"{_pct(total.allocated, total.reserved)} of reserved, {total.blocks} blocks",
+            "",
+        ),
+        (
+            "Free in cache",
+            _fmt_bytes(total.inactive),
+            f"{_fmt_bytes(total.releasable)} in fully free segments",
+            "",
+        ),
+        (
+            "Fragmentation",
+            _pct(total.fragmented, total.reserved),
+            f"{_fmt_bytes(total.fragmented)} free inside used segments",
+            "warn" if total.reserved and total.fragmented / total.reserved > 0.2 else "",
+        ),
+        (
+            "Largest free block",
+            _fmt_bytes(total.largest_free),
+            "biggest allocation that fits without a new segment",
+            "",
+        ),
+        (
+            "OOMs recorded",
+            str(ooms),
+            "in the recorded history" if traces else "no history recorded",
+            "bad" if ooms else "",
+        ),
+    ]
+    cards_html = "".join(
+        f'<div class="card {cls}"><div class="label">{_e(label)}</div>'
+        f'<div class="value">{_e(value)}</div><div class="sub">{_e(sub)}</div></div>'
+        for label, value, sub, cls in cards
+    )
+
+    rows = []
+    for d in devices:
+        t = _totals(s for s in segments if s.device == d)
+        rows.append(
+            [
+                f"cuda:{d}",
+                _fmt_bytes(t.reserved),
+                _fmt_bytes(t.allocated),
+                _fmt_bytes(t.pending),
+                _fmt_bytes(t.active),
+                _fmt_bytes(t.inactive),
+                _fmt_bytes(t.requested),
+                _pct(t.fragmented, t.reserved),
+                _fmt_bytes(t.releasable),
+                _fmt_bytes(t.largest_free),
+                str(t.segments),
+                str(t.blocks),
+                str(len(t.pools)),
+                str(len(traces.get(d, []))),
+            ]
+        )
+    device_table = _table(
+        [
+            "device",
+            "reserved",
+            "allocated",
+            "pending free",
+            "active",
+            "inactive (free)",
+            "requested",
+            "fragmentation",
+            "in free segments",
+            "largest free block",
+            "segments",
+            "blocks",
+            "pools",
+            "history entries",
+        ],
+        rows,
+        "num",
+    )
+    notes = [
+        "Active = allocated + pending free (freed by the program, waiting on a stream event). "
+        "Fragmentation = free bytes in segments that still hold an active block, over reserved: "
+        "that memory can only be reused by allocations that fit into the holes, and "
+        "<code>empty_cache()</code> cannot release it. Bytes in fully free segments can be "
+        "released by <code>empty_cache()</code>."
+    ]
+    if total.expandable:
+        notes.append(
+            f"{total.expandable} expandable segment(s): sizes are mapped memory and the largest "
+            "free block understates what fits, because the segment can grow."
+        )
+    n_traces = len(_list(snapshot.get("device_traces")))
+    if n_traces > len(devices):
+        notes.append(
+            f"The process had {n_traces} CUDA devices; devices without segments or history "
+            "are not shown."
+        )
+    notes_html = "".join(f'<p class="note">{n}</p>' for n in notes)
+    return f'<div class="cards">{cards_html}</div>{device_table}{notes_html}'
+
+
+def _settings_html(settings: Any) -> str:
+    if not isinstance(settings, Mapping) or not settings:
+        return '<p class="muted">No allocator settings in this snapshot (older torch).</p>'
+    rows = []
+    for key in sorted(settings, key=str):
+        value = settings[key]
+        if isinstance(value, Mapping):
+            # roundup_power2_divisions: 16 buckets, almost always all zero.
+            nonzero = [f"{k}={v}" for k, v in value.items() if v]
+            text = ", ".join(nonzero) if nonzero else f"all {len(value)} entries 0"
+        elif value == "" or value is None:
+            text = "(unset)"
+        elif key == "max_split_size" and value == -1:
+            text = "-1 (no limit: any free block may be split)"
+        else:
+            text = str(value)
+        rows.append([f"<code>{_e(key)}</code>", _e(text)])
+    return _table(["setting", "value"], rows, "kv")
+
+
+def _meta_html(meta: Mapping[str, Any] | None) -> str:
+    if not meta:
+        return ""
+    items = "".join(
+        f"<span><b>{_e(k)}</b> {_e('yes' if v is True else 'no' if v is False else v)}</span>"
+        for k, v in meta.items()
+    )
+    return f'<div class="meta">{items}</div>'
+
+
+# -- segment map -----------------------------------------------------------------------------
+
+MAP_WIDTH_PX = 1240  # fixed, so that bar widths can be worked out here
+MAP_TARGET_ROWS = 24  # the whole reserved memory of a device fills about this many rows
+MIN_SEGMENT_PX = 6
+MIN_BLOCK_PX = 2.0
+
+_STATE_CLASS = {ALLOCATED: "a", PENDING: "p"}
+
+
+def _block_title(b: Block, seg: Segment) -> str:
+    state = {ALLOCATED: "allocated", PENDING: "pending free"}.get(b.state, "free")
+    text = f"{state} {_fmt_bytes(b.size)} at {_hex(b.address)}"
+    if b.state != INACTIVE:
+        text += f" (requested {_fmt_bytes(b.requested_size)})"
+        top = _user_frame(b.frames)
+        text += f"\n{top.text()}" if top else "\nno stack recorded"
+    return text
+
+
+def _segment_html(seg: Segment, width: float) -> str:
+    """One segment: a bar of fixed pixel width, blocks as percentages of it.
+
+    Runs of blocks too narrow to see are merged into one piece coloured by the state that
+    holds most of their bytes, so that a segment never draws more pieces than it has pixels.
+    """
+    active = seg.active
+    free_cls = "f" if active else "r"  # free in a used segment vs. a releasable segment
+    title = (
+        f"segment {_hex(seg.address)}: {_fmt_bytes(seg.total_size)} {seg.segment_type} pool, "
+        f"pool id {seg.pool}, stream {seg.stream}{', expandable' if seg.is_expandable else ''}\n"
+        f"allocated {_fmt_bytes(seg.allocated)}, active {_fmt_bytes(active)}, "
+        f"free {_fmt_bytes(seg.total_size - active)}, {len(seg.blocks)} blocks"
+    )
+    total = seg.total_size or 1
+    pieces: list[str] = []
+    run: list[Block] = []
+    run_size = 0
+
+    def flush_run() -> None:
+        nonlocal run_size
+        if not run:
+            return
+        size, run_size = run_size, 0
+        by_state: Counter[str] = Counter()
+        for b in run:
+            by_state[b.state] += b.size
+        state = by_state.most_common(1)[0][0]
+        cls = _STATE_CLASS.get(state, free_cls)
+        detail = ", ".join(
+            f"{s.replace('active_', '')} {_fmt_bytes(n)}" for s, n in by_state.items()
+        )
+        t = f"{len(run)} small blocks ({_fmt_bytes(size)}): {detail}"
+        pieces.append(
+            f'<i class="{cls}" style="width:{100 * size / total:.3f}%" title="{_e(t)}"></i>'
+        )
+        run.clear()
+
+    blocks = seg.blocks or [
+        # No block list: draw the segment-level split.
+        Block(seg.address, seg.allocated_size, seg.allocated_size, ALLOCATED, ()),
+        Block(0, max(0, seg.active_size - seg.allocated_size), 0, PENDING, ()),
+        Block(0, max(0, seg.total_size - seg.active_size), 0, INACTIVE, ()),
+    ]
+    for b in blocks:
+        if b.size <= 0:
+            continue
+        if width * b.size / total < MIN_BLOCK_PX:
+            run.append(b)
+            run_size += b.size
+            if run_size * width / total >= MIN_BLOCK_PX:
+                flush_run()
+            continue
+        flush_run()
+        cls = _STATE_CLASS.get(b.state, free_cls)
+        pieces.append(
+            f'<i class="{cls}" style="width:{100 * b.size / total:.3f}%" '
+            f'title="{_e(_block_title(b, seg))}"></i>'
+        )
+    flush_run()
+    return (
+        f'<div class="seg{" x" if seg.is_expandable else ""}" style="width:{width:.0f}px" '
+        f'title="{_e(title)}">{"".join(pieces)}</div>'
+    )
+
+
+def _segment_map_html(segments: list[Segment], device: int, max_segments: int) -> str:
+    segs = [s for s in segments if s.device == device and s.total_size > 0]
+    if not segs:
+        return '<p class="muted">No segments on this device.</p>'
+    left_out: list[Segment] = []
+    max_segments = max(1, max_segments)
+    if len(segs) > max_segments:
+        # Keep the biggest; the rest are summarised, so thousands of 2 MiB segments from
+        # the small pool cannot make the page unusable.
+        segs.sort(key=lambda s: s.total_size, reverse=True)
+        segs, left_out = segs[:max_segments], segs[max_segments:]
+    reserved = sum(s.total_size for s in segs)
+    px_per_byte = MAP_WIDTH_PX * MAP_TARGET_ROWS / reserved
+    smallest_true = math.ceil(MIN_SEGMENT_PX / px_per_byte)
+
+    pools: dict[str, list[Segment]] = {}
+    for s in segs:
+        pools.setdefault(s.pool, []).append(s)
+    parts = []
+    for pool in sorted(pools, key=lambda p: (p != "0,0", p)):
+        members = sorted(pools[pool], key=lambda s: s.address)
+        t = _totals(members)
+        label = "default pool" if pool == "0,0" else "private pool (CUDA graphs / mempool)"
+        bars = "".join(
+            _segment_html(s, min(MAP_WIDTH_PX, max(MIN_SEGMENT_PX, s.total_size * px_per_byte)))
+            for s in members
+        )
+        parts.append(
+            f"<h4>{_e(label)} <code>({_e(pool)})</code>: {t.segments} segments, "
+            f"{_fmt_bytes(t.reserved)} reserved, {_fmt_bytes(t.allocated)} allocated, "
+            f"fragmentation {_pct(t.fragmented, t.reserved)}</h4>"
+            f'<div class="map" style="width:{MAP_WIDTH_PX}px">{bars}</div>'
+        )
+    scale = (
+        f"Width is proportional to size ({_fmt_bytes(1 / px_per_byte)} per pixel); segments "
+        f"smaller than {_fmt_bytes(smallest_true)} are drawn {MIN_SEGMENT_PX} px wide. "
+        "Segments are in address order within each pool; hover for sizes, addresses and "
+        "the allocating frame."
+    )
+    if left_out:
+        scale += (
+            f" <b>{len(left_out)} smaller segments "
+            f"({_fmt_bytes(sum(s.total_size for s in left_out))}) are not drawn</b>: only the "
+            f"{max_segments} largest are."
+        )
+    return f'<p class="note">{scale}</p>{"".join(parts)}'
+
+
+_LEGEND = (
+    '<div class="legend">'
+    '<span><i class="a"></i>allocated</span>'
+    '<span><i class="p"></i>pending free (freed, waiting on a stream)</span>'
+    '<span><i class="f"></i>free inside a used segment (fragmentation)</span>'
+    '<span><i class="r"></i>free segment (empty_cache releases it)</span>'
+    "</div>"
+)
+
+
+# -- biggest allocations and allocation sites ------------------------------------------------
+
+
+def _top_blocks_html(segments: list[Segment], top_n: int) -> str:
+    live = [(b, s) for s in segments for b in s.blocks if b.state != INACTIVE]
+    if not live:
+        return '<p class="muted">No live allocations.</p>'
+    live.sort(key=lambda bs: bs[0].size, reverse=True)
+    rows = []
+    for i, (b, s) in enumerate(live[:top_n], 1):
+        state = "allocated" if b.state == ALLOCATED else "pending free"
+        rows.append(
+            [
+                str(i),
+                f"<b>{_e(_fmt_bytes(b.size))}</b>",
+                _e(_fmt_bytes(b.requested_size)),
+                f"<code>{_hex(b.address)}</code>",
+                _e(state),
+                f"<code>{_hex(s.address)}</code> "
+                f"{_e(_fmt_bytes(s.total_size))} {_e(s.segment_type)}",
+                f"cuda:{s.device} / {s.stream}",
+                _stack_html(b.frames),
+            ]
+        )
+    note = (
+        f'<p class="note">{min(top_n, len(live))} of {len(live)} live blocks '
+        f"({_fmt_bytes(sum(b.size for b, _ in live))}). Stacks are innermost frame first; the "
+        "summary line is the innermost frame outside torch and site-packages. Blocks allocated "
+        "before history recording started have no stack.</p>"
+    )
+    table = _table(
+        ["#", "size", "requested", "address", "state", "segment", "device / stream", "stack"],
+        rows,
+        "top",
+    )
+    return note + table
+
+
+def _sites_html(segments: list[Segment], top_n: int = 15) -> str:
+    """Live bytes grouped by allocating stack: where a leak or a big cache lives."""
+    sites: dict[tuple[Frame, ...], list[int]] = {}
+    for s in segments:
+        for b in s.blocks:
+            if b.state != INACTIVE:
+                entry = sites.setdefault(b.frames, [0, 0])
+                entry[0] += b.size
+                entry[1] += 1
+    if not sites:
+        return '<p class="muted">No live allocations.</p>'
+    total = sum(v[0] for v in sites.values())
+    ranked = sorted(sites.items(), key=lambda kv: kv[1][0], reverse=True)
+    rows = [
+        [
+            f"<b>{_e(_fmt_bytes(size))}</b>",
+            _e(_pct(size, total)),
+            str(count),
+            _stack_html(frames),
+        ]
+        for frames, (size, count) in ranked[:top_n]
+    ]
+    note = f'<p class="note">{len(sites)} distinct stacks; the top {len(rows)} by live bytes.</p>'
+    return note + _table(["live bytes", "share", "blocks", "stack"], rows, "top")
+
+
+# -- timeline --------------------------------------------------------------------------------
+
+CHART_W, CHART_H = 1240, 320
+PAD_L, PAD_R, PAD_T, PAD_B = 78, 16, 22, 46
+
+_MARKERS = {
+    "segment_alloc": ("#1a9850", "segment allocated (cudaMalloc)"),
+    "segment_free": ("#7f7f7f", "segment freed (cudaFree)"),
+    "segment_map": ("#66bd63", "pages mapped (expandable segment)"),
+    "segment_unmap": ("#a6a6a6", "pages unmapped (expandable segment)"),
+    "snapshot": ("#8e44ad", "snapshot taken"),
+}
+
+_RESERVED_DELTA = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+
+
+@dataclass
+class Replay:
+    times_s: list[float]  # seconds since the first entry (entry numbers when untimed)
+    allocated: list[int]
+    reserved: list[int]
+    anchored: bool  # False when the history does not match the segments (values shifted)
+    timed: bool = True
+
+
+def _replay(entries: Sequence[TraceEntry], end_allocated: int, end_reserved: int) -> Replay:
+    """Allocated and reserved bytes after each entry.
+
+    The history is a ring buffer (max_entries): when it wrapped, the state at its first entry
+    is unknown. The state at its last entry is the snapshot itself, taken at the same moment,
+    so the replay runs forward on deltas and is then anchored at the end. A block counts as
+    allocated from `alloc` until `free_completed`, as in the snapshot's active blocks.
+    """
+    t0 = entries[0].time_us
+    # Entries without time_us (older torch) are spread evenly, by entry number.
+    timed = len(entries) < 2 or entries[-1].time_us > t0
+    times, alloc_d, res_d = [], [], []
+    a = r = 0
+    for i, e in enumerate(entries):
+        if e.action == "alloc":
+            a += e.size
+        elif e.action == "free_completed":
+            a -= e.size
+        r += _RESERVED_DELTA.get(e.action, 0) * e.size
+        times.append((e.time_us - t0) / 1e6 if timed else float(i))
+        alloc_d.append(a)
+        res_d.append(r)
+    alloc = [end_allocated - a + x for x in alloc_d]
+    res = [end_reserved - r + x for x in res_d]
+    anchored = min(alloc) >= 0 and min(res) >= 0
+    # When the history and the segments disagree (an edited or partial file), show the shape
+    # of the changes, shifted up so that nothing is negative.
+    if min(alloc) < 0:
+        alloc = [x - min(alloc) for x in alloc]
+    if min(res) < 0:
+        res = [x - min(res) for x in res]
+    return Replay(times, alloc, res, anchored, timed)
+
+
+def _nice_step(span: float, target_ticks: int) -> float:
+    raw = span / max(1, target_ticks)
+    if raw <= 0:
+        return 1.0
+    mag = 10 ** math.floor(math.log10(raw))
+    for m in (1, 2, 2.5, 5, 10):
+        if m * mag >= raw:
+            return m * mag
+    return 10 * mag
+
+
+def _envelope(xs: Sequence[float], ys: Sequence[int], x_of: Any, y_of: Any) -> str:
+    """Polyline points keeping the min and max of each pixel column, so spikes survive."""
+    columns: dict[int, tuple[int, int, int, int]] = {}  # column -> (lo, lo_at, hi, hi_at)
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        c = round(x_of(x))
+        lo, lo_at, hi, hi_at = columns.get(c, (y, i, y, i))
+        if y < lo:
+            lo, lo_at = y, i
+        if y > hi:
+            hi, hi_at = y, i
+        columns[c] = (lo, lo_at, hi, hi_at)
+    points = []
+    for c, (lo, lo_at, hi, hi_at) in columns.items():  # insertion order = time order
+        for v in (lo, hi) if lo_at <= hi_at else (hi, lo):
+            points.append(f"{c},{y_of(v):.1f}")
+    return " ".join(points)
+
+
+def _timeline_svg(entries: Sequence[TraceEntry], replay: Replay) -> str:
+    duration = replay.times_s[-1] if replay.times_s else 0.0
+    span_t = duration or 1.0
+    y_max = max(max(replay.reserved), max(replay.allocated), 1)
+    unit, div = next(
+        (u, d)
+        for u, d in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
+        if y_max >= d or d == 1
+    )
+    y_step = _nice_step(y_max / div, 5) * div
+    y_top = math.ceil(y_max / y_step) * y_step
+    plot_w, plot_h = CHART_W - PAD_L - PAD_R, CHART_H - PAD_T - PAD_B
+
+    def x_of(t: float) -> float:
+        return PAD_L + plot_w * t / span_t
+
+    def y_of(v: float) -> float:
+        return PAD_T + plot_h * (1 - v / y_top)
+
+    out = [
+        f'<svg class="chart" width="{CHART_W}" height="{CHART_H}" '
+        f'viewBox="0 0 {CHART_W} {CHART_H}" role="img">'
+    ]
+    # Grid and axes.
+    v = 0.0
+    while v <= y_top + y_step / 2:
+        y = y_of(v)
+        label = f"{v / div:g} {unit}"
+        out.append(
+            f'<line class="grid" x1="{PAD_L}" x2="{CHART_W - PAD_R}" y1="{y:.1f}" y2="{y:.1f}"/>'
+            f'<text class="tick" x="{PAD_L - 6}" y="{y + 4:.1f}" text-anchor="end">{label}</text>'
+        )
+        v += y_step
+    t_step = _nice_step(span_t, 10)
+    t = 0.0
+    while t <= span_t + t_step / 1000:
+        x = x_of(t)
+        out.append(
+            f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{PAD_T}" y2="{PAD_T + plot_h}"/>'
+            f'<text class="tick" x="{x:.1f}" y="{PAD_T + plot_h + 16}" text-anchor="middle">'
+            f"{t:g}{' s' if replay.timed else ''}</text>"
+        )
+        t += t_step
+    out.append(
+        f'<text class="axis" x="{PAD_L + plot_w / 2}" y="{CHART_H - 6}" text-anchor="middle">'
+        f"{'seconds since the first recorded event' if replay.timed else 'entry number'}</text>"
+    )
+    # Series: reserved first (behind), allocated on top; the area under allocated is shaded.
+    res_pts = _envelope(replay.times_s, replay.reserved, x_of, y_of)
+    alloc_pts = _envelope(replay.times_s, replay.allocated, x_of, y_of)
+    if alloc_pts:
+        first_x = alloc_pts.split(" ", 1)[0].split(",")[0]
+        last_x = alloc_pts.rsplit(" ", 1)[-1].split(",")[0]
+        floor = PAD_T + plot_h
+        out.append(
+            f'<polygon class="area" points="{first_x},{floor} {alloc_pts} {last_x},{floor}"/>'
+        )
+    out.append(f'<polyline class="reserved" points="{res_pts}"/>')
+    out.append(f'<polyline class="allocated" points="{alloc_pts}"/>')
+
+    # Event markers: one per pixel column and kind, with a count, so that thousands of
+    # segment events do not make thousands of elements.
+    buckets: dict[tuple[str, int], list[tuple[float, TraceEntry]]] = {}
+    for e, ts in zip(entries, replay.times_s, strict=True):
+        if e.action in _MARKERS or e.action == "oom":
+            buckets.setdefault((e.action, round(x_of(ts) / 3)), []).append((ts, e))
+    unit_t = "s" if replay.timed else "(entry number)"
+    for (action, _), marks in sorted(buckets.items(), key=lambda kv: kv[0][0] == "oom"):
+        ts = marks[0][0]
+        group = [e for _, e in marks]
+        x = x_of(ts)
+        n = len(group)
+        size = sum(g.size for g in group)
+        if action == "oom":
+            tip = (
+                f"OOM at {ts:g} {unit_t}: tried to allocate {_fmt_bytes(group[0].size)} "
+                f"with {_fmt_bytes(group[0].addr)} free on the device"
+                + (f" (+{n - 1} more OOMs here)" if n > 1 else "")
+            )
+            out.append(
+                f'<g class="oom"><title>{_e(tip)}</title>'
+                f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{PAD_T}" y2="{PAD_T + plot_h}"/>'
+                f'<text x="{x + 3:.1f}" y="{PAD_T + 12}">OOM</text></g>'
+            )
+            continue
+        color, label = _MARKERS[action]
+        tip = f"{label} at {ts:g} {unit_t}: {_fmt_bytes(size)}" + (
+            f" ({n} events)" if n > 1 else ""
+        )
+        # Up-triangles for memory gained, down-triangles for memory given back.
+        base, apex = PAD_T + plot_h, PAD_T + plot_h - 9
+        if action not in ("segment_alloc", "segment_map"):
+            base, apex = apex, base
+        shape = f"{x - 5:.1f},{base} {x + 5:.1f},{base} {x:.1f},{apex}"
+        out.append(
+            f'<polygon class="marker" fill="{color}" points="{shape}">'
+            f"<title>{_e(tip)}</title></polygon>"
+        )
+    out.append(
+        f'<rect class="frame" x="{PAD_L}" y="{PAD_T}" width="{plot_w}" height="{plot_h}"/></svg>'
+    )
+    return "".join(out)
+
+
+def _timeline_html(
+    device: int, entries: Sequence[TraceEntry], end_allocated: int, end_reserved: int
+) -> str:
+    replay = _replay(entries, end_allocated, end_reserved)
+    duration = replay.times_s[-1]
+    counts: Counter[str] = Counter()
+    sizes: Counter[str] = Counter()
+    for e in entries:
+        counts[e.action] += 1
+        sizes[e.action] += e.size
+    start = entries[0].time_us / 1e6
+    # time_us is wall-clock microseconds on the torch versions we know; print the start only
+    # when it looks like one.
+    started = (
+        f", starting {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(start))}"
+        if 1e9 < start < 1e10
+        else ""
+    )
+    a_lo, a_hi = min(replay.allocated), max(replay.allocated)
+    facts = (
+        f"{len(entries)} entries "
+        + (f"over {duration:.3f} s{started}" if replay.timed else "without times")
+        + ". Allocated in the "
+        f"window: min {_fmt_bytes(a_lo)}, max {_fmt_bytes(a_hi)}, at the end "
+        f"{_fmt_bytes(replay.allocated[-1])}; reserved at the end "
+        f"{_fmt_bytes(replay.reserved[-1])}."
+    )
+    if not replay.anchored:
+        facts += (
+            " <b>The history does not add up to the segments in this snapshot; the lines show "
+            "changes, shifted so that their minimum is 0.</b>"
+        )
+    legend = (
+        '<div class="legend">'
+        '<span><i class="la"></i>allocated (alloc → free_completed)</span>'
+        '<span><i class="lr"></i>reserved (segments)</span>'
+        '<span><i class="lo"></i>OOM</span>'
+        '<span><i class="ls"></i>segment alloc / map ▲</span>'
+        '<span><i class="lf"></i>segment free / unmap ▼</span>'
+        "</div>"
+    )
+    count_rows = [
+        [f"<code>{_e(action)}</code>", str(n), _e(_fmt_bytes(sizes[action]))]
+        for action, n in sorted(counts.items(), key=lambda kv: -kv[1])
+    ]
+    return (
+        f'<h3>cuda:{device}</h3><p class="note">{facts} The history keeps the last '
+        "<code>max_entries</code> events, so a busy process covers a short window.</p>"
+        f"{legend}{_timeline_svg(entries, replay)}"
+        f'<div class="side">{_table(["action", "count", "bytes"], count_rows, "num small")}</div>'
+    )
+
+
+# -- page ------------------------------------------------------------------------------------
+
+_CSS = """
+:root{--a:#2f6fdf;--p:#f0a020;--f:#f3a5a5;--r:#d5dae1;--fg:#1d2733;--muted:#667385;
+--line:#d9dee5;--bg:#f6f7f9}
+*{box-sizing:border-box}
+body{margin:0;font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;
+color:var(--fg);background:var(--bg)}
+main{max-width:1300px;margin:0 auto;padding:18px 24px 60px}
+h1{font-size:22px;margin:0 0 4px}
+h2{font-size:17px;margin:30px 0 8px;padding-bottom:4px;border-bottom:2px solid var(--line)}
+h3{font-size:15px;margin:14px 0 4px}
+h4{font-size:13px;font-weight:600;margin:14px 0 6px}
+code{font:12px/1.35 ui-monospace,"SFMono-Regular",Menlo,"DejaVu Sans Mono",monospace}
+nav a{margin-right:14px;color:var(--a);text-decoration:none}
+.meta{display:flex;flex-wrap:wrap;gap:6px 18px;margin:6px 0 10px;color:var(--muted)}
+.meta b{color:var(--fg);font-weight:600}
+.banner{background:#fff4d6;border:1px solid #e7c66b;padding:6px 10px;border-radius:4px;
+margin:8px 0}
+.cards{display:grid;grid-template-columns:repeat(6,1fr);gap:10px;margin:10px 0 14px}
+.card{background:#fff;border:1px solid var(--line);border-radius:6px;padding:10px 12px}
+.card .label{color:var(--muted);font-size:12px;text-transform:uppercase;letter-spacing:.04em}
+.card .value{font-size:22px;font-weight:650;margin:2px 0}
+.card .sub{color:var(--muted);font-size:12px}
+.card.warn{border-color:#e7a33a;background:#fff8ec}
+.card.bad{border-color:#d64545;background:#fdeeee}
+table{border-collapse:collapse;background:#fff;border:1px solid var(--line);margin:6px 0}
+th,td{padding:4px 8px;border-bottom:1px solid var(--line);text-align:left;vertical-align:top}
+th{background:#eef1f5;font-weight:600;font-size:12px}
+table.num td{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+table.num td:first-child{text-align:left}
+table.top{width:100%}
+table.top td{font-variant-numeric:tabular-nums}
+table.top td:not(:last-child){white-space:nowrap}
+table.small{font-size:12px}
+.note{color:var(--muted);margin:6px 0;max-width:1240px}
+.muted{color:var(--muted)}
+details summary{cursor:pointer}
+ol.stack{margin:4px 0 2px;padding-left:22px;font:12px/1.4 ui-monospace,Menlo,"DejaVu Sans Mono",
+monospace;word-break:break-all}
+.legend{display:flex;flex-wrap:wrap;gap:4px 16px;margin:6px 0;font-size:12px}
+.legend i{display:inline-block;width:14px;height:12px;margin-right:5px;vertical-align:-1px;
+border:1px solid rgba(0,0,0,.15)}
+.map{display:flex;flex-wrap:wrap;gap:3px;background:#fff;border:1px solid var(--line);
+padding:6px}
+.seg{display:flex;height:26px;border:1px solid #8994a3;background:var(--r);overflow:hidden}
+.seg.x{border-style:dashed}
+.seg i,.legend i.a,.legend i.p,.legend i.f,.legend i.r{display:block;height:100%}
+.seg i{flex:none;border-right:1px solid rgba(255,255,255,.55)}
+i.a{background:var(--a)}i.p{background:var(--p)}i.f{background:var(--f)}i.r{background:var(--r)}
+.legend i.a,.legend i.p,.legend i.f,.legend i.r{display:inline-block;height:12px}
+i.la{background:var(--a)}i.lr{background:#34495e}i.lo{background:#d62728}
+i.ls{background:#1a9850}i.lf{background:#7f7f7f}
+svg.chart{background:#fff;border:1px solid var(--line);display:block}
+svg .grid{stroke:#eceff3}
+svg .frame{fill:none;stroke:#b8c0cb}
+svg .tick{font-size:11px;fill:var(--muted)}
+svg .axis{font-size:12px;fill:var(--muted)}
+svg .allocated{fill:none;stroke:var(--a);stroke-width:1.5}
+svg .area{fill:var(--a);fill-opacity:.12;stroke:none}
+svg .reserved{fill:none;stroke:#34495e;stroke-width:1.5;stroke-dasharray:5 3}
+svg .oom line{stroke:#d62728;stroke-width:1.5;stroke-dasharray:3 2}
+svg .oom text{fill:#d62728;font-size:11px;font-weight:700}
+.side{margin-top:8px}
+.empty{background:#fff;border:1px dashed #b8c0cb;padding:10px 12px;color:var(--muted)}
+"""
+
+_CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
+
+
+def render_html(
+    snapshot: Mapping[str, Any],
+    *,
+    title: str = "CUDA allocator snapshot",
+    meta: Mapping[str, Any] | None = None,
+    top_n: int = 50,
+    max_segments: int = 1500,
+) -> str:
+    """One self-contained HTML page for a snapshot dict; loads nothing from anywhere.
+
+    `meta` (host, pid, trigger, replay, ...) is shown in the header; a truthy "replay" adds a
+    banner saying the data is a recording, not a live process.
+    """
+    segments = _segments(snapshot)
+    traces = _traces(snapshot)
+    devices = sorted({s.device for s in segments} | set(traces))
+
+    sections: list[tuple[str, str, str]] = []
+    sections.append(("summary", "Summary", _summary_html(segments, devices, traces, snapshot)))
+
+    if segments:
+        maps = "".join(
+            f"<h3>cuda:{d}</h3>{_segment_map_html(segments, d, max_segments)}"
+            for d in devices
+            if any(s.device == d for s in segments)
+        )
+        seg_body = _LEGEND + maps
+        top_body = _top_blocks_html(segments, top_n)
+        sites_body = _sites_html(segments)
+    else:
+        seg_body = top_body = sites_body = (
+            '<p class="muted">No segments: the allocator held no memory when the snapshot '
+            "was taken.</p>"
+        )
+    sections.append(("segments", "Segment map", seg_body))
+    sections.append(("top", f"Biggest live allocations (top {top_n})", top_body))
+    sections.append(("sites", "Live memory by allocation stack", sites_body))
+
+    if traces:
+        timeline_body = ""
+        for d in sorted(traces):
+            t = _totals(s for s in segments if s.device == d)
+            timeline_body += _timeline_html(d, traces[d], t.active, t.reserved)
+    else:
+        timeline_body = f'<p class="empty">{_e(NO_HISTORY_MESSAGE)}</p>'
+    sections.append(("timeline", "Timeline of the recorded history", timeline_body))
+    sections.append(
+        ("settings", "Allocator settings", _settings_html(snapshot.get("allocator_settings")))
+    )
+    annotations = _list(snapshot.get("external_annotations"))
+    if annotations:
+        rows = [[_e(a)] for a in annotations[:50]]
+        sections.append(
+            (
+                "annotations",
+                f"External annotations ({len(annotations)})",
+                _table(["annotation"], rows, "small"),
+            )
+        )
+
+    nav = "".join(f'<a href="#{sid}">{_e(name.split(" (")[0])}</a>' for sid, name, _ in sections)
+    body = "".join(
+        f'<section id="{sid}"><h2>{_e(name)}</h2>{content}</section>'
+        for sid, name, content in sections
+    )
+    banner = (
+        '<div class="banner">Replay: this snapshot is a recording, not a live process.</div>'
+        if meta and meta.get("replay")
+        else ""
+    )
+    return (
+        "<!DOCTYPE html>\n"
+        '<html lang="en"><head><meta charset="utf-8">'
+        f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        '<meta name="referrer" content="no-referrer">'
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head>"
+        f"<body><main><h1>{_e(title)}</h1>{_meta_html(meta)}{banner}<nav>{nav}</nav>"
+        f"{body}</main></body></html>\n"
+    )

@@ -1,0 +1,476 @@
+"""The offline snapshot viewer: safe loading, what the page shows, and that it loads nothing."""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import os
+import pickle
+import re
+import struct
+import subprocess
+import time
+import zlib
+from collections import Counter
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from exporter.viewer import (
+    NO_HISTORY_MESSAGE,
+    SnapshotError,
+    TraceEntry,
+    _fmt_bytes,
+    _replay,
+    load_snapshot,
+    render_html,
+)
+from tests.conftest import REPO_ROOT, require_tool
+
+DEMO = REPO_ROOT / "exporter" / "data" / "demo_snapshot.pickle.gz"
+
+
+@pytest.fixture(scope="module")
+def demo() -> dict[str, Any]:
+    return load_snapshot(DEMO)
+
+
+@pytest.fixture(scope="module")
+def demo_html(demo: dict[str, Any]) -> str:
+    return render_html(demo, title="demo", meta={"host": "node-1", "pid": 42, "replay": True})
+
+
+def block(size: int, state: str = "active_allocated", frames: Any = None, **kw: Any) -> dict:
+    b = {"address": kw.pop("address", 0), "size": size, "requested_size": size, "state": state}
+    if frames is not None:
+        b["frames"] = frames
+    return b | kw
+
+
+def segment(address: int, blocks: list[dict], device: int = 0, **kw: Any) -> dict:
+    total = sum(b["size"] for b in blocks)
+    return {
+        "device": device,
+        "address": address,
+        "total_size": total,
+        "stream": 0,
+        "segment_type": "large",
+        "segment_pool_id": (0, 0),
+        "blocks": blocks,
+    } | kw
+
+
+# -- load_snapshot ---------------------------------------------------------------------------
+
+
+def test_load_real_snapshot(demo: dict[str, Any]) -> None:
+    assert set(demo) >= {"segments", "device_traces", "allocator_settings"}
+    assert len(demo["segments"]) > 100
+    assert demo["device_traces"][0]
+
+
+def test_load_plain_pickle_and_older_protocols(tmp_path: Path) -> None:
+    snap = {"segments": [segment(4096, [block(512)])], "tags": {1, 2}, "raw": b"\x00\xff"}
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        path = tmp_path / f"p{protocol}.pickle"
+        path.write_bytes(pickle.dumps(snap, protocol=protocol))  # sets/bytes need globals < 4
+        assert load_snapshot(path) == snap
+
+
+def test_load_errors(tmp_path: Path) -> None:
+    with pytest.raises(SnapshotError, match="no such file"):
+        load_snapshot(tmp_path / "missing.pickle")
+    text = tmp_path / "notes.txt"
+    text.write_text("hello, not a pickle\n")
+    with pytest.raises(SnapshotError, match="not a pickle"):
+        load_snapshot(text)
+    zipped_text = tmp_path / "notes.gz"
+    zipped_text.write_bytes(gzip.compress(b"hello"))
+    with pytest.raises(SnapshotError, match="not a pickle"):
+        load_snapshot(zipped_text)
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    with pytest.raises(SnapshotError, match="empty"):
+        load_snapshot(empty)
+    for obj in ([1, 2, 3], {"device_traces": []}):
+        other = tmp_path / "other.pickle"
+        other.write_bytes(pickle.dumps(obj))
+        with pytest.raises(SnapshotError, match="not an allocator snapshot"):
+            load_snapshot(other)
+    with pytest.raises(SnapshotError, match="directory"):
+        load_snapshot(tmp_path)
+    # Messages are one line, and SnapshotError is a ValueError for callers that catch those.
+    with pytest.raises(ValueError, match=r"^[^\n]+$"):
+        load_snapshot(text)
+
+
+def test_load_refuses_a_gzip_bomb(tmp_path: Path) -> None:
+    path = tmp_path / "big.pickle.gz"
+    path.write_bytes(gzip.compress(pickle.dumps({"segments": [], "pad": "x" * 100_000})))
+    with pytest.raises(SnapshotError, match="larger than"):
+        load_snapshot(path, max_bytes=10_000)
+
+
+class _RunsCommand:
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (self.command,))
+
+
+class _Evals:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (eval, ("__import__('os').getpid()",))
+
+
+def test_load_refuses_malicious_pickles(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    payloads = {
+        "system.pickle": pickle.dumps({"segments": [], "x": _RunsCommand(f"touch {marker}")}),
+        "system.pickle.gz": gzip.compress(pickle.dumps(_RunsCommand(f"touch {marker}"))),
+        "eval.pickle": pickle.dumps({"segments": [_Evals()]}),
+        # An object rebuilt through copyreg, as any pickled class instance is at protocol 0.
+        "object.pickle": pickle.dumps({"segments": [TraceEntry("alloc", 0, 0, 0, 0)]}, 0),
+    }
+    for name, data in payloads.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        with pytest.raises(SnapshotError, match="refusing to unpickle"):
+            load_snapshot(path)
+    assert not marker.exists()
+
+
+# -- render_html on the real snapshot --------------------------------------------------------
+
+
+def _live(snap: dict[str, Any]) -> list[dict[str, Any]]:
+    return [b for s in snap["segments"] for b in s["blocks"] if b["state"] != "inactive"]
+
+
+def test_fmt_bytes() -> None:
+    assert _fmt_bytes(0) == "0 B"
+    assert _fmt_bytes(1023) == "1023 B"
+    assert _fmt_bytes(1536) == "1.50 KiB"
+    assert _fmt_bytes(172 << 20) == "172 MiB"
+    assert _fmt_bytes(int(15.6 * (1 << 30))) == "15.6 GiB"
+
+
+def test_render_real_snapshot_summary(demo: dict[str, Any], demo_html: str) -> None:
+    segs = demo["segments"]
+    reserved = sum(s["total_size"] for s in segs)
+    allocated = sum(
+        b["size"] for s in segs for b in s["blocks"] if b["state"] == "active_allocated"
+    )
+    inactive = sum(b["size"] for s in segs for b in s["blocks"] if b["state"] == "inactive")
+    fragmented = sum(
+        b["size"]
+        for s in segs
+        if any(b["state"] != "inactive" for b in s["blocks"])
+        for b in s["blocks"]
+        if b["state"] == "inactive"
+    )
+    blocks = sum(len(s["blocks"]) for s in segs)
+    assert allocated == sum(s["allocated_size"] for s in segs)  # the snapshot agrees
+    summary = demo_html.split('<section id="summary">')[1].split("</section>")[0]
+    assert f">{_fmt_bytes(reserved)}<" in summary
+    assert f">{_fmt_bytes(allocated)}<" in summary
+    assert f">{_fmt_bytes(inactive)}<" in summary
+    assert f"{100 * fragmented / reserved:.1f}%" in summary
+    assert f"{len(segs)} segments" in summary
+    assert f"{blocks} blocks" in summary
+    assert "max_split_size" in demo_html and "expandable_segments" in demo_html
+    assert "node-1" in demo_html and "Replay" in demo_html  # meta and the replay banner
+
+
+def test_render_real_snapshot_allocations_and_stacks(demo: dict[str, Any], demo_html: str) -> None:
+    top = demo_html.split('<section id="top">')[1].split("</section>")[0]
+    biggest = max(_live(demo), key=lambda b: b["size"])
+    first_row = top.split("<tbody>")[1].split("</tr>")[0]
+    assert f"<b>{_fmt_bytes(biggest['size'])}</b>" in first_row
+    assert f"0x{biggest['address']:x}" in first_row
+    assert top.count("<tr>") == 1 + 50  # header + the default top 50
+    # Frames from the snapshot, as filename:line function.
+    frame = next(b["frames"][0] for b in _live(demo) if b["frames"])
+    assert f"{frame['filename']}:{frame['line']} {frame['name']}" in demo_html
+    assert "no stack recorded" in demo_html  # blocks allocated before recording started
+
+
+def test_render_real_snapshot_timeline(demo: dict[str, Any], demo_html: str) -> None:
+    timeline = demo_html.split('<section id="timeline">')[1].split("</section>")[0]
+    assert '<svg class="chart"' in timeline
+    points = re.search(r'<polyline class="allocated" points="([^"]*)"', timeline)
+    assert points and len(points.group(1).split()) > 100
+    counts = Counter(e["action"] for e in demo["device_traces"][0])
+    for action, n in counts.items():
+        assert f"<code>{action}</code></td><td>{n}</td>" in timeline
+    assert " s</text>" in timeline and "GiB</text>" in timeline  # axes in seconds and GiB
+    assert NO_HISTORY_MESSAGE not in demo_html
+
+
+class _Refs(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[tuple[str, str, str]] = []
+        self.tags: Counter[str] = Counter()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags[tag] += 1
+        for name, value in attrs:
+            if name in ("src", "href", "action", "srcset", "poster", "data", "xlink:href"):
+                self.refs.append((tag, name, value or ""))
+
+
+def test_page_loads_nothing_external(demo_html: str) -> None:
+    parser = _Refs()
+    parser.feed(demo_html)
+    for tag, name, value in parser.refs:
+        assert value.startswith(("#", "data:")), (tag, name, value)
+    assert parser.tags["link"] == 0 and parser.tags["iframe"] == 0 and parser.tags["img"] == 0
+    lowered = demo_html.lower()
+    for needle in ("http://", "https://", "//cdn", "<script src", "<link", "@import", "url("):
+        assert needle not in lowered, needle
+    assert (
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
+        "style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:\">"
+    ) in demo_html
+
+
+def test_page_size_and_render_time(demo: dict[str, Any]) -> None:
+    started = time.perf_counter()
+    page = render_html(demo)
+    elapsed = time.perf_counter() - started
+    assert len(page.encode()) < 5_000_000
+    assert elapsed < 5.0  # about 0.3 s on a laptop core
+
+
+def test_render_is_pure(demo: dict[str, Any], demo_html: str) -> None:
+    before = copy.deepcopy(demo["segments"][:5])
+    again = render_html(demo, title="demo", meta={"host": "node-1", "pid": 42, "replay": True})
+    assert again == demo_html  # deterministic: no clock, no randomness
+    assert demo["segments"][:5] == before
+
+
+# -- synthetic snapshots ---------------------------------------------------------------------
+
+
+def test_render_empty_snapshot() -> None:
+    for snap in ({"segments": []}, {"segments": [], "device_traces": [[], []]}):
+        page = render_html(snap)
+        assert NO_HISTORY_MESSAGE in page
+        assert "No segments" in page
+        assert page.rstrip().endswith("</html>")
+
+
+def test_render_blocks_without_frames_and_missing_keys() -> None:
+    snap = {
+        "segments": [
+            segment(1 << 20, [block(4096), block(8192, state="inactive")]),
+            {"address": 1 << 30, "total_size": 2 << 20},  # no blocks, device, pool or type
+            "not a segment",
+        ]
+    }
+    page = render_html(snap)
+    assert "no stack recorded" in page
+    assert NO_HISTORY_MESSAGE in page
+    assert "2.01 MiB" in page  # reserved: 12 KiB + 2 MiB
+
+
+def test_html_in_frames_and_meta_is_escaped() -> None:
+    evil = "<script>alert(1)</script>.py"
+    frames = [{"filename": evil, "line": 1, "name": "<img src=x onerror=alert(2)>"}]
+    snap = {
+        "segments": [segment(1 << 20, [block(1 << 20, frames=frames)])],
+        "device_traces": [
+            [
+                {
+                    "action": "alloc",
+                    "addr": 1 << 20,
+                    "size": 1 << 20,
+                    "stream": 0,
+                    "time_us": 1,
+                    "frames": frames,
+                }
+            ]
+        ],
+        "allocator_settings": {'"><script>x</script>': "<b>"},
+    }
+    page = render_html(snap, title="</title><script>t</script>", meta={"<i>": "<u>"})
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;.py" in page
+    assert "<script" not in page and "<img" not in page and "<u>" not in page
+    parser = _Refs()
+    parser.feed(page)
+    assert parser.tags["script"] == 0 and parser.tags["img"] == 0
+
+
+def _trace(*entries: tuple[str, int, int]) -> list[dict[str, Any]]:
+    """(action, size, time_us) -> trace entries."""
+    return [
+        {"action": a, "addr": 0x1000 + i, "size": s, "stream": 0, "time_us": t, "frames": []}
+        for i, (a, s, t) in enumerate(entries)
+    ]
+
+
+def test_replay_is_anchored_at_the_snapshot() -> None:
+    entries = [
+        TraceEntry(a, 0, s, 0, t)
+        for a, s, t in [
+            ("segment_alloc", 1000, 0),
+            ("alloc", 100, 1_000_000),
+            ("alloc", 50, 2_000_000),
+            ("free_requested", 100, 2_500_000),
+            ("free_completed", 100, 3_000_000),
+        ]
+    ]
+    # 200 bytes were live before the window (the ring buffer forgot their allocation).
+    replay = _replay(entries, end_allocated=250, end_reserved=3000)
+    assert replay.anchored and replay.timed
+    assert replay.times_s == [0.0, 1.0, 2.0, 2.5, 3.0]
+    assert replay.allocated == [200, 300, 350, 350, 250]
+    assert replay.reserved == [3000] * 5
+    # History that does not add up to the segments: shown, shifted, and flagged.
+    replay = _replay(entries, end_allocated=0, end_reserved=0)
+    assert not replay.anchored and min(replay.allocated) == 0
+
+
+def test_render_timeline_markers() -> None:
+    snap = {
+        "segments": [segment(1 << 30, [block(3 << 20), block(1 << 20, state="inactive")])],
+        "device_traces": [
+            _trace(
+                ("segment_alloc", 4 << 20, 1_000_000),
+                ("alloc", 3 << 20, 1_100_000),
+                ("oom", 8 << 30, 1_500_000),
+                ("segment_free", 2 << 20, 1_700_000),
+                ("snapshot", 0, 2_000_000),
+            )
+        ],
+    }
+    page = render_html(snap)
+    assert "OOM at 0.5 s: tried to allocate 8.00 GiB" in page
+    assert "segment allocated (cudaMalloc) at 0 s: 4.00 MiB" in page
+    assert "segment freed (cudaFree)" in page
+    assert '<div class="card bad">' in page  # the OOM card is highlighted
+    assert "MiB</text>" in page
+
+
+def test_render_untimed_history() -> None:
+    # Older torch versions have no time_us: the axis falls back to entry numbers.
+    trace = [{"action": "alloc", "size": 1 << 20}, {"action": "alloc", "size": 1 << 20}]
+    page = render_html({"segments": [], "device_traces": [trace]})
+    assert "entry number" in page and "without times" in page
+
+
+def test_render_thousands_of_segments_is_capped() -> None:
+    segs = [segment(i << 21, [block(1 << 20), block(1 << 20, "inactive")]) for i in range(5000)]
+    started = time.perf_counter()
+    page = render_html({"segments": segs}, max_segments=1000)
+    assert time.perf_counter() - started < 5.0
+    assert "<b>4000 smaller segments (7.81 GiB) are not drawn</b>" in page
+    assert page.count('class="seg') == 1000
+    assert len(page) < 5_000_000
+
+
+def test_tiny_blocks_are_merged() -> None:
+    # 4096 blocks of 1 KiB in one 4 MiB segment: far narrower than a pixel each.
+    blocks = [block(1024, "active_allocated" if i % 2 else "inactive") for i in range(4096)]
+    page = render_html({"segments": [segment(1 << 40, blocks)]})
+    pieces = page.split('class="map"')[1].count("<i ")
+    assert 0 < pieces < 800
+    assert "small blocks" in page
+
+
+# -- the page in a real browser --------------------------------------------------------------
+
+
+def _decode_png(data: bytes) -> tuple[int, int, int, list[bytes]]:
+    """(width, height, bytes per pixel, rows) of an 8-bit non-interlaced PNG, using zlib only."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat, header = 8, [], None
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            idat.append(body)
+        pos += 12 + length
+    assert header is not None
+    width, height, depth, color, _, _, interlace = header
+    assert depth == 8 and interlace == 0, header
+    bpp = {0: 1, 2: 3, 4: 2, 6: 4}[color]
+    stride = width * bpp
+    raw = zlib.decompress(b"".join(idat))
+    low7 = int.from_bytes(b"\x7f" * stride, "big")
+    high1 = int.from_bytes(b"\x80" * stride, "big")
+    rows: list[bytes] = []
+    prev = bytes(stride)
+    for y in range(height):
+        start = y * (stride + 1)
+        kind_, line = raw[start], raw[start + 1 : start + 1 + stride]
+        if kind_ == 0:
+            cur = line
+        elif kind_ == 2:
+            # "Up", the commonest filter: byte-wise addition mod 256 of whole rows at once.
+            a, b = int.from_bytes(line, "big"), int.from_bytes(prev, "big")
+            cur = (((a & low7) + (b & low7)) ^ ((a ^ b) & high1)).to_bytes(stride, "big")
+        else:
+            out = bytearray(line)
+            for i in range(stride):
+                left = out[i - bpp] if i >= bpp else 0
+                up = prev[i]
+                if kind_ == 1:
+                    pred = left
+                elif kind_ == 3:
+                    pred = (left + up) >> 1
+                else:  # Paeth
+                    up_left = prev[i - bpp] if i >= bpp else 0
+                    p = left + up - up_left
+                    pa, pb, pc = abs(p - left), abs(p - up), abs(p - up_left)
+                    pred = left if pa <= pb and pa <= pc else up if pb <= pc else up_left
+                out[i] = (out[i] + pred) & 0xFF
+            cur = bytes(out)
+        rows.append(cur)
+        prev = cur
+    return width, height, bpp, rows
+
+
+def test_screenshot_in_headless_chromium(demo_html: str, tmp_path: Path) -> None:
+    chromium = require_tool("chromium")
+    page = tmp_path / "snapshot.html"
+    page.write_text(demo_html, encoding="utf-8")
+    png = tmp_path / "shot.png"
+    subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--window-size=1400,2000",
+            f"--screenshot={png}",
+            page.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=90,
+    )
+    width, height, bpp, rows = _decode_png(png.read_bytes())
+    assert (width, height) == (1400, 2000)
+    colours: Counter[bytes] = Counter()
+    for row in rows[::2]:  # every other pixel of every other row is plenty
+        for i in range(0, len(row), 2 * bpp):
+            colours[row[i : i + 3]] += 1
+    total = sum(colours.values())
+    background, _ = colours.most_common(1)[0]
+    assert sum(n for c, n in colours.items() if c != background) > 0.3 * total
+    assert len(colours) > 50
+    # The segment map is drawn: allocated blocks (#2f6fdf) and fragmentation (#f3a5a5).
+    assert colours[bytes.fromhex("2f6fdf")] > 0.02 * total
+    assert colours[bytes.fromhex("f3a5a5")] > 0.005 * total

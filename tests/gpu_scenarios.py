@@ -531,6 +531,31 @@ def oom_exit() -> dict[str, Any]:
     return {"unreachable": True}
 
 
+def host_memory_load() -> dict[str, Any]:
+    """The validation-worker incident: one process loads many large tensor files at once."""
+    import tempfile
+
+    import torch
+
+    from exporter.sources.host import HostMemorySource
+
+    source = HostMemorySource()
+    directory = tempfile.mkdtemp()
+    files = []
+    for i in range(4):
+        path = os.path.join(directory, f"captured_{i}.pt")
+        torch.save(torch.ones(1 << 29, dtype=torch.float32), path)  # 2 GiB each
+        files.append(path)
+    before = source.read().host
+    loaded = [torch.load(path) for path in files]
+    after = source.read().host
+    total = sum(t.numel() * t.element_size() for t in loaded)
+    del loaded
+    for path in files:
+        os.unlink(path)
+    return {"before": asdict(before), "after": asdict(after), "loaded_bytes": total}
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (

@@ -241,3 +241,21 @@ def test_oom_snapshot_survives_the_process_dying(tmp_path):
     assert "oom" in actions  # history was on since start-up, so the OOM itself is recorded
     meta = json.loads(files[0].with_name(files[0].name + ".json").read_text())
     assert meta["meta"]["alloc_size"] >= 2 << 30
+
+
+def test_loading_many_tensor_files_shows_in_host_metrics():
+    r = run_scenario("host_memory_load")
+    before, after, loaded = r["before"], r["after"], r["loaded_bytes"]
+    assert loaded == 8 << 30
+    grew = after["process_resident_bytes"] - before["process_resident_bytes"]
+    assert grew >= 0.9 * loaded
+    assert after["process_resident_peak_bytes"] >= before["process_resident_bytes"] + 0.9 * loaded
+    # The machine's available memory falls with it. The GPU machines are VMs whose MemTotal
+    # grows as memory is used (KINDS.md), so growth of the total counts as taken too.
+    taken = (
+        before["available_bytes"]
+        - after["available_bytes"]
+        + after["total_bytes"]
+        - before["total_bytes"]
+    )
+    assert taken >= 0.5 * loaded

@@ -31,14 +31,14 @@ def serve(decoder: Decoder, seconds: float, seed: int) -> tuple[int, float, list
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=12.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args()
 
     import exporter
 
     decoder = Decoder()
-    serve(decoder, 3.0, seed=0)  # warm-up: kernels, allocator, clocks
+    serve(decoder, 8.0, seed=0)  # warm-up: kernels, allocator, clocks
     configs = {"off": None, "1Hz": 1.0, "10Hz": 0.1}
     runs: dict[str, list[dict]] = {name: [] for name in configs}
     scrape_latencies: dict[str, list[float]] = {name: [] for name in configs}

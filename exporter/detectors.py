@@ -104,28 +104,42 @@ class _Check:
 
 
 class _Series:
-    """(timestamp, value) points over a sliding window."""
+    """(timestamp, value) points over a sliding window, with running sums so that the slope
+    costs O(1) per sample whatever the window holds (600 points at 1 Hz, 6000 at 10 Hz)."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
         self.points: deque[tuple[float, float]] = deque()
+        self._origin: float | None = None  # times are kept relative to it, for precision
+        self._n = 0
+        self._st = self._sv = self._stt = self._stv = 0.0
+
+    def _account(self, t: float, v: float, sign: int) -> None:
+        self._n += sign
+        self._st += sign * t
+        self._sv += sign * v
+        self._stt += sign * t * t
+        self._stv += sign * t * v
 
     def add(self, t: float, value: float) -> None:
-        self.points.append((t, value))
-        while self.points and self.points[0][0] < t - self.window_s:
-            self.points.popleft()
+        if self._origin is None:
+            self._origin = t
+        rel = t - self._origin
+        self.points.append((rel, value))
+        self._account(rel, value, +1)
+        while self.points and self.points[0][0] < rel - self.window_s:
+            old_t, old_v = self.points.popleft()
+            self._account(old_t, old_v, -1)
 
     def slope(self) -> float | None:
         """Least-squares slope per second, like PromQL's deriv(); None with too few points."""
-        if len(self.points) < 3:
+        n = self._n
+        if n < 3:
             return None
-        n = len(self.points)
-        mean_t = sum(t for t, _ in self.points) / n
-        mean_v = sum(v for _, v in self.points) / n
-        var = sum((t - mean_t) ** 2 for t, _ in self.points)
-        if var == 0:
+        var = self._stt - self._st * self._st / n
+        if var <= 1e-12 * max(self._stt, 1.0):
             return None
-        return sum((t - mean_t) * (v - mean_v) for t, v in self.points) / var
+        return (self._stv - self._st * self._sv / n) / var
 
 
 class _Counter:

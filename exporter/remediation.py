@@ -88,8 +88,8 @@ class Remediation:
                         result.duration_s,
                     )
                 else:
-                    path = self.actions.snapshot(trigger="oom")
-                    log.warning("remediation snapshot after OOM: %s", path)
+                    info = self.actions.snapshot(trigger="remediation")
+                    log.warning("remediation snapshot after OOM: %s", info.filename)
                 self.counts[(action, "ok")] += 1
             except ActionUnavailable as exc:
                 log.warning("remediation %s not possible here: %s", action, exc)

@@ -556,21 +556,11 @@ def host_memory_load() -> dict[str, Any]:
     return {"before": asdict(before), "after": asdict(after), "loaded_bytes": total}
 
 
+# Every public function above is a scenario, by name.
 SCENARIOS = {
-    f.__name__: f
-    for f in (
-        exact_bytes,
-        context_size,
-        no_init,
-        one_device,
-        backend,
-        oom,
-        http,
-        read_cost,
-        actions_on_device,
-        snapshot_on_async,
-        remediation,
-    )
+    name: fn
+    for name, fn in list(globals().items())
+    if callable(fn) and getattr(fn, "__module__", None) == __name__ and not name.startswith("_")
 }
 
 if __name__ == "__main__":

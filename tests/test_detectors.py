@@ -235,3 +235,23 @@ def test_the_recorded_incident_fires_fragmentation_retries_and_oom():
     fired = {e.alert for e in events if e.state == "firing"}
     assert {"GpuMemFragmentationHigh", "GpuMemAllocRetries", "GpuMemOutOfMemory"} <= fired
     assert not {"HostMemoryPressure", "HostSwapGrowing", "GpuMemHeadroomLow"} & fired
+
+
+def test_slope_matches_least_squares_over_the_window():
+    import random
+
+    from exporter.detectors import _Series
+
+    rng = random.Random(3)
+    series = _Series(window_s=100)
+    points = []
+    for i in range(500):
+        t, v = 1.7e9 + i * 0.5, 1e10 - i * 3e6 + rng.uniform(-1e6, 1e6)
+        series.add(t, v)
+        points = [(pt, pv) for pt, pv in [*points, (t, v)] if pt >= t - 100]
+    n = len(points)
+    mt = sum(t for t, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    expected = sum((t - mt) * (v - mv) for t, v in points) / sum((t - mt) ** 2 for t, _ in points)
+    assert len(series.points) == n
+    assert series.slope() == pytest.approx(expected, rel=1e-6)

@@ -170,6 +170,37 @@ class Actions:
         log.info("allocator snapshot (%s) written: %s", trigger, written.filename)
         return written
 
+    def record_window(
+        self,
+        info: SnapshotInfo,
+        record_s: float,
+        *,
+        max_entries: int,
+        stacks: str = "python",
+        context: str = "all",
+    ) -> SnapshotInfo:
+        """Record allocation history for `record_s` (unless it is already on), then dump it
+        into `info`. On failure `info` is marked failed with the reason, and re-raised."""
+        started_history = False
+        try:
+            if not self.history.enabled:
+                self.start_history(
+                    max_entries=max_entries, stacks=stacks, context=context, owner=info.id
+                )
+                started_history = True
+            time.sleep(record_s)
+            return self.snapshot("record", info=info)
+        except Exception as exc:
+            info.status = "failed"
+            info.meta["error"] = str(exc)
+            raise
+        finally:
+            if started_history:
+                try:
+                    self.stop_history(owner=info.id)
+                except Exception as exc:
+                    log.error("stopping history after %s failed: %s", info.id, exc)
+
     def count_snapshot(self, trigger: str) -> None:
         with self._lock:
             self.counts.snapshots[trigger] += 1

@@ -13,12 +13,13 @@ from __future__ import annotations
 import hmac
 import logging
 import math
+import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from enum import Enum
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
@@ -30,6 +31,9 @@ from exporter.config import Config, ConfigError
 from exporter.detectors import Detectors
 from exporter.sampler import Sampler
 from exporter.snapshots import SnapshotInfo
+
+if TYPE_CHECKING:
+    from exporter.aggregator import Aggregator
 
 log = logging.getLogger("exporter.admin")
 
@@ -62,6 +66,8 @@ class SnapshotRequest(_Body):
         "python", description="Stack frames to record: python only, or python and C++."
     )
     context: Literal["all", "alloc", "state"] = "all"
+    pid: int | None = Field(None, ge=1, description="Under gpumem-exporter run: only this process.")
+    rank: int | None = Field(None, ge=0, description="Under gpumem-exporter run: only this rank.")
 
 
 class EmptyCacheRequest(_Body):
@@ -72,6 +78,13 @@ class EmptyCacheRequest(_Body):
         description="Device guard to use; PyTorch "
         "releases cached blocks on every device of the process.",
     )
+    pid: int | None = Field(None, ge=1, description="Under gpumem-exporter run: only this process.")
+    rank: int | None = Field(None, ge=0, description="Under gpumem-exporter run: only this rank.")
+
+
+class _Selected(Protocol):
+    pid: int | None
+    rank: int | None
 
 
 class HistoryRequest(_Body):
@@ -110,8 +123,11 @@ class Admin:
         detectors: Detectors | None = None,
         mode: str = "embedded",
         clock: Callable[[], float] = time.monotonic,
+        aggregator: Aggregator | None = None,
     ) -> None:
         self.config = config
+        # Under `gpumem-exporter run`: actions fan out to the server's processes.
+        self.aggregator = aggregator
         self.actions = actions
         self.sampler = sampler
         self.detectors = detectors
@@ -186,6 +202,9 @@ class Admin:
                 {"Retry-After": str(retry)},
             )
         self._last_empty_cache = now
+        if self.aggregator is not None:
+            return self._fan_out("empty_cache", params, {"device": params.device}, 60.0)
+        self._check_selector(params)
         result = self.actions.empty_cache(params.device)
         return {
             "devices": result.devices,
@@ -196,8 +215,38 @@ class Admin:
             "scope": "every device of the process",
         }
 
+    def _check_selector(self, params: _Selected) -> None:
+        """In a single process, a pid or rank that is not this one's names nothing."""
+        if params.pid is not None and params.pid != os.getpid():
+            raise AdminError(
+                404, f"no process {params.pid} here (this is {os.getpid()})", "not_found"
+            )
+        if params.rank is not None and str(params.rank) != os.environ.get("RANK", "0"):
+            raise AdminError(404, f"no rank {params.rank} here", "not_found")
+
+    def _fan_out(
+        self, action: str, selector: _Selected, params: dict[str, Any], timeout_s: float
+    ) -> dict[str, Any]:
+        assert self.aggregator is not None
+        results = self.aggregator.command(
+            action, params, pid=selector.pid, rank=selector.rank, timeout_s=timeout_s
+        )
+        if not results:
+            raise AdminError(
+                409,
+                "no process of this server has initialized CUDA yet"
+                + (" (or none matches pid/rank)" if selector.pid or selector.rank else ""),
+                "unavailable",
+            )
+        return {"processes": results, "ok": all(r["ok"] for r in results)}
+
+    def fan_out_snapshot(self, params: SnapshotRequest) -> dict[str, Any]:
+        body = params.model_dump(exclude={"pid", "rank"})
+        return self._fan_out("snapshot", params, body, (params.record_s or 0) + 60.0)
+
     def start_capture(self, params: SnapshotRequest) -> tuple[SnapshotInfo, bool]:
         """Immediate snapshot (done=True) or the start of a windowed one (done=False)."""
+        self._check_selector(params)
         with self._capture_lock:
             if self._capturing is not None:
                 raise AdminError(
@@ -216,28 +265,17 @@ class Admin:
         return info, False
 
     def _record_window(self, info: SnapshotInfo, params: SnapshotRequest) -> None:
-        started_history = False
         try:
-            if not self.actions.history.enabled:
-                self.actions.start_history(
-                    max_entries=params.max_entries,
-                    stacks=params.stacks,
-                    context=params.context,
-                    owner=info.id,
-                )
-                started_history = True
-            time.sleep(params.record_s or 0)
-            self.actions.snapshot("record", info=info)
+            self.actions.record_window(
+                info,
+                params.record_s or 0,
+                max_entries=params.max_entries,
+                stacks=params.stacks,
+                context=params.context,
+            )
         except Exception as exc:
-            info.status = "failed"
-            info.meta["error"] = str(exc)
             log.error("windowed snapshot %s failed: %s", info.id, exc)
         finally:
-            if started_history:
-                try:
-                    self.actions.stop_history(owner=info.id)
-                except Exception as exc:
-                    log.error("stopping history after %s failed: %s", info.id, exc)
             with self._capture_lock:
                 self._capturing = None
 
@@ -377,6 +415,8 @@ def add_admin_routes(app: FastAPI, admin: Admin) -> None:
         it (202 + id). Holds the GIL while it builds stack frames: ~2 ms without history,
         seconds with 50k live blocks with stacks (docs/performance.md)."""
         params = await admin.body(request, SnapshotRequest)
+        if admin.aggregator is not None:  # one snapshot per process; waits for windows
+            return admin.respond(await run_in_threadpool(admin.fan_out_snapshot, params), 201)
         info, done = await run_in_threadpool(admin.start_capture, params)
         return admin.respond(info.public(), 201 if done else 202)
 

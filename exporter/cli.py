@@ -102,6 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
     record.add_argument(
         "--interval-s", type=float, default=1.0, help="seconds between scrapes (default 1)"
     )
+    run = commands.add_parser(
+        "run",
+        help="run a server with every Python process it starts instrumented",
+        description="Start CMD with the exporter injected into every Python process it "
+        "spawns (through sitecustomize on PYTHONPATH), and serve one /metrics for "
+        "all of them, each process's series labelled with pid, rank, local_rank "
+        "and role. Signals are passed on to CMD; the exit status is CMD's.",
+        usage="gpumem-exporter run [options] -- CMD [ARGS...]",
+    )
+    _add_server_flags(run)
+    run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command to run, after --")
+
     snapshot = commands.add_parser(
         "snapshot",
         help="capture an allocator snapshot from a running exporter",
@@ -215,6 +227,19 @@ def _metrics_url(url: str) -> str:
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise CliError(f"--url must be an http(s) URL, got {url!r}")
     return url if parsed.path.rstrip("/").endswith("/metrics") else url.rstrip("/") + "/metrics"
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from exporter.launcher import run
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not command:
+        raise CliError("no command to run: gpumem-exporter run [options] -- CMD [ARGS...]")
+    config = _config(args)
+    try:
+        return run(command, config)
+    except ServerStartError as exc:
+        raise CliError(str(exc)) from None
 
 
 def cmd_record(args: argparse.Namespace) -> int:
@@ -332,6 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo": cmd_demo,
         "record": cmd_record,
         "snapshot": cmd_snapshot,
+        "run": cmd_run,
         "empty-cache": cmd_empty_cache,
         "view": cmd_view,
     }

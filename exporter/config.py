@@ -33,6 +33,8 @@ class Config:
     # Sample considered stale (and /healthz unhealthy) after this many seconds;
     # 0 means max(3 intervals, 5 s).
     stale_after_s: float = 0.0
+    # One exporter per rank without `gpumem-exporter run`: listen on port + LOCAL_RANK.
+    port_per_local_rank: bool = False
     # Which sources run: torch (allocator), nvml, host.
     torch: bool = True
     nvml: bool = True
@@ -142,7 +144,14 @@ def _convert(name: str, value: Any, origin: str) -> Any:
             if number < 0 or (name == "snapshot_max_count" and number < 1):
                 raise ValueError
             return number
-        if name in ("torch", "nvml", "host_memory", "remediate", "oom_snapshot"):
+        if name in (
+            "torch",
+            "nvml",
+            "host_memory",
+            "remediate",
+            "oom_snapshot",
+            "port_per_local_rank",
+        ):
             if isinstance(value, bool):
                 return value
             text = str(value).strip().lower()

@@ -7,7 +7,9 @@ logged in one line and reported on the handle; the sampler keeps running.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +17,8 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from exporter import agent
+from exporter.agent import RUN_DIR_ENV
 from exporter.config import Config, load_config
 from exporter.detectors import Listener as AlertListener
 from exporter.runtime import Runtime, build_runtime, live_sources
@@ -97,6 +101,11 @@ def start(
             log.debug("gpumem-exporter already started; returning the running handle")
             return _handle
         config = load_config(port=port, host=host, interval_s=interval_s, labels=labels, **settings)
+        if os.environ.get(RUN_DIR_ENV):
+            return _under_run(config)
+        if config.port_per_local_rank and os.environ.get("LOCAL_RANK", "").isdigit():
+            # The explicit rule for one exporter per rank without `run`: base port + rank.
+            config = dataclasses.replace(config, port=config.port + int(os.environ["LOCAL_RANK"]))
         all_listeners = list(listeners or [])
         recorder = None
         if record_to is not None:
@@ -115,6 +124,19 @@ def start(
             _serve(runtime, handle)
         _handle = handle
         return handle
+
+
+def _under_run(config: Config) -> Handle:
+    """Under `gpumem-exporter run` the agent of this process already reports to the one
+    endpoint of the pod: no port of our own (so workers never collide), no second sampler."""
+    global _handle
+    agent.start_agent()
+    _handle = Handle(build_runtime(config, mode="embedded", sources=[]))
+    log.info(
+        "gpumem-exporter: running under `gpumem-exporter run`; this process reports "
+        "to the launcher's endpoint"
+    )
+    return _handle
 
 
 def _serve(runtime: Runtime, handle: Handle) -> None:

@@ -22,6 +22,7 @@ from exporter.sample import (
     ALLOCATOR_COUNTERS,
     ALLOCATOR_GAUGES,
     POOL_GAUGES,
+    PROCESS_LABELS,
     Sample,
 )
 
@@ -216,43 +217,43 @@ class SampleCollector(Collector):
     def _allocator_families(self, sample: Sample) -> Iterator[Metric]:
         if not sample.allocators:
             return
-        gauges = {
-            k: self._gauge(TORCH_PREFIX + k, _HELP[k], ALLOCATOR_LABELS) for k in ALLOCATOR_GAUGES
-        }
+        # One endpoint for several processes (gpumem-exporter run): label each by process.
+        per_process = any(reading.process for reading in sample.allocators)
+        labels = ALLOCATOR_LABELS + (PROCESS_LABELS if per_process else ())
+        gauges = {k: self._gauge(TORCH_PREFIX + k, _HELP[k], labels) for k in ALLOCATOR_GAUGES}
         counters = {
-            k: self._counter(TORCH_PREFIX + k, _HELP[k], ALLOCATOR_LABELS)
-            for k in ALLOCATOR_COUNTERS
+            k: self._counter(TORCH_PREFIX + k, _HELP[k], labels) for k in ALLOCATOR_COUNTERS
         }
         pools = {
-            k: self._gauge(
-                f"{TORCH_PREFIX}pool_{k}", f"Per pool: {_HELP[k]}", (*ALLOCATOR_LABELS, "pool")
-            )
+            k: self._gauge(f"{TORCH_PREFIX}pool_{k}", f"Per pool: {_HELP[k]}", (*labels, "pool"))
             for k in POOL_GAUGES
         }
         fragmentation = self._gauge(
             "torch_cuda_fragmentation_ratio",
             "inactive_split / reserved; only where the allocator tracks inactive_split.",
-            ALLOCATOR_LABELS,
+            labels,
         )
         cached_free = self._gauge(
             "torch_cuda_cached_free_ratio",
             "(reserved - allocated) / reserved: cache held but not used by tensors.",
-            ALLOCATOR_LABELS,
+            labels,
         )
         non_allocator = self._gauge(
             "torch_cuda_non_allocator_bytes",
             "GPU memory of this process outside the caching allocator (NVML used - reserved): "
             "CUDA context, NCCL, library workspaces.",
-            ALLOCATOR_LABELS,
+            labels,
         )
         info = InfoMetricFamily(
             "torch_cuda_allocator",
             "CUDA caching allocator settings.",
-            labels=self._const_names + ALLOCATOR_LABELS,
+            labels=self._const_names + labels,
         )
         outside = sample.non_allocator_bytes()
-        for reading in sample.allocators:
-            ids = (reading.device, reading.gpu_uuid)
+        for position, reading in enumerate(sample.allocators):
+            ids: tuple[object, ...] = (reading.device, reading.gpu_uuid)
+            if per_process:
+                ids += tuple(reading.process.get(name, "") for name in PROCESS_LABELS)
             for key, value in reading.gauges.items():
                 gauges[key].add_metric(self._values(*ids), value)
             for key, value in reading.counters.items():
@@ -264,8 +265,8 @@ class SampleCollector(Collector):
                 fragmentation.add_metric(self._values(*ids), ratio)
             if (ratio := reading.cached_free_ratio) is not None:
                 cached_free.add_metric(self._values(*ids), ratio)
-            if reading.device in outside:
-                non_allocator.add_metric(self._values(*ids), outside[reading.device])
+            if position in outside:
+                non_allocator.add_metric(self._values(*ids), outside[position])
             max_split = reading.max_split_size_bytes
             info.add_metric(
                 self._values(*ids),

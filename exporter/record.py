@@ -20,6 +20,7 @@ from exporter.sample import (
     ALLOCATOR_COUNTERS,
     ALLOCATOR_GAUGES,
     POOL_GAUGES,
+    PROCESS_LABELS,
     AllocatorReading,
     GpuReading,
     HostReading,
@@ -38,17 +39,21 @@ class RecordError(RuntimeError):
 
 def sample_from_exposition(text: str, timestamp: float) -> Sample:
     """Rebuild a Sample from the text exposition of one scrape."""
-    allocators: dict[tuple[int, str], AllocatorReading] = {}
+    allocators: dict[tuple[int, str, str], AllocatorReading] = {}
     gpus: dict[tuple[int, str], GpuReading] = {}
     processes: list[ProcessGpuReading] = []
     host: dict[str, int] = {}
-    non_allocator: dict[tuple[int, str], int] = {}
+    non_allocator: dict[tuple[int, str, str], int] = {}
 
     def allocator(labels: dict[str, str]) -> AllocatorReading:
-        key = (int(labels["device"]), labels["gpu_uuid"])
+        key = (int(labels["device"]), labels["gpu_uuid"], labels.get("pid", ""))
         if key not in allocators:
             allocators[key] = AllocatorReading(
-                device=key[0], gpu_uuid=key[1], backend="native", expandable_segments=False
+                device=key[0],
+                gpu_uuid=key[1],
+                backend="native",
+                expandable_segments=False,
+                process={k: labels[k] for k in PROCESS_LABELS if k in labels},
             )
         return allocators[key]
 
@@ -77,7 +82,8 @@ def sample_from_exposition(text: str, timestamp: float) -> Sample:
                     split = labels.get("max_split_size_bytes", "")
                     reading.max_split_size_bytes = int(split) if split else None
                 elif key == "non_allocator_bytes":
-                    non_allocator[(int(labels["device"]), labels["gpu_uuid"])] = int(value)
+                    key3 = (int(labels["device"]), labels["gpu_uuid"], labels.get("pid", ""))
+                    non_allocator[key3] = int(value)
             elif name in _GPU_FIELDS and "gpu" in labels:
                 setattr(gpu(labels), _GPU_FIELDS[name], int(value))
             elif name == "gpu_up" and "gpu" in labels:
@@ -115,14 +121,16 @@ def _complete_host(host: dict[str, Any]) -> bool:
     )
 
 
-def _self_pid(sample: Sample, non_allocator: dict[tuple[int, str], int]) -> int | None:
+def _self_pid(sample: Sample, non_allocator: dict[tuple[int, str, str], int]) -> int | None:
     """The exporting process's PID, which the exposition does not carry directly.
 
     non_allocator = NVML used(pid) - reserved, so the PID is the one whose NVML entry on that
     GPU equals reserved + non_allocator exactly (both come from the same scrape).
     """
     for reading in sample.allocators:
-        outside = non_allocator.get((reading.device, reading.gpu_uuid))
+        if reading.process:
+            continue  # per-process series carry their pid
+        outside = non_allocator.get((reading.device, reading.gpu_uuid, ""))
         reserved = reading.gauges.get("reserved_bytes")
         if outside is None or reserved is None:
             continue

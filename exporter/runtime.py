@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 from exporter import __version__
 from exporter.actions import Actions, ReplayActions
 from exporter.admin import Admin
+from exporter.aggregator import Aggregator
 from exporter.config import Config
 from exporter.detectors import Detectors, load_thresholds
 from exporter.detectors import Listener as AlertListener
@@ -85,6 +86,7 @@ def build_runtime(
     registry: CollectorRegistry | None = None,
     listeners: Sequence[Listener] = (),
     on_alert: Sequence[AlertListener] = (),
+    aggregator: Aggregator | None = None,
 ) -> Runtime:
     """Create the sampler, detectors, actions and admin state; register the collector.
 
@@ -122,7 +124,7 @@ def build_runtime(
             )
         )
     sampler = Sampler(sources, interval_s=config.interval_s, listeners=[*all_listeners, *listeners])
-    admin = Admin(config, actions, sampler, detectors, mode)
+    admin = Admin(config, actions, sampler, detectors, mode, aggregator=aggregator)
 
     def action_stats() -> ActionStats:
         counts = remediation.counts if remediation is not None else Counter()

@@ -31,6 +31,9 @@ ALLOCATOR_COUNTERS = (
     "device_free",
     "sync_all_streams",
 )
+# Labels that tell the processes of one server apart when one endpoint serves them all.
+PROCESS_LABELS = ("pid", "rank", "local_rank", "role")
+
 POOL_GAUGES = (
     "allocated_bytes",
     "reserved_bytes",
@@ -52,6 +55,8 @@ class AllocatorReading:
     counters: dict[str, int] = field(default_factory=dict)
     pools: dict[str, dict[str, int]] = field(default_factory=dict)  # pool -> gauges
     max_split_size_bytes: int | None = None
+    # Under `gpumem-exporter run`: which process of the server this is (PROCESS_LABELS).
+    process: dict[str, str] = field(default_factory=dict)
 
     @property
     def fragmentation_ratio(self) -> float | None:
@@ -132,20 +137,20 @@ class Sample:
     self_pid: int | None = None
 
     def non_allocator_bytes(self) -> dict[int, int]:
-        """NVML per-process used minus torch reserved, per CUDA device of this process.
+        """NVML per-process used minus torch reserved, by position in `allocators`.
 
-        Only where NVML lists this process's PID on the allocator's GPU: inside a container
-        without the host PID namespace the PIDs differ and nothing is reported.
+        Only where NVML lists the allocator's process on its GPU: inside a container without
+        the host PID namespace the PIDs differ and nothing is reported.
         """
-        if self.self_pid is None:
-            return {}
-        used_by_uuid = {p.gpu_uuid: p.used_bytes for p in self.processes if p.pid == self.self_pid}
+        used = {(p.gpu_uuid, p.pid): p.used_bytes for p in self.processes}
         result = {}
-        for reading in self.allocators:
-            used = used_by_uuid.get(reading.gpu_uuid)
+        for position, reading in enumerate(self.allocators):
+            pid_text = reading.process.get("pid")
+            pid = int(pid_text) if pid_text else self.self_pid
+            in_use = used.get((reading.gpu_uuid, pid)) if pid is not None else None
             reserved = reading.gauges.get("reserved_bytes")
-            if used is not None and reserved is not None:
-                result[reading.device] = max(used - reserved, 0)
+            if in_use is not None and reserved is not None:
+                result[position] = max(in_use - reserved, 0)
         return result
 
     def to_dict(self) -> dict[str, Any]:

@@ -73,15 +73,19 @@ class SnapshotStore:
             except (OSError, ValueError, TypeError):
                 continue
             if ID_PATTERN.match(info.id) and (self.directory / info.filename).is_file():
-                self._index[info.id] = info
+                with self._lock:
+                    self._index.setdefault(info.id, info)
 
     def list(self) -> list[SnapshotInfo]:
+        self._load_index()  # other processes of the server write here too (gpumem-exporter run)
         with self._lock:
             return sorted(self._index.values(), key=lambda i: i.created, reverse=True)
 
     def get(self, snapshot_id: str) -> SnapshotInfo | None:
         if not ID_PATTERN.match(snapshot_id):
             return None
+        if snapshot_id not in self._index:
+            self._load_index()
         with self._lock:
             return self._index.get(snapshot_id)
 

@@ -259,3 +259,100 @@ def test_loading_many_tensor_files_shows_in_host_metrics():
         - before["total_bytes"]
     )
     assert taken >= 0.5 * loaded
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(_devices() < 2, reason="needs two GPUs")
+def test_run_two_ranks_on_two_gpus(tmp_path):
+    """`gpumem-exporter run`: both ranks' allocators under one endpoint, each on its own GPU
+    only, and a snapshot fan-out that returns one file per rank."""
+    import pickle
+    import socket
+    import time
+    import urllib.request
+
+    import pynvml
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    control = tmp_path / "control"
+    control.mkdir()
+    env = dict(os.environ, GPUMEM_ADMIN_TOKEN="t", GPUMEM_SNAPSHOT_DIR=str(tmp_path / "snaps"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "exporter.cli",
+            "run",
+            "--port",
+            str(port),
+            "--interval-s",
+            "0.2",
+            "--",
+            sys.executable,
+            str(REPO_ROOT / "tests" / "gpu_ranks.py"),
+            str(control),
+        ],
+        env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        series: dict = {}
+        while time.monotonic() < deadline:
+            try:
+                text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+            except OSError:
+                time.sleep(0.5)
+                continue
+            samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+            series = {
+                s.labels["rank"]: s for s in samples if s.name == "torch_cuda_allocated_bytes"
+            }
+            if len(series) == 2 and all(s.value >= 256 * MiB for s in series.values()):
+                break
+            time.sleep(0.5)
+        assert set(series) == {"0", "1"}, series
+        pids = {r: int((control / f"ready{r}").read_text()) for r in ("0", "1")}
+        for rank, sample in series.items():
+            assert sample.labels["pid"] == str(pids[rank])
+            assert sample.labels["device"] == rank and sample.labels["role"] == f"rank{rank}"
+            assert sample.value >= (int(rank) + 1) * 256 * MiB
+        assert series["0"].labels["gpu_uuid"] != series["1"].labels["gpu_uuid"]
+        outside = {s.labels["rank"] for s in samples if s.name == "torch_cuda_non_allocator_bytes"}
+        assert outside == {"0", "1"}
+        # Independent check: each rank's process holds memory on its own GPU and no other.
+        pynvml.nvmlInit()
+        where: dict = {}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                where.setdefault(p.pid, []).append(pynvml.nvmlDeviceGetUUID(handle))
+        for rank, pid in pids.items():
+            assert where.get(pid) == [series[rank].labels["gpu_uuid"]], (rank, where)
+        # Snapshot fan-out: one file per rank, each holding only its own GPU's segments.
+        request = urllib.request.Request(
+            url + "/snapshot",
+            data=b"{}",
+            method="POST",
+            headers={"Authorization": "Bearer t", "Content-Type": "application/json"},
+        )
+        result = json.loads(urllib.request.urlopen(request, timeout=60).read())
+        assert result["ok"] and len(result["processes"]) == 2
+        for entry in result["processes"]:
+            rank = entry["process"]["rank"]
+            info = entry["result"]
+            raw = urllib.request.urlopen(
+                urllib.request.Request(
+                    url + f"/snapshots/{info['id']}", headers={"Authorization": "Bearer t"}
+                ),
+                timeout=60,
+            ).read()
+            assert {s["device"] for s in pickle.loads(raw)["segments"]} == {int(rank)}
+    finally:
+        (control / "stop").touch()
+        proc.send_signal(__import__("signal").SIGTERM)
+        proc.wait(60)

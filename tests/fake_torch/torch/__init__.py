@@ -1,0 +1,106 @@
+"""A test double of torch for the multi-process CPU tests (tests/test_run.py).
+
+It serves the allocator dict captured on an H200 (tests/data/allocator_native.json) with
+allocated bytes and the retry counter moving over time, and tracks which devices this process
+"initialized" with set_device(), so that the real agent, aggregator and launcher can be
+exercised end to end on a machine without a GPU. The real thing is tested on the GPU machine
+(tests/test_gpu.py::test_run_two_ranks_on_two_gpus).
+"""
+
+import copy
+import json
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+__version__ = "0.0-fake"
+_DATA = json.loads(
+    (Path(__file__).resolve().parents[2] / "data" / "allocator_native.json").read_text()
+)
+_STATS = _DATA["memory_stats_as_nested_dict"]
+_started = time.monotonic()
+_initialized: set = set()
+_calls: list = []
+
+
+class _Cuda:
+    OutOfMemoryError = MemoryError
+
+    @staticmethod
+    def is_initialized():
+        return bool(_initialized)
+
+    @staticmethod
+    def device_count():
+        return 2
+
+    @staticmethod
+    def set_device(index):
+        _initialized.add(int(index))
+
+    @staticmethod
+    def current_device():
+        return min(_initialized) if _initialized else 0
+
+    @staticmethod
+    def get_allocator_backend():
+        return "native"
+
+    @staticmethod
+    def get_device_properties(index):
+        return SimpleNamespace(uuid=f"fake-{index}")
+
+    @staticmethod
+    def memory_stats_as_nested_dict(device=None):
+        _calls.append(("memory_stats", device))
+        if device not in _initialized:
+            return {}
+        stats = copy.deepcopy(_STATS)
+        grown = int((time.monotonic() - _started) * 10)
+        stats["allocated_bytes"]["all"]["current"] += grown * 512 + os.getpid() % 7 * 512
+        stats["num_alloc_retries"] += grown
+        return stats
+
+    @staticmethod
+    def empty_cache():
+        _calls.append(("empty_cache",))
+
+    @staticmethod
+    def reset_peak_memory_stats(device=None):
+        _calls.append(("reset_peak", device))
+
+    class device:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class memory:
+        @staticmethod
+        def _snapshot():
+            return {
+                "segments": [
+                    {
+                        "device": d,
+                        "total_size": 2 << 20,
+                        "allocated_size": 1 << 20,
+                        "active_size": 1 << 20,
+                        "blocks": [],
+                    }
+                    for d in sorted(_initialized)
+                ],
+                "device_traces": [[] for _ in range(2)],
+            }
+
+        @staticmethod
+        def _record_memory_history(enabled="all", **kwargs):
+            _calls.append(("history", enabled))
+
+
+cuda = _Cuda()
+_C = SimpleNamespace(_cuda_hasPrimaryContext=lambda i: i in _initialized)

@@ -11,13 +11,12 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from exporter import __version__
+from exporter import __version__, atomic
 from exporter.config import Config, ConfigError, load_config
 from exporter.runtime import build_runtime, live_sources
 from exporter.server import HttpServer, ServerStartError, create_app
@@ -330,20 +329,9 @@ def cmd_view(args: argparse.Namespace) -> int:
         title=f"GPU memory snapshot {args.snapshot.name}",
         meta={"file": str(args.snapshot)},
     )
-    write_atomically(args.output, html.encode("utf-8"))
+    atomic.write_bytes(args.output, html.encode("utf-8"))
     print(f"wrote {args.output}")
     return 0
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:

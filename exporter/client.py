@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from exporter import atomic
 
 
 class ClientError(RuntimeError):
@@ -76,14 +76,7 @@ class AdminClient:
     def download(self, snapshot_id: str, output: Path) -> int:
         """Write the snapshot to `output` atomically; returns its size in bytes."""
         _, payload = self._request("GET", f"/snapshots/{snapshot_id}")
-        fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(payload)
-            os.replace(tmp, output)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic.write_bytes(output, payload)
         return len(payload)
 
     def empty_cache(self, device: int | None = None) -> dict[str, Any]:

@@ -296,15 +296,13 @@ class Detectors:
             gap,
         )
 
+    def _below(self, ratio: float, floor: float) -> _Check:
+        """A ratio under its floor; clears only once clearly back above it (hysteresis)."""
+        return _Check(ratio < floor, ratio >= floor * (1 + self.thresholds.clear_margin), ratio)
+
     def _headroom(self, gpu: GpuReading) -> _Check:
         assert gpu.free_bytes is not None and gpu.total_bytes
-        ratio = gpu.free_bytes / gpu.total_bytes
-        th = self.thresholds
-        return _Check(
-            ratio < th.headroom_free_ratio,
-            ratio >= th.headroom_free_ratio * (1 + th.clear_margin),
-            ratio,
-        )
+        return self._below(gpu.free_bytes / gpu.total_bytes, self.thresholds.headroom_free_ratio)
 
     def _exhaustion(self, gpu: GpuReading, t: float) -> _Check:
         assert gpu.free_bytes is not None and gpu.total_bytes
@@ -323,12 +321,8 @@ class Detectors:
     def _host_pressure(self, host: HostReading) -> _Check | None:
         if not host.total_bytes:
             return None
-        ratio = host.available_bytes / host.total_bytes
-        th = self.thresholds
-        return _Check(
-            ratio < th.host_available_ratio,
-            ratio >= th.host_available_ratio * (1 + th.clear_margin),
-            ratio,
+        return self._below(
+            host.available_bytes / host.total_bytes, self.thresholds.host_available_ratio
         )
 
     def _swap(self, host: HostReading, t: float) -> _Check:

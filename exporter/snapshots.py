@@ -14,12 +14,13 @@ import pickle
 import re
 import secrets
 import socket
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from exporter import atomic
 
 ID_PATTERN = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}$")
 SUFFIX = ".pickle"
@@ -134,17 +135,9 @@ class SnapshotStore:
             trigger,
         ]
         info.filename = "_".join(_name_part(p) for p in parts if p) + SUFFIX
-        fd, tmp = tempfile.mkstemp(prefix=".", suffix=".partial", dir=self.directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                pickle.dump(snapshot, f, protocol=pickle.HIGHEST_PROTOCOL)
-                f.flush()
-                os.fsync(f.fileno())
-            final = self.directory / info.filename
-            os.replace(tmp, final)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        final = atomic.write_bytes(
+            self.directory / info.filename, pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL)
+        )
         info.size_bytes = final.stat().st_size
         info.status = "ready"
         self._write_meta(info)
@@ -154,11 +147,9 @@ class SnapshotStore:
         return info
 
     def _write_meta(self, info: SnapshotInfo) -> None:
-        target = self.directory / (info.filename + ".json")
-        fd, tmp = tempfile.mkstemp(prefix=".", suffix=".partial", dir=self.directory)
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(info), f)
-        os.replace(tmp, target)
+        atomic.write_bytes(
+            self.directory / (info.filename + ".json"), json.dumps(asdict(info)).encode()
+        )
 
     def delete(self, snapshot_id: str) -> bool:
         with self._lock:

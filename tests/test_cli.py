@@ -78,7 +78,10 @@ def first(values: dict, name: str) -> float:
     return next(v for (n, _), v in values.items() if n == name)
 
 
-@pytest.mark.parametrize("command", [[], ["serve"], ["demo"], ["record"]])
+@pytest.mark.parametrize(
+    "command",
+    [[], ["serve"], ["demo"], ["record"], ["run"], ["snapshot"], ["empty-cache"], ["view"]],
+)
 def test_help_everywhere(command):
     proc = run_cli(*command, "--help")
     assert proc.returncode == 0 and "usage: gpumem-exporter" in proc.stdout

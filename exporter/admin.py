@@ -11,6 +11,7 @@ cannot do it (cudaMallocAsync has no snapshots). Never a 500 for a user's reques
 from __future__ import annotations
 
 import hmac
+import inspect
 import logging
 import math
 import os
@@ -395,7 +396,7 @@ def add_admin_routes(app: FastAPI, admin: Admin) -> None:
 
             route.__name__ = handler.__name__
             route.__doc__ = handler.__doc__
-            route.__signature__ = _signature(handler)  # type: ignore[attr-defined]
+            route.__signature__ = inspect.signature(handler)  # type: ignore[attr-defined]
             return route
 
         return wrap
@@ -526,9 +527,3 @@ def add_admin_routes(app: FastAPI, admin: Admin) -> None:
     async def stats(request: Request) -> Response:
         """The latest sample as JSON, with firing in-process alerts."""
         return admin.respond(admin.stats())
-
-
-def _signature(handler: Callable[..., Any]) -> Any:
-    import inspect
-
-    return inspect.signature(handler)

@@ -134,10 +134,6 @@ class Aggregator:
             peers = list(self._peers.values())
         return SourceReading(allocators=[a for p in peers for a in p.allocators])
 
-    def processes(self) -> list[dict[str, str]]:
-        with self._lock:
-            return [dict(p.process) for p in self._peers.values()]
-
     def close(self) -> None:
         self._closed = True
         self._server.close()

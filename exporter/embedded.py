@@ -111,19 +111,24 @@ def start(
         if record_to is not None:
             recorder = TraceWriter(record_to, meta={"recorded_by": "exporter.start"})
             all_listeners.append(recorder)
-        runtime = build_runtime(
-            config,
-            mode="embedded",
-            sources=live_sources(config, torch=True),
-            listeners=all_listeners,
-            on_alert=[on_alert] if on_alert else [],
-        )
+        runtime = _runtime(config, on_alert, listeners=all_listeners)
         handle = Handle(runtime, recorder=recorder)
         runtime.sampler.start()
         if serve_http:
             _serve(runtime, handle)
         _handle = handle
         return handle
+
+
+def _runtime(config: Config, on_alert: AlertListener | None, **options: Any) -> Runtime:
+    """The in-process runtime that start() and attach() share: this machine's sources."""
+    return build_runtime(
+        config,
+        mode="embedded",
+        sources=live_sources(config, torch=True),
+        on_alert=[on_alert] if on_alert else [],
+        **options,
+    )
 
 
 def _under_run(config: Config) -> Handle:
@@ -180,13 +185,7 @@ def attach(
         if _handle is not None:
             return _handle
         config = load_config(interval_s=interval_s, labels=labels, **settings)
-        runtime = build_runtime(
-            config,
-            mode="embedded",
-            sources=live_sources(config, torch=True),
-            registry=registry,
-            on_alert=[on_alert] if on_alert else [],
-        )
+        runtime = _runtime(config, on_alert, registry=registry)
         paths = {getattr(route, "path", None) for route in app.routes}
         add_routes(app, runtime, include_metrics="/metrics" not in paths)
         runtime.sampler.start()

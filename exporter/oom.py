@@ -42,7 +42,6 @@ class OomCapture:
         self.enabled = True
         self._clock = clock
         self._last: float | None = None
-        self.writers: list[threading.Thread] = []
 
     def attach(self) -> bool:
         global _attached
@@ -82,7 +81,6 @@ class OomCapture:
                 name="gpumem-oom-writer",
                 daemon=False,
             )
-            self.writers.append(writer)
             writer.start()
         except Exception as exc:  # never let the observer turn an OOM into something else
             log.error("OOM capture failed: %s: %s", type(exc).__name__, exc)

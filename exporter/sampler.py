@@ -71,15 +71,10 @@ class Sampler:
     # -- reading ------------------------------------------------------------------------
 
     def state(self) -> ExporterState:
-        """The latest published state; cheap, safe from any thread."""
+        """The latest published state; cheap, safe from any thread. A tick publishes a new
+        state object and never changes one it has published, so no copy is needed."""
         with self._lock:
-            return ExporterState(
-                sample=self._state.sample,
-                sources={
-                    k: SourceStatus(v.up, v.duration_s, v.errors)
-                    for k, v in self._state.sources.items()
-                },
-            )
+            return self._state
 
     @property
     def latest(self) -> Sample | None:

@@ -63,8 +63,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from exporter.config import load_config
+    from exporter.http.server import HttpServer, create_app
     from exporter.runtime import build_runtime
-    from exporter.server import HttpServer, create_app
     from exporter.sources.host import HostMemorySource
     from exporter.sources.nvml import NvmlSource
     from exporter.sources.torch_allocator import TorchAllocatorSource

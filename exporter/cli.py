@@ -13,18 +13,19 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from exporter import __version__, atomic
+from exporter.actions.base import Target
 from exporter.config import Config, ConfigError, load_config
+from exporter.http.server import HttpServer, ServerStartError, create_app
 from exporter.runtime import build_runtime, live_sources
-from exporter.server import HttpServer, ServerStartError, create_app
 from exporter.sources import Source
 from exporter.trace import TraceError, TraceWriter
 
 if TYPE_CHECKING:
-    from exporter.client import AdminClient
+    from exporter.http.client import AdminClient
 
 log = logging.getLogger("exporter")
 
@@ -117,11 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
         "snapshot",
         help="capture an allocator snapshot from a running exporter",
         description="POST /snapshot to a running exporter (optionally recording allocation "
-        "history for --record-s seconds first) and download the pickle.",
+        "history for --record-s seconds first) and download the pickle. Under "
+        "`gpumem-exporter run` each process of the server (or the one chosen with "
+        "--pid/--rank) gives one file: OUTPUT.pid<PID>.pickle, or into OUTPUT if it is a "
+        "directory.",
     )
     _add_client_flags(snapshot)
     snapshot.add_argument(
-        "-o", "--output", required=True, type=Path, help="where to write the snapshot pickle"
+        "-o", "--output", required=True, type=Path, help="snapshot pickle (or a directory)"
     )
     snapshot.add_argument(
         "--record-s", type=float, help="record allocation history for this many seconds, then dump"
@@ -142,6 +146,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_client_flags(empty_cache)
     empty_cache.add_argument("--device", type=int, help="CUDA device guard to use")
+
+    history = commands.add_parser(
+        "history",
+        help="start, stop or show allocation history recording",
+        description="GET/POST /history: record allocation history (bounded) so that later "
+        "snapshots show what allocated what. Stopping takes a snapshot first (PyTorch "
+        "clears the buffer when recording stops).",
+    )
+    history.add_argument("state", choices=["start", "stop", "status"])
+    _add_client_flags(history)
+    history.add_argument(
+        "--max-entries", type=int, help="history ring buffer size (default 100000)"
+    )
+    history.add_argument("--stacks", choices=["python", "all"], default="python")
+
+    reset_peak = commands.add_parser(
+        "reset-peak",
+        help="reset the allocator's peak statistics",
+        description="POST /reset-peak: peak = current, process-wide (it also resets what the "
+        "application's own torch.cuda.max_memory_allocated() reports).",
+    )
+    _add_client_flags(reset_peak)
+    reset_peak.add_argument("--device", type=int, help="only this CUDA device")
+
+    stats = commands.add_parser(
+        "stats",
+        help="print the latest sample and firing alerts as JSON",
+        description="GET /stats: the exporter's latest sample and its firing in-process alerts.",
+    )
+    _add_client_flags(stats)
 
     view = commands.add_parser(
         "view",
@@ -166,6 +200,12 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         help="how long to wait for the exporter (default 60)",
+    )
+    parser.add_argument(
+        "--pid", type=int, help="only this process (under gpumem-exporter run; host PID)"
+    )
+    parser.add_argument(
+        "--rank", type=int, help="only the process with this RANK (under gpumem-exporter run)"
     )
 
 
@@ -195,8 +235,16 @@ def _serve(config: Config, sources: Sequence[Source], mode: str) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from exporter.sources.nvml import NvmlSource
+    from exporter.sources.process_memory import ProcessMemorySource
+
     config = _config(args)
-    return _serve(config, live_sources(config, torch=False), "node")
+    sources = live_sources(config, torch=False)
+    nvml = next((s for s in sources if isinstance(s, NvmlSource)), None)
+    if nvml is not None and config.host_memory:
+        # Host memory of every process with GPU memory (host PIDs: the DaemonSet's hostPID).
+        sources.append(ProcessMemorySource(lambda: nvml.last_pids))
+    return _serve(config, sources, "node")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -229,7 +277,7 @@ def _metrics_url(url: str) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from exporter.launcher import run
+    from exporter.run.launcher import run
 
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not command:
@@ -270,7 +318,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> AdminClient:
-    from exporter.client import AdminClient
+    from exporter.http.client import AdminClient
 
     token = os.environ.get("GPUMEM_ADMIN_TOKEN", "")
     if args.token_file is not None:
@@ -283,36 +331,107 @@ def _client(args: argparse.Namespace) -> AdminClient:
     parsed = urlparse(args.url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise CliError(f"--url must be an http(s) URL, got {args.url!r}")
+    if not args.timeout_s > 0:
+        raise CliError("--timeout-s must be positive")
     return AdminClient(args.url, token, timeout_s=args.timeout_s)
 
 
+def _target(args: argparse.Namespace) -> Target:
+    if args.pid is not None and args.pid < 1:
+        raise CliError("--pid must be a positive process id")
+    if args.rank is not None and args.rank < 0:
+        raise CliError("--rank must be 0 or more")
+    return Target(args.pid, args.rank)
+
+
+def _who(process: dict[str, str]) -> str:
+    rank = f" rank {process['rank']}" if process.get("rank") else ""
+    return f"pid {process.get('pid', '?')}{rank} ({process.get('role', '')})"
+
+
+def _report(answer: dict[str, Any]) -> int:
+    """Print an action's answer as JSON; failed processes also as one line each on stderr,
+    and exit 2 if any failed."""
+    print(json.dumps(answer, indent=2))
+    failed = [p for p in answer.get("processes", []) if not p.get("ok")]
+    for entry in failed:
+        print(f"{_who(entry['process'])}: {entry.get('error')}", file=sys.stderr)
+    return 2 if failed else 0
+
+
+def _call(args: argparse.Namespace, action: str, **kwargs: Any) -> dict[str, Any]:
+    from exporter.http.client import ClientError
+
+    client = _client(args)
+    try:
+        result: dict[str, Any] = getattr(client, action)(_target(args), **kwargs)
+    except ClientError as exc:
+        raise CliError(str(exc)) from None
+    return result
+
+
+def _output_path(output: Path, process: dict[str, str], filename: str, several: bool) -> Path:
+    if output.is_dir():
+        return output / filename
+    if not several:
+        return output
+    return output.with_name(f"{output.stem}.pid{process.get('pid', 'x')}{output.suffix}")
+
+
 def cmd_snapshot(args: argparse.Namespace) -> int:
-    from exporter.client import ClientError
+    from exporter.http.client import ClientError
 
     if args.record_s is not None and not 0 < args.record_s <= 600:
         raise CliError("--record-s must be between 0 and 600")
-    if not args.output.parent.is_dir():
+    if not args.output.is_dir() and not args.output.parent.is_dir():
         raise CliError(f"output directory does not exist: {args.output.parent}")
+    answer = _call(args, "snapshot", record_s=args.record_s, stacks=args.stacks)
     client = _client(args)
-    try:
-        info = client.snapshot(record_s=args.record_s, stacks=args.stacks)
-        size = client.download(info["id"], args.output)
-    except ClientError as exc:
-        raise CliError(str(exc)) from None
-    replay = " (replay of recorded data)" if info.get("replay") else ""
-    print(f"snapshot {info['id']}{replay}: {size} bytes written to {args.output}")
-    return 0
+    entries = answer.get("processes", [])
+    replay = " (replay of recorded data)" if answer.get("replay") else ""
+    for entry in entries:
+        if not entry["ok"]:
+            print(f"{_who(entry['process'])}: {entry.get('error')}", file=sys.stderr)
+            continue
+        info = entry["result"]
+        path = _output_path(args.output, entry["process"], info["filename"], len(entries) > 1)
+        try:
+            size = client.download(info["id"], path)
+        except ClientError as exc:
+            raise CliError(str(exc)) from None
+        print(
+            f"snapshot {info['id']} of {_who(entry['process'])}{replay}: "
+            f"{size} bytes written to {path}"
+        )
+    return 0 if answer.get("ok") else 2
 
 
 def cmd_empty_cache(args: argparse.Namespace) -> int:
-    from exporter.client import ClientError
+    return _report(_call(args, "empty_cache", device=args.device))
 
-    try:
-        result = _client(args).empty_cache(device=args.device)
-    except ClientError as exc:
-        raise CliError(str(exc)) from None
-    print(json.dumps(result, indent=2))
-    return 0
+
+def cmd_history(args: argparse.Namespace) -> int:
+    if args.state == "status":
+        return _report(_call(args, "history"))
+    if args.max_entries is not None and not 1 <= args.max_entries <= 1_000_000:
+        raise CliError("--max-entries must be between 1 and 1000000")
+    return _report(
+        _call(
+            args,
+            "set_history",
+            enabled=args.state == "start",
+            max_entries=args.max_entries,
+            stacks=args.stacks,
+        )
+    )
+
+
+def cmd_reset_peak(args: argparse.Namespace) -> int:
+    return _report(_call(args, "reset_peak", device=args.device))
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    return _report(_call(args, "stats"))
 
 
 def cmd_view(args: argparse.Namespace) -> int:
@@ -347,6 +466,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "snapshot": cmd_snapshot,
         "run": cmd_run,
         "empty-cache": cmd_empty_cache,
+        "history": cmd_history,
+        "reset-peak": cmd_reset_peak,
+        "stats": cmd_stats,
         "view": cmd_view,
     }
     if args.command not in handlers:

@@ -6,6 +6,12 @@ act on (`on_alert`), and for the optional remediation policy. Each alert is edge
 structured log line when it starts firing and one when it clears. Hysteresis keeps a value
 hovering at a threshold from flapping: an alert clears only when the value is clearly back on
 the safe side (`clear_margin`), or when a counter has not moved for a whole window.
+
+State is kept per alert and subject, where the subject is every label that names it: the CUDA
+ordinal (`device`) and `gpu_uuid` plus the process labels (pid, rank, local_rank, role) for
+allocator alerts, so that two processes on one GPU never share a counter or a timer; the NVML
+index (`gpu`) and `gpu_uuid` for GPU alerts; the process (pid, role, rank) for per-process host
+memory; nothing for the host.
 """
 
 from __future__ import annotations
@@ -19,7 +25,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from exporter.config import ConfigError
-from exporter.sample import AllocatorReading, GpuReading, HostReading, Sample
+from exporter.sample import (
+    AllocatorReading,
+    GpuReading,
+    HostProcessReading,
+    HostReading,
+    Sample,
+)
 
 log = logging.getLogger("exporter.alerts")
 
@@ -50,6 +62,11 @@ class Thresholds:
     swap_growth_bytes_per_s: float = 256 * 1024
     swap_window_s: float = 900
     swap_for_s: float = 300
+    # One process holds more than this share of the memory in use (total - available) while
+    # available memory is under host_process_available_ratio of the total.
+    host_process_share: float = 0.5
+    host_process_available_ratio: float = 0.1
+    host_process_for_s: float = 120
     # An alert clears only once its value is this much on the safe side of the threshold.
     clear_margin: float = 0.2
 
@@ -77,14 +94,21 @@ def load_thresholds(env: Mapping[str, str] | None = None, **overrides: float) ->
 
 @dataclass(frozen=True)
 class AlertEvent:
-    """What `on_alert` receives when an alert starts firing or clears."""
+    """What `on_alert` receives when an alert starts firing or clears. `labels` name its
+    subject: `device` (CUDA ordinal) and `gpu_uuid` (+ pid, rank, local_rank, role under
+    `gpumem-exporter run`) for allocator alerts, `gpu` (NVML index) and `gpu_uuid` for GPU
+    alerts, pid, role and rank for a process's host memory, none for the host."""
 
     alert: str
-    device: str  # CUDA ordinal for allocator alerts, NVML index for GPU ones, "" for the host
     state: str  # "firing" or "resolved"
     value: float
     timestamp: float
     labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def device(self) -> str:
+        """The CUDA ordinal of an allocator alert, else ""."""
+        return self.labels.get("device", "")
 
 
 @dataclass
@@ -159,6 +183,12 @@ class _Counter:
 
 
 Listener = Callable[[AlertEvent], None]
+# The labels naming what an alert is about, as a hashable, ordered key.
+Subject = tuple[tuple[str, str], ...]
+
+
+def subject(labels: Mapping[str, str]) -> Subject:
+    return tuple(sorted(labels.items()))
 
 
 class Detectors:
@@ -173,89 +203,89 @@ class Detectors:
         "GpuMemExhaustionPredicted",
         "HostMemoryPressure",
         "HostSwapGrowing",
+        "HostMemoryHeldByProcess",
     )
 
     def __init__(
-        self, thresholds: Thresholds | None = None, listeners: list[Listener] | None = None
+        self,
+        thresholds: Thresholds | None = None,
+        listeners: list[Listener] | None = None,
+        *,
+        log_events: bool = True,
     ) -> None:
         self.thresholds = thresholds or Thresholds()
         self.listeners = list(listeners or [])
-        self._states: dict[tuple[str, str], _State] = {}
-        self._counters: dict[tuple[str, str], _Counter] = {}
-        self._series: dict[tuple[str, str], _Series] = {}
+        # Off in the agents of `gpumem-exporter run`, which detect only to remediate: the
+        # launcher logs each alert once for the pod.
+        self.log_events = log_events
+        self._states: dict[tuple[str, Subject], _State] = {}
+        self._counters: dict[tuple[str, Subject], _Counter] = {}
+        self._series: dict[tuple[str, Subject], _Series] = {}
         self.__name__ = "detectors"
 
     # -- public -------------------------------------------------------------------------
 
     def __call__(self, sample: Sample) -> None:
         t = sample.timestamp
+        th = self.thresholds
+        present: set[Subject] = set()
         for reading in sample.allocators:
-            device = str(reading.device)
-            labels = {"gpu_uuid": reading.gpu_uuid}
-            self._apply(
-                "GpuMemFragmentationHigh",
-                device,
-                t,
-                self._fragmentation(reading),
-                self.thresholds.fragmentation_for_s,
-                labels,
-            )
-            for alert, key in (
+            labels = {
+                "device": str(reading.device),
+                "gpu_uuid": reading.gpu_uuid,
+                **reading.process,
+            }
+            key = subject(labels)
+            present.add(key)
+            check = self._fragmentation(reading)
+            self._apply("GpuMemFragmentationHigh", key, t, check, th.fragmentation_for_s)
+            for alert, counter in (
                 ("GpuMemAllocRetries", "alloc_retries"),
                 ("GpuMemOutOfMemory", "ooms"),
             ):
-                if key in reading.counters:
-                    check = self._counter_check(alert, device, t, reading.counters[key])
-                    self._apply(alert, device, t, check, 0, labels)
-            self._apply(
-                "GpuMemCacheGapHigh",
-                device,
-                t,
-                self._cache_gap(reading),
-                self.thresholds.cache_gap_for_s,
-                labels,
-            )
+                if counter in reading.counters:
+                    check = self._counter_check(alert, key, t, reading.counters[counter])
+                    self._apply(alert, key, t, check, 0)
+            self._apply("GpuMemCacheGapHigh", key, t, self._cache_gap(reading), th.cache_gap_for_s)
         for gpu in sample.gpus:
-            device = str(gpu.index)
-            labels = {"gpu_uuid": gpu.uuid}
             if gpu.free_bytes is None or not gpu.total_bytes:
                 continue
-            self._apply(
-                "GpuMemHeadroomLow",
-                device,
-                t,
-                self._headroom(gpu),
-                self.thresholds.headroom_for_s,
-                labels,
+            key = subject({"gpu": str(gpu.index), "gpu_uuid": gpu.uuid})
+            self._apply("GpuMemHeadroomLow", key, t, self._headroom(gpu), th.headroom_for_s)
+            check = self._exhaustion(gpu, key, t)
+            self._apply("GpuMemExhaustionPredicted", key, t, check, th.exhaustion_for_s)
+        host = sample.host
+        if host is not None:
+            self._apply("HostMemoryPressure", (), t, self._host_pressure(host), th.host_for_s)
+            self._apply("HostSwapGrowing", (), t, self._swap(host, t), th.swap_for_s)
+            for process in sample.host_processes:
+                key = subject({"pid": str(process.pid), "role": process.role, "rank": process.rank})
+                check = self._held_by_process(host, process)
+                self._apply("HostMemoryHeldByProcess", key, t, check, th.host_process_for_s)
+            present.update(
+                subject({"pid": str(p.pid), "role": p.role, "rank": p.rank})
+                for p in sample.host_processes
             )
-            self._apply(
-                "GpuMemExhaustionPredicted",
-                device,
-                t,
-                self._exhaustion(gpu, t),
-                self.thresholds.exhaustion_for_s,
-                labels,
-            )
-        if sample.host is not None:
-            self._apply(
-                "HostMemoryPressure",
-                "",
-                t,
-                self._host_pressure(sample.host),
-                self.thresholds.host_for_s,
-                {},
-            )
-            self._apply(
-                "HostSwapGrowing", "", t, self._swap(sample.host, t), self.thresholds.swap_for_s, {}
-            )
+        self._forget_gone_processes(present, t)
 
-    def firing(self) -> Iterator[tuple[str, str, bool]]:
-        """(alert, device, firing) for every alert evaluated so far."""
-        for (alert, device), state in sorted(self._states.items()):
-            yield alert, device, state.firing
+    def _forget_gone_processes(self, present: set[Subject], t: float) -> None:
+        """A process that exited (a subject with a pid that this sample no longer has) takes
+        its alert state with it, a firing alert resolving first: pids are reused, and the
+        state must not grow with every worker a server starts."""
+        for alert, key in list(self._states):
+            if key in present or "pid" not in dict(key):
+                continue
+            self._apply(alert, key, t, None, 0)
+            del self._states[(alert, key)]
+            self._counters.pop((alert, key), None)
 
-    def is_firing(self, alert: str, device: str = "") -> bool:
-        state = self._states.get((alert, device))
+    def firing(self) -> Iterator[tuple[str, dict[str, str], bool]]:
+        """(alert, labels, firing) for every alert and subject evaluated so far."""
+        for (alert, key), state in sorted(self._states.items()):
+            yield alert, dict(key), state.firing
+
+    def is_firing(self, alert: str, labels: Mapping[str, str] | None = None) -> bool:
+        state = self._states.get((alert, subject(labels or {})))
         return bool(state and state.firing)
 
     # -- conditions ---------------------------------------------------------------------
@@ -273,8 +303,8 @@ class Detectors:
         )
         return _Check(met, cleared, ratio)
 
-    def _counter_check(self, alert: str, device: str, t: float, value: float) -> _Check:
-        counter = self._counters.setdefault((alert, device), _Counter())
+    def _counter_check(self, alert: str, key: Subject, t: float, value: float) -> _Check:
+        counter = self._counters.setdefault((alert, key), _Counter())
         counter.update(t, value)
         recent = (
             counter.risen_at is not None and t - counter.risen_at < self.thresholds.counter_window_s
@@ -304,10 +334,10 @@ class Detectors:
         assert gpu.free_bytes is not None and gpu.total_bytes
         return self._below(gpu.free_bytes / gpu.total_bytes, self.thresholds.headroom_free_ratio)
 
-    def _exhaustion(self, gpu: GpuReading, t: float) -> _Check:
+    def _exhaustion(self, gpu: GpuReading, key: Subject, t: float) -> _Check:
         assert gpu.free_bytes is not None and gpu.total_bytes
         th = self.thresholds
-        series = self._series.setdefault(("free", str(gpu.index)), _Series(th.exhaustion_window_s))
+        series = self._series.setdefault(("free", key), _Series(th.exhaustion_window_s))
         series.add(t, gpu.free_bytes)
         slope = series.slope()
         ratio = gpu.free_bytes / gpu.total_bytes
@@ -325,9 +355,24 @@ class Detectors:
             host.available_bytes / host.total_bytes, self.thresholds.host_available_ratio
         )
 
+    def _held_by_process(self, host: HostReading, process: HostProcessReading) -> _Check | None:
+        if not host.total_bytes:
+            return None
+        th = self.thresholds
+        in_use = host.total_bytes - host.available_bytes
+        available = host.available_bytes / host.total_bytes
+        share = process.resident_bytes / in_use if in_use > 0 else 0.0
+        keep = 1 - th.clear_margin
+        return _Check(
+            available < th.host_process_available_ratio and share > th.host_process_share,
+            available >= th.host_process_available_ratio * (1 + th.clear_margin)
+            or share <= th.host_process_share * keep,
+            process.resident_bytes,
+        )
+
     def _swap(self, host: HostReading, t: float) -> _Check:
         th = self.thresholds
-        series = self._series.setdefault(("swap", ""), _Series(th.swap_window_s))
+        series = self._series.setdefault(("swap", ()), _Series(th.swap_window_s))
         series.add(t, host.swap_used_bytes)
         slope = series.slope() or 0.0
         met = host.swap_used_bytes > th.swap_min_used_bytes and slope > th.swap_growth_bytes_per_s
@@ -336,15 +381,9 @@ class Detectors:
     # -- state machine ------------------------------------------------------------------
 
     def _apply(
-        self,
-        alert: str,
-        device: str,
-        t: float,
-        check: _Check | None,
-        for_s: float,
-        labels: dict[str, str],
+        self, alert: str, key: Subject, t: float, check: _Check | None, for_s: float
     ) -> None:
-        state = self._states.setdefault((alert, device), _State())
+        state = self._states.setdefault((alert, key), _State())
         if check is None:  # not defined here: nothing pending; a firing alert clears
             check = _Check(False, True, 0.0)
         state.value = check.value
@@ -352,7 +391,7 @@ class Detectors:
             if check.cleared:
                 state.firing = False
                 state.pending_since = None
-                self._emit(AlertEvent(alert, device, "resolved", check.value, t, labels))
+                self._emit(AlertEvent(alert, "resolved", check.value, t, dict(key)))
             return
         if not check.met:
             state.pending_since = None
@@ -361,19 +400,19 @@ class Detectors:
             state.pending_since = t
         if t - state.pending_since >= for_s:
             state.firing = True
-            self._emit(AlertEvent(alert, device, "firing", check.value, t, labels))
+            self._emit(AlertEvent(alert, "firing", check.value, t, dict(key)))
 
     def _emit(self, event: AlertEvent) -> None:
-        record: dict[str, Any] = {
-            "event": "gpumem_alert",
-            "alert": event.alert,
-            "state": event.state,
-            "device": event.device,
-            "value": event.value,
-            **event.labels,
-        }
-        level = logging.WARNING if event.state == "firing" else logging.INFO
-        log.log(level, json.dumps(record, sort_keys=True))
+        if self.log_events:
+            record: dict[str, Any] = {
+                "event": "gpumem_alert",
+                "alert": event.alert,
+                "state": event.state,
+                "value": event.value,
+                **event.labels,
+            }
+            level = logging.WARNING if event.state == "firing" else logging.INFO
+            log.log(level, json.dumps(record, sort_keys=True))
         for listener in self.listeners:
             try:
                 listener(event)

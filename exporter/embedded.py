@@ -17,13 +17,13 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from exporter import agent
-from exporter.agent import RUN_DIR_ENV
 from exporter.config import Config, load_config
 from exporter.detectors import Listener as AlertListener
+from exporter.http.server import HttpServer, ServerStartError, add_routes, create_app
+from exporter.run import agent
+from exporter.run.agent import RUN_DIR_ENV
 from exporter.runtime import Runtime, build_runtime, live_sources
 from exporter.sampler import Listener, Sampler
-from exporter.server import HttpServer, ServerStartError, add_routes, create_app
 from exporter.trace import TraceWriter
 
 log = logging.getLogger("exporter")
@@ -133,10 +133,13 @@ def _runtime(config: Config, on_alert: AlertListener | None, **options: Any) -> 
 
 def _under_run(config: Config) -> Handle:
     """Under `gpumem-exporter run` the agent of this process already reports to the one
-    endpoint of the pod: no port of our own (so workers never collide), no second sampler."""
+    endpoint of the pod, and owns this process's allocator features (OOM capture, history,
+    remediation, with the launcher's settings): no port of our own (so workers never
+    collide), no second sampler, nothing armed twice."""
     global _handle
     agent.start_agent()
-    _handle = Handle(build_runtime(config, mode="embedded", sources=[]))
+    idle = dataclasses.replace(config, remediate=False, oom_snapshot=False, history_max_entries=0)
+    _handle = Handle(build_runtime(idle, mode="embedded", sources=[]))
     log.info(
         "gpumem-exporter: running under `gpumem-exporter run`; this process reports "
         "to the launcher's endpoint"

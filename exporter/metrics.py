@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -23,8 +24,12 @@ from exporter.sample import (
     ALLOCATOR_GAUGES,
     POOL_GAUGES,
     PROCESS_LABELS,
+    ExporterState,
     Sample,
 )
+
+if TYPE_CHECKING:
+    from exporter.actions.base import ProcessCounts
 
 TORCH_PREFIX = "torch_cuda_"
 ALLOCATOR_LABELS = ("device", "gpu_uuid")
@@ -66,41 +71,23 @@ _HELP = {
 }
 
 
-@dataclass
-class SourceStatus:
-    """The sampler's account of one source, exported as gpumem_exporter_source_*."""
-
-    up: bool = False
-    duration_s: float = 0.0
-    errors: int = 0
+# HostProcessReading field -> metric name (labels pid, role, rank).
+HOST_PROCESS_GAUGES = {
+    "resident_bytes": "host_process_resident_memory_bytes",
+    "resident_peak_bytes": "host_process_resident_memory_peak_bytes",
+    "swap_bytes": "host_process_swap_bytes",
+}
+HOST_PROCESS_LABELS = ("pid", "role", "rank")
+# gpumem_exporter_alert_firing: one meaning per label, whatever the alert is about.
+ALERT_LABELS = ("alert", "device", "gpu", "gpu_uuid", *PROCESS_LABELS)
 
 
 @dataclass
 class ActionStats:
-    """Counts of allocator actions, rendered as gpumem_exporter_* / torch_cuda_* counters."""
+    """Counts of allocator actions per process, and of admin requests, for /metrics."""
 
-    snapshots: dict[str, int] = field(default_factory=dict)  # trigger -> count
-    empty_cache_released_bytes: int = 0
-    remediations: dict[tuple[str, str], int] = field(default_factory=dict)  # (action, outcome)
+    processes: list[ProcessCounts] = field(default_factory=list)
     admin_requests: dict[tuple[str, str], int] = field(default_factory=dict)  # (action, outcome)
-
-
-@dataclass
-class ExporterState:
-    """What the collector renders: the latest sample plus the sampler's own health."""
-
-    sample: Sample | None = None
-    sources: dict[str, SourceStatus] = field(default_factory=dict)
-
-
-def identity_labels(env: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
-    """Labels put on every series of this process: rank/local_rank when set, then the user's."""
-    labels = {}
-    for key, name in (("RANK", "rank"), ("LOCAL_RANK", "local_rank")):
-        if env.get(key):
-            labels[name] = env[key]
-    labels.update(extra)
-    return labels
 
 
 class SampleCollector(Collector):
@@ -113,7 +100,7 @@ class SampleCollector(Collector):
         mode: str,
         torch_version: str = "",
         host_gauges: Mapping[str, str] = HOST_GAUGES,
-        alerts: Callable[[], Iterable[tuple[str, str, bool]]] | None = None,
+        alerts: Callable[[], Iterable[tuple[str, dict[str, str], bool]]] | None = None,
         actions: Callable[[], ActionStats] | None = None,
     ) -> None:
         self._actions = actions
@@ -134,6 +121,11 @@ class SampleCollector(Collector):
 
     def _values(self, *values: object) -> list[str]:
         return [*self._const_values, *(str(v) for v in values)]
+
+    def _own(self, names: Iterable[str]) -> tuple[str, ...]:
+        """Label names not already constant on this process (an embedded exporter with RANK
+        set has `rank` on every series)."""
+        return tuple(n for n in names if n not in self._const_names)
 
     def collect(self) -> Iterator[Metric]:
         state = self._state()
@@ -168,15 +160,27 @@ class SampleCollector(Collector):
             errors.add_metric(self._values(name), status.errors)
         yield from (up, duration, errors)
         if self._alerts is not None:
+            names = self._own(ALERT_LABELS)
             firing = self._gauge(
                 "gpumem_exporter_alert_firing",
-                "1 while the in-process detector for the alert is firing.",
-                ("alert", "device"),
+                "1 while the in-process detector for the alert is firing; labels name what it "
+                "is about (device: CUDA ordinal, gpu: NVML index, process labels).",
+                names,
             )
-            for alert, device, is_firing in self._alerts():
-                firing.add_metric(self._values(alert, device), 1.0 if is_firing else 0.0)
+            for alert, labels, is_firing in self._alerts():
+                values = [alert, *(labels.get(n, "") for n in names[1:])]
+                firing.add_metric(self._values(*values), 1.0 if is_firing else 0.0)
             if firing.samples:
                 yield firing
+        if state.sample is not None and state.sample.rejected_messages:
+            rejected = self._counter(
+                "gpumem_exporter_agent_messages_rejected",
+                "Messages from agents of `gpumem-exporter run` dropped as malformed, by reason.",
+                ("reason",),
+            )
+            for reason, count in sorted(state.sample.rejected_messages.items()):
+                rejected.add_metric(self._values(reason), count)
+            yield rejected
         if self._actions is not None:
             yield from self._action_families(self._actions())
         if state.sample is not None:
@@ -188,23 +192,31 @@ class SampleCollector(Collector):
             yield last
 
     def _action_families(self, stats: ActionStats) -> Iterator[Metric]:
+        # Per process under `gpumem-exporter run` (each process's own monotonic counts).
+        per_process = any(p.process for p in stats.processes)
+        labels = self._own(PROCESS_LABELS) if per_process else ()
         snapshots = self._counter(
-            "gpumem_exporter_snapshots", "Allocator snapshots written.", ("trigger",)
+            "gpumem_exporter_snapshots", "Allocator snapshots written.", (*labels, "trigger")
         )
-        for trigger, count in sorted(stats.snapshots.items()):
-            snapshots.add_metric(self._values(trigger), count)
         released = self._counter(
             "torch_cuda_empty_cache_released_bytes",
             "Bytes returned to the driver by empty_cache calls of the exporter.",
+            labels,
         )
-        released.add_metric(self._values(), stats.empty_cache_released_bytes)
         remediations = self._counter(
             "gpumem_exporter_remediations",
             "Automatic remediation actions by outcome.",
-            ("action", "outcome"),
+            (*labels, "action", "outcome"),
         )
-        for (action, outcome), count in sorted(stats.remediations.items()):
-            remediations.add_metric(self._values(action, outcome), count)
+        for entry in stats.processes:
+            ids = [entry.process.get(n, "") for n in labels]
+            counts = entry.counts
+            for trigger, count in sorted(counts.snapshots.items()):
+                snapshots.add_metric(self._values(*ids, trigger), count)
+            released.add_metric(self._values(*ids), counts.empty_cache_released_bytes)
+            for key, count in sorted(counts.remediations.items()):
+                action, _, outcome = key.partition("/")
+                remediations.add_metric(self._values(*ids, action, outcome), count)
         admin = self._counter(
             "gpumem_exporter_admin_requests",
             "Admin API requests by action and outcome.",
@@ -331,6 +343,19 @@ class SampleCollector(Collector):
         yield from (f for f in families if f.samples)
 
     def _host_families(self, sample: Sample) -> Iterator[Metric]:
+        if sample.host_processes:
+            names = self._own(HOST_PROCESS_LABELS)
+            for field_name, name in HOST_PROCESS_GAUGES.items():
+                family = self._gauge(
+                    name, f"Host memory of one process of the server ({field_name}).", names
+                )
+                for process in sample.host_processes:
+                    value = getattr(process, field_name)
+                    if value is not None:
+                        ids = {"pid": process.pid, "role": process.role, "rank": process.rank}
+                        family.add_metric(self._values(*(ids[n] for n in names)), value)
+                if family.samples:
+                    yield family
         host = sample.host
         if host is None:
             return

@@ -1,35 +1,29 @@
-"""Wiring shared by every way of running: sources -> sampler -> collector -> registry."""
+"""Wiring shared by every way of running: sources -> sampler -> collector -> registry, and the
+actions implementation of the mode (exporter.actions), picked once here."""
 
 from __future__ import annotations
 
 import os
 import sys
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
 from exporter import __version__
-from exporter.actions import Actions, ReplayActions
-from exporter.admin import Admin
-from exporter.aggregator import Aggregator
+from exporter.actions.base import Actions
+from exporter.actions.local import LocalActions
+from exporter.actions.snapshots import SnapshotStore
 from exporter.config import Config
 from exporter.detectors import Detectors, load_thresholds
 from exporter.detectors import Listener as AlertListener
-from exporter.metrics import (
-    HOST_GAUGES,
-    REPLAY_HOST_GAUGES,
-    ActionStats,
-    SampleCollector,
-    identity_labels,
-)
-from exporter.oom import OomCapture
-from exporter.remediation import Remediation
-from exporter.sample import Sample
+from exporter.http.admin import Admin
+from exporter.identity import identity_labels
+from exporter.metrics import HOST_GAUGES, REPLAY_HOST_GAUGES, ActionStats, SampleCollector
 from exporter.sampler import Listener, Sampler
-from exporter.snapshots import SnapshotStore
 from exporter.sources import Source
+
+MODES = ("embedded", "node", "demo", "run")
 
 
 @dataclass
@@ -41,8 +35,18 @@ class Runtime:
     collector: SampleCollector
     detectors: Detectors
     actions: Actions
-    remediation: Remediation | None
     admin: Admin
+
+
+def default_actions(mode: str, config: Config) -> Actions:
+    """The demo answers from its recording; every other mode but `run` (which passes its
+    fan-out) acts on this process's own allocator."""
+    store = SnapshotStore.for_config(config)
+    if mode == "demo":
+        from exporter.actions.replay import ReplayActions
+
+        return ReplayActions(store, config=config)
+    return LocalActions(store, config=config)
 
 
 def live_sources(config: Config, *, torch: bool) -> list[Source]:
@@ -63,77 +67,40 @@ def live_sources(config: Config, *, torch: bool) -> list[Source]:
     return sources
 
 
-def when_cuda_ready(action: Callable[[], object], name: str) -> Listener:
-    """A sampler listener that runs `action` once, on the first sample where this process
-    has a CUDA device in use: hooks that could initialize CUDA must wait for the host."""
-    done = False
-
-    def listener(sample: Sample) -> None:
-        nonlocal done
-        if not done and sample.allocators:
-            done = True
-            action()
-
-    listener.__name__ = name
-    return listener
-
-
 def build_runtime(
     config: Config,
     *,
     mode: str,
     sources: Sequence[Source],
+    actions: Actions | None = None,
     registry: CollectorRegistry | None = None,
     listeners: Sequence[Listener] = (),
     on_alert: Sequence[AlertListener] = (),
-    aggregator: Aggregator | None = None,
 ) -> Runtime:
-    """Create the sampler, detectors, actions and admin state; register the collector.
+    """Create the sampler, detectors and admin state around `actions` (this process's own
+    allocator unless the mode passes another implementation); register the collector.
 
     A new registry gets client_python's process metrics, except in a replay, which serves the
     recorded process's resident memory instead of its own.
     """
-    replay = mode == "demo"
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}")
+    if actions is None:
+        actions = default_actions(mode, config)
     if registry is None:
         registry = CollectorRegistry()
-        if not replay:
+        if not actions.replay:
             ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
     detectors = Detectors(load_thresholds(), listeners=list(on_alert))
-    store = SnapshotStore(
-        config.snapshot_directory,
-        max_count=config.snapshot_max_count,
-        max_bytes=config.snapshot_max_bytes,
+    features = actions.sample_listeners(detectors)
+    sampler = Sampler(
+        sources, interval_s=config.interval_s, listeners=[detectors, *features, *listeners]
     )
-    actions: Actions = ReplayActions(store) if replay else Actions(store)
-    all_listeners: list[Listener] = [detectors]
-    remediation = None
-    if config.remediate:
-        remediation = Remediation(actions, detectors, cooldown_s=config.remediate_cooldown_s)
-        detectors.listeners.append(remediation)
-    if config.oom_snapshot and not replay:
-        oom = OomCapture(actions, cooldown_s=config.oom_snapshot_cooldown_s)
-        all_listeners.append(when_cuda_ready(oom.attach, "oom_capture"))
-    if config.history_max_entries and not replay:
-        all_listeners.append(
-            when_cuda_ready(
-                lambda: actions.start_history(
-                    max_entries=config.history_max_entries, owner="startup"
-                ),
-                "history_startup",
-            )
-        )
-    sampler = Sampler(sources, interval_s=config.interval_s, listeners=[*all_listeners, *listeners])
-    admin = Admin(config, actions, sampler, detectors, mode, aggregator=aggregator)
+    admin = Admin(config, actions, sampler, detectors, mode)
 
     def action_stats() -> ActionStats:
-        counts = remediation.counts if remediation is not None else Counter()
-        return ActionStats(
-            snapshots=dict(actions.counts.snapshots),
-            empty_cache_released_bytes=actions.counts.released_bytes_total,
-            remediations=dict(counts),
-            admin_requests=dict(admin.requests),
-        )
+        return ActionStats(processes=actions.counts(), admin_requests=dict(admin.requests))
 
     torch_module = sys.modules.get("torch")  # never import torch just to learn its version
     collector = SampleCollector(
@@ -142,11 +109,9 @@ def build_runtime(
         version=__version__,
         mode=mode,
         torch_version=str(getattr(torch_module, "__version__", "")),
-        host_gauges=REPLAY_HOST_GAUGES if replay else HOST_GAUGES,
+        host_gauges=REPLAY_HOST_GAUGES if actions.replay else HOST_GAUGES,
         alerts=detectors.firing,
         actions=action_stats,
     )
     registry.register(collector)
-    return Runtime(
-        config, mode, sampler, registry, collector, detectors, actions, remediation, admin
-    )
+    return Runtime(config, mode, sampler, registry, collector, detectors, actions, admin)

@@ -114,6 +114,28 @@ class HostReading:
 
 
 @dataclass
+class HostProcessReading:
+    """One process's host memory (from /proc/PID/status): who holds the host's RAM."""
+
+    pid: int
+    role: str
+    rank: str
+    resident_bytes: int
+    resident_peak_bytes: int | None = None
+    swap_bytes: int | None = None
+
+
+@dataclass
+class ActionCounts:
+    """What one process's allocator actions did, as monotonic counts (its own, so they stay
+    monotonic per process when one endpoint serves several)."""
+
+    snapshots: dict[str, int] = field(default_factory=dict)  # trigger -> count
+    empty_cache_released_bytes: int = 0
+    remediations: dict[str, int] = field(default_factory=dict)  # "action/outcome" -> count
+
+
+@dataclass
 class SourceReading:
     """What one source returns from one read: any subset of the parts of a sample."""
 
@@ -121,8 +143,11 @@ class SourceReading:
     gpus: list[GpuReading] = field(default_factory=list)
     processes: list[ProcessGpuReading] = field(default_factory=list)
     host: HostReading | None = None
+    host_processes: list[HostProcessReading] = field(default_factory=list)
     # PID that NVML would show for this process; replays carry the recorded one.
     self_pid: int | None = None
+    # Messages from agents that were rejected, by reason (gpumem-exporter run).
+    rejected_messages: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -134,7 +159,9 @@ class Sample:
     gpus: list[GpuReading] = field(default_factory=list)
     processes: list[ProcessGpuReading] = field(default_factory=list)
     host: HostReading | None = None
+    host_processes: list[HostProcessReading] = field(default_factory=list)
     self_pid: int | None = None
+    rejected_messages: dict[str, int] = field(default_factory=dict)
 
     def non_allocator_bytes(self) -> dict[int, int]:
         """NVML per-process used minus torch reserved, by position in `allocators`.
@@ -165,5 +192,23 @@ class Sample:
             gpus=[GpuReading(**g) for g in data.get("gpus", [])],
             processes=[ProcessGpuReading(**p) for p in data.get("processes", [])],
             host=HostReading(**host) if host else None,
+            host_processes=[HostProcessReading(**p) for p in data.get("host_processes", [])],
             self_pid=data.get("self_pid"),
         )
+
+
+@dataclass
+class SourceStatus:
+    """The sampler's account of one source, exported as gpumem_exporter_source_*."""
+
+    up: bool = False
+    duration_s: float = 0.0
+    errors: int = 0
+
+
+@dataclass
+class ExporterState:
+    """What the sampler publishes: the latest sample plus its own health per source."""
+
+    sample: Sample | None = None
+    sources: dict[str, SourceStatus] = field(default_factory=dict)

@@ -14,34 +14,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from exporter.metrics import ExporterState, SourceStatus
-from exporter.sample import Sample
+from exporter.ratelimit import RateLimitedLog
+from exporter.sample import ExporterState, Sample, SourceStatus
 from exporter.sources import Source
 
 log = logging.getLogger(__name__)
 
 Listener = Callable[[Sample], None]
-
-# At most one log line per source (or listener) per this many seconds: a broken source
-# ticking at 10 Hz must not flood the inference server's logs.
-LOG_EVERY_S = 60.0
-
-
-class _RateLimitedLog:
-    def __init__(self, every_s: float = LOG_EVERY_S) -> None:
-        self._every_s = every_s
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def error(self, key: str, message: str, exc: BaseException) -> None:
-        now = time.monotonic()
-        if now - self._last.get(key, -self._every_s) < self._every_s:
-            self._suppressed[key] = self._suppressed.get(key, 0) + 1
-            return
-        suppressed = self._suppressed.pop(key, 0)
-        self._last[key] = now
-        more = f" ({suppressed} similar errors suppressed)" if suppressed else ""
-        log.error("%s: %s: %s%s", message, type(exc).__name__, exc, more)
 
 
 class Sampler:
@@ -65,7 +44,7 @@ class Sampler:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._errors = _RateLimitedLog()
+        self._errors = RateLimitedLog(log)
         self._pid = os.getpid()
 
     # -- reading ------------------------------------------------------------------------
@@ -105,6 +84,8 @@ class Sampler:
             sample.allocators.extend(reading.allocators)
             sample.gpus.extend(reading.gpus)
             sample.processes.extend(reading.processes)
+            sample.host_processes.extend(reading.host_processes)
+            sample.rejected_messages.update(reading.rejected_messages)
             if reading.host is not None:
                 sample.host = reading.host
             if reading.self_pid is not None:

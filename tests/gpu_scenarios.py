@@ -255,7 +255,7 @@ def actions_on_device(index: str) -> dict[str, Any]:
 
     import torch
 
-    from exporter.actions import Actions
+    from exporter.actions.local import LocalActions
 
     used = int(index)
     torch.cuda.set_device(used)
@@ -269,15 +269,15 @@ def actions_on_device(index: str) -> dict[str, Any]:
         import pickle
         import tempfile
 
-        from exporter.snapshots import SnapshotStore
+        from exporter.actions.snapshots import SnapshotStore
 
         store = SnapshotStore(tempfile.mkdtemp())
-        actions = Actions(store)
-        res = actions.empty_cache()
+        actions = LocalActions(store)
+        res = actions.empty_cache_now()
         result["released"] = res.released_bytes
         result["duration_s"] = res.duration_s
         result["reserved_after_reported"] = res.reserved_after_bytes[used]
-        info = actions.snapshot(trigger="test")
+        info = actions.write_snapshot("test")
         with open(store.path(info), "rb") as f:
             snap = pickle.load(f)
         result["snapshot_segments"] = len(snap["segments"])
@@ -308,12 +308,13 @@ def snapshot_on_async() -> dict[str, Any]:
 
     import torch
 
-    from exporter.actions import Actions, ActionUnavailable
-    from exporter.snapshots import SnapshotStore
+    from exporter.actions.base import ActionUnavailable
+    from exporter.actions.local import LocalActions
+    from exporter.actions.snapshots import SnapshotStore
 
     x = torch.empty(MiB, device="cuda:0")
     try:
-        Actions(SnapshotStore(tempfile.mkdtemp())).snapshot()
+        LocalActions(SnapshotStore(tempfile.mkdtemp())).write_snapshot()
     except ActionUnavailable as exc:
         return {"unavailable": str(exc), "backend": torch.cuda.get_allocator_backend()}
     finally:
@@ -357,8 +358,11 @@ def remediation() -> dict[str, Any]:
         del batch
         size *= 1.05
     time.sleep(0.5)
-    frag = runtime.detectors.is_firing("GpuMemFragmentationHigh", "0")
-    ratio = runtime.sampler.latest.allocators[0].fragmentation_ratio
+    reading = runtime.sampler.latest.allocators[0]
+    frag = runtime.detectors.is_firing(
+        "GpuMemFragmentationHigh", {"device": "0", "gpu_uuid": reading.gpu_uuid}
+    )
+    ratio = reading.fragmentation_ratio
     # A cached free segment, then a larger request that crosses the cap: flush and retry.
     cached = torch.empty(600 * MiB, dtype=torch.uint8, device="cuda:0")
     del cached
@@ -371,18 +375,19 @@ def remediation() -> dict[str, Any]:
     except torch.cuda.OutOfMemoryError:
         oom = True
     time.sleep(0.5)
-    runtime.remediation.wait_idle()
+    runtime.actions.remediation.wait_idle()
     runtime.sampler.stop()
     flat = torch.cuda.memory_stats(0)
+    counts = runtime.actions.counts()[0].counts
     return {
         "fragmentation_firing": frag,
         "ratio": ratio,
         "oom": oom,
         "events": events,
-        "remediations": {f"{a}:{o}": n for (a, o), n in runtime.remediation.counts.items()},
-        "snapshots": dict(runtime.actions.counts.snapshots),
+        "remediations": {k.replace("/", ":"): n for k, n in counts.remediations.items()},
+        "snapshots": dict(counts.snapshots),
         "snapshot_files": sorted(f for f in os.listdir(snapshot_dir) if f.endswith(".pickle")),
-        "released_total": runtime.actions.counts.released_bytes_total,
+        "released_total": counts.empty_cache_released_bytes,
         "retries": flat["num_alloc_retries"],
         "ooms": flat["num_ooms"],
     }
@@ -400,6 +405,13 @@ def _post(url: str, token: str, body: dict | None = None) -> tuple[int, dict]:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+def _one(body: dict) -> dict:
+    """The single process's result of an action (every action answers a list)."""
+    assert len(body["processes"]) == 1, body
+    entry = body["processes"][0]
+    return {**(entry["result"] or entry), "replay": body["replay"]}
 
 
 def _get(url: str, token: str) -> tuple[int, bytes]:
@@ -436,6 +448,7 @@ def admin_http() -> dict[str, Any]:
     torch.cuda.synchronize()
     time.sleep(0.2)
     status, info = _post(f"{base}/snapshot", token)
+    info = _one(info)
     result["immediate_status"] = status
     _, raw = _get(f"{base}/snapshots/{info['id']}", token)
     snap = pickle.loads(raw)
@@ -450,6 +463,7 @@ def admin_http() -> dict[str, Any]:
 
     # Windowed: allocations made while recording must show up in the trace.
     status, window = _post(f"{base}/snapshot", token, {"record_s": 1.0})
+    window = _one(window)
     result["window_status"] = status
     stop = threading.Event()
 
@@ -479,23 +493,23 @@ def admin_http() -> dict[str, Any]:
     result["window_trace_entries"] = sum(len(t) for t in traces)
     result["window_actions"] = sorted({e["action"] for t in traces for e in t})
     result["window_frames"] = any(e.get("frames") for t in traces for e in t)
-    result["history_after_window"] = json.loads(_get(f"{base}/history", token)[1])["enabled"]
+    result["history_after_window"] = _one(json.loads(_get(f"{base}/history", token)[1]))["enabled"]
     status, page = _get(f"{base}/snapshots/{window['id']}/view", token)
     result["window_view_status"] = status
 
     status, cleared = _post(f"{base}/empty-cache", token)
     result["empty_cache_status"] = status
-    result["empty_cache"] = cleared
+    result["empty_cache"] = _one(cleared)
     result["reserved_after_empty_cache"] = torch.cuda.memory_reserved(0)
     status, hist = _post(f"{base}/history", token, {"enabled": True, "max_entries": 1000})
-    result["history_on"] = (status, hist["enabled"])
+    result["history_on"] = (status, _one(hist)["enabled"])
     status, hist = _post(f"{base}/history", token, {"enabled": False})
-    result["history_off"] = (status, hist["enabled"], bool(hist["snapshot"]))
+    result["history_off"] = (status, _one(hist)["enabled"], bool(_one(hist)["snapshot"]))
     peak_before = torch.cuda.max_memory_allocated(0)
     status, reset = _post(f"{base}/reset-peak", token, {"device": 0})
     result["reset_peak"] = (
         status,
-        reset["devices"],
+        _one(reset)["devices"],
         peak_before,
         torch.cuda.max_memory_allocated(0),
         torch.cuda.memory_allocated(0),

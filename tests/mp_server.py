@@ -17,15 +17,31 @@ def worker(name: str, device: int, rank: int, control: str) -> None:
     os.environ["GPUMEM_ROLE"] = name
     os.environ["RANK"] = str(rank)
     os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["FAKE_TORCH_RETRIES_FILE"] = str(Path(control, f"retries-{name}"))
     import torch
 
     torch.cuda.set_device(device)  # this worker "initializes CUDA" on its device
+    Path(control, f"pid-{name}").write_text(str(os.getpid()))
+    Path(control, "run-dir").write_text(os.environ.get("GPUMEM_RUN_DIR", ""))
     if name == "embedded":
         import exporter
 
         handle = exporter.start(port=9)  # under `run`: must not open a port of its own
         Path(control, "embedded-url").write_text(str(handle.url))
     while not Path(control, f"stop-{name}").exists():
+        if Path(control, f"oom-{name}").exists():
+            torch._fake_oom(device)  # uncaught: the worker dies of its OOM, as servers do
+        time.sleep(0.05)
+
+
+def hog(control: str) -> None:
+    """A worker that never uses CUDA and holds host memory, like a validation worker that
+    loads captured tensors into a list (2 GiB once CONTROL/hog exists)."""
+    held = []
+    while not Path(control, "stop-hog").exists():
+        if Path(control, "hog").exists() and not held:
+            held.append(b"\x01" * (2 << 30))  # touched, so resident
+            Path(control, "hog-ready").write_text(str(os.getpid()))
         time.sleep(0.05)
 
 
@@ -40,9 +56,15 @@ def main() -> None:
     ]
     for p in procs:
         p.start()
+    # The hog's role is in its start-up environment (it has no agent to tell the launcher).
+    os.environ["GPUMEM_ROLE"] = "hog"
+    hogger = ctx_spawn.Process(target=hog, args=(control,))
+    hogger.start()
+    del os.environ["GPUMEM_ROLE"]
+    procs.append(hogger)
 
     def stop(signum, frame):
-        for name in ("worker0", "worker1", "forked", "embedded"):
+        for name in ("worker0", "worker1", "forked", "embedded", "hog"):
             Path(control, f"stop-{name}").touch()
         for p in procs:
             p.join(10)

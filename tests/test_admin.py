@@ -12,10 +12,10 @@ import pytest
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
+from exporter.actions.snapshots import SnapshotStore
 from exporter.config import load_config
+from exporter.http.server import create_app
 from exporter.runtime import build_runtime
-from exporter.server import create_app
-from exporter.snapshots import SnapshotStore
 from exporter.sources.replay import ReplaySource
 
 TOKEN = "s3cret-token"
@@ -29,6 +29,15 @@ def make_app(tmp_path, mode="demo", **settings):
     runtime = build_runtime(config, mode=mode, sources=sources)
     runtime.sampler.tick()
     return create_app(runtime), runtime
+
+
+def only(response) -> dict:
+    """The one process's result: every action answers a list, one entry outside `run`."""
+    body = response.json()
+    assert len(body["processes"]) == 1, body
+    entry = body["processes"][0]
+    assert entry["process"]["pid"] == str(os.getpid())
+    return entry["result"] if entry["ok"] else entry
 
 
 @pytest.fixture
@@ -89,8 +98,8 @@ def test_snapshot_list_download_view_delete_on_the_demo(demo):
     client, _ = demo
     created = client.post("/snapshot", headers=AUTH)
     assert created.status_code == 201, created.text
-    info = created.json()
-    assert info["replay"] is True and "replay" in info["note"]
+    assert created.json()["replay"] is True and "replay" in created.json()["note"]
+    info = only(created)
     assert info["status"] == "ready" and info["size_bytes"] > 0
     listed = client.get("/snapshots", headers=AUTH).json()["snapshots"]
     assert [s["id"] for s in listed] == [info["id"]]
@@ -112,7 +121,7 @@ def test_snapshot_list_download_view_delete_on_the_demo(demo):
 
 def test_files_are_private_and_named_for_incidents(demo):
     client, runtime = demo
-    info = client.post("/snapshot", headers=AUTH).json()
+    info = only(client.post("/snapshot", headers=AUTH))
     directory = runtime.actions.store.directory
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     name = info["filename"]
@@ -124,10 +133,12 @@ def test_windowed_capture_is_202_then_ready_and_one_at_a_time(demo):
     client, _ = demo
     started = client.post("/snapshot", json={"record_s": 0.3}, headers=AUTH)
     assert started.status_code == 202
-    info = started.json()
+    info = only(started)
     assert info["status"] == "recording"
+    assert client.get(f"/snapshots/{info['id']}/info", headers=AUTH).json()["status"] == "recording"
     busy = client.post("/snapshot", headers=AUTH)
     assert busy.status_code == 409 and info["id"] in busy.json()["detail"]
+    assert only(busy)["outcome"] == "conflict"
     assert client.get(f"/snapshots/{info['id']}", headers=AUTH).status_code == 409
     assert client.delete(f"/snapshots/{info['id']}", headers=AUTH).status_code == 409
     deadline = time.monotonic() + 10
@@ -145,10 +156,10 @@ def test_empty_cache_reports_release_and_enforces_its_cooldown(demo):
     client, _ = demo
     first = client.post("/empty-cache", headers=AUTH)
     assert first.status_code == 200, first.text
-    body = first.json()
+    body = only(first)
     before, after = body["reserved_before_bytes"]["0"], body["reserved_after_bytes"]["0"]
     assert body["released_bytes"] == before - after > 0
-    assert body["replay"] is True
+    assert first.json()["replay"] is True
     again = client.post("/empty-cache", headers=AUTH)
     assert again.status_code == 429
     assert 1 <= int(again.headers["retry-after"]) <= 10
@@ -158,13 +169,37 @@ def test_empty_cache_reports_release_and_enforces_its_cooldown(demo):
 def test_history_reset_peak_and_stats_on_the_demo(demo):
     client, _ = demo
     on = client.post("/history", json={"enabled": True, "max_entries": 5000}, headers=AUTH)
-    assert on.status_code == 200 and on.json()["enabled"] is True
-    assert client.get("/history", headers=AUTH).json()["max_entries"] == 5000
-    off = client.post("/history", json={"enabled": False}, headers=AUTH)
-    assert off.json()["enabled"] is False and off.json()["snapshot"]["trigger"] == "history"
-    assert client.post("/reset-peak", json={"device": 0}, headers=AUTH).json()["devices"] == [0]
+    assert on.status_code == 200 and only(on)["enabled"] is True
+    assert only(client.get("/history", headers=AUTH))["max_entries"] == 5000
+    off = only(client.post("/history", json={"enabled": False}, headers=AUTH))
+    assert off["enabled"] is False and off["snapshot"]["trigger"] == "history"
+    reset = client.post("/reset-peak", json={"device": 0}, headers=AUTH)
+    assert only(reset)["devices"] == [0]
     stats = client.get("/stats", headers=AUTH).json()
     assert stats["mode"] == "demo" and stats["sample"]["allocators"]
+
+
+def test_pid_and_rank_select_this_process_or_nothing(demo):
+    """One client for every mode: pid/rank are accepted everywhere, and in a single process
+    they name it or nothing (404)."""
+    client, _ = demo
+    me = {"pid": os.getpid()}
+    assert only(client.post("/reset-peak", json=me, headers=AUTH))["devices"]
+    assert only(client.get(f"/history?pid={os.getpid()}", headers=AUTH))["enabled"] is False
+    for method, path, body in (
+        ("POST", "/snapshot", {"pid": 1}),
+        ("POST", "/empty-cache", {"rank": 7}),
+        ("POST", "/reset-peak", {"pid": 1}),
+        ("POST", "/history", {"enabled": True, "rank": 7}),
+        ("GET", "/history?pid=1", None),
+    ):
+        response = client.request(method, path, json=body, headers=AUTH)
+        assert response.status_code == 404, (path, response.text)
+        assert "no process matches" in response.json()["detail"]
+    bad = client.get("/history?pid=zero", headers=AUTH)
+    assert bad.status_code == 422 and "pid" in bad.json()["detail"]
+    assert client.get("/stats?nope=1", headers=AUTH).status_code == 422
+    assert client.get("/stats?rank=7", headers=AUTH).json()["sample"]["allocators"] == []
 
 
 @pytest.mark.parametrize(

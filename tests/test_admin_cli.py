@@ -55,7 +55,8 @@ def test_snapshot_view_and_empty_cache_clients(demo_env, tmp_path):
         proc = run_cli("empty-cache", "--url", url, "--token-file", str(token_file))
         assert proc.returncode == 0, proc.stderr
         result = json.loads(proc.stdout)
-        assert result["released_bytes"] > 0 and result["replay"] is True
+        assert result["replay"] is True and len(result["processes"]) == 1
+        assert result["processes"][0]["result"]["released_bytes"] > 0
         again = run_cli("empty-cache", "--url", url, "--token-file", str(token_file))
         assert again.returncode == 2 and "HTTP 429" in again.stderr
     html = tmp_path / "snap.html"

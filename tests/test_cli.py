@@ -210,7 +210,8 @@ def test_serve_without_nvml_reports_the_source_down_and_host_up():
         if n == "gpumem_exporter_source_up"
     }
     assert up["host"] == 1
-    assert set(up) == {"nvml", "host"}  # the node daemon never reads torch
+    # The node daemon never reads torch; it reads the host memory of GPU processes.
+    assert set(up) == {"nvml", "host", "process_memory"}
     if not Path("/dev/nvidiactl").exists():
         assert up["nvml"] == 0
 

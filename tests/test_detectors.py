@@ -12,12 +12,20 @@ import yaml
 
 from exporter.config import ConfigError
 from exporter.detectors import AlertEvent, Detectors, Thresholds, load_thresholds
-from exporter.sample import AllocatorReading, GpuReading, HostReading, Sample
+from exporter.sample import (
+    AllocatorReading,
+    GpuReading,
+    HostProcessReading,
+    HostReading,
+    Sample,
+)
 from exporter.sources.replay import demo_trace_path
 from exporter.trace import read_trace
 from tests.conftest import REPO_ROOT
 
 GiB = 1 << 30
+DEVICE0 = {"device": "0", "gpu_uuid": "GPU-a"}  # an allocator alert's subject
+GPU1 = {"gpu": "1", "gpu_uuid": "GPU-b"}  # a GPU alert's: the NVML index, never `device`
 
 
 def allocator(reserved: int, allocated: int, inactive: int | None, retries=0, ooms=0):
@@ -56,16 +64,16 @@ def test_fragmentation_fires_after_its_duration_and_clears_with_hysteresis():
     detectors, events = collect()
     high = allocator(10 * GiB, 5 * GiB, 4 * GiB)  # ratio 0.4
     run(detectors, [high] * 10)  # 9 minutes of high fragmentation: still pending
-    assert not detectors.is_firing("GpuMemFragmentationHigh", "0")
+    assert not detectors.is_firing("GpuMemFragmentationHigh", DEVICE0)
     run(detectors, [high] * 12)
-    assert detectors.is_firing("GpuMemFragmentationHigh", "0")
+    assert detectors.is_firing("GpuMemFragmentationHigh", DEVICE0)
     assert [(e.alert, e.state, e.device) for e in events] == [
         ("GpuMemFragmentationHigh", "firing", "0")
     ]
-    assert events[0].value == pytest.approx(0.4) and events[0].labels == {"gpu_uuid": "GPU-a"}
+    assert events[0].value == pytest.approx(0.4) and events[0].labels == DEVICE0
     # Just under the threshold (0.28 > 0.3 * 0.8): keeps firing, no flapping.
     run(detectors, [allocator(10 * GiB, 5 * GiB, int(2.8 * GiB))] * 3)
-    assert detectors.is_firing("GpuMemFragmentationHigh", "0") and len(events) == 1
+    assert detectors.is_firing("GpuMemFragmentationHigh", DEVICE0) and len(events) == 1
     run(detectors, [allocator(10 * GiB, 5 * GiB, 1 * GiB)])
     assert [e.state for e in events] == ["firing", "resolved"]
 
@@ -79,7 +87,7 @@ def test_fragmentation_never_fires_where_it_is_undefined():
 def test_a_small_cache_does_not_count_as_fragmented():
     detectors, _ = collect()
     run(detectors, [allocator(GiB // 2, GiB // 4, GiB // 4)] * 30)
-    assert not detectors.is_firing("GpuMemFragmentationHigh", "0")
+    assert not detectors.is_firing("GpuMemFragmentationHigh", DEVICE0)
 
 
 def test_retries_and_ooms_fire_at_once_and_clear_after_a_quiet_window():
@@ -89,10 +97,10 @@ def test_retries_and_ooms_fire_at_once_and_clear_after_a_quiet_window():
         for r, o in [(0, 0), (0, 0), (2, 0), (3, 1), (3, 1)]
     ]
     run(detectors, readings)
-    assert detectors.is_firing("GpuMemAllocRetries", "0")
-    assert detectors.is_firing("GpuMemOutOfMemory", "0")
+    assert detectors.is_firing("GpuMemAllocRetries", DEVICE0)
+    assert detectors.is_firing("GpuMemOutOfMemory", DEVICE0)
     run(detectors, [allocator(GiB, GiB, 0, retries=3, ooms=1)] * 11, step_s=60)
-    assert not detectors.is_firing("GpuMemAllocRetries", "0")
+    assert not detectors.is_firing("GpuMemAllocRetries", DEVICE0)
     fired = [(e.alert, e.state) for e in events]
     assert fired == [
         ("GpuMemAllocRetries", "firing"),
@@ -105,16 +113,16 @@ def test_retries_and_ooms_fire_at_once_and_clear_after_a_quiet_window():
 def test_a_counter_already_above_zero_at_start_fires():
     detectors, _ = collect()
     run(detectors, [allocator(GiB, GiB, 0, ooms=1)])
-    assert detectors.is_firing("GpuMemOutOfMemory", "0")
+    assert detectors.is_firing("GpuMemOutOfMemory", DEVICE0)
 
 
 def test_cache_gap_fires_only_when_held_long():
     detectors, _ = collect()
     gap = allocator(20 * GiB, 4 * GiB, None)  # 16 GiB cached and unused, 80%
     run(detectors, [gap] * 30)
-    assert not detectors.is_firing("GpuMemCacheGapHigh", "0")
+    assert not detectors.is_firing("GpuMemCacheGapHigh", DEVICE0)
     run(detectors, [gap] * 2)
-    assert detectors.is_firing("GpuMemCacheGapHigh", "0")
+    assert detectors.is_firing("GpuMemCacheGapHigh", DEVICE0)
 
 
 def gpu(free: float, total: float = 80 * GiB) -> GpuReading:
@@ -130,29 +138,29 @@ def gpu(free: float, total: float = 80 * GiB) -> GpuReading:
 def test_headroom_low_and_exhaustion_predicted():
     detectors, _ = collect()
     run(detectors, [gpu(2 * GiB)] * 12, key="gpus")
-    assert detectors.is_firing("GpuMemHeadroomLow", "1")
+    assert detectors.is_firing("GpuMemHeadroomLow", GPU1)
     detectors, _ = collect()
     # Free memory falling by 400 MB a minute from 15 GiB: gone within the hour.
     run(detectors, [gpu(15 * GiB - i * 400e6) for i in range(20)], key="gpus")
-    assert detectors.is_firing("GpuMemExhaustionPredicted", "1")
+    assert detectors.is_firing("GpuMemExhaustionPredicted", GPU1)
     # A single step down (a KV cache reserved at start-up) is not a trend.
     detectors, _ = collect()
     run(detectors, [gpu(40 * GiB)] * 5 + [gpu(10 * GiB)] * 30, key="gpus")
-    assert not detectors.is_firing("GpuMemExhaustionPredicted", "1")
+    assert not detectors.is_firing("GpuMemExhaustionPredicted", GPU1)
 
 
 def test_host_memory_pressure_and_swap_growth():
     detectors, _ = collect()
     total = 64 * GiB
     run(detectors, [HostReading(total, int(total * 0.03), 8 * GiB, 0)] * 7, key="host")
-    assert detectors.is_firing("HostMemoryPressure", "")
+    assert detectors.is_firing("HostMemoryPressure")
     detectors, _ = collect()
     run(
         detectors,
         [HostReading(total, total // 2, 8 * GiB, 2 * GiB + i * 60 * (1 << 20)) for i in range(12)],
         key="host",
     )
-    assert detectors.is_firing("HostSwapGrowing", "")
+    assert detectors.is_firing("HostSwapGrowing")
 
 
 def test_alert_lines_are_structured_and_callbacks_cannot_break_detection(caplog):
@@ -172,7 +180,93 @@ def test_alert_lines_are_structured_and_callbacks_cannot_break_detection(caplog)
         "gpu_uuid": "GPU-a",
     }
     assert "callback bug" in caplog.text
-    assert detectors.is_firing("GpuMemOutOfMemory", "0")
+    assert detectors.is_firing("GpuMemOutOfMemory", DEVICE0)
+
+
+def process_allocator(pid: str, retries: int) -> AllocatorReading:
+    reading = allocator(GiB, GiB, 0, retries=retries)
+    reading.process = {"pid": pid, "rank": "", "local_rank": "", "role": "worker"}
+    return reading
+
+
+def test_two_processes_on_one_device_keep_their_own_alerts():
+    """Idle processes with retry counters 5 and 2 on one CUDA ordinal: no rise, no alert
+    after the window (the first version read 5 -> 2 -> 5 as a rise on every tick)."""
+    detectors, events = collect()
+    t = 1000.0
+    for step in range(40):  # 40 quiet minutes
+        sample = Sample(timestamp=t + 60 * step)
+        sample.allocators = [process_allocator("11", 5), process_allocator("12", 2)]
+        detectors(sample)
+    a = {**DEVICE0, "pid": "11", "rank": "", "local_rank": "", "role": "worker"}
+    b = {**a, "pid": "12"}
+    assert not detectors.is_firing("GpuMemAllocRetries", a)
+    assert not detectors.is_firing("GpuMemAllocRetries", b)
+    # Process 12 retries: only its alert fires, and it carries its process labels.
+    sample = Sample(timestamp=t + 60 * 40)
+    sample.allocators = [process_allocator("11", 5), process_allocator("12", 3)]
+    detectors(sample)
+    assert detectors.is_firing("GpuMemAllocRetries", b)
+    assert not detectors.is_firing("GpuMemAllocRetries", a)
+    fired = [e for e in events if e.state == "firing" and e.alert == "GpuMemAllocRetries"]
+    assert fired[-1].labels == b and fired[-1].device == "0"
+    firing = {(alert, labels["pid"]) for alert, labels, on in detectors.firing() if on}
+    assert ("GpuMemAllocRetries", "12") in firing and ("GpuMemAllocRetries", "11") not in firing
+    # A process that exits resolves and forgets its alerts (no stale series, pids reused).
+    gone = Sample(timestamp=t + 60 * 40.5)
+    gone.allocators = [process_allocator("11", 5)]
+    detectors(gone)
+    assert not any(labels.get("pid") == "12" for _, labels, _ in detectors.firing())
+    assert [e.state for e in events if e.labels.get("pid") == "12"][-1] == "resolved"
+    # ... and clears after a quiet window, for that process.
+    for step in range(41, 52):
+        sample = Sample(timestamp=t + 60 * step)
+        sample.allocators = [process_allocator("11", 5), process_allocator("12", 3)]
+        detectors(sample)
+    assert not detectors.is_firing("GpuMemAllocRetries", b)
+    assert [e.state for e in events if e.labels.get("pid") == "12"][-2:] == ["firing", "resolved"]
+
+
+def test_host_memory_held_by_one_process_names_that_process():
+    """The incident: a validation worker holds most of the host's RAM while the profiler
+    (another process) grows GPU memory; only the worker is named."""
+    detectors, events = collect()
+    total, low = 252 * GiB, int(0.58 * GiB)
+    worker = HostProcessReading(pid=4242, role="validate", rank="", resident_bytes=200 * GiB)
+    profiler = HostProcessReading(pid=4100, role="profiler", rank="0", resident_bytes=3 * GiB)
+    for step in range(4):
+        sample = Sample(
+            timestamp=1000.0 + 60 * step, host=HostReading(total, low, 16 * GiB, 12 * GiB)
+        )
+        sample.host_processes = [worker, profiler]
+        detectors(sample)
+    subject = {"pid": "4242", "role": "validate", "rank": ""}
+    assert detectors.is_firing("HostMemoryHeldByProcess", subject)
+    assert not detectors.is_firing(
+        "HostMemoryHeldByProcess", {"pid": "4100", "role": "profiler", "rank": "0"}
+    )
+    fired = [e for e in events if e.alert == "HostMemoryHeldByProcess"]
+    assert [(e.state, e.labels["pid"], e.value) for e in fired] == [("firing", "4242", 200 * GiB)]
+    # The worker exits: its alert resolves and its state goes with it.
+    sample = Sample(timestamp=2000.0, host=HostReading(total, 200 * GiB, 16 * GiB, 0))
+    sample.host_processes = [profiler]
+    detectors(sample)
+    assert [e.state for e in events if e.alert == "HostMemoryHeldByProcess"][-1] == "resolved"
+    assert not any(labels.get("pid") == "4242" for _, labels, _ in detectors.firing())
+
+
+def test_memory_spread_over_many_processes_names_none():
+    detectors, _ = collect()
+    total = 64 * GiB
+    spread = [
+        HostProcessReading(pid=100 + i, role="w", rank="", resident_bytes=6 * GiB)
+        for i in range(10)
+    ]
+    for step in range(5):
+        sample = Sample(timestamp=1000.0 + 60 * step, host=HostReading(total, GiB, 0, 0))
+        sample.host_processes = spread
+        detectors(sample)
+    assert not any(on for alert, _, on in detectors.firing() if alert == "HostMemoryHeldByProcess")
 
 
 def test_thresholds_from_environment():
@@ -202,6 +296,7 @@ def test_detectors_mirror_the_prometheus_rules():
         "GpuMemExhaustionPredicted": th.exhaustion_for_s,
         "HostMemoryPressure": th.host_for_s,
         "HostSwapGrowing": th.swap_for_s,
+        "HostMemoryHeldByProcess": th.host_process_for_s,
     }
     assert set(durations) == set(Detectors.ALERTS) <= set(alerts)
     for name, seconds in durations.items():
@@ -213,6 +308,8 @@ def test_detectors_mirror_the_prometheus_rules():
         th.headroom_free_ratio,
         th.exhaustion_free_ratio,
         th.host_available_ratio,
+        th.host_process_share,
+        th.host_process_available_ratio,
     ):
         assert str(value) in expr
     for value in (

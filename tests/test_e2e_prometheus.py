@@ -41,6 +41,7 @@ EXPECTED_QUIET = {
     "GpuMemHeadroomLow",
     "HostMemoryPressure",
     "HostSwapGrowing",
+    "HostMemoryHeldByProcess",
     "GpuMemExporterDown",
     "GpuMemExporterStale",
     "GpuMemExporterSourceFailing",

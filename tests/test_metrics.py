@@ -9,15 +9,16 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.metrics import (
-    HOST_GAUGES,
-    REPLAY_HOST_GAUGES,
+from exporter.identity import identity_labels
+from exporter.metrics import HOST_GAUGES, REPLAY_HOST_GAUGES, SampleCollector
+from exporter.sample import (
+    AllocatorReading,
     ExporterState,
-    SampleCollector,
+    GpuReading,
+    ProcessGpuReading,
+    Sample,
     SourceStatus,
-    identity_labels,
 )
-from exporter.sample import AllocatorReading, GpuReading, ProcessGpuReading, Sample
 from exporter.sources.replay import demo_trace_path
 from exporter.trace import read_trace
 from tests.conftest import DATA_DIR, require_tool

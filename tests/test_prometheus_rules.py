@@ -135,6 +135,23 @@ def test_runbook_urls_point_at_headings() -> None:
     assert missing == {}, f"runbook_url anchors with no heading in {_rel(RUNBOOKS)}"
 
 
+def test_runbook_table_lists_every_alert() -> None:
+    """The table at the top of docs/runbooks.md: one row per alert, with its severity."""
+    rows = re.findall(
+        r"^\| \[(\w+)\]\(#([^)]+)\) \| (\w+) \|", RUNBOOKS.read_text(encoding="utf-8"), re.M
+    )
+    table = {name: (anchor, severity) for name, anchor, severity in rows}
+    assert len(rows) == len(table), "an alert is listed twice"
+    expected = {
+        rule["alert"]: (
+            rule["annotations"]["runbook_url"].removeprefix(RUNBOOK_BASE),
+            rule["labels"]["severity"],
+        )
+        for rule in _alerts()
+    }
+    assert table == expected
+
+
 def test_runbook_internal_links_resolve() -> None:
     markdown = RUNBOOKS.read_text(encoding="utf-8")
     anchors = markdown_anchors(markdown)

@@ -64,7 +64,7 @@ def post(url: str, body: dict) -> dict:
 
 
 @contextmanager
-def launched(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen, Path]]:
+def launched(tmp_path: Path, **settings: str) -> Iterator[tuple[str, subprocess.Popen, Path]]:
     control = tmp_path / "control"
     control.mkdir()
     port = free_port()
@@ -74,6 +74,7 @@ def launched(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen, Path]]:
         GPUMEM_ADMIN_TOKEN=TOKEN,
         GPUMEM_SNAPSHOT_DIR=str(tmp_path / "snaps"),
         GPUMEM_NVML="off",
+        **settings,
     )
     proc = subprocess.Popen(
         [
@@ -98,9 +99,13 @@ def launched(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen, Path]]:
     try:
         yield f"http://127.0.0.1:{port}", proc, control
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        if proc.poll() is None:  # SIGTERM reaches the server, which stops its workers
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
 
 
 def test_every_process_under_one_endpoint_exits_cleaned_up_and_fan_out(tmp_path):
@@ -141,6 +146,7 @@ def test_every_process_under_one_endpoint_exits_cleaned_up_and_fan_out(tmp_path)
         result = post(url + "/snapshot", {})
         assert result["ok"] and len(result["processes"]) == 4
         ids = {r["result"]["id"] for r in result["processes"]}
+        assert {r["process"]["pid"] for r in result["processes"]} == pids
         listed = json.loads(
             urllib.request.urlopen(
                 urllib.request.Request(
@@ -206,7 +212,7 @@ def test_children_get_the_agent_and_keep_their_own_sitecustomize(tmp_path):
     own.mkdir()
     (own / "sitecustomize.py").write_text("import os\nos.environ['OWN_SITECUSTOMIZE'] = 'ran'\n")
     probe = (
-        "import os, sys, exporter.agent as a; "
+        "import os, sys, exporter.run.agent as a; "
         "print(os.environ.get('OWN_SITECUSTOMIZE'), a._agent is not None, "
         "'fastapi' in sys.modules, 'torch' in sys.modules)"
     )
@@ -217,7 +223,9 @@ def test_children_get_the_agent_and_keep_their_own_sitecustomize(tmp_path):
 
 
 def test_the_agent_is_off_outside_run():
-    probe = "import sys; print('sitecustomize' in sys.modules and 'exporter.agent' in sys.modules)"
+    probe = (
+        "import sys; print('sitecustomize' in sys.modules and 'exporter.run.agent' in sys.modules)"
+    )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "False"
 
@@ -236,3 +244,332 @@ def test_port_per_local_rank_without_run(tmp_path):
         env={**os.environ, "LOCAL_RANK": "2", "GPUMEM_NVML": "off"},
     )
     assert proc.stdout.strip() == f"http://127.0.0.1:{base}"
+
+
+def get(url: str) -> dict:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def client(*args: str, token_file: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "exporter.cli", *args, "--token-file", str(token_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def wait_for_roles(url: str, roles: set[str]) -> dict[str, dict]:
+    return wait_for(
+        lambda: _roles(url) >= roles and allocated_by_role(url), what=f"processes {roles}"
+    )
+
+
+def test_every_admin_route_and_cli_command_per_process_and_fanned_out(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    settings = {"GPUMEM_HISTORY_MAX_ENTRIES": "1000", "GPUMEM_EMPTY_CACHE_COOLDOWN_S": "30"}
+    with launched(tmp_path, **settings) as (url, proc, _control):
+        roles = wait_for_roles(url, {"worker0", "worker1", "forked", "embedded"})
+        pid = {role: labels["pid"] for role, labels in roles.items()}
+        cuda_pids = set(pid.values())
+
+        # History from start-up runs in every CUDA process, with the launcher's setting.
+        history = get(url + "/history")
+        assert {p["process"]["pid"] for p in history["processes"]} == cuda_pids
+        assert all(
+            p["result"]["enabled"] and p["result"]["max_entries"] == 1000
+            for p in history["processes"]
+        )
+
+        # CLI: snapshot of every process (one file each), then of rank 1 only.
+        out = tmp_path / "snap.pickle"
+        done = client("snapshot", "--url", url, "-o", str(out), token_file=token_file)
+        assert done.returncode == 0, done.stderr
+        files = sorted(tmp_path.glob("snap.pid*.pickle"))
+        assert {f.name.split(".")[1][3:] for f in files} == cuda_pids
+        one = tmp_path / "rank1.pickle"
+        done = client(
+            "snapshot", "--url", url, "-o", str(one), "--rank", "1", token_file=token_file
+        )
+        assert done.returncode == 0 and one.stat().st_size > 0, done.stderr
+        assert f"pid {pid['worker1']} rank 1" in done.stdout
+        windowed = client(
+            "snapshot",
+            "--url",
+            url,
+            "-o",
+            str(tmp_path / "w.pickle"),
+            "--record-s",
+            "0.3",
+            "--pid",
+            pid["worker0"],
+            token_file=token_file,
+        )
+        assert windowed.returncode == 0, windowed.stderr
+
+        # The pod lists every process's snapshots; each downloads, views and deletes.
+        listed = get(url + "/snapshots")["snapshots"]
+        assert {s["meta"]["process"]["pid"] for s in listed} == cuda_pids
+        assert [
+            s["meta"]["process"]["pid"] for s in get(url + "/snapshots?rank=1")["snapshots"]
+        ] == [pid["worker1"]] * 2
+        first = listed[0]
+        assert get(url + f"/snapshots/{first['id']}/info")["status"] == "ready"
+        view = urllib.request.Request(
+            url + f"/snapshots/{first['id']}/view", headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+        assert urllib.request.urlopen(view, timeout=30).status == 200
+        delete = urllib.request.Request(
+            url + f"/snapshots/{first['id']}",
+            method="DELETE",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        assert urllib.request.urlopen(delete, timeout=30).status == 204
+
+        # history stop/start per rank; status; reset-peak; stats; each with selectors.
+        stop = client("history", "stop", "--url", url, "--rank", "1", token_file=token_file)
+        assert stop.returncode == 0, stop.stderr
+        stopped = json.loads(stop.stdout)["processes"]
+        assert [(p["process"]["pid"], p["result"]["enabled"]) for p in stopped] == [
+            (pid["worker1"], False)
+        ]
+        assert stopped[0]["result"]["snapshot"]["trigger"] == "history"
+        status = json.loads(client("history", "status", "--url", url, token_file=token_file).stdout)
+        enabled = {p["process"]["role"]: p["result"]["enabled"] for p in status["processes"]}
+        assert enabled == {"worker0": True, "worker1": False, "forked": True, "embedded": True}
+        start = client(
+            "history",
+            "start",
+            "--url",
+            url,
+            "--rank",
+            "1",
+            "--max-entries",
+            "50",
+            token_file=token_file,
+        )
+        assert json.loads(start.stdout)["processes"][0]["result"]["max_entries"] == 50
+        reset = client("reset-peak", "--url", url, "--device", "1", token_file=token_file)
+        # Only processes using device 1 can reset it: the others say why, and the CLI exits 2.
+        assert reset.returncode == 2
+        by_role = {p["process"]["role"]: p for p in json.loads(reset.stdout)["processes"]}
+        assert by_role["worker1"]["ok"] and by_role["worker1"]["result"]["devices"] == [1]
+        assert not by_role["worker0"]["ok"] and by_role["worker0"]["outcome"] == "unavailable"
+        assert "device 1 is not initialized" in reset.stderr
+        reset = client("reset-peak", "--url", url, "--pid", pid["forked"], token_file=token_file)
+        assert reset.returncode == 0 and json.loads(reset.stdout)["processes"][0]["result"][
+            "devices"
+        ] == [0]
+        stats = json.loads(
+            client("stats", "--url", url, "--rank", "1", token_file=token_file).stdout
+        )
+        assert {a["process"]["pid"] for a in stats["sample"]["allocators"]} == {pid["worker1"]}
+
+        # empty-cache: one process, then all (that one is in its cooldown: a partial answer).
+        cleared = client("empty-cache", "--url", url, "--pid", pid["forked"], token_file=token_file)
+        assert cleared.returncode == 0, cleared.stderr
+        everyone = client("empty-cache", "--url", url, token_file=token_file)
+        assert everyone.returncode == 2
+        answer = json.loads(everyone.stdout)
+        outcomes = {p["process"]["role"]: p["outcome"] for p in answer["processes"]}
+        assert outcomes == {
+            "worker0": "ok",
+            "worker1": "ok",
+            "forked": "cooldown",
+            "embedded": "ok",
+        }
+        assert (
+            f"pid {pid['forked']}" in everyone.stderr
+            and "ran less than 30 s ago" in everyone.stderr
+        )
+
+        # A pid or rank that names no process: a one-line 404.
+        missing = client("reset-peak", "--url", url, "--rank", "9", token_file=token_file)
+        assert (
+            missing.returncode == 2 and "HTTP 404" in missing.stderr and "rank 9" in missing.stderr
+        )
+        assert missing.stderr.count("\n") == 1
+
+        # The admin token never reaches the server's processes.
+        environ = Path(f"/proc/{pid['worker0']}/environ").read_bytes()
+        assert TOKEN.encode() not in environ and b"GPUMEM_ADMIN_TOKEN" not in environ
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 3
+    assert "Traceback" not in (proc.stdout.read() if proc.stdout else "")
+
+
+def alert_firing(url: str, alert: str) -> dict[str, float]:
+    return {
+        s.labels["pid"]: s.value
+        for s in scrape(url)
+        if s.name == "gpumem_exporter_alert_firing" and s.labels["alert"] == alert
+    }
+
+
+def test_alerts_fire_and_clear_per_process_on_one_device(tmp_path):
+    """worker0 and forked share CUDA ordinal 0 with retry counters 5 and 2."""
+    with launched(tmp_path, GPUMEM_DETECT_COUNTER_WINDOW_S="2", GPUMEM_OOM_SNAPSHOT="on") as (
+        url,
+        _proc,
+        control,
+    ):
+        (control / "retries-worker0").write_text("5")
+        (control / "retries-forked").write_text("2")
+        roles = wait_for_roles(url, {"worker0", "forked"})
+        a, b = roles["worker0"]["pid"], roles["forked"]["pid"]
+        assert roles["worker0"]["device"] == roles["forked"]["device"] == "0"
+        # Quiet counters: whatever fired for the first reading clears after the window.
+        wait_for(
+            lambda: (f := alert_firing(url, "GpuMemAllocRetries")).get(a) == 0 and f.get(b) == 0,
+            what="quiet",
+        )
+        time.sleep(1.0)
+        assert alert_firing(url, "GpuMemAllocRetries")[a] == 0  # no phantom rises
+        (control / "retries-forked").write_text("3")
+        firing = wait_for(
+            lambda: (f := alert_firing(url, "GpuMemAllocRetries")).get(b) == 1 and f,
+            what="forked's alert",
+        )
+        assert firing[a] == 0
+        labels = next(
+            s.labels
+            for s in scrape(url)
+            if s.name == "gpumem_exporter_alert_firing"
+            and s.labels.get("pid") == b
+            and s.labels["alert"] == "GpuMemAllocRetries"
+        )
+        assert (
+            labels["device"] == "0" and labels["gpu"] == "" and labels["gpu_uuid"] == "GPU-fake-0"
+        )
+        assert labels["role"] == "forked" and labels["rank"] == "2"
+        wait_for(
+            lambda: alert_firing(url, "GpuMemAllocRetries").get(b) == 0,
+            what="forked's alert to clear",
+        )
+
+        # worker1 (rank 1) runs out of memory and dies: its OOM snapshot is the pod's.
+        pid1 = wait_for_roles(url, {"worker1"})["worker1"]["pid"]
+        (control / "oom-worker1").touch()
+        wait_for(lambda: "worker1" not in _roles(url), what="worker1 to die")
+        snaps = wait_for(
+            lambda: [s for s in get(url + "/snapshots")["snapshots"] if s["trigger"] == "oom"],
+            what="the OOM snapshot",
+        )
+        assert (
+            snaps[0]["meta"]["process"]["pid"] == pid1
+            and snaps[0]["meta"]["process"]["rank"] == "1"
+        )
+        assert snaps[0]["meta"]["alloc_size"] == 1 << 30
+        for path in (f"/snapshots/{snaps[0]['id']}", f"/snapshots/{snaps[0]['id']}/view"):
+            request = urllib.request.Request(
+                url + path, headers={"Authorization": f"Bearer {TOKEN}"}
+            )
+            assert urllib.request.urlopen(request, timeout=30).status == 200
+
+
+def launcher_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_hostile_agent_cannot_hurt_other_processes_or_the_endpoint(tmp_path):
+    import socket
+
+    with launched(tmp_path) as (url, proc, control):
+        wait_for_roles(url, {"worker0", "worker1"})
+        sock_path = Path((control / "run-dir").read_text()) / "aggregator.sock"
+        before = launcher_rss(proc.pid)
+
+        def hostile(*lines: bytes) -> None:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(sock_path))
+            hello = json.dumps(
+                {
+                    "type": "hello",
+                    "version": 1,
+                    "process": {"pid": "1", "role": "evil", "rank": "", "local_rank": ""},
+                }
+            )
+            s.sendall(hello.encode() + b"\n")
+            for line in lines:
+                try:
+                    s.sendall(line)
+                except OSError:
+                    break  # closed on us: the point
+            time.sleep(0.3)
+            s.close()
+
+        good = {
+            "device": 0,
+            "gpu_uuid": "GPU-x",
+            "backend": "native",
+            "expandable_segments": False,
+            "gauges": {"allocated_bytes": 1},
+        }
+        bad_gauge = json.dumps(
+            {"type": "sample", "allocators": [{**good, "gauges": {"allocated_bytes": "lots"}}]}
+        )
+        hostile(
+            bad_gauge.encode() + b"\n",
+            b"[1, 2, 3]\n",
+            b'{"type": "sample", "allocators": [' + b"{}," * 100 + b"{}]}\n",
+            b'{"type": "sample", "allocators": [{"device": NaN}]}\n',
+            json.dumps({"type": "sample", "allocators": [good]}).encode() + b"\n",  # fine
+            b'{"type": "command", "id": 1}\n',
+        )
+        hostile(b"x" * (81 << 20))  # 81 MiB without a newline
+        # Every other process's series are right, /metrics answers, the rejects are counted.
+        roles = wait_for_roles(url, {"worker0", "worker1"})
+        assert roles["worker0"]["pid"] != roles.get("evil", {}).get("pid")
+        rejected = {
+            s.labels["reason"]: s.value
+            for s in scrape(url)
+            if s.name == "gpumem_exporter_agent_messages_rejected_total"
+        }
+        assert rejected == {"field": 2, "json": 1, "type": 2, "too_long": 1}, rejected
+        # The accepted sample was labelled with the peer's real pid (from the socket), not "1".
+        assert all(
+            s.labels["pid"] != "1" for s in scrape(url) if s.name == "torch_cuda_allocated_bytes"
+        )
+        assert launcher_rss(proc.pid) - before < 16 << 20  # bounded: not the 81 MiB line
+    assert "Traceback" not in (proc.stdout.read() if proc.stdout else "")
+
+
+def test_host_memory_of_every_process_of_the_server(tmp_path):
+    """The incident on CPU: a worker that never uses CUDA takes 2 GiB of host RAM; it appears
+    under its pid and role within two intervals, next to the CUDA processes."""
+    with launched(tmp_path) as (url, _proc, control):
+        wait_for_roles(url, {"worker0", "worker1"})
+
+        def host_rss() -> dict[str, tuple[str, float]]:
+            return {
+                s.labels["pid"]: (s.labels["role"], s.value)
+                for s in scrape(url)
+                if s.name == "host_process_resident_memory_bytes"
+            }
+
+        before = host_rss()
+        worker0 = (control / "pid-worker0").read_text()
+        assert before[worker0][0] == "worker0"  # a CUDA process: labels from its agent
+        (control / "hog").touch()
+        hog_pid = wait_for(
+            lambda: (control / "hog-ready").exists() and (control / "hog-ready").read_text(),
+            what="the hog",
+        )
+        ready = time.monotonic()
+        role, value = wait_for(
+            lambda: (v := host_rss().get(hog_pid)) and v[1] >= 2 << 30 and v, what="the hog's RSS"
+        )
+        assert time.monotonic() - ready <= 2 * 0.2 + 0.5  # two intervals, plus a scrape
+        assert role == "hog"
+        truth = launcher_rss(int(hog_pid))
+        assert abs(value - truth) <= 0.05 * truth
+        names = {s.name for s in scrape(url)}
+        assert {"host_process_resident_memory_peak_bytes", "host_process_swap_bytes"} <= names
+        (control / "stop-hog").touch()
+        wait_for(lambda: hog_pid not in host_rss(), what="the hog's series to go")

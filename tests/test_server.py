@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry, Gauge
 
 import exporter
 from exporter.config import ConfigError
+from exporter.http.server import ServerStartError, bind_socket, create_app
 from exporter.sample import HostReading, SourceReading
 from exporter.sampler import Sampler
-from exporter.server import ServerStartError, bind_socket, create_app
 
 
 class HostSource:

@@ -55,6 +55,9 @@ class NvmlSource:
         self._devices: list[_Device] | None = None
         self._driver_version = ""
         self._next_init = 0.0
+        # Host PIDs with memory on some GPU at the last read (the node daemon reads their
+        # host memory too: exporter.sources.process_memory).
+        self.last_pids: frozenset[int] = frozenset()
 
     def _init(self) -> list[_Device]:
         if self._devices is not None:
@@ -83,6 +86,7 @@ class NvmlSource:
             gpu, processes = self._read_device(device)
             reading.gpus.append(gpu)
             reading.processes.extend(processes)
+        self.last_pids = frozenset(p.pid for p in reading.processes)
         return reading
 
     def _read_device(self, device: _Device) -> tuple[GpuReading, list[ProcessGpuReading]]:

@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from exporter.sample import Sample, SourceReading
+from exporter.sample import HostProcessReading, Sample, SourceReading
 from exporter.trace import read_trace
 
 DEMO_TRACE = "demo_trace.jsonl.gz"
@@ -91,6 +91,7 @@ class ReplaySource:
             gpus=copy.deepcopy(recorded.gpus),
             processes=copy.deepcopy(recorded.processes),
             host=copy.deepcopy(recorded.host),
+            host_processes=copy.deepcopy(recorded.host_processes) or _recorded_process(recorded),
             self_pid=recorded.self_pid,
         )
 
@@ -99,6 +100,23 @@ class ReplaySource:
 
 
 _Key = tuple[int, str]
+
+
+def _recorded_process(sample: Sample) -> list[HostProcessReading]:
+    """Traces recorded before per-process host memory carry the recording process's own
+    resident and peak bytes: that process, under the pid it had (swap was not recorded)."""
+    host = sample.host
+    if host is None or host.process_resident_bytes is None or sample.self_pid is None:
+        return []
+    return [
+        HostProcessReading(
+            pid=sample.self_pid,
+            role="server",
+            rank="",
+            resident_bytes=host.process_resident_bytes,
+            resident_peak_bytes=host.process_resident_peak_bytes,
+        )
+    ]
 
 
 def _counter_increase(first: Sample, last: Sample) -> dict[_Key, dict[str, int]]:

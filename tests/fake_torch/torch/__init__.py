@@ -22,6 +22,24 @@ _STATS = _DATA["memory_stats_as_nested_dict"]
 _started = time.monotonic()
 _initialized: set = set()
 _calls: list = []
+_oom_observers: list = []
+
+
+def _retries_override():
+    """FAKE_TORCH_RETRIES_FILE: a file holding this process's retry counter, so that tests can
+    give processes on one device different retry histories."""
+    path = os.environ.get("FAKE_TORCH_RETRIES_FILE")
+    try:
+        return int(Path(path).read_text()) if path else None
+    except (OSError, ValueError):
+        return None
+
+
+def _fake_oom(device, alloc_size=1 << 30):
+    """What the real allocator does on an OOM: call the observers, then raise."""
+    for observer in _oom_observers:
+        observer(device, alloc_size, 80 << 30, 1 << 20)
+    raise _Cuda.OutOfMemoryError(f"CUDA out of memory on device {device} (fake)")
 
 
 class _Cuda:
@@ -60,6 +78,9 @@ class _Cuda:
         grown = int((time.monotonic() - _started) * 10)
         stats["allocated_bytes"]["all"]["current"] += grown * 512 + os.getpid() % 7 * 512
         stats["num_alloc_retries"] += grown
+        override = _retries_override()
+        if override is not None:
+            stats["num_alloc_retries"] = override
         return stats
 
     @staticmethod
@@ -103,4 +124,7 @@ class _Cuda:
 
 
 cuda = _Cuda()
-_C = SimpleNamespace(_cuda_hasPrimaryContext=lambda i: i in _initialized)
+_C = SimpleNamespace(
+    _cuda_hasPrimaryContext=lambda i: i in _initialized,
+    _cuda_attach_out_of_memory_observer=_oom_observers.append,
+)

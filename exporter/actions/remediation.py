@@ -18,7 +18,8 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from exporter.actions import Actions, ActionUnavailable
+from exporter.actions.base import ActionFailed
+from exporter.actions.local import LocalActions
 from exporter.detectors import AlertEvent, Detectors
 
 log = logging.getLogger("exporter.remediation")
@@ -29,7 +30,7 @@ class Remediation:
 
     def __init__(
         self,
-        actions: Actions,
+        actions: LocalActions,
         detectors: Detectors,
         *,
         cooldown_s: float = 300.0,
@@ -41,7 +42,8 @@ class Remediation:
         self._clock = clock
         self._last_empty_cache: float | None = None
         self._snapshotted_oom = False
-        self.counts: Counter[tuple[str, str]] = Counter()  # (action, outcome) -> count
+        # (action, outcome) -> count, kept with the process's other action counts
+        self.counts: Counter[tuple[str, str]] = actions.remediations
         self._queue: queue.Queue[str] = queue.Queue(maxsize=8)
         self._worker = threading.Thread(target=self._run, name="gpumem-remediation", daemon=True)
         self._worker.start()
@@ -51,7 +53,7 @@ class Remediation:
         if event.state != "firing":
             return
         if event.alert == "GpuMemAllocRetries" and self.detectors.is_firing(
-            "GpuMemFragmentationHigh", event.device
+            "GpuMemFragmentationHigh", event.labels
         ):
             now = self._clock()
             if (
@@ -81,17 +83,17 @@ class Remediation:
             action = self._queue.get()
             try:
                 if action == "empty_cache":
-                    result = self.actions.empty_cache(trigger="remediation")
+                    result = self.actions.empty_cache_now(trigger="remediation")
                     log.warning(
                         "remediation empty_cache released %d bytes in %.3f s",
                         result.released_bytes,
                         result.duration_s,
                     )
                 else:
-                    info = self.actions.snapshot(trigger="remediation")
+                    info = self.actions.write_snapshot("remediation")
                     log.warning("remediation snapshot after OOM: %s", info.filename)
                 self.counts[(action, "ok")] += 1
-            except ActionUnavailable as exc:
+            except ActionFailed as exc:
                 log.warning("remediation %s not possible here: %s", action, exc)
                 self.counts[(action, "unavailable")] += 1
             except Exception as exc:

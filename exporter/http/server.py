@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import choose_encoder
 
-from exporter.admin import add_admin_routes
+from exporter.http.admin import add_admin_routes
 from exporter.runtime import Runtime
 
 log = logging.getLogger(__name__)

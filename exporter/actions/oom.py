@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from exporter.actions import Actions
+from exporter.actions.local import LocalActions
 
 log = logging.getLogger("exporter.oom")
 
@@ -28,11 +28,11 @@ _attached = False
 
 
 class OomCapture:
-    """The OOM observer; `attach()` once CUDA is initialized (runtime.when_cuda_ready)."""
+    """The OOM observer; `attach()` once CUDA is initialized (actions.local.when_cuda_ready)."""
 
     def __init__(
         self,
-        actions: Actions,
+        actions: LocalActions,
         *,
         cooldown_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
@@ -87,6 +87,7 @@ class OomCapture:
 
     def _write(self, snapshot: Any, device: int, meta: dict[str, Any]) -> None:
         try:
+            meta["process"] = self.actions.process
             info = self.actions.store.write(snapshot, "oom", device=device, meta=meta)
             self.actions.count_snapshot("oom")
             log.warning(

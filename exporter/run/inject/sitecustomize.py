@@ -13,7 +13,7 @@ import sys
 def _start_agent() -> None:
     try:
         try:
-            import exporter.agent as agent
+            import exporter.run.agent as agent
         except ImportError:
             # The server's interpreter may not have gpumem-exporter installed: use the copy
             # the launcher runs from, at the lowest priority so it shadows nothing.
@@ -21,7 +21,7 @@ def _start_agent() -> None:
             if not path:
                 raise
             sys.path.append(path)
-            import exporter.agent as agent
+            import exporter.run.agent as agent
         agent.start_agent()
     except Exception as exc:
         print(f"gpumem-exporter: agent not started in pid {os.getpid()}: {exc}", file=sys.stderr)

@@ -1,0 +1,170 @@
+"""The actions interface every mode implements, and the per-process result shape.
+
+Every action answers a list of `ProcessResult`s, one per process it ran in: one entry for an
+embedded exporter or the demo, one per selected process under `gpumem-exporter run`. So one
+client reads every mode the same way. Adding an action means one method here, one in each
+implementation (the fan-out's is one line) and one route.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from exporter.sample import ActionCounts
+
+if TYPE_CHECKING:
+    from exporter.actions.snapshots import SnapshotStore
+    from exporter.detectors import Detectors
+    from exporter.sampler import Listener
+
+STACK_MODES = ("python", "all")
+CONTEXT_MODES = ("all", "alloc", "state")
+DEFAULT_HISTORY_ENTRIES = 100_000
+
+# Outcomes of one process's action, and the HTTP status each stands for when every selected
+# process ended the same way.
+OUTCOME_STATUS = {
+    "ok": 200,
+    "unavailable": 409,  # not now: CUDA not initialized yet, device not in use
+    "conflict": 409,  # another capture is recording
+    "cooldown": 429,
+    "unsupported": 501,  # never here: cudaMallocAsync has no snapshots
+    "error": 500,
+    "unreachable": 502,  # the process's agent could not be reached
+    "timeout": 504,
+}
+
+
+class ActionFailed(RuntimeError):
+    """An action that cannot run here; `outcome` says why (a key of OUTCOME_STATUS)."""
+
+    outcome = "error"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ActionUnavailable(ActionFailed):
+    """Not possible now (409), or never with this allocator (501 when `unsupported`)."""
+
+    def __init__(self, message: str, *, unsupported: bool = False) -> None:
+        super().__init__(message)
+        self.unsupported = unsupported
+        self.outcome = "unsupported" if unsupported else "unavailable"
+
+
+class ActionConflict(ActionFailed):
+    outcome = "conflict"
+
+
+class ActionCooldown(ActionFailed):
+    outcome = "cooldown"
+
+
+@dataclass(frozen=True)
+class Target:
+    """Which processes an action is for: all (the default), or one pid or rank."""
+
+    pid: int | None = None
+    rank: int | None = None
+
+    @property
+    def selective(self) -> bool:
+        return self.pid is not None or self.rank is not None
+
+    def matches(self, process: Mapping[str, str]) -> bool:
+        return (self.pid is None or process.get("pid") == str(self.pid)) and (
+            self.rank is None or process.get("rank") == str(self.rank)
+        )
+
+    def describe(self) -> str:
+        parts = [f"pid {self.pid}" if self.pid is not None else ""]
+        parts.append(f"rank {self.rank}" if self.rank is not None else "")
+        return " and ".join(p for p in parts if p) or "any process"
+
+
+@dataclass
+class ProcessResult:
+    """What one action did in one process."""
+
+    process: dict[str, str]
+    ok: bool
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    outcome: str = "ok"
+    retry_after_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ProcessResult:
+        """From an agent's reply (already validated by the protocol)."""
+        return cls(
+            process={str(k): str(v) for k, v in dict(data["process"]).items()},
+            ok=bool(data["ok"]),
+            result=data.get("result"),
+            error=data.get("error"),
+            outcome=str(data.get("outcome", "ok" if data["ok"] else "error")),
+            retry_after_s=data.get("retry_after_s"),
+        )
+
+
+@dataclass
+class HistoryParams:
+    max_entries: int = DEFAULT_HISTORY_ENTRIES
+    stacks: str = "python"
+    context: str = "all"
+
+
+@dataclass
+class ProcessCounts:
+    """One process's action counts, with its labels (empty for an embedded exporter)."""
+
+    process: dict[str, str] = field(default_factory=dict)
+    counts: ActionCounts = field(default_factory=ActionCounts)
+
+
+class Actions(Protocol):
+    """The allocator actions of a mode. Every method returns one result per process it ran
+    in; an empty list means no process matched `target` (or none uses CUDA yet)."""
+
+    replay: bool
+    store: SnapshotStore
+
+    def snapshot(
+        self, target: Target, *, record_s: float | None = None, history: HistoryParams
+    ) -> list[ProcessResult]:
+        """Snapshot now, or record history for `record_s` and then dump (status recording)."""
+        ...
+
+    def empty_cache(self, target: Target, *, device: int | None = None) -> list[ProcessResult]: ...
+
+    def history(self, target: Target) -> list[ProcessResult]: ...
+
+    def set_history(
+        self,
+        target: Target,
+        *,
+        enabled: bool,
+        history: HistoryParams,
+        snapshot_before_stop: bool = True,
+    ) -> list[ProcessResult]: ...
+
+    def reset_peak(self, target: Target, *, device: int | None = None) -> list[ProcessResult]: ...
+
+    def counts(self) -> list[ProcessCounts]:
+        """Counts of actions done so far, per process (for /metrics)."""
+        ...
+
+    def sample_listeners(self, detectors: Detectors) -> list[Listener]:
+        """Features that run in the process owning the allocator (OOM capture, history from
+        start-up, remediation): this mode's listeners for the sampler."""
+        ...
+
+
+# The actions an agent accepts from the aggregator: the interface's methods, by name.
+REMOTE_ACTIONS = ("snapshot", "empty_cache", "history", "set_history", "reset_peak")

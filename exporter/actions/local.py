@@ -1,0 +1,427 @@
+"""This process's allocator: empty_cache, snapshots, history recording, peak reset.
+
+Guards come from shared/FACTS.md: act only on devices this process already initialized, call
+empty_cache under `torch.cuda.device(i)` (from a new thread the current device is 0, and an
+empty_cache there would create a context on GPU 0), pass explicit indices to
+reset_peak_memory_stats, and never snapshot on cudaMallocAsync, where `_snapshot` raises.
+empty_cache waits for queued GPU work and holds each device's allocator mutex meanwhile, so it
+blocks the server's allocations for as long as that takes: it runs off the serving path and is
+rate-limited per process.
+
+Used by an embedded exporter and by each agent of `gpumem-exporter run` (which answers the
+launcher's fan-out with these same methods).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from exporter.actions.base import (
+    ActionConflict,
+    ActionCooldown,
+    ActionFailed,
+    ActionUnavailable,
+    HistoryParams,
+    ProcessCounts,
+    ProcessResult,
+    Target,
+)
+from exporter.actions.snapshots import SnapshotInfo, SnapshotStore
+from exporter.identity import process_labels
+from exporter.sample import ActionCounts
+
+if TYPE_CHECKING:
+    from exporter.actions.remediation import Remediation
+    from exporter.config import Config
+    from exporter.detectors import Detectors
+    from exporter.sample import Sample
+    from exporter.sampler import Listener
+
+log = logging.getLogger("exporter.actions")
+
+
+@dataclass(frozen=True)
+class EmptyCacheResult:
+    devices: list[int]
+    reserved_before_bytes: dict[int, int]
+    reserved_after_bytes: dict[int, int]
+    duration_s: float
+
+    @property
+    def released_bytes(self) -> int:
+        return sum(
+            max(self.reserved_before_bytes[d] - self.reserved_after_bytes[d], 0)
+            for d in self.devices
+        )
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "devices": self.devices,
+            "reserved_before_bytes": {str(k): v for k, v in self.reserved_before_bytes.items()},
+            "reserved_after_bytes": {str(k): v for k, v in self.reserved_after_bytes.items()},
+            "released_bytes": self.released_bytes,
+            "duration_s": round(self.duration_s, 6),
+            "scope": "every device of the process",
+        }
+
+
+@dataclass
+class HistoryState:
+    enabled: bool = False
+    max_entries: int = 0
+    stacks: str = "python"
+    context: str = "all"
+    since: float | None = None
+    owner: str = ""  # "api", "startup" or a windowed capture's id
+
+    def public(self) -> dict[str, Any]:
+        data = asdict(self)
+        del data["owner"]
+        return data
+
+
+def _torch() -> Any:
+    torch = sys.modules.get("torch")  # never import torch for an action: see sources
+    if torch is None or not torch.cuda.is_initialized():
+        raise ActionUnavailable("CUDA is not initialized in this process: nothing to act on")
+    return torch
+
+
+def initialized_devices(torch: Any) -> list[int]:
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if has_context is None:
+        return [torch.cuda.current_device()]
+    return [i for i in range(torch.cuda.device_count()) if has_context(i)]
+
+
+def _reserved(torch: Any, device: int) -> int:
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    return int(stats.get("reserved_bytes", {}).get("all", {}).get("current", 0))
+
+
+def when_cuda_ready(action: Callable[[], object], name: str) -> Listener:
+    """A sampler listener that runs `action` once, on the first sample where this process
+    has a CUDA device in use: hooks that could initialize CUDA must wait for the host."""
+    done = False
+
+    def listener(sample: Sample) -> None:
+        nonlocal done
+        if not done and sample.allocators:
+            done = True
+            action()
+
+    listener.__name__ = name
+    return listener
+
+
+class LocalActions:
+    """The actions of this process. Thread-safe; one windowed capture at a time."""
+
+    replay = False
+
+    def __init__(
+        self,
+        store: SnapshotStore,
+        *,
+        config: Config | None = None,
+        process: dict[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.process = process if process is not None else process_labels()
+        self.totals = ActionCounts()
+        self.remediations: Counter[tuple[str, str]] = Counter()  # filled by Remediation
+        self.history_state = HistoryState()
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._last_empty_cache: float | None = None
+        self._capturing: SnapshotInfo | None = None
+        self.remediation: Remediation | None = None  # when the settings turn it on
+
+    # -- the interface (exporter.actions.base.Actions) -----------------------------------
+
+    def snapshot(
+        self, target: Target, *, record_s: float | None = None, history: HistoryParams
+    ) -> list[ProcessResult]:
+        return self._here(target, lambda: self._start_capture(record_s, history))
+
+    def empty_cache(self, target: Target, *, device: int | None = None) -> list[ProcessResult]:
+        def run() -> dict[str, Any]:
+            self._check_cooldown()
+            return self.empty_cache_now(device, trigger="api").public()
+
+        return self._here(target, run)
+
+    def history(self, target: Target) -> list[ProcessResult]:
+        return self._here(target, self.history_state.public)
+
+    def set_history(
+        self,
+        target: Target,
+        *,
+        enabled: bool,
+        history: HistoryParams,
+        snapshot_before_stop: bool = True,
+    ) -> list[ProcessResult]:
+        def run() -> dict[str, Any]:
+            if self._capturing is not None:
+                raise ActionConflict(f"capture {self._capturing.id} is recording history")
+            dumped = None
+            if enabled:
+                state = self.start_history(history, owner="api")
+            else:
+                if snapshot_before_stop and self.history_state.enabled:
+                    dumped = self.write_snapshot("history").public()
+                state = self.stop_history()
+            return {**state.public(), "snapshot": dumped}
+
+        return self._here(target, run)
+
+    def reset_peak(self, target: Target, *, device: int | None = None) -> list[ProcessResult]:
+        return self._here(
+            target, lambda: {"devices": self.reset_peak_now(device), "scope": "process"}
+        )
+
+    def counts(self) -> list[ProcessCounts]:
+        with self._lock:
+            counts = ActionCounts(
+                snapshots=dict(self.totals.snapshots),
+                empty_cache_released_bytes=self.totals.empty_cache_released_bytes,
+                remediations={f"{a}/{o}": n for (a, o), n in self.remediations.items()},
+            )
+        return [ProcessCounts({}, counts)]
+
+    def sample_listeners(self, detectors: Detectors) -> list[Listener]:
+        listeners: list[Listener] = []
+        config = self.config
+        if config is None:
+            return listeners
+        from exporter.actions.oom import OomCapture
+        from exporter.actions.remediation import Remediation
+
+        if config.remediate:
+            self.remediation = Remediation(self, detectors, cooldown_s=config.remediate_cooldown_s)
+            detectors.listeners.append(self.remediation)
+        if config.oom_snapshot and not self.replay:
+            oom = OomCapture(self, cooldown_s=config.oom_snapshot_cooldown_s)
+            listeners.append(when_cuda_ready(oom.attach, "oom_capture"))
+        if config.history_max_entries and not self.replay:
+            params = HistoryParams(max_entries=config.history_max_entries)
+            listeners.append(
+                when_cuda_ready(
+                    lambda: self.start_history(params, owner="startup"), "history_startup"
+                )
+            )
+        return listeners
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _here(self, target: Target, run: Callable[[], dict[str, Any]]) -> list[ProcessResult]:
+        """Run `run` in this process if `target` names it; failures become results."""
+        if not target.matches(self.process):
+            return []
+        try:
+            return [ProcessResult(dict(self.process), True, run())]
+        except ActionFailed as exc:
+            return [
+                ProcessResult(
+                    dict(self.process),
+                    False,
+                    error=str(exc),
+                    outcome=exc.outcome,
+                    retry_after_s=exc.retry_after_s,
+                )
+            ]
+        except Exception as exc:  # a bug or a torch error: reported, never raised
+            log.exception("allocator action failed")
+            return [
+                ProcessResult(
+                    dict(self.process), False, error=f"{type(exc).__name__}: {exc}", outcome="error"
+                )
+            ]
+
+    def _check_cooldown(self) -> None:
+        cooldown = self.config.empty_cache_cooldown_s if self.config else 0.0
+        now = self._clock()
+        with self._lock:
+            last = self._last_empty_cache
+            if last is not None and now - last < cooldown:
+                retry = math.ceil(cooldown - (now - last))
+                raise ActionCooldown(
+                    f"empty_cache ran less than {cooldown:g} s ago; it waits for all queued "
+                    "GPU work and blocks allocations meanwhile",
+                    retry_after_s=retry,
+                )
+            self._last_empty_cache = now
+
+    def _devices(self, torch: Any, device: int | None) -> list[int]:
+        devices = initialized_devices(torch)
+        if not devices:
+            raise ActionUnavailable("no CUDA device is initialized in this process")
+        if device is not None and device not in devices:
+            raise ActionUnavailable(
+                f"device {device} is not initialized in this process (initialized: {devices})"
+            )
+        return devices
+
+    def _native(self, torch: Any) -> None:
+        backend = torch.cuda.get_allocator_backend()
+        if backend != "native":
+            raise ActionUnavailable(
+                f"allocator snapshots and history need the native backend; "
+                f"this process uses {backend}",
+                unsupported=True,
+            )
+
+    def _start_capture(self, record_s: float | None, history: HistoryParams) -> dict[str, Any]:
+        """Immediate snapshot (status ready), or the start of a windowed one (recording)."""
+        with self._lock:
+            if self._capturing is not None:
+                raise ActionConflict(
+                    f"capture {self._capturing.id} is still recording; one capture at a time"
+                )
+            if record_s is None:
+                capturing = None
+            else:
+                self.capture()  # fail now (409/501) rather than after the window
+                capturing = self.store.reserve("record", meta={"record_s": record_s})
+                self._capturing = capturing
+        if capturing is None:
+            return self.write_snapshot("api").public()
+        threading.Thread(
+            target=self._record_window,
+            args=(capturing, record_s, history),
+            name="gpumem-record",
+            daemon=True,
+        ).start()
+        return capturing.public()
+
+    def _record_window(self, info: SnapshotInfo, record_s: float, history: HistoryParams) -> None:
+        try:
+            self.record_window(info, record_s, history)
+        except Exception as exc:
+            log.error("windowed snapshot %s failed: %s", info.id, exc)
+        finally:
+            with self._lock:
+                self._capturing = None
+
+    # -- allocator primitives (also used by remediation and OOM capture) -----------------
+
+    def empty_cache_now(self, device: int | None = None, trigger: str = "api") -> EmptyCacheResult:
+        """Release fully free cached segments to the driver.
+
+        PyTorch has no per-device empty_cache: one call releases on every device of the
+        process; `device` picks the device guard (and must be initialized).
+        """
+        torch = _torch()
+        devices = self._devices(torch, device)
+        before = {d: _reserved(torch, d) for d in devices}
+        started = time.perf_counter()
+        with torch.cuda.device(device if device is not None else devices[0]):
+            torch.cuda.empty_cache()
+        duration = time.perf_counter() - started
+        result = EmptyCacheResult(
+            devices, before, {d: _reserved(torch, d) for d in devices}, duration
+        )
+        self._count_released(result.released_bytes)
+        log.info(
+            "empty_cache (%s) released %d bytes in %.3f s", trigger, result.released_bytes, duration
+        )
+        return result
+
+    def _count_released(self, released: int) -> None:
+        with self._lock:
+            self.totals.empty_cache_released_bytes += released
+
+    def capture(self) -> Any:
+        """The raw snapshot dict (held GIL: ~2 ms without history, seconds with 50k stacks)."""
+        torch = _torch()
+        self._native(torch)
+        return torch.cuda.memory._snapshot()
+
+    def write_snapshot(
+        self,
+        trigger: str = "api",
+        info: SnapshotInfo | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> SnapshotInfo:
+        snapshot = self.capture()
+        written = self.store.write(
+            snapshot, trigger, info=info, meta={"process": self.process, **(meta or {})}
+        )
+        self.count_snapshot(trigger)
+        log.info("allocator snapshot (%s) written: %s", trigger, written.filename)
+        return written
+
+    def record_window(self, info: SnapshotInfo, record_s: float, history: HistoryParams) -> None:
+        """Record allocation history for `record_s` (unless it is already on), then dump it
+        into `info`. On failure `info` is marked failed with the reason, and re-raised."""
+        started_history = False
+        try:
+            if not self.history_state.enabled:
+                self.start_history(history, owner=info.id)
+                started_history = True
+            time.sleep(record_s)
+            self.write_snapshot("record", info=info)
+        except Exception as exc:
+            self.store.fail(info, str(exc))
+            raise
+        finally:
+            if started_history:
+                try:
+                    self.stop_history(owner=info.id)
+                except Exception as exc:
+                    log.error("stopping history after %s failed: %s", info.id, exc)
+
+    def count_snapshot(self, trigger: str) -> None:
+        with self._lock:
+            self.totals.snapshots[trigger] = self.totals.snapshots.get(trigger, 0) + 1
+
+    def start_history(self, params: HistoryParams, owner: str = "api") -> HistoryState:
+        torch = _torch()
+        self._native(torch)
+        with self._lock:
+            state = self.history_state
+            if state.enabled and state.owner not in (owner, "api", "startup"):
+                raise ActionConflict("a windowed snapshot is recording history right now")
+            # Always bounded: the default max_entries is unbounded (FACTS.md).
+            torch.cuda.memory._record_memory_history(
+                enabled="all",
+                context=params.context,
+                stacks=params.stacks,
+                max_entries=params.max_entries,
+            )
+            self.history_state = HistoryState(
+                True, params.max_entries, params.stacks, params.context, time.time(), owner
+            )
+            return self.history_state
+
+    def stop_history(self, owner: str = "api") -> HistoryState:
+        torch = _torch()
+        with self._lock:
+            state = self.history_state
+            if state.enabled and owner == "api" and state.owner not in ("api", "startup"):
+                raise ActionConflict("a windowed snapshot is recording history right now")
+            if state.enabled:
+                # Turning recording off clears the buffer: callers snapshot first if they want it.
+                torch.cuda.memory._record_memory_history(enabled=None)
+            self.history_state = HistoryState()
+            return self.history_state
+
+    def reset_peak_now(self, device: int | None = None) -> list[int]:
+        """Set peak = current on the given (or every initialized) device, process-wide."""
+        torch = _torch()
+        devices = self._devices(torch, device)
+        targets = [device] if device is not None else devices
+        for d in targets:
+            torch.cuda.reset_peak_memory_stats(d)  # explicit index: no context on GPU 0
+        return targets

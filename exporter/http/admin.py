@@ -1,0 +1,534 @@
+"""The token-protected admin API: snapshots, empty_cache, history, peak reset, stats.
+
+Every action route calls the mode's actions implementation (exporter.actions) and answers one
+shape in every mode: `{"processes": [{"process": {...}, "ok": ..., "result" | "error": ...}],
+"ok": ..., "replay": ...}`, one entry per process the action ran in (one outside
+`gpumem-exporter run`). `pid` and `rank` choose one process, in every mode.
+
+Status codes: 401 without a valid bearer token, 403 when no token is configured (admin actions
+are off), 413 for bodies over 16 KiB, 422 for invalid input, 404 when pid/rank names no
+process; when every selected process failed the same way, 409 (not possible now: CUDA not
+initialized, a capture in progress), 429 with Retry-After (empty_cache within its cooldown),
+501 (the backend cannot: cudaMallocAsync has no snapshots), 502/504 (a process's agent is gone
+or did not answer). A partial failure answers 200 with `"ok": false`. Slow work runs in worker
+threads, off the event loop.
+"""
+
+from __future__ import annotations
+
+import hmac
+import inspect
+import logging
+import math
+import threading
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from enum import Enum
+from typing import Any, Literal, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from exporter.actions.base import (
+    DEFAULT_HISTORY_ENTRIES,
+    OUTCOME_STATUS,
+    Actions,
+    HistoryParams,
+    ProcessResult,
+    Target,
+)
+from exporter.actions.snapshots import SnapshotInfo
+from exporter.config import Config, ConfigError
+from exporter.detectors import Detectors
+from exporter.sampler import Sampler
+
+log = logging.getLogger("exporter.admin")
+
+MAX_BODY_BYTES = 16 * 1024
+DISABLED = (
+    "admin actions are disabled: set GPUMEM_ADMIN_TOKEN or GPUMEM_ADMIN_TOKEN_FILE "
+    "(admin_token= / admin_token_file=) to enable them"
+)
+VIEW_CSP = (
+    "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
+)
+REPLAY_NOTE = "replay: answered from data recorded on a real GPU; nothing was changed"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    pid: int | None = Field(None, ge=1, description="Only this process (host PID).")
+    rank: int | None = Field(None, ge=0, description="Only the process with this RANK.")
+
+    @property
+    def target(self) -> Target:
+        return Target(self.pid, self.rank)
+
+
+class _HistoryFields(_Body):
+    max_entries: int = Field(
+        DEFAULT_HISTORY_ENTRIES, ge=1, le=1_000_000, description="History ring buffer size."
+    )
+    stacks: Literal["python", "all"] = Field(
+        "python", description="Stack frames to record: python only, or python and C++."
+    )
+    context: Literal["all", "alloc", "state"] = "all"
+
+    @property
+    def history(self) -> HistoryParams:
+        return HistoryParams(self.max_entries, self.stacks, self.context)
+
+
+class SnapshotRequest(_HistoryFields):
+    record_s: float | None = Field(
+        None,
+        gt=0,
+        le=600,
+        description="Record allocation history for this many seconds, then dump (202).",
+    )
+
+
+class EmptyCacheRequest(_Body):
+    device: int | None = Field(
+        None,
+        ge=0,
+        le=1023,
+        description="Device guard to use; PyTorch "
+        "releases cached blocks on every device of the process.",
+    )
+
+
+class HistoryRequest(_HistoryFields):
+    enabled: bool
+    snapshot_before_stop: bool = Field(
+        True, description="Stopping clears the history buffer: dump it first."
+    )
+
+
+class ResetPeakRequest(_Body):
+    device: int | None = Field(None, ge=0, le=1023)
+
+
+class Selector(_Body):
+    """pid/rank as query parameters, for the GET routes."""
+
+
+BodyT = TypeVar("BodyT", bound=_Body)
+
+
+class AdminError(Exception):
+    def __init__(
+        self, status: int, detail: str, outcome: str, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(detail)
+        self.status, self.detail, self.outcome, self.headers = status, detail, outcome, headers
+
+
+class Admin:
+    """State of the admin API: who may call it, what it counted, rendered pages."""
+
+    def __init__(
+        self,
+        config: Config,
+        actions: Actions,
+        sampler: Sampler,
+        detectors: Detectors | None = None,
+        mode: str = "embedded",
+    ) -> None:
+        self.config = config
+        self.actions = actions
+        self.sampler = sampler
+        self.detectors = detectors
+        self.mode = mode
+        self.requests: Counter[tuple[str, str]] = Counter()  # (action, outcome)
+        self._render_lock = threading.Lock()
+        self._pages: dict[str, str] = {}  # snapshot id -> rendered page, oldest first
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def authorize(self, request: Request) -> None:
+        try:
+            expected = self.config.resolved_admin_token()
+        except ConfigError as exc:
+            log.error("admin token unavailable: %s", exc)
+            raise AdminError(403, DISABLED, "disabled") from None
+        if not expected:
+            raise AdminError(403, DISABLED, "disabled")
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # Constant-time comparison; the token itself is never logged or echoed.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode(), expected.encode()
+        ):
+            raise AdminError(
+                401,
+                "missing or invalid bearer token",
+                "unauthorized",
+                {"WWW-Authenticate": "Bearer"},
+            )
+
+    async def body(self, request: Request, model: type[BodyT]) -> BodyT:
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
+            raise AdminError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise AdminError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid")
+            chunks.append(chunk)
+        raw = b"".join(chunks).strip() or b"{}"
+        return self._validate(model, raw)
+
+    def query(self, request: Request) -> Target:
+        """pid/rank from the query string (GET routes)."""
+        params = dict(request.query_params)
+        if set(params) - {"pid", "rank"}:
+            unknown = ", ".join(sorted(set(params) - {"pid", "rank"}))
+            raise AdminError(
+                422, f"invalid request: unknown query parameter(s) {unknown}", "invalid"
+            )
+        if not params:
+            return Target()
+        try:
+            return Selector.model_validate(params).target
+        except ValidationError as exc:
+            raise AdminError(422, f"invalid request: {_problems(exc)}", "invalid") from None
+
+    @staticmethod
+    def _validate(model: type[BodyT], raw: bytes) -> BodyT:
+        try:
+            return model.model_validate_json(raw)
+        except ValidationError as exc:
+            raise AdminError(422, f"invalid request: {_problems(exc)}", "invalid") from None
+
+    def respond(self, body: dict[str, Any], status: int = 200) -> Answer:
+        body = {**body, "replay": self.actions.replay}
+        if self.actions.replay:
+            body["note"] = REPLAY_NOTE
+        return Answer(body, status_code=status)
+
+    def answer(self, target: Target, results: list[ProcessResult], ok_status: int = 200) -> Answer:
+        """The one response shape of every action, with a status that sums it up."""
+        if not results:
+            if target.selective:
+                raise AdminError(404, f"no process matches {target.describe()}", "not_found")
+            raise AdminError(
+                409, "no process of this server has initialized CUDA yet", "unavailable"
+            )
+        ok = all(r.ok for r in results)
+        body: dict[str, Any] = {"processes": [r.to_dict() for r in results], "ok": ok}
+        headers = None
+        if ok:
+            status, outcome = ok_status, "ok"
+        elif any(r.ok for r in results):
+            status, outcome = 200, "partial"
+        else:
+            outcomes = {r.outcome for r in results}
+            outcome = outcomes.pop() if len(outcomes) == 1 else "error"
+            status = OUTCOME_STATUS.get(outcome, 500)
+            retry = [r.retry_after_s for r in results if r.retry_after_s is not None]
+            if retry:
+                headers = {"Retry-After": str(math.ceil(max(retry)))}
+        if not ok:
+            body["detail"] = "; ".join(f"{_who(r.process)}: {r.error}" for r in results if not r.ok)
+        response = self.respond(body, status)
+        response.outcome = outcome
+        if headers:
+            response.headers.update(headers)
+        return response
+
+    # -- pages and stats -----------------------------------------------------------------
+
+    def render(self, info: SnapshotInfo) -> str:
+        """The viewer page, cached per snapshot: rendering holds the GIL (0.3 s for the demo,
+        seconds for huge snapshots), which an embedded exporter must not repeat per view."""
+        from exporter.viewer import SnapshotError, load_snapshot, render_html
+
+        with self._render_lock:
+            if info.id in self._pages:
+                return self._pages[info.id]
+        meta = {
+            "id": info.id,
+            "trigger": info.trigger,
+            "mode": self.mode,
+            "replay": self.actions.replay,
+            **info.meta,
+        }
+        try:
+            page = render_html(
+                load_snapshot(self.actions.store.path(info)),
+                title=f"GPU memory snapshot {info.id}",
+                meta=meta,
+            )
+        except SnapshotError as exc:
+            raise AdminError(
+                409, f"snapshot {info.id} cannot be rendered: {exc}", "conflict"
+            ) from None
+        with self._render_lock:
+            self._pages[info.id] = page
+            while len(self._pages) > 4:
+                self._pages.pop(next(iter(self._pages)))
+        return page
+
+    def stats(self, target: Target) -> dict[str, Any]:
+        """The latest sample (its allocators and alerts limited to `target`)."""
+        sample = self.sampler.latest
+        data = sample.to_dict() if sample else None
+        if data is not None and target.selective:
+            data["allocators"] = [a for a in data["allocators"] if _selected(target, a)]
+            data["host_processes"] = [
+                p for p in data["host_processes"] if target.matches(_str_labels(p))
+            ]
+        firing = [
+            {"alert": alert, **labels}
+            for alert, labels, is_firing in (self.detectors.firing() if self.detectors else [])
+            if is_firing and (not target.selective or target.matches(labels))
+        ]
+        return {"mode": self.mode, "sample": data, "alerts_firing": firing}
+
+
+def _problems(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
+
+
+class Answer(JSONResponse):
+    """An action's response, which says how it ended (for the admin request counter)."""
+
+    outcome = "ok"
+
+
+def _who(process: dict[str, str]) -> str:
+    rank = f" rank {process['rank']}" if process.get("rank") else ""
+    return f"pid {process.get('pid', '?')}{rank}"
+
+
+def _str_labels(entry: dict[str, Any]) -> dict[str, str]:
+    return {k: str(v) for k, v in entry.items() if k in ("pid", "rank")}
+
+
+def _selected(target: Target, allocator: dict[str, Any]) -> bool:
+    """An allocator reading matches by its process labels (run) or, in a single process,
+    by this process's identity."""
+    process = allocator.get("process") or {}
+    if not process:
+        from exporter.identity import process_labels
+
+        process = process_labels()
+    return target.matches(process)
+
+
+def _schema(model: type[BaseModel], required: bool = False) -> dict[str, Any]:
+    """Declare a body in OpenAPI (the routes read it themselves, to bound its size)."""
+    return {
+        "requestBody": {
+            "required": required,
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+        }
+    }
+
+
+SELECTOR_QUERY = {
+    "parameters": [
+        {
+            "name": "pid",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "integer", "minimum": 1},
+        },
+        {
+            "name": "rank",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "integer", "minimum": 0},
+        },
+    ]
+}
+
+
+def add_admin_routes(app: FastAPI, admin: Admin) -> None:
+    Handler = Callable[..., Awaitable[Response]]
+    actions = admin.actions
+
+    def guarded(action: str) -> Callable[[Handler], Handler]:
+        """Authorize, map errors to status codes, count every outcome."""
+
+        def wrap(handler: Handler) -> Handler:
+            async def route(request: Request, **kwargs: Any) -> Response:
+                try:
+                    admin.authorize(request)
+                    response = await handler(request, **kwargs)
+                except AdminError as exc:
+                    admin.requests[(action, exc.outcome)] += 1
+                    return JSONResponse(
+                        {"detail": exc.detail}, status_code=exc.status, headers=exc.headers
+                    )
+                except Exception as exc:
+                    admin.requests[(action, "error")] += 1
+                    log.exception("admin %s failed", action)
+                    return JSONResponse(
+                        {"detail": f"{action} failed: {type(exc).__name__}"}, status_code=500
+                    )
+                admin.requests[(action, getattr(response, "outcome", "ok"))] += 1
+                return response
+
+            route.__name__ = handler.__name__
+            route.__doc__ = handler.__doc__
+            route.__signature__ = inspect.signature(handler)  # type: ignore[attr-defined]
+            return route
+
+        return wrap
+
+    tags: list[str | Enum] = ["admin"]
+
+    @app.post(
+        "/snapshot",
+        tags=tags,
+        status_code=201,
+        openapi_extra=_schema(SnapshotRequest),
+        responses={202: {"description": "recording; poll GET /snapshots/{id} of each process"}},
+    )
+    @guarded("snapshot")
+    async def snapshot(request: Request) -> Response:
+        """Capture an allocator snapshot in each selected process now, or record history for
+        `record_s` and then dump (202, each entry `recording`). Holds the GIL while it builds
+        stack frames: ~2 ms without history, seconds with 50k live blocks with stacks
+        (docs/performance.md)."""
+        params = await admin.body(request, SnapshotRequest)
+        results = await run_in_threadpool(
+            actions.snapshot, params.target, record_s=params.record_s, history=params.history
+        )
+        recording = any(r.ok and (r.result or {}).get("status") == "recording" for r in results)
+        return admin.answer(params.target, results, 202 if recording else 201)
+
+    @app.get("/snapshots", tags=tags)
+    @guarded("list")
+    async def list_snapshots(request: Request) -> Response:
+        """Snapshots kept by this server (every process of it), newest first."""
+        target = admin.query(request)
+        listed = [
+            i.public()
+            for i in actions.store.list()
+            if not target.selective or target.matches(_snapshot_process(i))
+        ]
+        return admin.respond({"snapshots": listed})
+
+    def _ready(snapshot_id: str) -> SnapshotInfo:
+        info = actions.store.get(snapshot_id)
+        if info is None:
+            raise AdminError(404, f"no snapshot {snapshot_id!r}", "not_found")
+        if info.status != "ready":
+            detail = info.meta.get("error", "") if info.status == "failed" else ""
+            raise AdminError(
+                409,
+                f"snapshot {info.id} is {info.status}" + (f": {detail}" if detail else ""),
+                "conflict",
+            )
+        return info
+
+    @app.get(
+        "/snapshots/{snapshot_id}",
+        tags=tags,
+        responses={200: {"content": {"application/octet-stream": {}}}},
+    )
+    @guarded("download")
+    async def download_snapshot(request: Request, snapshot_id: str) -> Response:
+        """The snapshot pickle (open it with torch.cuda._memory_viz or pytorch.org/memory_viz,
+        or `gpumem-exporter view`). 409 while it is still recording, or if it failed."""
+        info = _ready(snapshot_id)
+        return FileResponse(
+            actions.store.path(info),
+            filename=info.filename,
+            media_type="application/octet-stream",
+        )
+
+    @app.get("/snapshots/{snapshot_id}/info", tags=tags)
+    @guarded("list")
+    async def snapshot_info(request: Request, snapshot_id: str) -> Response:
+        """One snapshot's entry: poll it while a windowed capture is `recording`."""
+        info = actions.store.get(snapshot_id)
+        if info is None:
+            raise AdminError(404, f"no snapshot {snapshot_id!r}", "not_found")
+        return admin.respond(info.public())
+
+    @app.get("/snapshots/{snapshot_id}/view", tags=tags, response_class=HTMLResponse)
+    @guarded("view")
+    async def view_snapshot(request: Request, snapshot_id: str) -> Response:
+        """A self-contained HTML page (no external resource) of the snapshot."""
+        info = _ready(snapshot_id)
+        html = await run_in_threadpool(admin.render, info)
+        return HTMLResponse(
+            html, headers={"Content-Security-Policy": VIEW_CSP, "X-Content-Type-Options": "nosniff"}
+        )
+
+    @app.delete("/snapshots/{snapshot_id}", tags=tags, status_code=204)
+    @guarded("delete")
+    async def delete_snapshot(request: Request, snapshot_id: str) -> Response:
+        """Remove a snapshot."""
+        info = actions.store.get(snapshot_id)
+        if info is None:
+            raise AdminError(404, f"no snapshot {snapshot_id!r}", "not_found")
+        if info.status == "recording":
+            raise AdminError(409, f"snapshot {info.id} is still recording", "conflict")
+        if info.status == "failed":
+            actions.store.discard(info)
+        else:
+            actions.store.delete(info.id)
+        return Response(status_code=204)
+
+    @app.post("/empty-cache", tags=tags, openapi_extra=_schema(EmptyCacheRequest))
+    @guarded("empty_cache")
+    async def empty_cache(request: Request) -> Response:
+        """Return fully free cached segments to the driver, in each selected process. It waits
+        for all GPU work queued on the process's streams and blocks its allocations meanwhile
+        (measured at 3 s with 3 s of work queued): rate-limited per process, 429 with
+        Retry-After within the cooldown."""
+        params = await admin.body(request, EmptyCacheRequest)
+        results = await run_in_threadpool(actions.empty_cache, params.target, device=params.device)
+        return admin.answer(params.target, results)
+
+    @app.get("/history", tags=tags, openapi_extra=SELECTOR_QUERY)
+    @guarded("history")
+    async def get_history(request: Request) -> Response:
+        """Whether each process records allocation history, and with what limits."""
+        target = admin.query(request)
+        results = await run_in_threadpool(actions.history, target)
+        return admin.answer(target, results)
+
+    @app.post("/history", tags=tags, openapi_extra=_schema(HistoryRequest, required=True))
+    @guarded("history")
+    async def set_history(request: Request) -> Response:
+        """Start or stop recording allocation history (always bounded by max_entries) in each
+        selected process. Stopping clears PyTorch's buffer, so by default a snapshot is taken
+        first."""
+        params = await admin.body(request, HistoryRequest)
+        results = await run_in_threadpool(
+            actions.set_history,
+            params.target,
+            enabled=params.enabled,
+            history=params.history,
+            snapshot_before_stop=params.snapshot_before_stop,
+        )
+        return admin.answer(params.target, results)
+
+    @app.post("/reset-peak", tags=tags, openapi_extra=_schema(ResetPeakRequest))
+    @guarded("reset_peak")
+    async def reset_peak(request: Request) -> Response:
+        """Set peak = current. Global to each process: it also resets what the application's
+        own torch.cuda.max_memory_allocated() reports."""
+        params = await admin.body(request, ResetPeakRequest)
+        results = await run_in_threadpool(actions.reset_peak, params.target, device=params.device)
+        return admin.answer(params.target, results)
+
+    @app.get("/stats", tags=tags, openapi_extra=SELECTOR_QUERY)
+    @guarded("stats")
+    async def stats(request: Request) -> Response:
+        """The latest sample as JSON, with firing in-process alerts (pid/rank: one process)."""
+        return admin.respond(admin.stats(admin.query(request)))
+
+
+def _snapshot_process(info: SnapshotInfo) -> dict[str, str]:
+    process = info.meta.get("process")
+    return {str(k): str(v) for k, v in process.items()} if isinstance(process, dict) else {}

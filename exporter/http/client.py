@@ -1,0 +1,142 @@
+"""A small client for a running exporter's admin API (used by the CLI).
+
+Every action answers a list of per-process results in every mode (exporter.http.admin), so the
+same calls work against an embedded exporter, the demo and `gpumem-exporter run`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from exporter import atomic
+from exporter.actions.base import Target
+
+EVERY_PROCESS = Target()
+
+
+class ClientError(RuntimeError):
+    """The exporter refused or could not be reached; str() is one line."""
+
+
+def _selector(target: Target) -> dict[str, int]:
+    return {k: v for k, v in (("pid", target.pid), ("rank", target.rank)) if v is not None}
+
+
+class AdminClient:
+    def __init__(self, base_url: str, token: str, *, timeout_s: float = 60.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._token = token
+        self.timeout_s = timeout_s
+
+    def _request(
+        self, method: str, path: str, body: dict[str, Any] | None = None
+    ) -> tuple[int, bytes]:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(
+            self.base_url + path,
+            data=data,
+            method=method,
+            headers={"Authorization": f"Bearer {self._token}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")
+            with contextlib.suppress(ValueError, AttributeError):
+                detail = json.loads(detail).get("detail", detail)
+            raise ClientError(f"{method} {path}: HTTP {exc.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise ClientError(
+                f"cannot reach {self.base_url}: {getattr(exc, 'reason', exc)}"
+            ) from None
+
+    def _json(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        _, payload = self._request(method, path, body)
+        try:
+            result: dict[str, Any] = json.loads(payload)
+        except ValueError:
+            raise ClientError(f"{method} {path}: the answer is not JSON") from None
+        return result
+
+    def _get(self, path: str, target: Target) -> dict[str, Any]:
+        query = urllib.parse.urlencode(_selector(target))
+        return self._json("GET", path + (f"?{query}" if query else ""))
+
+    def snapshot(
+        self,
+        target: Target = EVERY_PROCESS,
+        *,
+        record_s: float | None = None,
+        stacks: str = "python",
+    ) -> dict[str, Any]:
+        """Take a snapshot in each selected process; with record_s, wait until every windowed
+        capture is ready. Returns the response, each process's result its final entry."""
+        body: dict[str, Any] = {"stacks": stacks, **_selector(target)}
+        if record_s is not None:
+            body["record_s"] = record_s
+        answer = self._json("POST", "/snapshot", body)
+        deadline = time.monotonic() + (record_s or 0) + self.timeout_s
+        for entry in answer.get("processes", []):
+            info = entry.get("result") or {}
+            while entry["ok"] and info.get("status") == "recording":
+                if time.monotonic() > deadline:
+                    raise ClientError(f"snapshot {info['id']} still recording after the timeout")
+                time.sleep(min(1.0, max(record_s or 0, 0.1)))
+                info = self._json("GET", f"/snapshots/{info['id']}/info")
+                if info["status"] == "failed":
+                    entry["ok"] = False
+                    entry["error"] = f"snapshot {info['id']} failed: " + str(
+                        info.get("meta", {}).get("error", "unknown error")
+                    )
+                entry["result"] = info
+        answer["ok"] = all(e["ok"] for e in answer.get("processes", []))
+        return answer
+
+    def download(self, snapshot_id: str, output: Path) -> int:
+        """Write the snapshot to `output` atomically; returns its size in bytes."""
+        _, payload = self._request("GET", f"/snapshots/{snapshot_id}")
+        atomic.write_bytes(output, payload)
+        return len(payload)
+
+    def empty_cache(
+        self, target: Target = EVERY_PROCESS, device: int | None = None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = _selector(target)
+        if device is not None:
+            body["device"] = device
+        return self._json("POST", "/empty-cache", body)
+
+    def history(self, target: Target = EVERY_PROCESS) -> dict[str, Any]:
+        return self._get("/history", target)
+
+    def set_history(
+        self,
+        target: Target = EVERY_PROCESS,
+        *,
+        enabled: bool,
+        max_entries: int | None = None,
+        stacks: str = "python",
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"enabled": enabled, "stacks": stacks, **_selector(target)}
+        if max_entries is not None:
+            body["max_entries"] = max_entries
+        return self._json("POST", "/history", body)
+
+    def reset_peak(
+        self, target: Target = EVERY_PROCESS, device: int | None = None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = _selector(target)
+        if device is not None:
+            body["device"] = device
+        return self._json("POST", "/reset-peak", body)
+
+    def stats(self, target: Target = EVERY_PROCESS) -> dict[str, Any]:
+        return self._get("/stats", target)

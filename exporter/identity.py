@@ -1,0 +1,43 @@
+"""Who a process is: the labels that tell the processes of one server apart.
+
+Standard library only: the agent of `gpumem-exporter run` imports this at interpreter start.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+
+
+def process_role() -> str:
+    """GPUMEM_ROLE, else the process title (arg 0 of /proc/self/cmdline reflects
+    setproctitle(), which servers like vLLM use to name their processes)."""
+    role = os.environ.get("GPUMEM_ROLE", "")
+    if not role:
+        try:
+            with open("/proc/self/cmdline", "rb") as f:
+                role = os.path.basename(f.read().split(b"\0")[0].decode(errors="replace"))
+        except OSError:
+            role = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    return role[:64]
+
+
+def process_labels() -> dict[str, str]:
+    """pid, rank, local_rank and role of this process (sample.PROCESS_LABELS)."""
+    return {
+        "pid": str(os.getpid()),
+        "rank": os.environ.get("RANK", ""),
+        "local_rank": os.environ.get("LOCAL_RANK", ""),
+        "role": process_role(),
+    }
+
+
+def identity_labels(env: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    """Labels put on every series of this process: rank/local_rank when set, then the user's."""
+    labels = {}
+    for key, name in (("RANK", "rank"), ("LOCAL_RANK", "local_rank")):
+        if env.get(key):
+            labels[name] = env[key]
+    labels.update(extra)
+    return labels

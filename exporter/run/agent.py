@@ -1,0 +1,226 @@
+"""The agent in each Python process of a server run under `gpumem-exporter run`.
+
+It is loaded by sitecustomize at interpreter start, so it imports only the standard library
+and the allocator source (never torch, never the web stack). It stays idle until this process
+has initialized CUDA itself; then it arms what belongs to the process that owns the allocator
+(OOM capture, history from start-up, remediation, as the launcher's settings say), connects
+to the aggregator's Unix socket (in a 0700 folder that only the same user can reach) and sends
+its allocator readings every interval. The aggregator's commands run here, through the same
+LocalActions an embedded exporter uses. Messages: exporter.run.protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from exporter.actions.base import HistoryParams, ProcessResult, Target
+from exporter.identity import process_labels
+from exporter.run import protocol
+from exporter.sample import ActionCounts, Sample
+from exporter.sources.torch_allocator import TorchAllocatorSource
+
+if TYPE_CHECKING:
+    from exporter.actions.local import LocalActions
+    from exporter.config import Config
+    from exporter.sampler import Listener
+
+log = logging.getLogger("exporter.agent")
+
+RUN_DIR_ENV = "GPUMEM_RUN_DIR"
+SOCKET_NAME = "aggregator.sock"
+CONFIG_NAME = "agent.json"  # the launcher's settings, for the agents (not the admin token)
+RECONNECT_S = 5.0
+
+
+def load_agent_config(run_dir: str) -> Config:
+    from exporter.config import load_config
+
+    try:
+        settings = json.loads((Path(run_dir) / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        settings = {}
+    return load_config(env={}, **settings)
+
+
+class Agent:
+    def __init__(self, run_dir: str, interval_s: float = 1.0) -> None:
+        self.run_dir = run_dir
+        self.socket_path = str(Path(run_dir) / SOCKET_NAME)
+        self.interval_s = interval_s
+        self.source = TorchAllocatorSource()
+        self.actions: LocalActions | None = None
+        self._listeners: list[Listener] = []
+        self._sock: socket.socket | None = None
+        self._send_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._next_connect = 0.0
+        self.thread = threading.Thread(target=self._run, name="gpumem-agent", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._close()
+
+    # -- the process's own features ------------------------------------------------------
+
+    def _arm(self) -> LocalActions:
+        """Once this process uses CUDA: its actions, and the features the settings ask for."""
+        if self.actions is None:
+            from exporter.actions.local import LocalActions
+            from exporter.actions.snapshots import SnapshotStore
+            from exporter.detectors import Detectors, load_thresholds
+
+            config = load_agent_config(self.run_dir)
+            actions = LocalActions(SnapshotStore.for_config(config), config=config)
+            # Detection here serves remediation only; the launcher logs alerts for the pod.
+            detectors = Detectors(load_thresholds(), log_events=False)
+            features = actions.sample_listeners(detectors)
+            self._listeners = [detectors, *features] if config.remediate else features
+            self.actions = actions
+        return self.actions
+
+    def _counts(self) -> ActionCounts:
+        return self.actions.counts()[0].counts if self.actions is not None else ActionCounts()
+
+    # -- sending -------------------------------------------------------------------------
+
+    def _send(self, message: dict[str, Any]) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        data = protocol.encode(message)
+        with self._send_lock:
+            sock.sendall(data)
+
+    def _close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _connect(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_connect:
+            return False
+        self._next_connect = now + RECONNECT_S
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            return False
+        self._sock = sock
+        self._send(protocol.hello(process_labels()))
+        threading.Thread(
+            target=self._read, args=(sock,), name="gpumem-agent-commands", daemon=True
+        ).start()
+        return True
+
+    def tick(self) -> None:
+        reading = self.source.read()  # empty until this process uses CUDA
+        if not reading.allocators:
+            return
+        self._arm()
+        sample = Sample(timestamp=time.time(), allocators=reading.allocators)
+        for listener in self._listeners:
+            try:
+                listener(sample)
+            except Exception as exc:  # a feature failing must not stop the readings
+                log.debug("agent listener failed: %s", exc)
+        if self._sock is None and not self._connect():
+            return
+        self._send(protocol.sample([asdict(a) for a in reading.allocators], self._counts()))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.tick()
+            except OSError:
+                self._close()  # the aggregator went away; retry later
+            except Exception as exc:  # never let the agent disturb its host
+                log.debug("agent tick failed: %s", exc)
+
+    # -- commands ------------------------------------------------------------------------
+
+    def _read(self, sock: socket.socket) -> None:
+        reader = protocol.LineReader()
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            try:
+                for line in reader.feed(chunk):
+                    message = protocol.decode(line)
+                    if message.get("type") == "command":
+                        threading.Thread(target=self._execute, args=(message,), daemon=True).start()
+            except protocol.ProtocolError as exc:
+                log.debug("bad message from the aggregator: %s", exc)
+                return
+
+    def _execute(self, message: dict[str, Any]) -> None:
+        try:
+            request_id, action, params = protocol.parse_command(message)
+        except protocol.ProtocolError as exc:
+            log.debug("bad command: %s", exc)
+            return
+        try:
+            if "history" in params:
+                params["history"] = HistoryParams(**params["history"])
+            results = getattr(self._arm(), action)(Target(), **params)
+            result = results[0]
+        except Exception as exc:  # bad params from a mismatched launcher, or a bug
+            result = ProcessResult(
+                process_labels(), False, error=f"{type(exc).__name__}: {exc}", outcome="error"
+            )
+        try:
+            self._send(protocol.reply(request_id, result))
+        except OSError:
+            self._close()
+
+
+_agent: Agent | None = None
+
+
+def start_agent() -> Agent | None:
+    """Start this process's agent if it runs under `gpumem-exporter run` (idempotent)."""
+    global _agent
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir or _agent is not None:
+        return _agent
+    try:
+        interval = float(os.environ.get("GPUMEM_INTERVAL_S", "1") or 1)
+    except ValueError:
+        interval = 1.0
+    _agent = Agent(run_dir, interval_s=max(interval, 0.01))
+    _agent.start()
+    return _agent
+
+
+def _after_fork_in_child() -> None:
+    # Threads do not survive fork: a forked worker gets an agent of its own, which stays idle
+    # until the worker initializes CUDA itself.
+    global _agent
+    if _agent is not None:
+        # Close our copy of the parent's connection (close, not shutdown: the parent keeps
+        # it), so that the aggregator sees the parent leave when it exits.
+        _agent._close()
+        _agent = None
+        start_agent()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

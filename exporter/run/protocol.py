@@ -1,0 +1,244 @@
+"""The agent protocol of `gpumem-exporter run`: newline-delimited JSON over a Unix socket.
+
+    agent -> aggregator   {"type": "hello", "version": 1, "process": {pid, rank, local_rank, role}}
+                          {"type": "sample", "allocators": [AllocatorReading...], "actions": {...}}
+                          {"type": "reply", "id": N, "result": ProcessResult}
+    aggregator -> agent   {"type": "command", "id": N, "action": NAME, "params": {...}}
+
+The aggregator trusts nothing an agent sends: every message is size-bounded and validated
+here, field by field, and a message that fails is rejected with a short reason (a label of
+gpumem_exporter_agent_messages_rejected_total). Standard library only: agents import it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from exporter.actions.base import OUTCOME_STATUS, REMOTE_ACTIONS, ProcessResult
+from exporter.sample import (
+    ALLOCATOR_COUNTERS,
+    ALLOCATOR_GAUGES,
+    POOL_GAUGES,
+    PROCESS_LABELS,
+    ActionCounts,
+    AllocatorReading,
+)
+
+VERSION = 1
+# A sample of 8 GPUs is about 8 KB; a reply carries a snapshot's entry, not the snapshot.
+MAX_LINE_BYTES = 1 << 20
+MAX_ALLOCATORS = 64
+MAX_TEXT = 256
+_POOLS = ("large", "small")
+
+
+class ProtocolError(ValueError):
+    """A message that breaks the protocol; `reason` is a short, bounded label value."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def encode(message: Mapping[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+
+
+class LineReader:
+    """Splits a byte stream into lines, never holding more than MAX_LINE_BYTES of one."""
+
+    def __init__(self, max_line_bytes: int = MAX_LINE_BYTES) -> None:
+        self.max_line_bytes = max_line_bytes
+        self._buffer = bytearray()
+
+    def feed(self, chunk: bytes) -> Iterator[bytes]:
+        self._buffer += chunk
+        start = 0
+        while (end := self._buffer.find(b"\n", start)) >= 0:
+            if end - start > self.max_line_bytes:
+                raise ProtocolError("too_long", f"a line of {end - start} bytes")
+            yield bytes(self._buffer[start:end])
+            start = end + 1
+        del self._buffer[:start]
+        if len(self._buffer) > self.max_line_bytes:
+            raise ProtocolError("too_long", f"over {self.max_line_bytes} bytes without a newline")
+
+
+def decode(line: bytes) -> dict[str, Any]:
+    """One line to a message: a JSON object with a known `type`."""
+    try:
+        message = json.loads(line, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        raise ProtocolError("json", "not JSON") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("type", f"a JSON {type(message).__name__}, not an object")
+    if message.get("type") not in ("hello", "sample", "reply", "command"):
+        raise ProtocolError("type", f"unknown message type {str(message.get('type'))[:32]!r}")
+    return message
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number here")
+
+
+# -- builders (agent side) ---------------------------------------------------------------
+
+
+def hello(process: Mapping[str, str]) -> dict[str, Any]:
+    return {"type": "hello", "version": VERSION, "process": dict(process)}
+
+
+def sample(allocators: list[dict[str, Any]], counts: ActionCounts) -> dict[str, Any]:
+    return {
+        "type": "sample",
+        "allocators": allocators,
+        "actions": {
+            "snapshots": counts.snapshots,
+            "empty_cache_released_bytes": counts.empty_cache_released_bytes,
+            "remediations": counts.remediations,
+        },
+    }
+
+
+def reply(request_id: int, result: ProcessResult) -> dict[str, Any]:
+    return {"type": "reply", "id": request_id, "result": result.to_dict()}
+
+
+def command(request_id: int, action: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    return {"type": "command", "id": request_id, "action": action, "params": dict(params)}
+
+
+# -- validation (aggregator side) --------------------------------------------------------
+
+
+def _fail(message: str) -> ProtocolError:
+    return ProtocolError("field", message)
+
+
+def _count(value: Any, what: str) -> int:
+    # bool is an int in Python; a count is not.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value >= 1 << 63:
+        raise _fail(f"{what}: expected a non-negative integer, got {str(value)[:32]!r}")
+    return value
+
+
+def _text(value: Any, what: str, limit: int = MAX_TEXT) -> str:
+    if not isinstance(value, str) or len(value) > limit:
+        raise _fail(f"{what}: expected text of at most {limit} characters")
+    return value
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _fail(f"{what}: expected an object")
+    return value
+
+
+def _counts(value: Any, what: str, allowed: tuple[str, ...] | None) -> dict[str, int]:
+    result = {}
+    for key, number in _object(value, what).items():
+        if allowed is not None and key not in allowed:
+            raise _fail(f"{what}: unknown key {key[:32]!r}")
+        result[_text(key, what, 64)] = _count(number, f"{what}.{key[:32]}")
+    return result
+
+
+def parse_hello(message: Mapping[str, Any]) -> dict[str, str]:
+    """The process labels an agent announces (the aggregator sets pid from the socket)."""
+    if message.get("version") != VERSION:
+        raise ProtocolError("version", f"protocol version {message.get('version')!r}")
+    process = _object(message.get("process"), "process")
+    return {name: _text(process.get(name, ""), name, 64) for name in PROCESS_LABELS}
+
+
+def parse_allocator(data: Any) -> AllocatorReading:
+    data = _object(data, "allocator")
+    known = {
+        "device",
+        "gpu_uuid",
+        "backend",
+        "expandable_segments",
+        "gauges",
+        "counters",
+        "pools",
+        "max_split_size_bytes",
+        "process",
+    }
+    if set(data) - known:
+        raise _fail(f"allocator: unknown fields {sorted(set(data) - known)[:3]}")
+    device = _count(data.get("device"), "device")
+    if device > 1023:
+        raise _fail("device: out of range")
+    expandable = data.get("expandable_segments")
+    if not isinstance(expandable, bool):
+        raise _fail("expandable_segments: expected true or false")
+    pools = {}
+    for pool, gauges in _object(data.get("pools", {}), "pools").items():
+        if pool not in _POOLS:
+            raise _fail(f"pools: unknown pool {pool[:32]!r}")
+        pools[pool] = _counts(gauges, f"pools.{pool}", POOL_GAUGES)
+    max_split = data.get("max_split_size_bytes")
+    return AllocatorReading(
+        device=device,
+        gpu_uuid=_text(data.get("gpu_uuid"), "gpu_uuid", 128),
+        backend=_text(data.get("backend"), "backend", 32),
+        expandable_segments=expandable,
+        gauges=_counts(data.get("gauges", {}), "gauges", ALLOCATOR_GAUGES),
+        counters=_counts(data.get("counters", {}), "counters", ALLOCATOR_COUNTERS),
+        pools=pools,
+        max_split_size_bytes=None if max_split is None else _count(max_split, "max_split"),
+    )
+
+
+def parse_sample(message: Mapping[str, Any]) -> tuple[list[AllocatorReading], ActionCounts]:
+    allocators = message.get("allocators")
+    if not isinstance(allocators, list) or len(allocators) > MAX_ALLOCATORS:
+        raise _fail(f"allocators: expected a list of at most {MAX_ALLOCATORS}")
+    readings = [parse_allocator(a) for a in allocators]
+    actions = _object(message.get("actions", {}), "actions")
+    counts = ActionCounts(
+        snapshots=_counts(actions.get("snapshots", {}), "actions.snapshots", None),
+        empty_cache_released_bytes=_count(
+            actions.get("empty_cache_released_bytes", 0), "actions.empty_cache_released_bytes"
+        ),
+        remediations=_counts(actions.get("remediations", {}), "actions.remediations", None),
+    )
+    if len(counts.snapshots) > 16 or len(counts.remediations) > 16:
+        raise _fail("actions: too many keys")
+    return readings, counts
+
+
+def parse_reply(message: Mapping[str, Any]) -> tuple[int, ProcessResult]:
+    request_id = _count(message.get("id"), "id")
+    data = _object(message.get("result"), "result")
+    ok = data.get("ok")
+    if not isinstance(ok, bool):
+        raise _fail("result.ok: expected true or false")
+    result = data.get("result")
+    if result is not None:
+        _object(result, "result.result")
+    error = data.get("error")
+    if error is not None:
+        error = _text(error, "result.error", 4096)
+    outcome = data.get("outcome", "ok")
+    if outcome not in OUTCOME_STATUS:
+        raise _fail(f"result.outcome: unknown {str(outcome)[:32]!r}")
+    retry = data.get("retry_after_s")
+    if retry is not None and (
+        isinstance(retry, bool) or not isinstance(retry, (int, float)) or not math.isfinite(retry)
+    ):
+        raise _fail("result.retry_after_s: expected a number")
+    return request_id, ProcessResult(
+        process={}, ok=ok, result=result, error=error, outcome=outcome, retry_after_s=retry
+    )
+
+
+def parse_command(message: Mapping[str, Any]) -> tuple[int, str, dict[str, Any]]:
+    request_id = _count(message.get("id"), "id")
+    action = message.get("action")
+    if action not in REMOTE_ACTIONS:
+        raise _fail(f"unknown action {str(action)[:32]!r}")
+    return request_id, str(action), _object(message.get("params", {}), "params")

@@ -1,0 +1,115 @@
+"""Host memory per process: resident, peak resident and swap bytes, from /proc/PID/status.
+
+Which processes: under `gpumem-exporter run`, every process of the command's tree, whether it
+uses CUDA or not (a validation worker holding tens of GiB of tensors in a list is the one the
+on-call needs to find); in the node daemon, every process NVML lists on a GPU (host PIDs:
+the DaemonSet runs with hostPID). Each is labelled pid, role and rank, so that the process
+holding the host's RAM can be told apart from the one growing GPU memory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+
+import psutil
+
+from exporter.sample import HostProcessReading, SourceReading
+
+_STATUS_FIELDS = {b"VmRSS": "rss", b"VmHWM": "hwm", b"VmSwap": "swap"}
+
+
+def read_status(pid: int, proc: str = "/proc") -> dict[str, int] | None:
+    """VmRSS, VmHWM and VmSwap of a process in bytes; None if it is gone (or not Linux)."""
+    values = {}
+    try:
+        with open(f"{proc}/{pid}/status", "rb") as f:
+            for line in f:
+                key, _, rest = line.partition(b":")
+                name = _STATUS_FIELDS.get(key)
+                if name is not None:
+                    values[name] = int(rest.split()[0]) * 1024  # always kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return values if "rss" in values else None  # kernel threads and zombies have no VmRSS
+
+
+def _environ(pid: int, proc: str = "/proc") -> dict[bytes, bytes]:
+    try:
+        with open(f"{proc}/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    return dict(item.partition(b"=")[::2] for item in raw.split(b"\0") if item)
+
+
+def describe(pid: int, proc: str = "/proc") -> dict[str, str]:
+    """role (GPUMEM_ROLE, else the process title) and rank (RANK) as the process started."""
+    env = _environ(pid, proc)
+    role = env.get(b"GPUMEM_ROLE", b"").decode(errors="replace")
+    if not role:
+        try:
+            with open(f"{proc}/{pid}/cmdline", "rb") as f:
+                role = os.path.basename(f.read().split(b"\0")[0].decode(errors="replace"))
+        except OSError:
+            role = ""
+    return {"role": role[:64], "rank": env.get(b"RANK", b"").decode(errors="replace")[:16]}
+
+
+def process_tree(root: int | None) -> list[int]:
+    """`root` and all its descendants (the command `run` started and what it spawned)."""
+    if root is None:
+        return []
+    try:
+        parent = psutil.Process(root)
+        return [root, *(child.pid for child in parent.children(recursive=True))]
+    except psutil.Error:
+        return []
+
+
+class ProcessMemorySource:
+    name = "process_memory"
+
+    def __init__(
+        self,
+        pids: Callable[[], Iterable[int]],
+        *,
+        labels: Callable[[], Mapping[int, Mapping[str, str]]] | None = None,
+        proc: str = "/proc",
+    ) -> None:
+        self._pids = pids
+        # Live labels where they are known (an agent's hello carries the RANK it runs with),
+        # else what the process started with, read once per pid.
+        self._labels = labels
+        self._proc = proc
+        self._described: dict[int, dict[str, str]] = {}
+
+    def read(self) -> SourceReading:
+        pids = sorted(set(self._pids()))
+        known = self._labels() if self._labels is not None else {}
+        readings = []
+        for pid in pids:
+            status = read_status(pid, self._proc)
+            if status is None:
+                continue
+            labels = known.get(pid)
+            if labels is None:
+                if pid not in self._described:
+                    self._described[pid] = describe(pid, self._proc)
+                labels = self._described[pid]
+            readings.append(
+                HostProcessReading(
+                    pid=pid,
+                    role=labels.get("role", ""),
+                    rank=labels.get("rank", ""),
+                    resident_bytes=status["rss"],
+                    resident_peak_bytes=status.get("hwm"),
+                    swap_bytes=status.get("swap"),
+                )
+            )
+        for gone in set(self._described) - set(pids):  # pids are reused: forget the exited
+            del self._described[gone]
+        return SourceReading(host_processes=readings)
+
+    def close(self) -> None:
+        pass

@@ -356,3 +356,248 @@ def test_run_two_ranks_on_two_gpus(tmp_path):
         (control / "stop").touch()
         proc.send_signal(__import__("signal").SIGTERM)
         proc.wait(60)
+
+
+def _vm_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(_devices() < 2, reason="needs two GPUs")
+def test_torchrun_under_run_actions_oom_alerts_and_host_memory(tmp_path):
+    """torchrun with 2 ranks under `gpumem-exporter run`: every admin action per rank and
+    fanned out through the CLI; rank 1 retries and OOMs under a cap, and only its alerts
+    fire, its OOM snapshot listed and viewable; the host-memory incident with 16 GiB of
+    tensor files: the validation worker's RSS on /metrics matches /proc while rank 0 grows
+    its GPU memory by 48 GiB."""
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    report: dict = {}
+    files = []
+    for i in range(4):  # 4 x 4 GiB of captured tensors
+        path = tmp_path / f"capture{i}.pt"
+        torch.save(torch.full((4 << 30,), i + 1, dtype=torch.uint8), path)
+        files.append(str(path))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    control = tmp_path / "control"
+    control.mkdir()
+    token = tmp_path / "token"
+    token.write_text("t")
+    env = dict(
+        os.environ,
+        GPUMEM_ADMIN_TOKEN="t",
+        GPUMEM_SNAPSHOT_DIR=str(tmp_path / "snaps"),
+        GPUMEM_OOM_SNAPSHOT="1",
+        GPUMEM_EMPTY_CACHE_COOLDOWN_S="0",
+    )
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    launcher = [sys.executable, "-m", "exporter.cli", "run", "--port", str(port)]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
+    proc = subprocess.Popen(
+        [
+            *launcher,
+            "--interval-s",
+            "0.2",
+            "--",
+            *torchrun,
+            str(REPO_ROOT / "tests" / "gpu_torchrun.py"),
+            str(control),
+            *files,
+        ],
+        env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def scrape() -> list:
+        text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+        return [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+    def cli(*args: str) -> tuple[int, dict | str, str]:
+        done = subprocess.run(
+            [sys.executable, "-m", "exporter.cli", *args, "--url", url, "--token-file", str(token)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        try:
+            out: dict | str = json.loads(done.stdout)
+        except ValueError:
+            out = done.stdout
+        return done.returncode, out, done.stderr
+
+    def wait(predicate, what: str, timeout_s: float = 180):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                value = predicate()
+            except OSError:
+                value = None
+            if value:
+                return value
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def by_rank(name: str) -> dict:
+        return {s.labels["rank"]: s for s in scrape() if s.name == name}
+
+    try:
+        wait(lambda: len(by_rank("torch_cuda_allocated_bytes")) == 2, "both ranks")
+        pids = {r: (control / f"ready{r}").read_text() for r in ("0", "1")}
+
+        # Snapshots: fanned out (one file per rank, only its own GPU), and for rank 1 only.
+        code, out, err = cli("snapshot", "-o", str(tmp_path / "all.pickle"))
+        assert code == 0, err
+        import pickle
+
+        for rank, pid in pids.items():
+            snap = pickle.loads((tmp_path / f"all.pid{pid}.pickle").read_bytes())
+            assert {s["device"] for s in snap["segments"]} == {int(rank)}
+        code, out, err = cli("snapshot", "-o", str(tmp_path / "r1.pickle"), "--rank", "1")
+        assert code == 0 and (tmp_path / "r1.pickle").stat().st_size > 0, err
+        # empty-cache, history, reset-peak, stats: per rank and fanned out.
+        code, out, _ = cli("empty-cache", "--rank", "0")
+        assert code == 0 and [p["process"]["rank"] for p in out["processes"]] == ["0"]
+        code, out, _ = cli("empty-cache")
+        assert code == 0 and sorted(p["process"]["rank"] for p in out["processes"]) == ["0", "1"]
+        code, out, _ = cli("history", "start", "--rank", "1", "--max-entries", "10000")
+        assert code == 0 and out["processes"][0]["result"]["enabled"] is True
+        code, out, _ = cli("history", "status")
+        assert {p["process"]["rank"]: p["result"]["enabled"] for p in out["processes"]} == {
+            "0": False,
+            "1": True,
+        }
+        code, out, _ = cli("history", "stop", "--rank", "1")
+        assert code == 0 and out["processes"][0]["result"]["snapshot"]["trigger"] == "history"
+        code, out, _ = cli("reset-peak")
+        assert code == 0
+        assert {p["process"]["rank"]: p["result"]["devices"] for p in out["processes"]} == {
+            "0": [0],
+            "1": [1],
+        }
+        code, out, _ = cli("stats", "--rank", "1")
+        assert [a["device"] for a in out["sample"]["allocators"]] == [1]
+
+        # Rank 1 retries and runs out of memory: its alerts fire, rank 0's do not.
+        (control / "oom1").touch()
+        assert (
+            wait(
+                lambda: (control / "oom1-done").exists() and (control / "oom1-done").read_text(),
+                "oom",
+            )
+            == "oom"
+        )
+
+        def firing() -> dict:
+            return {
+                (s.labels["alert"], s.labels["rank"]): s.value
+                for s in scrape()
+                if s.name == "gpumem_exporter_alert_firing"
+            }
+
+        alerts = wait(
+            lambda: (
+                (f := firing()).get(("GpuMemOutOfMemory", "1")) == 1
+                and f.get(("GpuMemAllocRetries", "1")) == 1
+                and f
+            ),
+            "rank 1's alerts",
+        )
+        assert alerts.get(("GpuMemOutOfMemory", "0"), 0) == 0
+        assert alerts.get(("GpuMemAllocRetries", "0"), 0) == 0
+        counters = by_rank("torch_cuda_ooms_total")
+        report["ooms"] = {r: s.value for r, s in counters.items()}
+        assert counters["1"].value >= 1 and counters["0"].value == 0
+        listed = wait(
+            lambda: [
+                s
+                for s in json.loads(
+                    urllib.request.urlopen(
+                        urllib.request.Request(
+                            url + "/snapshots", headers={"Authorization": "Bearer t"}
+                        ),
+                        timeout=30,
+                    ).read()
+                )["snapshots"]
+                if s["trigger"] == "oom"
+            ],
+            "the OOM snapshot",
+        )
+        assert listed[0]["meta"]["process"]["rank"] == "1" and listed[0]["meta"]["device"] == 1
+        view = urllib.request.urlopen(
+            urllib.request.Request(
+                url + f"/snapshots/{listed[0]['id']}/view", headers={"Authorization": "Bearer t"}
+            ),
+            timeout=60,
+        )
+        assert view.status == 200
+
+        # The incident: a validation worker holds 16 GiB of tensors while rank 0 grows GPU memory.
+        reserved_before = by_rank("torch_cuda_reserved_bytes")["0"].value
+        available_before = next(
+            s.value for s in scrape() if s.name == "host_memory_available_bytes"
+        )
+        (control / "validate").touch()
+        validator = int(
+            wait(
+                lambda: (
+                    (control / "validator-ready").exists()
+                    and (control / "validator-ready").read_text()
+                ),
+                "validator",
+                600,
+            )
+        )
+        (control / "grow").touch()
+        wait(lambda: (control / "grown").exists(), "rank 0 to grow", 300)
+        time.sleep(0.6)  # a few intervals
+        samples = scrape()
+        rss = {
+            s.labels["pid"]: s for s in samples if s.name == "host_process_resident_memory_bytes"
+        }
+        exported = rss[str(validator)].value
+        truth = _vm_rss(validator)
+        grown = by_rank("torch_cuda_reserved_bytes")["0"].value - reserved_before
+        available_after = next(s.value for s in samples if s.name == "host_memory_available_bytes")
+        report.update(
+            validator_pid=validator,
+            validator_role=rss[str(validator)].labels["role"],
+            validator_rss_exported=exported,
+            validator_rss_proc=truth,
+            rank0_pid=pids["0"],
+            rank0_rss_exported=rss[pids["0"]].value,
+            rank0_reserved_growth=grown,
+            available_drop=available_before - available_after,
+        )
+        assert abs(exported - truth) <= 0.05 * truth and exported >= 16 * (1 << 30)
+        assert rss[str(validator)].labels["role"] == "validate"
+        assert str(validator) not in pids.values()  # a different process from the GPU one
+        assert grown >= 48 * (1 << 30)
+        assert rss[pids["0"]].value < exported / 4
+    finally:
+        (control / "stop").touch()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+        out_dir = os.environ.get("GPUMEM_TEST_REPORT_DIR")
+        if out_dir:
+            with open(os.path.join(out_dir, "torchrun_report.json"), "w") as f:
+                json.dump(report, f, indent=2)

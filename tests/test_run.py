@@ -485,7 +485,7 @@ def test_a_hostile_agent_cannot_hurt_other_processes_or_the_endpoint(tmp_path):
         sock_path = Path((control / "run-dir").read_text()) / "aggregator.sock"
         before = launcher_rss(proc.pid)
 
-        def hostile(*lines: bytes) -> None:
+        def hostile(*lines: bytes) -> socket.socket:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect(str(sock_path))
             hello = json.dumps(
@@ -502,7 +502,7 @@ def test_a_hostile_agent_cannot_hurt_other_processes_or_the_endpoint(tmp_path):
                 except OSError:
                     break  # closed on us: the point
             time.sleep(0.3)
-            s.close()
+            return s
 
         good = {
             "device": 0,
@@ -514,15 +514,24 @@ def test_a_hostile_agent_cannot_hurt_other_processes_or_the_endpoint(tmp_path):
         bad_gauge = json.dumps(
             {"type": "sample", "allocators": [{**good, "gauges": {"allocated_bytes": "lots"}}]}
         )
-        hostile(
+        evil = hostile(
             bad_gauge.encode() + b"\n",
             b"[1, 2, 3]\n",
             b'{"type": "sample", "allocators": [' + b"{}," * 100 + b"{}]}\n",
             b'{"type": "sample", "allocators": [{"device": NaN}]}\n',
-            json.dumps({"type": "sample", "allocators": [good]}).encode() + b"\n",  # fine
             b'{"type": "command", "id": 1}\n',
+            json.dumps({"type": "sample", "allocators": [good]}).encode() + b"\n",  # fine
         )
-        hostile(b"x" * (81 << 20))  # 81 MiB without a newline
+        # A valid sample is served under the pid the socket reports (this test's), whatever
+        # the hello claimed ("1").
+        uuids = {
+            s.labels["gpu_uuid"]: s.labels["pid"]
+            for s in scrape(url)
+            if s.name == "torch_cuda_allocated_bytes"
+        }
+        assert uuids["GPU-x"] == str(os.getpid())
+        evil.close()
+        hostile(b"x" * (81 << 20)).close()  # 81 MiB without a newline
         # Every other process's series are right, /metrics answers, the rejects are counted.
         roles = wait_for_roles(url, {"worker0", "worker1"})
         assert roles["worker0"]["pid"] != roles.get("evil", {}).get("pid")
@@ -532,10 +541,6 @@ def test_a_hostile_agent_cannot_hurt_other_processes_or_the_endpoint(tmp_path):
             if s.name == "gpumem_exporter_agent_messages_rejected_total"
         }
         assert rejected == {"field": 2, "json": 1, "type": 2, "too_long": 1}, rejected
-        # The accepted sample was labelled with the peer's real pid (from the socket), not "1".
-        assert all(
-            s.labels["pid"] != "1" for s in scrape(url) if s.name == "torch_cuda_allocated_bytes"
-        )
         assert launcher_rss(proc.pid) - before < 16 << 20  # bounded: not the 81 MiB line
     assert "Traceback" not in (proc.stdout.read() if proc.stdout else "")
 

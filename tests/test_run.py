@@ -578,3 +578,32 @@ def test_host_memory_of_every_process_of_the_server(tmp_path):
         assert {"host_process_resident_memory_peak_bytes", "host_process_swap_bytes"} <= names
         (control / "stop-hog").touch()
         wait_for(lambda: hog_pid not in host_rss(), what="the hog's series to go")
+
+
+def test_a_silent_agent_times_out_without_holding_up_the_others(tmp_path):
+    """Fan-out to an agent that never answers: a `timeout` result for it, after the
+    deadline, and a 504 when it is the only process (exporter.http.admin maps outcomes)."""
+    import socket
+
+    from exporter.actions.base import OUTCOME_STATUS, Target
+    from exporter.run import protocol
+    from exporter.run.aggregator import Aggregator
+
+    aggregator = Aggregator(tmp_path)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(str(aggregator.socket_path))
+    silent.sendall(protocol.encode(protocol.hello({"role": "silent", "rank": "0"})))
+    reading = {"device": 0, "gpu_uuid": "GPU-s", "backend": "native", "expandable_segments": False}
+    silent.sendall(protocol.encode({"type": "sample", "allocators": [reading]}))
+    wait_for(lambda: aggregator.read().allocators, what="the silent agent's sample")
+    started = time.monotonic()
+    results = aggregator.command("empty_cache", {}, Target(), timeout_s=0.5)
+    assert 0.5 <= time.monotonic() - started < 3
+    assert [(r.ok, r.outcome, r.process["pid"]) for r in results] == [
+        (False, "timeout", str(os.getpid()))
+    ]
+    assert OUTCOME_STATUS[results[0].outcome] == 504
+    assert aggregator.command("empty_cache", {}, Target(rank=5), timeout_s=0.5) == []
+    silent.close()
+    wait_for(lambda: not aggregator.read().allocators, what="the agent to leave")
+    aggregator.close()

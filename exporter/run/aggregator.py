@@ -211,15 +211,8 @@ class Aggregator:
             try:
                 peer.send(protocol.command(request_id, action, params))
             except OSError as exc:
-                with self._lock:
-                    self._pending.pop(request_id, None)
                 results.append(
-                    ProcessResult(
-                        dict(peer.process),
-                        False,
-                        error=f"process unreachable: {exc}",
-                        outcome="unreachable",
-                    )
+                    self._gave_up(peer, request_id, f"unreachable: {exc}", "unreachable")
                 )
                 continue
             waiting.append((peer, request_id, future))
@@ -228,14 +221,11 @@ class Aggregator:
             try:
                 results.append(future.result(timeout=max(deadline - time.monotonic(), 0.0)))
             except FutureTimeout:
-                with self._lock:
-                    self._pending.pop(request_id, None)
-                results.append(
-                    ProcessResult(
-                        dict(peer.process),
-                        False,
-                        error=f"no answer within {timeout_s:g} s",
-                        outcome="timeout",
-                    )
-                )
+                error = f"no answer within {timeout_s:g} s"
+                results.append(self._gave_up(peer, request_id, error, "timeout"))
         return sorted(results, key=lambda r: int(r.process.get("pid") or 0))
+
+    def _gave_up(self, peer: _Peer, request_id: int, error: str, outcome: str) -> ProcessResult:
+        with self._lock:
+            self._pending.pop(request_id, None)
+        return ProcessResult(dict(peer.process), False, error=error, outcome=outcome)

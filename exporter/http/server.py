@@ -29,7 +29,7 @@ class ServerStartError(RuntimeError):
 
 
 def add_routes(app: FastAPI, runtime: Runtime, *, include_metrics: bool = True) -> None:
-    """The open routes, and the token-protected admin API (exporter.admin)."""
+    """The open routes, and the token-protected admin API (exporter.http.admin)."""
     sampler, registry, mode = runtime.sampler, runtime.registry, runtime.mode
     stale_after_s = runtime.config.stale_threshold_s
     add_admin_routes(app, runtime.admin)

@@ -20,6 +20,7 @@ from exporter import __version__, atomic
 from exporter.actions.base import Target
 from exporter.config import Config, ConfigError, load_config
 from exporter.http.server import HttpServer, ServerStartError, create_app
+from exporter.identity import describe_process
 from exporter.runtime import build_runtime, live_sources
 from exporter.sources import Source
 from exporter.trace import TraceError, TraceWriter
@@ -344,27 +345,27 @@ def _target(args: argparse.Namespace) -> Target:
     return Target(args.pid, args.rank)
 
 
-def _who(process: dict[str, str]) -> str:
-    rank = f" rank {process['rank']}" if process.get("rank") else ""
-    return f"pid {process.get('pid', '?')}{rank} ({process.get('role', '')})"
-
-
-def _report(answer: dict[str, Any]) -> int:
-    """Print an action's answer as JSON; failed processes also as one line each on stderr,
-    and exit 2 if any failed."""
-    print(json.dumps(answer, indent=2))
+def _failures(answer: dict[str, Any]) -> int:
+    """One line on stderr per process the action failed in; exit status 2 if any did."""
     failed = [p for p in answer.get("processes", []) if not p.get("ok")]
     for entry in failed:
-        print(f"{_who(entry['process'])}: {entry.get('error')}", file=sys.stderr)
+        print(f"{describe_process(entry['process'])}: {entry.get('error')}", file=sys.stderr)
     return 2 if failed else 0
 
 
-def _call(args: argparse.Namespace, action: str, **kwargs: Any) -> dict[str, Any]:
+def _report(answer: dict[str, Any]) -> int:
+    """Print an action's answer as JSON, then its failures."""
+    print(json.dumps(answer, indent=2))
+    return _failures(answer)
+
+
+def _call(
+    args: argparse.Namespace, action: str, client: AdminClient | None = None, **kwargs: Any
+) -> dict[str, Any]:
     from exporter.http.client import ClientError
 
-    client = _client(args)
     try:
-        result: dict[str, Any] = getattr(client, action)(_target(args), **kwargs)
+        result: dict[str, Any] = getattr(client or _client(args), action)(_target(args), **kwargs)
     except ClientError as exc:
         raise CliError(str(exc)) from None
     return result
@@ -385,13 +386,12 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         raise CliError("--record-s must be between 0 and 600")
     if not args.output.is_dir() and not args.output.parent.is_dir():
         raise CliError(f"output directory does not exist: {args.output.parent}")
-    answer = _call(args, "snapshot", record_s=args.record_s, stacks=args.stacks)
     client = _client(args)
+    answer = _call(args, "snapshot", client, record_s=args.record_s, stacks=args.stacks)
     entries = answer.get("processes", [])
     replay = " (replay of recorded data)" if answer.get("replay") else ""
     for entry in entries:
         if not entry["ok"]:
-            print(f"{_who(entry['process'])}: {entry.get('error')}", file=sys.stderr)
             continue
         info = entry["result"]
         path = _output_path(args.output, entry["process"], info["filename"], len(entries) > 1)
@@ -400,10 +400,10 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         except ClientError as exc:
             raise CliError(str(exc)) from None
         print(
-            f"snapshot {info['id']} of {_who(entry['process'])}{replay}: "
+            f"snapshot {info['id']} of {describe_process(entry['process'])}{replay}: "
             f"{size} bytes written to {path}"
         )
-    return 0 if answer.get("ok") else 2
+    return _failures(answer)
 
 
 def cmd_empty_cache(args: argparse.Namespace) -> int:

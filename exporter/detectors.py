@@ -260,12 +260,9 @@ class Detectors:
             self._apply("HostSwapGrowing", (), t, self._swap(host, t), th.swap_for_s)
             for process in sample.host_processes:
                 key = subject({"pid": str(process.pid), "role": process.role, "rank": process.rank})
+                present.add(key)
                 check = self._held_by_process(host, process)
                 self._apply("HostMemoryHeldByProcess", key, t, check, th.host_process_for_s)
-            present.update(
-                subject({"pid": str(p.pid), "role": p.role, "rank": p.rank})
-                for p in sample.host_processes
-            )
         self._forget_gone_processes(present, t)
 
     def _forget_gone_processes(self, present: set[Subject], t: float) -> None:

@@ -10,16 +10,21 @@ import sys
 from collections.abc import Mapping
 
 
+def process_title(pid: int | str = "self", proc: str = "/proc") -> str:
+    """The base name of arg 0 of a process's command line, which reflects setproctitle()
+    (servers like vLLM name their processes with it); "" if it cannot be read."""
+    try:
+        with open(f"{proc}/{pid}/cmdline", "rb") as f:
+            return os.path.basename(f.read().split(b"\0")[0].decode(errors="replace"))
+    except OSError:
+        return ""
+
+
 def process_role() -> str:
-    """GPUMEM_ROLE, else the process title (arg 0 of /proc/self/cmdline reflects
-    setproctitle(), which servers like vLLM use to name their processes)."""
-    role = os.environ.get("GPUMEM_ROLE", "")
+    """GPUMEM_ROLE, else the process title."""
+    role = os.environ.get("GPUMEM_ROLE", "") or process_title()
     if not role:
-        try:
-            with open("/proc/self/cmdline", "rb") as f:
-                role = os.path.basename(f.read().split(b"\0")[0].decode(errors="replace"))
-        except OSError:
-            role = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+        role = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     return role[:64]
 
 
@@ -31,6 +36,13 @@ def process_labels() -> dict[str, str]:
         "local_rank": os.environ.get("LOCAL_RANK", ""),
         "role": process_role(),
     }
+
+
+def describe_process(process: Mapping[str, str]) -> str:
+    """A process's labels in words, for error lines: "pid 12 rank 1 (worker)"."""
+    rank = f" rank {process['rank']}" if process.get("rank") else ""
+    role = f" ({process['role']})" if process.get("role") else ""
+    return f"pid {process.get('pid', '?')}{rank}{role}"
 
 
 def identity_labels(env: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:

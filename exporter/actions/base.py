@@ -19,8 +19,6 @@ if TYPE_CHECKING:
     from exporter.detectors import Detectors
     from exporter.sampler import Listener
 
-STACK_MODES = ("python", "all")
-CONTEXT_MODES = ("all", "alloc", "state")
 DEFAULT_HISTORY_ENTRIES = 100_000
 
 # Outcomes of one process's action, and the HTTP status each stands for when every selected
@@ -99,18 +97,6 @@ class ProcessResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ProcessResult:
-        """From an agent's reply (already validated by the protocol)."""
-        return cls(
-            process={str(k): str(v) for k, v in dict(data["process"]).items()},
-            ok=bool(data["ok"]),
-            result=data.get("result"),
-            error=data.get("error"),
-            outcome=str(data.get("outcome", "ok" if data["ok"] else "error")),
-            retry_after_s=data.get("retry_after_s"),
-        )
 
 
 @dataclass

@@ -19,7 +19,6 @@ import math
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -139,7 +138,6 @@ class LocalActions:
         self.config = config
         self.process = process if process is not None else process_labels()
         self.totals = ActionCounts()
-        self.remediations: Counter[tuple[str, str]] = Counter()  # filled by Remediation
         self.history_state = HistoryState()
         self._lock = threading.Lock()
         self._clock = clock
@@ -192,29 +190,25 @@ class LocalActions:
         )
 
     def counts(self) -> list[ProcessCounts]:
+        remediations = self.remediation.counts if self.remediation is not None else {}
         with self._lock:
             counts = ActionCounts(
                 snapshots=dict(self.totals.snapshots),
                 empty_cache_released_bytes=self.totals.empty_cache_released_bytes,
-                remediations={f"{a}/{o}": n for (a, o), n in self.remediations.items()},
+                remediations={f"{a}/{o}": n for (a, o), n in remediations.items()},
             )
         return [ProcessCounts({}, counts)]
 
     def sample_listeners(self, detectors: Detectors) -> list[Listener]:
-        listeners: list[Listener] = []
+        self._arm_remediation(detectors)
         config = self.config
-        if config is None:
-            return listeners
-        from exporter.actions.oom import OomCapture
-        from exporter.actions.remediation import Remediation
+        listeners: list[Listener] = []
+        if config is not None and config.oom_snapshot:
+            from exporter.actions.oom import OomCapture
 
-        if config.remediate:
-            self.remediation = Remediation(self, detectors, cooldown_s=config.remediate_cooldown_s)
-            detectors.listeners.append(self.remediation)
-        if config.oom_snapshot and not self.replay:
             oom = OomCapture(self, cooldown_s=config.oom_snapshot_cooldown_s)
             listeners.append(when_cuda_ready(oom.attach, "oom_capture"))
-        if config.history_max_entries and not self.replay:
+        if config is not None and config.history_max_entries:
             params = HistoryParams(max_entries=config.history_max_entries)
             listeners.append(
                 when_cuda_ready(
@@ -222,6 +216,16 @@ class LocalActions:
                 )
             )
         return listeners
+
+    def _arm_remediation(self, detectors: Detectors) -> None:
+        """Remediation acts on this process's alerts, when the settings turn it on."""
+        if self.config is not None and self.config.remediate:
+            from exporter.actions.remediation import Remediation
+
+            self.remediation = Remediation(
+                self, detectors, cooldown_s=self.config.remediate_cooldown_s
+            )
+            detectors.listeners.append(self.remediation)
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -386,15 +390,22 @@ class LocalActions:
         with self._lock:
             self.totals.snapshots[trigger] = self.totals.snapshots.get(trigger, 0) + 1
 
-    def start_history(self, params: HistoryParams, owner: str = "api") -> HistoryState:
+    def _history_recorder(self, *, starting: bool) -> Callable[..., None]:
+        """PyTorch's history switch, once the checks for turning it on or off have passed."""
         torch = _torch()
-        self._native(torch)
+        if starting:
+            self._native(torch)
+        recorder: Callable[..., None] = torch.cuda.memory._record_memory_history
+        return recorder
+
+    def start_history(self, params: HistoryParams, owner: str = "api") -> HistoryState:
+        record = self._history_recorder(starting=True)
         with self._lock:
             state = self.history_state
             if state.enabled and state.owner not in (owner, "api", "startup"):
                 raise ActionConflict("a windowed snapshot is recording history right now")
             # Always bounded: the default max_entries is unbounded (FACTS.md).
-            torch.cuda.memory._record_memory_history(
+            record(
                 enabled="all",
                 context=params.context,
                 stacks=params.stacks,
@@ -406,14 +417,14 @@ class LocalActions:
             return self.history_state
 
     def stop_history(self, owner: str = "api") -> HistoryState:
-        torch = _torch()
+        record = self._history_recorder(starting=False)
         with self._lock:
             state = self.history_state
             if state.enabled and owner == "api" and state.owner not in ("api", "startup"):
                 raise ActionConflict("a windowed snapshot is recording history right now")
             if state.enabled:
                 # Turning recording off clears the buffer: callers snapshot first if they want it.
-                torch.cuda.memory._record_memory_history(enabled=None)
+                record(enabled=None)
             self.history_state = HistoryState()
             return self.history_state
 

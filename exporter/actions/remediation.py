@@ -42,8 +42,7 @@ class Remediation:
         self._clock = clock
         self._last_empty_cache: float | None = None
         self._snapshotted_oom = False
-        # (action, outcome) -> count, kept with the process's other action counts
-        self.counts: Counter[tuple[str, str]] = actions.remediations
+        self.counts: Counter[tuple[str, str]] = Counter()  # (action, outcome) -> count
         self._queue: queue.Queue[str] = queue.Queue(maxsize=8)
         self._worker = threading.Thread(target=self._run, name="gpumem-remediation", daemon=True)
         self._worker.start()

@@ -6,13 +6,17 @@ for this one, so the same client and CLI work against the demo as against a real
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from exporter.actions.base import ActionUnavailable, HistoryParams
-from exporter.actions.local import EmptyCacheResult, HistoryState, LocalActions
+from exporter.actions.base import ActionUnavailable
+from exporter.actions.local import EmptyCacheResult, LocalActions
+
+if TYPE_CHECKING:
+    from exporter.detectors import Detectors
+    from exporter.sampler import Listener
 
 
 def demo_snapshot_path() -> Path:
@@ -34,14 +38,22 @@ class ReplayActions(LocalActions):
             self._snapshot = load_snapshot(demo_snapshot_path())
         return self._snapshot
 
-    def _recorded_devices(self) -> list[int]:
-        return sorted({s["device"] for s in self._recorded["segments"]})
+    def _recorded_devices(self, device: int | None) -> list[int]:
+        """The recorded devices; `device`, if given, must be one of them."""
+        devices = sorted({s["device"] for s in self._recorded["segments"]})
+        if device is not None and device not in devices:
+            raise ActionUnavailable(f"device {device} is not in the recording ({devices})")
+        return devices
+
+    def sample_listeners(self, detectors: Detectors) -> list[Listener]:
+        # Remediation acts on the replayed alerts; there is no allocator to watch for OOMs or
+        # to record history from.
+        self._arm_remediation(detectors)
+        return []
 
     def empty_cache_now(self, device: int | None = None, trigger: str = "api") -> EmptyCacheResult:
         # What empty_cache would have released: the segments with nothing active in them.
-        devices = self._recorded_devices()
-        if device is not None and device not in devices:
-            raise ActionUnavailable(f"device {device} is not in the recording ({devices})")
+        devices = self._recorded_devices(device)
         segments = self._recorded["segments"]
         before = {d: sum(s["total_size"] for s in segments if s["device"] == d) for d in devices}
         after = {
@@ -53,20 +65,9 @@ class ReplayActions(LocalActions):
     def capture(self) -> Any:
         return self._recorded
 
-    def start_history(self, params: HistoryParams, owner: str = "api") -> HistoryState:
-        with self._lock:
-            self.history_state = HistoryState(
-                True, params.max_entries, params.stacks, params.context, time.time(), owner
-            )
-            return self.history_state
-
-    def stop_history(self, owner: str = "api") -> HistoryState:
-        with self._lock:
-            self.history_state = HistoryState()
-            return self.history_state
+    def _history_recorder(self, *, starting: bool) -> Callable[..., None]:
+        return lambda **settings: None  # the state is kept; nothing records
 
     def reset_peak_now(self, device: int | None = None) -> list[int]:
-        devices = self._recorded_devices()
-        if device is not None and device not in devices:
-            raise ActionUnavailable(f"device {device} is not in the recording ({devices})")
+        devices = self._recorded_devices(device)
         return [device] if device is not None else devices

@@ -42,6 +42,7 @@ from exporter.actions.base import (
 from exporter.actions.snapshots import SnapshotInfo
 from exporter.config import Config, ConfigError
 from exporter.detectors import Detectors
+from exporter.identity import describe_process, process_labels
 from exporter.sampler import Sampler
 
 log = logging.getLogger("exporter.admin")
@@ -233,7 +234,9 @@ class Admin:
             if retry:
                 headers = {"Retry-After": str(math.ceil(max(retry)))}
         if not ok:
-            body["detail"] = "; ".join(f"{_who(r.process)}: {r.error}" for r in results if not r.ok)
+            body["detail"] = "; ".join(
+                f"{describe_process(r.process)}: {r.error}" for r in results if not r.ok
+            )
         response = self.respond(body, status)
         response.outcome = outcome
         if headers:
@@ -300,11 +303,6 @@ class Answer(JSONResponse):
     outcome = "ok"
 
 
-def _who(process: dict[str, str]) -> str:
-    rank = f" rank {process['rank']}" if process.get("rank") else ""
-    return f"pid {process.get('pid', '?')}{rank}"
-
-
 def _str_labels(entry: dict[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in entry.items() if k in ("pid", "rank")}
 
@@ -314,8 +312,6 @@ def _selected(target: Target, allocator: dict[str, Any]) -> bool:
     by this process's identity."""
     process = allocator.get("process") or {}
     if not process:
-        from exporter.identity import process_labels
-
         process = process_labels()
     return target.matches(process)
 

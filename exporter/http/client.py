@@ -25,8 +25,11 @@ class ClientError(RuntimeError):
     """The exporter refused or could not be reached; str() is one line."""
 
 
-def _selector(target: Target) -> dict[str, int]:
-    return {k: v for k, v in (("pid", target.pid), ("rank", target.rank)) if v is not None}
+def _selector(target: Target, **fields: Any) -> dict[str, Any]:
+    """A request body (or query): the target's pid/rank and the fields that are set."""
+    return {
+        k: v for k, v in {"pid": target.pid, "rank": target.rank, **fields}.items() if v is not None
+    }
 
 
 class AdminClient:
@@ -79,9 +82,7 @@ class AdminClient:
     ) -> dict[str, Any]:
         """Take a snapshot in each selected process; with record_s, wait until every windowed
         capture is ready. Returns the response, each process's result its final entry."""
-        body: dict[str, Any] = {"stacks": stacks, **_selector(target)}
-        if record_s is not None:
-            body["record_s"] = record_s
+        body = _selector(target, stacks=stacks, record_s=record_s)
         answer = self._json("POST", "/snapshot", body)
         deadline = time.monotonic() + (record_s or 0) + self.timeout_s
         for entry in answer.get("processes", []):
@@ -109,10 +110,7 @@ class AdminClient:
     def empty_cache(
         self, target: Target = EVERY_PROCESS, device: int | None = None
     ) -> dict[str, Any]:
-        body: dict[str, Any] = _selector(target)
-        if device is not None:
-            body["device"] = device
-        return self._json("POST", "/empty-cache", body)
+        return self._json("POST", "/empty-cache", _selector(target, device=device))
 
     def history(self, target: Target = EVERY_PROCESS) -> dict[str, Any]:
         return self._get("/history", target)
@@ -125,18 +123,13 @@ class AdminClient:
         max_entries: int | None = None,
         stacks: str = "python",
     ) -> dict[str, Any]:
-        body: dict[str, Any] = {"enabled": enabled, "stacks": stacks, **_selector(target)}
-        if max_entries is not None:
-            body["max_entries"] = max_entries
+        body = _selector(target, enabled=enabled, stacks=stacks, max_entries=max_entries)
         return self._json("POST", "/history", body)
 
     def reset_peak(
         self, target: Target = EVERY_PROCESS, device: int | None = None
     ) -> dict[str, Any]:
-        body: dict[str, Any] = _selector(target)
-        if device is not None:
-            body["device"] = device
-        return self._json("POST", "/reset-peak", body)
+        return self._json("POST", "/reset-peak", _selector(target, device=device))
 
     def stats(self, target: Target = EVERY_PROCESS) -> dict[str, Any]:
         return self._get("/stats", target)

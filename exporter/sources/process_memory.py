@@ -9,11 +9,11 @@ holding the host's RAM can be told apart from the one growing GPU memory.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Mapping
 
 import psutil
 
+from exporter.identity import process_title
 from exporter.sample import HostProcessReading, SourceReading
 
 _STATUS_FIELDS = {b"VmRSS": "rss", b"VmHWM": "hwm", b"VmSwap": "swap"}
@@ -46,13 +46,7 @@ def _environ(pid: int, proc: str = "/proc") -> dict[bytes, bytes]:
 def describe(pid: int, proc: str = "/proc") -> dict[str, str]:
     """role (GPUMEM_ROLE, else the process title) and rank (RANK) as the process started."""
     env = _environ(pid, proc)
-    role = env.get(b"GPUMEM_ROLE", b"").decode(errors="replace")
-    if not role:
-        try:
-            with open(f"{proc}/{pid}/cmdline", "rb") as f:
-                role = os.path.basename(f.read().split(b"\0")[0].decode(errors="replace"))
-        except OSError:
-            role = ""
+    role = env.get(b"GPUMEM_ROLE", b"").decode(errors="replace") or process_title(pid, proc)
     return {"role": role[:64], "rank": env.get(b"RANK", b"").decode(errors="replace")[:16]}
 
 

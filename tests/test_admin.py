@@ -262,3 +262,41 @@ def test_retention_keeps_the_newest_within_count_and_bytes(tmp_path):
     store.max_bytes = 10
     assert [i.id for i in [store.write({"segments": []}, "api")]] == [store.list()[0].id]
     assert len(store.list()) == 1
+
+
+def test_a_capture_whose_process_died_reads_as_failed_elsewhere(tmp_path):
+    """Under `run` the launcher lists captures that agents reserved; one whose writer died
+    while recording is failed (with why), not recording forever."""
+    import json
+    import subprocess
+    import sys
+
+    writer = SnapshotStore(tmp_path)
+    info = writer.reserve("record")
+    sidecar = tmp_path / (info.filename + ".json")
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    data = json.loads(sidecar.read_text())
+    data["meta"]["writer_pid"] = int(dead.stdout)
+    sidecar.write_text(json.dumps(data))
+    seen = SnapshotStore(tmp_path).get(info.id)
+    assert seen is not None and seen.status == "failed"
+    assert "exited while recording" in seen.meta["error"]
+    alive = SnapshotStore(tmp_path).get(writer.reserve("record").id)
+    assert alive is not None and alive.status == "recording"  # this process is alive
+
+
+def test_a_snapshot_removed_by_another_process_leaves_the_listing(tmp_path):
+    first, second = SnapshotStore(tmp_path), SnapshotStore(tmp_path)
+    info = first.write({"segments": []}, "api")
+    assert [i.id for i in second.list()] == [info.id]
+    first.delete(info.id)
+    assert second.list() == []
+
+
+def test_the_demo_arms_no_oom_capture_or_history_but_remediates(tmp_path):
+    _, runtime = make_app(tmp_path, oom_snapshot=True, history_max_entries=100, remediate=True)
+    names = [getattr(listener, "__name__", "") for listener in runtime.sampler.listeners]
+    assert "oom_capture" not in names and "history_startup" not in names
+    assert runtime.actions.remediation is not None

@@ -352,3 +352,13 @@ def test_slope_matches_least_squares_over_the_window():
     expected = sum((t - mt) * (v - mv) for t, v in points) / sum((t - mt) ** 2 for t, _ in points)
     assert len(series.points) == n
     assert series.slope() == pytest.approx(expected, rel=1e-6)
+
+
+def test_quiet_detectors_call_listeners_without_logging(caplog):
+    """The agents detect only for remediation; the launcher logs each alert once."""
+    events: list[AlertEvent] = []
+    detectors = Detectors(listeners=[events.append], log_events=False)
+    with caplog.at_level(logging.INFO, logger="exporter.alerts"):
+        run(detectors, [allocator(GiB, GiB, 0, ooms=1)])
+    assert [e.alert for e in events] == ["GpuMemOutOfMemory"]
+    assert "gpumem_alert" not in caplog.text

@@ -607,3 +607,20 @@ def test_a_silent_agent_times_out_without_holding_up_the_others(tmp_path):
     silent.close()
     wait_for(lambda: not aggregator.read().allocators, what="the agent to leave")
     aggregator.close()
+
+
+def test_an_agent_must_say_hello_first(tmp_path):
+    import socket
+
+    from exporter.run import protocol
+    from exporter.run.aggregator import Aggregator
+
+    aggregator = Aggregator(tmp_path)
+    rude = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    rude.connect(str(aggregator.socket_path))
+    reading = {"device": 0, "gpu_uuid": "GPU-r", "backend": "native", "expandable_segments": False}
+    rude.sendall(protocol.encode({"type": "sample", "allocators": [reading]}))
+    wait_for(lambda: aggregator.rejected.get("order"), what="the rejection")
+    assert aggregator.read().allocators == []
+    rude.close()
+    aggregator.close()

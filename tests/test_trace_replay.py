@@ -128,3 +128,15 @@ def test_replay_reports_the_recorded_process_identity():
     reading = ReplaySource(clock=Clock()).read()
     assert reading.self_pid == sample.self_pid
     assert json.dumps(Sample(0, allocators=reading.allocators).to_dict())  # serialisable
+
+
+def test_the_replay_serves_the_recorded_process_host_memory():
+    """Traces carry the recording process's resident memory: the replay serves it as that
+    process's host_process_* reading (pid as recorded), so per-process panels have data."""
+    reading = ReplaySource(clock=lambda: 0.0).read()
+    assert reading.host is not None and reading.self_pid is not None
+    [process] = reading.host_processes
+    assert process.pid == reading.self_pid and process.role == "server"
+    assert process.resident_bytes == reading.host.process_resident_bytes
+    assert process.resident_peak_bytes == reading.host.process_resident_peak_bytes
+    assert process.swap_bytes is None  # not recorded: not invented

@@ -1,0 +1,59 @@
+"""The agent protocol of `gpumem-exporter run`: what the aggregator accepts and refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from exporter.run import protocol
+from exporter.sample import ActionCounts
+
+GOOD = {"device": 0, "gpu_uuid": "GPU-a", "backend": "native", "expandable_segments": False}
+
+
+def reason(call, *args) -> str:
+    with pytest.raises(protocol.ProtocolError) as caught:
+        call(*args)
+    return caught.value.reason
+
+
+def test_a_sample_round_trips():
+    message = protocol.sample([{**GOOD, "gauges": {"allocated_bytes": 5}}], ActionCounts())
+    line = protocol.encode(message)
+    readings, counts = protocol.parse_sample(protocol.decode(line.rstrip(b"\n")))
+    assert readings[0].gauges == {"allocated_bytes": 5} and counts == ActionCounts()
+
+
+@pytest.mark.parametrize(
+    ("allocator", "why"),
+    [
+        ({**GOOD, "gauges": {"allocated_bytes": True}}, "a bool is not a count"),
+        ({**GOOD, "gauges": {"allocated_bytes": -1}}, "negative"),
+        ({**GOOD, "gauges": {"made_up_bytes": 1}}, "unknown gauge"),
+        ({**GOOD, "surprise": 1}, "unknown field"),
+        ({**GOOD, "device": 5000}, "device out of range"),
+        ({**GOOD, "pools": {"huge": {}}}, "unknown pool"),
+        ({**GOOD, "expandable_segments": "no"}, "not a bool"),
+    ],
+)
+def test_bad_allocator_fields_are_refused(allocator, why):
+    assert reason(protocol.parse_sample, {"type": "sample", "allocators": [allocator]}) == "field"
+
+
+def test_hello_needs_this_protocol_version():
+    hello = protocol.hello({"pid": "1", "role": "w", "rank": "", "local_rank": ""})
+    assert protocol.parse_hello(hello)["role"] == "w"
+    assert reason(protocol.parse_hello, {**hello, "version": 2}) == "version"
+
+
+def test_lines_are_bounded_with_or_without_a_newline():
+    reader = protocol.LineReader(max_line_bytes=10)
+    assert list(reader.feed(b"short\nrest")) == [b"short"]
+    assert list(reader.feed(b"\n")) == [b"rest"]
+    assert reason(lambda: list(protocol.LineReader(10).feed(b"x" * 11 + b"\n"))) == "too_long"
+    assert reason(lambda: list(protocol.LineReader(10).feed(b"x" * 11))) == "too_long"
+
+
+def test_json_and_types_are_checked():
+    assert reason(protocol.decode, b"{nope") == "json"
+    assert reason(protocol.decode, b'{"type": "x"}') == "type"
+    assert reason(protocol.decode, b'{"type": "sample", "n": NaN}') == "json"

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from exporter import __version__, atomic
-from exporter.actions.base import Target
+from exporter.actions.base import MAX_RECORD_S, Target
 from exporter.config import Config, ConfigError, load_config
 from exporter.http.server import HttpServer, ServerStartError, create_app
 from exporter.identity import describe_process
@@ -128,8 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
     snapshot.add_argument(
         "-o", "--output", required=True, type=Path, help="snapshot pickle (or a directory)"
     )
-    snapshot.add_argument(
-        "--record-s", type=float, help="record allocation history for this many seconds, then dump"
+    window = snapshot.add_mutually_exclusive_group()
+    window.add_argument(
+        "--record-s",
+        type=float,
+        help=f"record allocation history for this many seconds (at most {MAX_RECORD_S}), then dump",
+    )
+    window.add_argument(
+        "--stop",
+        action="store_true",
+        help="end the --record-s capture that is recording now and download what it recorded",
     )
     snapshot.add_argument(
         "--stacks",
@@ -382,16 +390,19 @@ def _output_path(output: Path, process: dict[str, str], filename: str, several: 
 def cmd_snapshot(args: argparse.Namespace) -> int:
     from exporter.http.client import ClientError
 
-    if args.record_s is not None and not 0 < args.record_s <= 600:
-        raise CliError("--record-s must be between 0 and 600")
+    if args.record_s is not None and not 0 < args.record_s <= MAX_RECORD_S:
+        raise CliError(f"--record-s must be between 0 and {MAX_RECORD_S}")
     if not args.output.is_dir() and not args.output.parent.is_dir():
         raise CliError(f"output directory does not exist: {args.output.parent}")
     client = _client(args)
-    answer = _call(args, "snapshot", client, record_s=args.record_s, stacks=args.stacks)
+    if args.stop:
+        answer = _call(args, "stop_capture", client)
+    else:
+        answer = _call(args, "snapshot", client, record_s=args.record_s, stacks=args.stacks)
     entries = answer.get("processes", [])
     replay = " (replay of recorded data)" if answer.get("replay") else ""
     for entry in entries:
-        if not entry["ok"]:
+        if not entry["ok"] or entry["result"] is None:  # failed, or was not recording
             continue
         info = entry["result"]
         path = _output_path(args.output, entry["process"], info["filename"], len(entries) > 1)

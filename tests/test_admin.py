@@ -207,7 +207,7 @@ def test_pid_and_rank_select_this_process_or_nothing(demo):
     [
         ("/snapshot", b"{not json", 422, "invalid request"),
         ("/snapshot", b'{"record_s": -1}', 422, "record_s"),
-        ("/snapshot", b'{"record_s": 601}', 422, "record_s"),
+        ("/snapshot", b'{"record_s": 301}', 422, "record_s"),
         ("/snapshot", b'{"stacks": "cpp"}', 422, "stacks"),
         ("/snapshot", b'{"surprise": 1}', 422, "surprise"),
         ("/snapshot", b"[]", 422, "invalid request"),

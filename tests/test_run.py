@@ -309,13 +309,25 @@ def test_every_admin_route_and_cli_command_per_process_and_fanned_out(tmp_path):
             token_file=token_file,
         )
         assert windowed.returncode == 0, windowed.stderr
+        # A long window in one rank ends when asked, from the pod's endpoint.
+        long_window = urllib.request.Request(
+            url + "/snapshot",
+            data=json.dumps({"record_s": 300, "rank": 1}).encode(),
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        assert urllib.request.urlopen(long_window, timeout=30).status == 202
+        stop = client(
+            "snapshot", "--url", url, "--stop", "-o", str(tmp_path), token_file=token_file
+        )
+        assert stop.returncode == 0 and f"pid {pid['worker1']} rank 1" in stop.stdout, stop.stderr
+        assert stop.stdout.count("bytes written") == 1
 
         # The pod lists every process's snapshots; each downloads, views and deletes.
         listed = get(url + "/snapshots")["snapshots"]
         assert {s["meta"]["process"]["pid"] for s in listed} == cuda_pids
         assert [
             s["meta"]["process"]["pid"] for s in get(url + "/snapshots?rank=1")["snapshots"]
-        ] == [pid["worker1"]] * 2
+        ] == [pid["worker1"]] * 3
         first = listed[0]
         assert get(url + f"/snapshots/{first['id']}/info")["status"] == "ready"
         view = urllib.request.Request(

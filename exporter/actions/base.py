@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from exporter.sampler import Listener
 
 DEFAULT_HISTORY_ENTRIES = 100_000
+# A windowed capture blocks every other snapshot of its process until it ends: long enough for
+# a few minutes of serving steps; stop_capture ends it early.
+MAX_RECORD_S = 300
 
 # Outcomes of one process's action, and the HTTP status each stands for when every selected
 # process ended the same way.
@@ -127,6 +130,11 @@ class Actions(Protocol):
         """Snapshot now, or record history for `record_s` and then dump (status recording)."""
         ...
 
+    def stop_capture(self, target: Target) -> list[ProcessResult]:
+        """End a windowed capture now and write what it recorded (`stopped`: its entry, or
+        None where none was recording)."""
+        ...
+
     def empty_cache(self, target: Target, *, device: int | None = None) -> list[ProcessResult]: ...
 
     def history(self, target: Target) -> list[ProcessResult]: ...
@@ -153,4 +161,4 @@ class Actions(Protocol):
 
 
 # The actions an agent accepts from the aggregator: the interface's methods, by name.
-REMOTE_ACTIONS = ("snapshot", "empty_cache", "history", "set_history", "reset_peak")
+REMOTE_ACTIONS = ("snapshot", "stop_capture", "empty_cache", "history", "set_history", "reset_peak")

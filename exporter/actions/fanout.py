@@ -36,6 +36,9 @@ class FanOutActions:
     ) -> list[ProcessResult]:
         return self._all(target, "snapshot", record_s=record_s, history=asdict(history))
 
+    def stop_capture(self, target: Target) -> list[ProcessResult]:
+        return self._all(target, "stop_capture")
+
     def empty_cache(self, target: Target, *, device: int | None = None) -> list[ProcessResult]:
         return self._all(target, "empty_cache", device=device)
 

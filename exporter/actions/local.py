@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("exporter.actions")
 
+# How long POST /snapshot/stop waits for the stopped window's snapshot to be written.
+STOP_WAIT_S = 30.0
+
 
 @dataclass(frozen=True)
 class EmptyCacheResult:
@@ -143,6 +146,8 @@ class LocalActions:
         self._clock = clock
         self._last_empty_cache: float | None = None
         self._capturing: SnapshotInfo | None = None
+        self._window_over = threading.Event()  # set to end a windowed capture early
+        self._window_thread: threading.Thread | None = None
         self.remediation: Remediation | None = None  # when the settings turn it on
 
     # -- the interface (exporter.actions.base.Actions) -----------------------------------
@@ -151,6 +156,9 @@ class LocalActions:
         self, target: Target, *, record_s: float | None = None, history: HistoryParams
     ) -> list[ProcessResult]:
         return self._here(target, lambda: self._start_capture(record_s, history))
+
+    def stop_capture(self, target: Target) -> list[ProcessResult]:
+        return self._here(target, self._stop_capture)
 
     def empty_cache(self, target: Target, *, device: int | None = None) -> list[ProcessResult]:
         def run() -> dict[str, Any]:
@@ -291,7 +299,8 @@ class LocalActions:
         with self._lock:
             if self._capturing is not None:
                 raise ActionConflict(
-                    f"capture {self._capturing.id} is still recording; one capture at a time"
+                    f"capture {self._capturing.id} is still recording; one capture at a time "
+                    "(POST /snapshot/stop ends it now)"
                 )
             if record_s is None:
                 capturing = None
@@ -299,15 +308,30 @@ class LocalActions:
                 self.capture()  # fail now (409/501) rather than after the window
                 capturing = self.store.reserve("record", meta={"record_s": record_s})
                 self._capturing = capturing
+                self._window_over.clear()
+                self._window_thread = threading.Thread(
+                    target=self._record_window,
+                    args=(capturing, record_s, history),
+                    name="gpumem-record",
+                    daemon=True,
+                )
+                self._window_thread.start()
         if capturing is None:
             return self.write_snapshot("api").public()
-        threading.Thread(
-            target=self._record_window,
-            args=(capturing, record_s, history),
-            name="gpumem-record",
-            daemon=True,
-        ).start()
         return capturing.public()
+
+    def _stop_capture(self) -> dict[str, Any]:
+        """End the windowed capture now and wait for it to be written (what was recorded so
+        far is kept); `stopped` is None when none was recording."""
+        with self._lock:
+            info, thread = self._capturing, self._window_thread
+        if info is None or thread is None:
+            return {"stopped": None}
+        self._window_over.set()
+        thread.join(STOP_WAIT_S)
+        if thread.is_alive():
+            raise ActionFailed(f"capture {info.id} was told to stop but is still being written")
+        return {"stopped": info.public()}
 
     def _record_window(self, info: SnapshotInfo, record_s: float, history: HistoryParams) -> None:
         try:
@@ -316,7 +340,7 @@ class LocalActions:
             log.error("windowed snapshot %s failed: %s", info.id, exc)
         finally:
             with self._lock:
-                self._capturing = None
+                self._capturing = self._window_thread = None
 
     # -- allocator primitives (also used by remediation and OOM capture) -----------------
 
@@ -370,12 +394,14 @@ class LocalActions:
         """Record allocation history for `record_s` (unless it is already on), then dump it
         into `info`. On failure `info` is marked failed with the reason, and re-raised."""
         started_history = False
+        started = time.monotonic()
         try:
             if not self.history_state.enabled:
                 self.start_history(history, owner=info.id)
                 started_history = True
-            time.sleep(record_s)
-            self.write_snapshot("record", info=info)
+            stopped_early = self._window_over.wait(record_s)
+            meta = {"recorded_s": round(time.monotonic() - started, 3)} if stopped_early else None
+            self.write_snapshot("record", info=info, meta=meta)
         except Exception as exc:
             self.store.fail(info, str(exc))
             raise

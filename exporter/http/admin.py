@@ -1,4 +1,5 @@
-"""The token-protected admin API: snapshots, empty_cache, history, peak reset, stats.
+"""The token-protected admin API: snapshots (and stopping a windowed one), empty_cache, history,
+peak reset, stats.
 
 Every action route calls the mode's actions implementation (exporter.actions) and answers one
 shape in every mode: `{"processes": [{"process": {...}, "ok": ..., "result" | "error": ...}],
@@ -33,6 +34,7 @@ from starlette.concurrency import run_in_threadpool
 
 from exporter.actions.base import (
     DEFAULT_HISTORY_ENTRIES,
+    MAX_RECORD_S,
     OUTCOME_STATUS,
     Actions,
     HistoryParams,
@@ -87,8 +89,9 @@ class SnapshotRequest(_HistoryFields):
     record_s: float | None = Field(
         None,
         gt=0,
-        le=600,
-        description="Record allocation history for this many seconds, then dump (202).",
+        le=MAX_RECORD_S,
+        description="Record allocation history for this many seconds, then dump (202); "
+        "POST /snapshot/stop ends it sooner.",
     )
 
 
@@ -398,6 +401,17 @@ def add_admin_routes(app: FastAPI, admin: Admin) -> None:
         )
         recording = any(r.ok and (r.result or {}).get("status") == "recording" for r in results)
         return admin.answer(params.target, results, 202 if recording else 201)
+
+    @app.post("/snapshot/stop", tags=tags, openapi_extra=_schema(_Body))
+    @guarded("snapshot_stop")
+    async def stop_snapshot(request: Request) -> Response:
+        """End the windowed capture (`record_s`) of each selected process now and write what
+        it recorded so far; 409 when no selected process is recording."""
+        params = await admin.body(request, _Body)
+        results = await run_in_threadpool(actions.stop_capture, params.target)
+        if results and all(r.ok and (r.result or {}).get("stopped") is None for r in results):
+            raise AdminError(409, "no capture is recording", "unavailable")
+        return admin.answer(params.target, results)
 
     @app.get("/snapshots", tags=tags)
     @guarded("list")

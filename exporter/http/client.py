@@ -101,6 +101,15 @@ class AdminClient:
         answer["ok"] = all(e["ok"] for e in answer.get("processes", []))
         return answer
 
+    def stop_capture(self, target: Target = EVERY_PROCESS) -> dict[str, Any]:
+        """End the windowed capture of each selected process now; each process's result is
+        the entry it wrote (None where none was recording)."""
+        answer = self._json("POST", "/snapshot/stop", _selector(target))
+        for entry in answer.get("processes", []):
+            if entry["ok"]:
+                entry["result"] = (entry.get("result") or {}).get("stopped")
+        return answer
+
     def download(self, snapshot_id: str, output: Path) -> int:
         """Write the snapshot to `output` atomically; returns its size in bytes."""
         _, payload = self._request("GET", f"/snapshots/{snapshot_id}")

@@ -7,7 +7,9 @@ ConfigError with a one-line message naming the setting and where it came from.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
+import stat
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -17,6 +19,8 @@ from typing import Any
 DEFAULT_PORT = 9445
 DEFAULT_HOST = "127.0.0.1"
 ENV_PREFIX = "GPUMEM_"
+
+log = logging.getLogger("exporter.config")
 
 
 class ConfigError(ValueError):
@@ -71,14 +75,28 @@ class Config:
     def resolved_admin_token(self) -> str | None:
         """The admin token, read from the file if one is named (so rotations are seen)."""
         if self.admin_token_file:
+            path = Path(self.admin_token_file)
             try:
-                token = Path(self.admin_token_file).read_text().strip()
+                token = path.read_text().strip()
+                _warn_if_world_readable(path)
             except OSError as exc:
                 raise ConfigError(
                     f"cannot read admin token file {self.admin_token_file}: {exc.strerror}"
                 ) from None
             return token or None
         return self.admin_token or None
+
+
+_warned_world_readable: set[str] = set()
+
+
+def _warn_if_world_readable(path: Path) -> None:
+    """Any local user can read such a token and call the admin API: say so, once per file."""
+    if path.stat().st_mode & stat.S_IROTH and str(path) not in _warned_world_readable:
+        _warned_world_readable.add(str(path))
+        log.warning(
+            "admin token file %s is readable by every user of this host: chmod o-r it", path
+        )
 
 
 def parse_labels(text: str, origin: str = "labels") -> dict[str, str]:

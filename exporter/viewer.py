@@ -1039,7 +1039,8 @@ svg .oom text{fill:#d62728;font-size:11px;font-weight:700}
 .empty{background:#fff;border:1px dashed #b8c0cb;padding:10px 12px;color:var(--muted)}
 """
 
-_CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
+# The page is HTML and CSS only: no script may run in it, inline or not.
+PAGE_CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
 
 def render_html(
@@ -1115,7 +1116,7 @@ def render_html(
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
-        f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
+        f'<meta http-equiv="Content-Security-Policy" content="{PAGE_CSP}">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         '<meta name="referrer" content="no-referrer">'
         f"<title>{_e(title)}</title><style>{_CSS}</style></head>"

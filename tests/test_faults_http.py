@@ -3,14 +3,22 @@ dawdle. Each test reproduces a reported failure and shows it fixed (docs/reliabi
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
+import logging
 import pickle
+import socket
 import time
 import urllib.request
 
+import pytest
 from fastapi.testclient import TestClient
 
-from tests.test_admin import AUTH, make_app, only
+from exporter.http import guard
+from exporter.http.server import HttpServer
+
+from tests.test_admin import AUTH, TOKEN, make_app, only
 from tests.test_cli import run_cli, running
 
 
@@ -56,3 +64,135 @@ def test_the_cli_stops_a_window_and_downloads_what_it_recorded(tmp_path):
         assert pickle.loads(out.read_bytes())["segments"]
         nothing = run_cli("snapshot", *flags, "--stop", "-o", str(out), timeout=30)
         assert nothing.returncode == 2 and "no capture is recording" in nothing.stderr
+
+
+def test_the_view_page_allows_no_script(tmp_path):
+    app, _ = make_app(tmp_path)
+    client = TestClient(app)
+    info = only(client.post("/snapshot", headers=AUTH))
+    page = client.get(f"/snapshots/{info['id']}/view", headers=AUTH)
+    assert page.status_code == 200
+    policy = page.headers["content-security-policy"]
+    assert "default-src 'none'" in policy and "script-src" not in policy
+    assert "<script" not in page.text.lower()
+
+
+@contextlib.contextmanager
+def served(tmp_path, **settings):
+    """The demo's app on a real uvicorn server in this process (sockets, not a test client)."""
+    app, runtime = make_app(tmp_path, **settings)
+    server = HttpServer(app, "127.0.0.1", 0)
+    server.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server._server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        yield server, runtime
+    finally:
+        server.stop()
+
+
+def admin_errors(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("exporter")]
+
+
+@pytest.mark.parametrize("content", [None, ""])
+def test_a_missing_or_empty_token_file_is_logged_once_not_per_request(tmp_path, caplog, content):
+    token_file = tmp_path / "token"
+    if content is not None:
+        token_file.write_text(content)
+        token_file.chmod(0o600)
+    app, _ = make_app(tmp_path, admin_token=None, admin_token_file=str(token_file))
+    client = TestClient(app)
+    caplog.set_level(logging.INFO)
+    for i in range(500):
+        headers = AUTH if i % 2 else {}
+        assert client.post("/snapshot", headers=headers).status_code == 403
+    lines = admin_errors(caplog)
+    assert len(lines) == 1, lines
+    assert str(token_file) in lines[0]
+
+
+def test_a_world_readable_token_file_is_warned_about_once(tmp_path, caplog):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o644)
+    app, _ = make_app(tmp_path, admin_token=None, admin_token_file=str(token_file))
+    client = TestClient(app)
+    caplog.set_level(logging.INFO)
+    for _ in range(20):
+        assert client.get("/snapshots", headers=AUTH).status_code == 200
+    assert [m for m in admin_errors(caplog) if "readable by every user" in m] == [
+        f"admin token file {token_file} is readable by every user of this host: chmod o-r it"
+    ]
+    private = tmp_path / "private"
+    private.write_text(TOKEN)
+    private.chmod(0o600)
+    caplog.clear()
+    app, _ = make_app(tmp_path, admin_token=None, admin_token_file=str(private))
+    assert TestClient(app).get("/snapshots", headers=AUTH).status_code == 200
+    assert admin_errors(caplog) == []
+
+
+def test_a_client_that_leaves_mid_body_is_not_a_server_error(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    with served(tmp_path) as (server, runtime):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(
+                b"POST /snapshot HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                + TOKEN.encode()
+                + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"reco"
+            )
+            time.sleep(0.3)
+        deadline = time.monotonic() + 5
+        while not runtime.admin.requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert dict(runtime.admin.requests) == {("snapshot", "disconnected"): 1}
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not list((tmp_path / "snaps").glob("*.pickle"))
+
+
+def test_a_half_sent_request_is_dropped_after_the_read_deadline(tmp_path, monkeypatch):
+    monkeypatch.setattr(guard, "READ_TIMEOUT_S", 0.5)
+    with served(tmp_path) as (server, _):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            began = time.monotonic()
+            assert sock.recv(1024) == b""  # closed by the server, not by the 10 s timeout
+            assert time.monotonic() - began < 5
+        # A kept-alive connection that starts its next request and stalls is dropped too.
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            sock.sendall(b"GET /metrics HTTP/1.1\r\n")
+            began = time.monotonic()
+            assert sock.recv(1024) == b""
+            assert time.monotonic() - began < 5
+
+
+def test_slow_connections_are_capped_and_scrapes_still_answer(tmp_path):
+    with served(tmp_path) as (server, _):
+        address = ("127.0.0.1", server.port)
+        keeper = http.client.HTTPConnection(*address, timeout=10)  # Prometheus keeps this open
+        keeper.request("GET", "/metrics")
+        assert keeper.getresponse().read()
+        slow = []
+        for _ in range(3 * guard.MAX_CONNECTIONS):
+            sock = socket.create_connection(address, timeout=10)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+            slow.append(sock)
+        try:
+            time.sleep(0.5)  # closing is asynchronous: let the loop finish what it started
+            held = len(server._server.server_state.connections)
+            began = time.monotonic()
+            fresh = http.client.HTTPConnection(*address, timeout=10)
+            fresh.request("GET", "/metrics")
+            response = fresh.getresponse()
+            assert response.status == 200 and b"torch_cuda" in response.read()
+            assert time.monotonic() - began < 5
+            assert held <= guard.MAX_CONNECTIONS + 1, held
+            keeper.request("GET", "/metrics")  # reconnects if it was closed to make room
+            assert keeper.getresponse().status == 200
+        finally:
+            for sock in slow:
+                sock.close()

@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from exporter.actions.base import (
     DEFAULT_HISTORY_ENTRIES,
@@ -45,6 +46,7 @@ from exporter.actions.snapshots import SnapshotInfo
 from exporter.config import Config, ConfigError
 from exporter.detectors import Detectors
 from exporter.identity import describe_process, process_labels
+from exporter.ratelimit import RateLimitedLog
 from exporter.sampler import Sampler
 
 log = logging.getLogger("exporter.admin")
@@ -53,9 +55,6 @@ MAX_BODY_BYTES = 16 * 1024
 DISABLED = (
     "admin actions are disabled: set GPUMEM_ADMIN_TOKEN or GPUMEM_ADMIN_TOKEN_FILE "
     "(admin_token= / admin_token_file=) to enable them"
-)
-VIEW_CSP = (
-    "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
 )
 REPLAY_NOTE = "replay: answered from data recorded on a real GPU; nothing was changed"
 
@@ -150,6 +149,7 @@ class Admin:
         self.requests: Counter[tuple[str, str]] = Counter()  # (action, outcome)
         self._render_lock = threading.Lock()
         self._pages: dict[str, str] = {}  # snapshot id -> rendered page, oldest first
+        self._token_log = RateLimitedLog(log)
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -157,9 +157,18 @@ class Admin:
         try:
             expected = self.config.resolved_admin_token()
         except ConfigError as exc:
-            log.error("admin token unavailable: %s", exc)
+            # Logged at most once a minute: every request (even one without a token) meets
+            # it, and a scanner must not flood the host's logs.
+            self._token_log.log(logging.ERROR, "token", f"admin token unavailable: {exc}")
             raise AdminError(403, DISABLED, "disabled") from None
         if not expected:
+            if self.config.admin_token_file:
+                self._token_log.log(
+                    logging.ERROR,
+                    "token",
+                    f"admin token file {self.config.admin_token_file} is empty: "
+                    "admin actions are off",
+                )
             raise AdminError(403, DISABLED, "disabled")
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         # Constant-time comparison; the token itself is never logged or echoed.
@@ -178,11 +187,16 @@ class Admin:
         if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
             raise AdminError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise AdminError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise AdminError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid")
+                chunks.append(chunk)
+        except ClientDisconnect:  # the client's doing, not the server's: nothing ran
+            raise AdminError(
+                400, "the client went away before sending the whole body", "disconnected"
+            ) from None
         raw = b"".join(chunks).strip() or b"{}"
         return self._validate(model, raw)
 
@@ -467,10 +481,12 @@ def add_admin_routes(app: FastAPI, admin: Admin) -> None:
     @guarded("view")
     async def view_snapshot(request: Request, snapshot_id: str) -> Response:
         """A self-contained HTML page (no external resource) of the snapshot."""
+        from exporter.viewer import PAGE_CSP
+
         info = _ready(snapshot_id)
         html = await run_in_threadpool(admin.render, info)
         return HTMLResponse(
-            html, headers={"Content-Security-Policy": VIEW_CSP, "X-Content-Type-Options": "nosniff"}
+            html, headers={"Content-Security-Policy": PAGE_CSP, "X-Content-Type-Options": "nosniff"}
         )
 
     @app.delete("/snapshots/{snapshot_id}", tags=tags, status_code=204)

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import choose_encoder
 
 from exporter.http.admin import add_admin_routes
+from exporter.http.guard import GuardedH11Protocol
 from exporter.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class HttpServer:
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(
             app,
+            http=GuardedH11Protocol,  # slow or hostile clients cannot hold connections
             log_config=None,  # never reconfigure the host process's logging
             access_log=False,
             lifespan="off",

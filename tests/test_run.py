@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -636,3 +638,58 @@ def test_an_agent_must_say_hello_first(tmp_path):
     assert aggregator.read().allocators == []
     rude.close()
     aggregator.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_killed_launcher_takes_its_server_and_its_folder_with_it(tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    with launched(tmp_path, TMPDIR=str(temp)) as (url, proc, _control):
+        wait_for_roles(url, {"worker0", "worker1", "forked", "embedded"})
+        server = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(server) >= 5  # the command, its workers, and the launcher's reaper
+        (run_dir,) = temp.glob(f"gpumem-run-{proc.pid}-*")
+        assert (run_dir / "aggregator.sock").exists()
+        proc.kill()  # no clean-up of its own can run
+        proc.wait(10)
+        wait_for(lambda: not any(_alive(pid) for pid in server), 30, "the server to stop")
+        wait_for(lambda: not any(temp.iterdir()), 10, "the run folder to go")
+
+
+def test_a_busy_port_leaves_no_folder_or_socket_behind(tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "exporter.cli", "run", "--port", str(port), "--", "true"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "GPUMEM_NVML": "off", "TMPDIR": str(temp)},
+        )
+    assert result.returncode == 2 and "already in use" in result.stderr, result.stderr
+    assert list(temp.glob("gpumem-run-*")) == []
+
+
+def test_folders_of_launchers_that_are_gone_are_swept_at_start(tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    left = temp / f"gpumem-run-{gone.pid}-abcd1234"
+    left.mkdir()
+    (left / "aggregator.sock").touch()
+    running = temp / f"gpumem-run-{os.getpid()}-abcd1234"  # a live launcher's
+    running.mkdir()
+    done = run_cli("--", "true", env={"TMPDIR": str(temp)})
+    assert done.returncode == 0, done.stderr
+    assert list(temp.glob("gpumem-run-*")) == [running]

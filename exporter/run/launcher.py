@@ -13,6 +13,7 @@ exits with CMD's exit status (128 + N if CMD died of signal N).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -25,11 +26,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+import psutil
+
 from exporter import atomic
 from exporter.actions.fanout import FanOutActions
 from exporter.actions.snapshots import SnapshotStore
 from exporter.config import Config
 from exporter.http.server import HttpServer, create_app
+from exporter.run import reaper
 from exporter.run.agent import CONFIG_NAME, RUN_DIR_ENV
 from exporter.run.aggregator import Aggregator
 from exporter.runtime import build_runtime, live_sources
@@ -39,6 +43,7 @@ from exporter.sources.process_memory import ProcessMemorySource, process_tree
 log = logging.getLogger("exporter.launcher")
 
 INJECT_DIR = Path(__file__).resolve().parent / "inject"
+RUN_PREFIX = "gpumem-run-"  # then the launcher's pid
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGWINCH")
 
 
@@ -65,34 +70,41 @@ def write_agent_config(config: Config, run_dir: str) -> None:
 
 
 def run(command: Sequence[str], config: Config) -> int:
-    run_dir = tempfile.mkdtemp(prefix="gpumem-run-")  # 0700: only this user reaches the socket
-    write_agent_config(config, run_dir)
-    aggregator = Aggregator(run_dir)
-    child: subprocess.Popen[bytes] | None = None
+    sweep_run_folders()
+    with contextlib.ExitStack() as cleanup:  # whatever was set up is undone, on any exit
+        run_dir = tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-")  # 0700: ours alone
+        cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
+        keeper = reaper.start(run_dir)  # stops the command if this process is killed
+        cleanup.callback(reaper.release, keeper)
+        write_agent_config(config, run_dir)
+        aggregator = Aggregator(run_dir)
+        cleanup.callback(aggregator.close)
+        child: subprocess.Popen[bytes] | None = None
 
-    def agent_labels() -> dict[int, dict[str, str]]:
-        return {int(p["pid"]): p for p in aggregator.processes() if p.get("pid")}
+        def agent_labels() -> dict[int, dict[str, str]]:
+            return {int(p["pid"]): p for p in aggregator.processes() if p.get("pid")}
 
-    server_processes = ProcessMemorySource(
-        lambda: process_tree(child.pid if child is not None else None), labels=agent_labels
-    )
-    sources: list[Source] = [aggregator, server_processes, *live_sources(config, torch=False)]
-    actions = FanOutActions(aggregator, SnapshotStore.for_config(config))
-    runtime = build_runtime(config, mode="run", sources=sources, actions=actions)
-    http = HttpServer(create_app(runtime), config.host, config.port)  # may raise ServerStartError
-    runtime.sampler.start()
-    http.start()
-    log.info("gpumem-exporter run: serving %s/metrics for %s", http.url, " ".join(command))
-    previous = {}
+        server_processes = ProcessMemorySource(
+            lambda: process_tree(child.pid if child is not None else None), labels=agent_labels
+        )
+        sources: list[Source] = [aggregator, server_processes, *live_sources(config, torch=False)]
+        actions = FanOutActions(aggregator, SnapshotStore.for_config(config))
+        runtime = build_runtime(config, mode="run", sources=sources, actions=actions)
+        http = HttpServer(create_app(runtime), config.host, config.port)  # ServerStartError
+        cleanup.callback(http.stop)
+        runtime.sampler.start()
+        cleanup.callback(runtime.sampler.stop)
+        http.start()
+        log.info("gpumem-exporter run: serving %s/metrics for %s", http.url, " ".join(command))
 
-    def forward(signum: int, frame: FrameType | None) -> None:
-        if child is not None and child.poll() is None:
-            child.send_signal(signum)
+        def forward(signum: int, frame: FrameType | None) -> None:
+            if child is not None and child.poll() is None:
+                child.send_signal(signum)
 
-    try:
         for name in FORWARDED:
-            if hasattr(signal, name):
-                previous[name] = signal.signal(getattr(signal, name), forward)
+            signum = getattr(signal, name, None)
+            if signum is not None:
+                cleanup.callback(signal.signal, signum, signal.signal(signum, forward))
         try:
             child = subprocess.Popen(
                 list(command),
@@ -102,12 +114,20 @@ def run(command: Sequence[str], config: Config) -> int:
         except OSError as exc:
             log.error("cannot start %s: %s", command[0], exc.strerror or exc)
             return 127 if isinstance(exc, FileNotFoundError) else 126
+        with contextlib.suppress(psutil.Error, OSError):  # gone already: nothing to guard
+            reaper.watch(psutil.Process(child.pid), keeper)
         code = child.wait()
         return code if code >= 0 else 128 - code
-    finally:
-        for name, handler in previous.items():
-            signal.signal(getattr(signal, name), handler)
-        http.stop()
-        runtime.sampler.stop()
-        aggregator.close()
-        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def sweep_run_folders() -> None:
+    """Remove run folders of this user left by launchers that are gone (one killed together
+    with its reaper, e.g. by `kill -9 -PGID`)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{RUN_PREFIX}*-*"):
+        pid = folder.name[len(RUN_PREFIX) :].partition("-")[0]
+        try:
+            mine = folder.lstat().st_uid == os.getuid() and folder.is_dir()
+        except OSError:
+            continue
+        if mine and pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)

@@ -8,7 +8,8 @@ out to the agents (FanOutActions), which also run OOM capture, history and remed
 the launcher's settings (written to the run folder, without the admin token, which the
 server's processes never see). CMD runs in its own session: every signal the launcher gets
 (SIGTERM from Kubernetes, SIGINT from a terminal, ...) is passed on once, and the launcher
-exits with CMD's exit status (128 + N if CMD died of signal N).
+exits with CMD's exit status (128 + N if CMD died of signal N). If the launcher itself is
+killed, its reaper (exporter.run.reaper) stops CMD and removes the run folder.
 """
 
 from __future__ import annotations

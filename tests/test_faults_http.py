@@ -17,7 +17,6 @@ from fastapi.testclient import TestClient
 
 from exporter.http import guard
 from exporter.http.server import HttpServer
-
 from tests.test_admin import AUTH, TOKEN, make_app, only
 from tests.test_cli import run_cli, running
 
@@ -141,7 +140,7 @@ def test_a_client_that_leaves_mid_body_is_not_a_server_error(tmp_path, caplog):
             sock.sendall(
                 b"POST /snapshot HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
                 + TOKEN.encode()
-                + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"reco"
+                + b'\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"reco'
             )
             time.sleep(0.3)
         deadline = time.monotonic() + 5

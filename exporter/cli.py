@@ -93,7 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
         "record",
         help="record a running exporter's metrics into a trace file",
         description="Scrape a running exporter's /metrics every interval and write the "
-        "samples to a trace that `demo --trace FILE` replays.",
+        "samples to a trace that `demo --trace FILE` replays. The file is a loadable trace "
+        "of every sample so far at any moment. A target that stops answering (3 failed "
+        "scrapes in a row) ends the recording early, keeping its samples: exit 0 whenever "
+        "samples were kept, 2 when none were.",
     )
     record.add_argument(
         "--url", required=True, help="exporter base URL or /metrics URL, e.g. http://127.0.0.1:9445"
@@ -299,7 +302,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from exporter.record import RecordError, record_url
+    """Exit 0 whenever samples were kept, also when the target stopped answering before the
+    end (that is often the incident being recorded: the line on stderr says so); 2 when
+    nothing was recorded. The file is a loadable trace of every sample so far at any moment,
+    so a recorder that is killed keeps its samples too."""
+    from exporter.record import RecordError, TargetStopped, record_url
 
     url = _metrics_url(args.url)
     if not args.duration_s > 0:
@@ -309,20 +316,29 @@ def cmd_record(args: argparse.Namespace) -> int:
     if not args.output.parent.is_dir():
         raise CliError(f"output directory does not exist: {args.output.parent}")
     writer = TraceWriter(
-        args.output, meta={"recorded_by": "gpumem-exporter record", "source_url": url}
+        args.output, meta={"recorded_by": "gpumem-exporter record", "source_url": url}, live=True
     )
+    stopped = error = None
     try:
-        count = record_url(url, writer, duration_s=args.duration_s, interval_s=args.interval_s)
+        record_url(url, writer, duration_s=args.duration_s, interval_s=args.interval_s)
+    except TargetStopped as exc:
+        stopped = str(exc)
     except RecordError as exc:
-        writer.abort()
-        raise CliError(str(exc)) from None
+        error = str(exc)
     except KeyboardInterrupt:
-        count = writer.count  # keep what was recorded so far
-    if count == 0:
-        writer.abort()
-        raise CliError("no samples recorded")
-    path = writer.close()
-    print(f"recorded {count} samples to {path}")
+        pass  # keep what was recorded so far
+    finally:  # whatever ended the recording, even a bug, the samples so far stay
+        count = writer.count
+        if count:
+            path = writer.close()
+        else:
+            writer.abort()
+    if not count:
+        raise CliError(error or "no samples recorded")
+    if stopped is not None:
+        print(f"gpumem-exporter record: {stopped}; kept {count} samples in {path}", file=sys.stderr)
+    else:
+        print(f"recorded {count} samples to {path}")
     return 0
 
 

@@ -3,10 +3,17 @@
 This is the inverse of exporter.metrics, driven by the same name tables, so that any exporter
 (a pod in an incident, a node daemon) can be recorded without admin access and replayed with
 `gpumem-exporter demo --trace FILE`.
+
+A recording keeps what it took: each sample is in the trace file as soon as it is scraped (a
+live TraceWriter), and a target that stops answering, or starts answering with something that
+is not its metrics (an HTML page, NaN or infinite values), ends the recording with the samples
+taken so far (TargetStopped) rather than losing them.
 """
 
 from __future__ import annotations
 
+import http.client
+import math
 import time
 import urllib.error
 import urllib.request
@@ -33,12 +40,48 @@ _GPU_FIELDS = {name: field for field, name in GPU_MEMORY_GAUGES.items()}
 _HOST_FIELDS = {name: field for field, name in REPLAY_HOST_GAUGES.items()}
 
 
+# Scrapes that may fail in a row before a recording stops: one slow or refused scrape (a pod
+# under pressure) must not end an incident's recording; a target that is gone ends it soon.
+MAX_MISSED_SCRAPES = 3
+
+
 class RecordError(RuntimeError):
     """Recording failed; str() is a one-line reason."""
 
 
+class TargetStopped(RecordError):
+    """The target stopped answering with metrics after `samples` samples had been written."""
+
+    def __init__(self, message: str, samples: int) -> None:
+        super().__init__(message)
+        self.samples = samples
+
+
 def sample_from_exposition(text: str, timestamp: float) -> Sample:
-    """Rebuild a Sample from the text exposition of one scrape."""
+    """Rebuild a Sample from the text exposition of one scrape.
+
+    Raises RecordError (one line) for text that is not an exporter's exposition: a parse
+    error, a series without its labels, a non-finite value where a count belongs.
+    """
+    try:
+        return _sample_from_exposition(text, timestamp)
+    except (ValueError, KeyError) as exc:
+        reason = f"missing label {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise RecordError(f"not a gpumem-exporter exposition: {_one_line(reason)}") from None
+
+
+def _one_line(text: str, limit: int = 120) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _count(name: str, value: float) -> int:
+    if not math.isfinite(value):
+        raise RecordError(f"{name} is {value}, not a finite value")
+    return int(value)
+
+
+def _sample_from_exposition(text: str, timestamp: float) -> Sample:
     allocators: dict[tuple[int, str, str], AllocatorReading] = {}
     gpus: dict[tuple[int, str], GpuReading] = {}
     processes: list[ProcessGpuReading] = []
@@ -69,12 +112,12 @@ def sample_from_exposition(text: str, timestamp: float) -> Sample:
             if name.startswith(TORCH_PREFIX) and "device" in labels:
                 key = name[len(TORCH_PREFIX) :]
                 if key in ALLOCATOR_GAUGES:
-                    allocator(labels).gauges[key] = int(value)
+                    allocator(labels).gauges[key] = _count(name, value)
                 elif key.endswith("_total") and key[: -len("_total")] in ALLOCATOR_COUNTERS:
-                    allocator(labels).counters[key[: -len("_total")]] = int(value)
+                    allocator(labels).counters[key[: -len("_total")]] = _count(name, value)
                 elif key.startswith("pool_") and key[len("pool_") :] in POOL_GAUGES:
                     pools = allocator(labels).pools.setdefault(labels["pool"], {})
-                    pools[key[len("pool_") :]] = int(value)
+                    pools[key[len("pool_") :]] = _count(name, value)
                 elif key == "allocator_info":
                     reading = allocator(labels)
                     reading.backend = labels.get("backend", "native")
@@ -83,9 +126,9 @@ def sample_from_exposition(text: str, timestamp: float) -> Sample:
                     reading.max_split_size_bytes = int(split) if split else None
                 elif key == "non_allocator_bytes":
                     key3 = (int(labels["device"]), labels["gpu_uuid"], labels.get("pid", ""))
-                    non_allocator[key3] = int(value)
+                    non_allocator[key3] = _count(name, value)
             elif name in _GPU_FIELDS and "gpu" in labels:
-                setattr(gpu(labels), _GPU_FIELDS[name], int(value))
+                setattr(gpu(labels), _GPU_FIELDS[name], _count(name, value))
             elif name == "gpu_up" and "gpu" in labels:
                 gpu(labels).up = value == 1.0
             elif name == "gpu_info" and "gpu" in labels:
@@ -99,11 +142,11 @@ def sample_from_exposition(text: str, timestamp: float) -> Sample:
                         gpu_index=int(labels["gpu"]),
                         gpu_uuid=labels["gpu_uuid"],
                         pid=int(labels["pid"]),
-                        used_bytes=int(value),
+                        used_bytes=_count(name, value),
                     )
                 )
             elif name in _HOST_FIELDS:
-                host[_HOST_FIELDS[name]] = int(value)
+                host[_HOST_FIELDS[name]] = _count(name, value)
     sample = Sample(
         timestamp=timestamp,
         allocators=list(allocators.values()),
@@ -143,12 +186,25 @@ def _self_pid(sample: Sample, non_allocator: dict[tuple[int, str, str], int]) ->
 def scrape(url: str, timeout_s: float = 5.0) -> str:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            if response.headers.get_content_type() == "text/html":
+                raise RecordError(f"{url} answered with an HTML page, not metrics")
             return str(response.read().decode("utf-8"))
     except urllib.error.HTTPError as exc:
         raise RecordError(f"{url} answered HTTP {exc.code}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+        # HTTPException: the target died mid-answer (IncompleteRead, a bad status line).
+        reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
         raise RecordError(f"cannot scrape {url}: {reason}") from None
+    except UnicodeDecodeError:
+        raise RecordError(f"{url} answered with bytes that are not UTF-8 text") from None
+
+
+def _scrape_sample(url: str, clock: Callable[[], float]) -> Sample:
+    text = scrape(url)
+    try:
+        return sample_from_exposition(text, clock())
+    except RecordError as exc:
+        raise RecordError(f"{url}: {exc}") from None
 
 
 def record_url(
@@ -159,12 +215,34 @@ def record_url(
     interval_s: float,
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
+    max_missed: int = MAX_MISSED_SCRAPES,
 ) -> int:
-    """Scrape `url` every interval for `duration_s`; returns the number of samples written."""
+    """Scrape `url` every interval for `duration_s`; returns the number of samples written.
+
+    The first scrape must succeed (RecordError: a wrong URL fails at once). After it, a failed
+    scrape is skipped and retried at the next interval; `max_missed` failures in a row end the
+    recording early with TargetStopped, the samples so far being in `writer` already.
+    """
     deadline = time.monotonic() + duration_s
+    recorded = missed = 0
     while True:
         started = time.monotonic()
-        writer(sample_from_exposition(scrape(url), clock()))
+        try:
+            sample = _scrape_sample(url, clock)
+        except RecordError as exc:
+            missed += 1
+            if not recorded:
+                raise
+            if missed >= max_missed:
+                raise TargetStopped(
+                    f"the target stopped answering after {recorded} samples "
+                    f"({missed} scrapes in a row failed, the last: {exc})",
+                    recorded,
+                ) from None
+        else:
+            writer(sample)
+            recorded += 1
+            missed = 0
         if started + interval_s > deadline:
             return writer.count
         sleep(max(interval_s - (time.monotonic() - started), 0.0))

@@ -47,16 +47,32 @@ def add_routes(app: FastAPI, runtime: Runtime, *, include_metrics: bool = True) 
 
     @app.get("/healthz", tags=["exporter"])
     def healthz() -> JSONResponse:
-        """200 while samples are fresh; 503 when the sampler has stopped producing them."""
+        """200 while fresh samples come from working sources; else 503 and why: "starting"
+        (no sample yet), "stale" (the sampler stopped producing them), "failing" (samples come
+        but carry nothing: every source failed its last 3 reads, or the demo's replay did;
+        `failing_sources` names them with their last error). One source failing among
+        working ones (NVML on a host without a GPU) stays "ok", as Sampler.failing_sources
+        explains: gpumem_exporter_source_up shows it instead."""
         age = sampler.sample_age_s()
-        healthy = age is not None and age <= stale_after_s
-        body = {
-            "status": "ok" if healthy else ("stale" if age is not None else "starting"),
+        failing = sampler.failing_sources()
+        if age is None:
+            status = "starting"
+        elif age > stale_after_s:
+            status = "stale"
+        else:
+            status = "failing" if failing else "ok"
+        body: dict[str, object] = {
+            "status": status,
             "mode": mode,
             "sample_age_s": None if age is None else round(age, 3),
             "stale_after_s": stale_after_s,
         }
-        return JSONResponse(body, status_code=200 if healthy else 503)
+        if failing:
+            body["failing_sources"] = {
+                name: {"failed_reads": failure.reads, "last_error": failure.error}
+                for name, failure in failing.items()
+            }
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/readyz", tags=["exporter"])
     def readyz() -> JSONResponse:

@@ -28,6 +28,8 @@ def demo_trace_path() -> Path:
 
 class ReplaySource:
     name = "replay"
+    # The demo has nothing else to serve: its failing makes /healthz fail (Sampler.failing_sources).
+    required = True
 
     def __init__(
         self,

@@ -109,7 +109,8 @@ def start(
         all_listeners = list(listeners or [])
         recorder = None
         if record_to is not None:
-            recorder = TraceWriter(record_to, meta={"recorded_by": "exporter.start"})
+            # Live: a server that crashes keeps what was recorded up to its last sample.
+            recorder = TraceWriter(record_to, meta={"recorded_by": "exporter.start"}, live=True)
             all_listeners.append(recorder)
         runtime = _runtime(config, on_alert, listeners=all_listeners)
         handle = Handle(runtime, recorder=recorder)

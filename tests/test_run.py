@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -640,6 +642,13 @@ def test_an_agent_must_say_hello_first(tmp_path):
     aggregator.close()
 
 
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    folder = Path(tempfile.mkdtemp(prefix="gr-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -647,9 +656,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_killed_launcher_takes_its_server_and_its_folder_with_it(tmp_path):
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+def test_a_killed_launcher_takes_its_server_and_its_folder_with_it(tmp_path, short_tmp):
+    temp = short_tmp  # the aggregator's socket path must fit in 107 bytes
     with launched(tmp_path, TMPDIR=str(temp)) as (url, proc, _control):
         wait_for_roles(url, {"worker0", "worker1", "forked", "embedded"})
         server = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]

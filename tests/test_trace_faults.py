@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import http.server
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from exporter.sample import HostReading, Sample, SourceReading
 from exporter.sampler import Sampler
 from exporter.sources.replay import ReplaySource, demo_trace_path
 from exporter.trace import TraceError, TraceWriter, read_trace
+from tests.conftest import REPO_ROOT
 from tests.test_metrics import captured_sample, render
 
 CLI = [sys.executable, "-m", "exporter.cli"]
@@ -416,3 +418,28 @@ def test_only_reads_failed_in_a_row_count():
     assert sampler.failures()["host"].reads == 2 and sampler.failing_sources() == {}
     sampler.tick()
     assert sampler.failing_sources()["host"].reads == 3
+
+
+def test_an_embedded_recording_survives_its_server_being_killed(tmp_path):
+    """exporter.start(record_to=...) writes as it goes: a server killed mid-run keeps it."""
+    trace = tmp_path / "server.trace.gz"
+    code = (
+        "import time, exporter\n"
+        f"exporter.start(port=0, interval_s=0.1, record_to={str(trace)!r})\n"
+        "time.sleep(120)\n"
+    )
+    server = subprocess.Popen(
+        [sys.executable, "-c", code], env={**os.environ, "GPUMEM_NVML": "off"}, cwd=REPO_ROOT
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if trace.exists() and len(read_trace(trace)[1]) >= 3:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("no samples were recorded")
+    finally:
+        server.kill()
+        server.wait(10)
+    assert len(read_trace(trace)[1]) >= 3

@@ -701,3 +701,11 @@ def test_folders_of_launchers_that_are_gone_are_swept_at_start(tmp_path):
     done = run_cli("--", "true", env={"TMPDIR": str(temp)})
     assert done.returncode == 0, done.stderr
     assert list(temp.glob("gpumem-run-*")) == [running]
+
+
+def test_a_temp_dir_too_deep_for_a_socket_path_falls_back_to_tmp(tmp_path):
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    done = run_cli("--", "true", env={"TMPDIR": str(deep)})
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr

@@ -35,7 +35,7 @@ from exporter.actions.snapshots import SnapshotStore
 from exporter.config import Config
 from exporter.http.server import HttpServer, create_app
 from exporter.run import reaper
-from exporter.run.agent import CONFIG_NAME, RUN_DIR_ENV
+from exporter.run.agent import CONFIG_NAME, RUN_DIR_ENV, SOCKET_NAME
 from exporter.run.aggregator import Aggregator
 from exporter.runtime import build_runtime, live_sources
 from exporter.sources import Source
@@ -73,7 +73,8 @@ def write_agent_config(config: Config, run_dir: str) -> None:
 def run(command: Sequence[str], config: Config) -> int:
     sweep_run_folders()
     with contextlib.ExitStack() as cleanup:  # whatever was set up is undone, on any exit
-        run_dir = tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-")  # 0700: ours alone
+        # 0700: only this user reaches the socket.
+        run_dir = tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-", dir=run_base())
         cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
         keeper = reaper.start(run_dir)  # stops the command if this process is killed
         cleanup.callback(reaper.release, keeper)
@@ -121,10 +122,18 @@ def run(command: Sequence[str], config: Config) -> int:
         return code if code >= 0 else 128 - code
 
 
+def run_base() -> str:
+    """The temp dir, unless the socket's path in it would pass the 107 bytes a Unix socket's
+    path may have: then /tmp."""
+    base = tempfile.gettempdir()
+    longest = os.path.join(base, f"{RUN_PREFIX}{2**22}-12345678", SOCKET_NAME)
+    return base if len(longest.encode()) <= 107 else "/tmp" if len(longest.encode()) <= 107 else "/tmp"
+
+
 def sweep_run_folders() -> None:
     """Remove run folders of this user left by launchers that are gone (one killed together
     with its reaper, e.g. by `kill -9 -PGID`)."""
-    for folder in Path(tempfile.gettempdir()).glob(f"{RUN_PREFIX}*-*"):
+    for folder in Path(run_base()).glob(f"{RUN_PREFIX}*-*"):
         pid = folder.name[len(RUN_PREFIX) :].partition("-")[0]
         try:
             mine = folder.lstat().st_uid == os.getuid() and folder.is_dir()

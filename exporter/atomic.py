@@ -1,16 +1,32 @@
-"""Write a file so that readers see the old content or the new, never half of it."""
+"""Write a file so that readers see the old content or the new, never half of it.
+
+A writer killed mid-write (SIGKILL, OOM kill) leaves its temp file behind. The temp file's
+name carries the writer's pid, so that a sweep can remove leftovers without touching a file
+another live process is still writing (`gpumem-exporter run` processes share one folder).
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+import time
 from pathlib import Path
+
+TEMP_SUFFIX = ".partial"
+# A temp file nobody has written to for this long is left over, whatever its name says: the
+# pid may have been reused, or the file predates pids in names.
+STALE_TEMP_S = 600.0
+# .<target name>.<writer pid>.<random>.partial (mkstemp's random part has no dot).
+_TEMP_NAME = re.compile(r"^\..+\.(?P<pid>[0-9]+)\.[^.]+" + re.escape(TEMP_SUFFIX) + "$")
 
 
 def write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write to a temporary file beside `path`, fsync, then rename over it."""
     target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{target.name}.{os.getpid()}.", suffix=TEMP_SUFFIX, dir=target.parent
+    )
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -21,3 +37,30 @@ def write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def is_temp(name: str) -> bool:
+    """Whether `name` is a temp file of write_bytes (its own or an older version's)."""
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+
+
+def writer_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def abandoned(path: Path, *, stale_s: float = STALE_TEMP_S) -> bool:
+    """Whether the temp file `path` was left behind: its writer is dead, or it has not been
+    written to for `stale_s` seconds."""
+    match = _TEMP_NAME.match(path.name)
+    if match is not None and not writer_alive(int(match["pid"])):
+        return True
+    try:
+        return time.time() - path.lstat().st_mtime > stale_s
+    except FileNotFoundError:
+        return False  # renamed into place or removed meanwhile

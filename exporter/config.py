@@ -13,6 +13,7 @@ import stat
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +62,35 @@ class Config:
     admin_token: str | None = field(default=None, repr=False)
     admin_token_file: str | None = None
 
-    @property
+    @cached_property
     def snapshot_directory(self) -> Path:
+        """The snapshot folder, this user's alone (see private_folder_problem). Resolved once,
+        so that `run` hands its agents the very folder the launcher lists.
+
+        A configured folder of ours that others may write to is closed to them (a volume
+        mounted 0777); one that is not ours, or a symlink, is a ConfigError (load_config
+        raises it at start-up). The default one has a fixed name in a shared temp dir, which
+        another local user may have created first: then a fresh private folder, with a
+        warning.
+        """
         if self.snapshot_dir:
-            return Path(self.snapshot_dir)
-        # Per user, so that another user on the host cannot read or plant snapshots.
-        return Path(tempfile.gettempdir()) / f"gpumem-snapshots-{os.getuid()}"
+            folder = Path(self.snapshot_dir)
+            make_private_folder(folder, close_our_own=True)
+            return folder
+        default = Path(tempfile.gettempdir()) / f"gpumem-snapshots-{os.getuid()}"
+        try:
+            make_private_folder(default)
+            return default
+        except ConfigError as exc:
+            problem = str(exc)
+        try:
+            fallback = Path(tempfile.mkdtemp(prefix=f"{default.name}-"))
+        except OSError as exc:
+            # Snapshots then answer 507 with the reason; the exporter itself still starts.
+            log.warning("%s, and no private folder can be made: %s", problem, exc.strerror)
+            return default
+        log.warning("%s; snapshots go to %s instead", problem, fallback)
+        return fallback
 
     @property
     def stale_threshold_s(self) -> float:
@@ -96,6 +120,55 @@ def _warn_if_world_readable(path: Path) -> None:
         _warned_world_readable.add(str(path))
         log.warning(
             "admin token file %s is readable by every user of this host: chmod o-r it", path
+        )
+
+
+def private_folder_problem(path: Path) -> str | None:
+    """Why `path` must not hold snapshots, or None. It must be a folder (not a symlink) of
+    this user that no one else may write to: whoever can add a file there can plant an entry
+    that the server serves or, through retention, deletes."""
+    try:
+        info = path.lstat()
+    except OSError as exc:
+        return f"snapshot folder {path}: {exc.strerror}"
+    if stat.S_ISLNK(info.st_mode):
+        return f"snapshot folder {path} is a symlink"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"snapshot folder {path} is not a folder"
+    if info.st_uid != os.getuid():
+        owner, me = info.st_uid, os.getuid()
+        return f"snapshot folder {path} belongs to uid {owner}, not to this user ({me})"
+    if info.st_mode & 0o022:
+        mode = stat.S_IMODE(info.st_mode)
+        return f"snapshot folder {path} is writable by group or others (mode {mode:o})"
+    return None
+
+
+def make_private_folder(path: Path, *, close_our_own: bool = False) -> None:
+    """Create `path` for this user only, if missing; ConfigError if it is not private.
+    `close_our_own`: a folder of ours that others may write to is closed to them instead."""
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise ConfigError(f"cannot create snapshot folder {path}: {exc.strerror}") from None
+    if close_our_own:
+        _close_our_own(path)
+    problem = private_folder_problem(path)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def _close_our_own(path: Path) -> None:
+    """Make a folder of ours writable by us alone (a volume mounted 0777, say)."""
+    info = path.lstat()
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and info.st_mode & 0o022:
+        mode = stat.S_IMODE(info.st_mode)
+        try:
+            path.chmod(mode & ~0o022)
+        except OSError:
+            return  # refused below, with the reason
+        log.warning(
+            "snapshot folder %s was writable by others (mode %o): now %o", path, mode, mode & ~0o022
         )
 
 
@@ -222,14 +295,23 @@ def load_config(env: Mapping[str, str] | None = None, **overrides: Any) -> Confi
     """Defaults, then GPUMEM_* from `env` (os.environ by default), then non-None overrides."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
     names = {f.name for f in fields(Config)}
     for name in names:
         key = ENV_PREFIX + name.upper()
         if key in env and env[key] != "":
             values[name] = _convert(name, env[key], key)
+            origins[name] = key
     for name, value in overrides.items():
         if name not in names:
             raise ConfigError(f"unknown setting {name!r}")
         if value is not None:
             values[name] = _convert(name, value, name)
-    return Config(**values)
+            origins[name] = name
+    config = Config(**values)
+    if config.snapshot_dir:
+        try:
+            _ = config.snapshot_directory  # a configured folder that is not private fails now
+        except ConfigError as exc:
+            raise ConfigError(f"{origins['snapshot_dir']}: {exc}") from None
+    return config

@@ -33,6 +33,8 @@ OUTCOME_STATUS = {
     "cooldown": 429,
     "unsupported": 501,  # never here: cudaMallocAsync has no snapshots
     "error": 500,
+    # The snapshot folder cannot take the file: full, over quota, read-only, or not ours.
+    "insufficient_storage": 507,
     "unreachable": 502,  # the process's agent could not be reached
     "timeout": 504,
 }
@@ -63,6 +65,12 @@ class ActionConflict(ActionFailed):
 
 class ActionCooldown(ActionFailed):
     outcome = "cooldown"
+
+
+class ActionInsufficientStorage(ActionFailed):
+    """The result could not be stored (507); the message says why (the errno's text)."""
+
+    outcome = "insufficient_storage"
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ Status codes: 401 without a valid bearer token, 403 when no token is configured 
 are off), 413 for bodies over 16 KiB, 422 for invalid input, 404 when pid/rank names no
 process; when every selected process failed the same way, 409 (not possible now: CUDA not
 initialized, a capture in progress), 429 with Retry-After (empty_cache within its cooldown),
-501 (the backend cannot: cudaMallocAsync has no snapshots), 502/504 (a process's agent is gone
+501 (the backend cannot: cudaMallocAsync has no snapshots), 507 (the snapshot folder is full,
+read-only or not ours: the reason is in the answer), 502/504 (a process's agent is gone
 or did not answer). A partial failure answers 200 with `"ok": false`. Slow work runs in worker
 threads, off the event loop.
 """

@@ -127,7 +127,7 @@ def run_base() -> str:
     path may have: then /tmp."""
     base = tempfile.gettempdir()
     longest = os.path.join(base, f"{RUN_PREFIX}{2**22}-12345678", SOCKET_NAME)
-    return base if len(longest.encode()) <= 107 else "/tmp" if len(longest.encode()) <= 107 else "/tmp"
+    return base if len(longest.encode()) <= 107 else "/tmp"
 
 
 def sweep_run_folders() -> None:

@@ -670,9 +670,8 @@ def test_a_killed_launcher_takes_its_server_and_its_folder_with_it(tmp_path, sho
         wait_for(lambda: not any(temp.iterdir()), 10, "the run folder to go")
 
 
-def test_a_busy_port_leaves_no_folder_or_socket_behind(tmp_path):
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+def test_a_busy_port_leaves_no_folder_or_socket_behind(short_tmp):
+    temp = short_tmp
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -688,9 +687,8 @@ def test_a_busy_port_leaves_no_folder_or_socket_behind(tmp_path):
     assert list(temp.glob("gpumem-run-*")) == []
 
 
-def test_folders_of_launchers_that_are_gone_are_swept_at_start(tmp_path):
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+def test_folders_of_launchers_that_are_gone_are_swept_at_start(short_tmp):
+    temp = short_tmp
     gone = subprocess.Popen(["true"])
     gone.wait()
     left = temp / f"gpumem-run-{gone.pid}-abcd1234"

@@ -133,7 +133,8 @@ def run_base() -> str:
 def sweep_run_folders() -> None:
     """Remove run folders of this user left by launchers that are gone (one killed together
     with its reaper, e.g. by `kill -9 -PGID`)."""
-    for folder in Path(run_base()).glob(f"{RUN_PREFIX}*-*"):
+    bases = {tempfile.gettempdir(), run_base()}  # run_base may have fallen back to /tmp
+    for folder in (f for base in bases for f in Path(base).glob(f"{RUN_PREFIX}*-*")):
         pid = folder.name[len(RUN_PREFIX) :].partition("-")[0]
         try:
             mine = folder.lstat().st_uid == os.getuid() and folder.is_dir()

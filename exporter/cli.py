@@ -470,11 +470,14 @@ def cmd_view(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     if not args.output.parent.is_dir():
         raise CliError(f"output directory does not exist: {args.output.parent}")
-    html = render_html(
-        snapshot,
-        title=f"GPU memory snapshot {args.snapshot.name}",
-        meta={"file": str(args.snapshot)},
-    )
+    try:
+        html = render_html(
+            snapshot,
+            title=f"GPU memory snapshot {args.snapshot.name}",
+            meta={"file": str(args.snapshot)},
+        )
+    except SnapshotError as exc:  # over the viewer's limits: too large to draw
+        raise CliError(f"{args.snapshot}: {exc}") from None
     atomic.write_bytes(args.output, html.encode("utf-8"))
     print(f"wrote {args.output}")
     return 0

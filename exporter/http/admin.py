@@ -284,9 +284,9 @@ class Admin:
                 title=f"GPU memory snapshot {info.id}",
                 meta=meta,
             )
-        except SnapshotError as exc:
+        except SnapshotError as exc:  # not a snapshot, or over the viewer's limits
             raise AdminError(
-                409, f"snapshot {info.id} cannot be rendered: {exc}", "conflict"
+                422, f"snapshot {info.id} cannot be rendered: {exc}", "invalid"
             ) from None
         with self._render_lock:
             self._pages[info.id] = page

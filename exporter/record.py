@@ -50,11 +50,7 @@ class RecordError(RuntimeError):
 
 
 class TargetStopped(RecordError):
-    """The target stopped answering with metrics after `samples` samples had been written."""
-
-    def __init__(self, message: str, samples: int) -> None:
-        super().__init__(message)
-        self.samples = samples
+    """The target stopped answering with metrics after some samples had been written."""
 
 
 def sample_from_exposition(text: str, timestamp: float) -> Sample:
@@ -236,8 +232,7 @@ def record_url(
             if missed >= max_missed:
                 raise TargetStopped(
                     f"the target stopped answering after {recorded} samples "
-                    f"({missed} scrapes in a row failed, the last: {exc})",
-                    recorded,
+                    f"({missed} scrapes in a row failed, the last: {exc})"
                 ) from None
         else:
             writer(sample)

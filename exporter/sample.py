@@ -204,6 +204,8 @@ class SourceStatus:
     up: bool = False
     duration_s: float = 0.0
     errors: int = 0
+    failed_reads: int = 0  # in a row, up to the latest
+    last_error: str = ""  # of the latest read, when it failed
 
 
 @dataclass

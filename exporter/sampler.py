@@ -13,7 +13,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from exporter.ratelimit import RateLimitedLog
 from exporter.sample import ExporterState, Sample, SourceStatus
@@ -26,14 +25,6 @@ Listener = Callable[[Sample], None]
 # A source counts as failing once this many reads in a row have failed: one failed read (a
 # transient NVML error) must not flap a health check.
 FAILING_AFTER_READS = 3
-
-
-@dataclass(frozen=True)
-class SourceFailure:
-    """A source whose latest read failed: how many reads in a row have, and the last error."""
-
-    reads: int
-    error: str
 
 
 class Sampler:
@@ -54,7 +45,6 @@ class Sampler:
         self.listeners = list(listeners)
         self._clock = clock
         self._state = ExporterState(sources={s.name: SourceStatus() for s in self.sources})
-        self._failures: dict[str, SourceFailure] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -74,12 +64,7 @@ class Sampler:
         with self._lock:
             return self._state.sample
 
-    def failures(self) -> dict[str, SourceFailure]:
-        """The sources whose latest read failed, by name (published with each tick)."""
-        with self._lock:
-            return self._failures
-
-    def failing_sources(self, after_reads: int = FAILING_AFTER_READS) -> dict[str, SourceFailure]:
+    def failing_sources(self, after_reads: int = FAILING_AFTER_READS) -> dict[str, SourceStatus]:
         """The failures that leave this exporter with nothing to serve, or {} while it has.
 
         Conservative, because one source failing among working ones is normal (NVML on a host
@@ -87,7 +72,9 @@ class Sampler:
         every source has failed its last `after_reads` reads, or a source the mode cannot do
         without (`required = True`: the demo's replay) has.
         """
-        failed = {n: f for n, f in self.failures().items() if f.reads >= after_reads}
+        with self._lock:
+            sources = self._state.sources
+        failed = {n: s for n, s in sources.items() if s.failed_reads >= after_reads}
         names = {source.name for source in self.sources}
         if names and names <= failed.keys():
             return failed
@@ -103,7 +90,6 @@ class Sampler:
     def tick(self) -> Sample:
         sample = Sample(timestamp=0.0, self_pid=self._pid)
         statuses = {}
-        failures = {}
         for source in self.sources:
             previous = self._state.sources.get(source.name, SourceStatus())
             started = time.perf_counter()
@@ -111,10 +97,11 @@ class Sampler:
                 reading = source.read()
             except Exception as exc:
                 duration = time.perf_counter() - started
-                statuses[source.name] = SourceStatus(False, duration, previous.errors + 1)
-                failed_before = self._failures.get(source.name)
-                failures[source.name] = SourceFailure(
-                    (failed_before.reads if failed_before else 0) + 1,
+                statuses[source.name] = SourceStatus(
+                    False,
+                    duration,
+                    previous.errors + 1,
+                    previous.failed_reads + 1,
                     " ".join(f"{type(exc).__name__}: {exc}".split())[:300],
                 )
                 self._errors.error(f"source:{source.name}", f"source {source.name} failed", exc)
@@ -133,7 +120,6 @@ class Sampler:
         sample.timestamp = self._clock()
         with self._lock:
             self._state = ExporterState(sample=sample, sources=statuses)
-            self._failures = failures
         for listener in self.listeners:
             try:
                 listener(sample)

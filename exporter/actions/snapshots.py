@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from exporter import atomic
 from exporter.actions.base import ActionInsufficientStorage
-from exporter.config import private_folder_problem
+from exporter.config import ConfigError, make_private_folder, private_folder_problem
 
 if TYPE_CHECKING:
     from exporter.config import Config
@@ -181,10 +181,10 @@ class SnapshotStore:
 
     def _writable_folder(self) -> None:
         """Create the folder if missing; refuse one that is not private (507)."""
-        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        problem = private_folder_problem(self.directory)
-        if problem is not None:
-            raise ActionInsufficientStorage(problem)
+        try:
+            make_private_folder(self.directory)
+        except ConfigError as exc:
+            raise ActionInsufficientStorage(str(exc)) from None
 
     @contextlib.contextmanager
     def _storage(self, what: str) -> Iterator[None]:

@@ -69,8 +69,8 @@ def add_routes(app: FastAPI, runtime: Runtime, *, include_metrics: bool = True) 
         }
         if failing:
             body["failing_sources"] = {
-                name: {"failed_reads": failure.reads, "last_error": failure.error}
-                for name, failure in failing.items()
+                name: {"failed_reads": status.failed_reads, "last_error": status.last_error}
+                for name, status in failing.items()
             }
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 

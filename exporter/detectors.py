@@ -222,6 +222,8 @@ class Detectors:
         self._counters: dict[tuple[str, Subject], _Counter] = {}
         self._series: dict[tuple[str, Subject], _Series] = {}
         self.__name__ = "detectors"
+        # Bumped after every evaluation: what firing() answers may have changed since.
+        self.evaluations = 0
 
     # -- public -------------------------------------------------------------------------
 
@@ -264,6 +266,7 @@ class Detectors:
                 check = self._held_by_process(host, process)
                 self._apply("HostMemoryHeldByProcess", key, t, check, th.host_process_for_s)
         self._forget_gone_processes(present, t)
+        self.evaluations += 1
 
     def _forget_gone_processes(self, present: set[Subject], t: float) -> None:
         """A process that exited (a subject with a pid that this sample no longer has) takes

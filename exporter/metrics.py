@@ -102,8 +102,11 @@ class SampleCollector(Collector):
         host_gauges: Mapping[str, str] = HOST_GAUGES,
         alerts: Callable[[], Iterable[tuple[str, dict[str, str], bool]]] | None = None,
         actions: Callable[[], ActionStats] | None = None,
+        alerts_version: Callable[[], object] | None = None,
     ) -> None:
         self._actions = actions
+        # Changes whenever alerts() may answer differently (cheaper than comparing answers).
+        self._alerts_version = alerts_version
         self._state = state
         self._host_gauges = host_gauges
         self._alerts = alerts
@@ -126,6 +129,17 @@ class SampleCollector(Collector):
         """Label names not already constant on this process (an embedded exporter with RANK
         set has `rank` on every series)."""
         return tuple(n for n in names if n not in self._const_names)
+
+    def fingerprint(self) -> tuple[object, ...]:
+        """Everything collect() reads that can change: equal fingerprints, equal output
+        (exporter.exposition caches the rendered bytes on it). A tick publishes a new state
+        object, so the state is compared by identity first, which is cheap."""
+        if self._alerts_version is not None:
+            alerts: object = self._alerts_version()
+        else:
+            alerts = list(self._alerts()) if self._alerts is not None else None
+        actions = self._actions() if self._actions is not None else None
+        return (self._state(), alerts, actions)
 
     def collect(self) -> Iterator[Metric]:
         state = self._state()

@@ -17,6 +17,7 @@ from exporter.actions.snapshots import SnapshotStore
 from exporter.config import Config
 from exporter.detectors import Detectors, load_thresholds
 from exporter.detectors import Listener as AlertListener
+from exporter.exposition import ExpositionCache
 from exporter.http.admin import Admin
 from exporter.identity import identity_labels
 from exporter.metrics import HOST_GAUGES, REPLAY_HOST_GAUGES, ActionStats, SampleCollector
@@ -36,6 +37,9 @@ class Runtime:
     detectors: Detectors
     actions: Actions
     admin: Admin
+    # /metrics bytes rendered once per tick; None where the registry is not ours (attach():
+    # the host's other metrics change between our ticks and must not be served stale).
+    exposition: ExpositionCache | None = None
 
 
 def default_actions(mode: str, config: Config) -> Actions:
@@ -87,6 +91,7 @@ def build_runtime(
         raise ValueError(f"unknown mode {mode!r}")
     if actions is None:
         actions = default_actions(mode, config)
+    owns_registry = registry is None
     if registry is None:
         registry = CollectorRegistry()
         if not actions.replay:
@@ -112,6 +117,10 @@ def build_runtime(
         host_gauges=REPLAY_HOST_GAUGES if actions.replay else HOST_GAUGES,
         alerts=detectors.firing,
         actions=action_stats,
+        alerts_version=lambda: detectors.evaluations,
     )
     registry.register(collector)
-    return Runtime(config, mode, sampler, registry, collector, detectors, actions, admin)
+    exposition = ExpositionCache(registry, collector.fingerprint) if owns_registry else None
+    return Runtime(
+        config, mode, sampler, registry, collector, detectors, actions, admin, exposition
+    )

@@ -32,6 +32,7 @@ class ServerStartError(RuntimeError):
 def add_routes(app: FastAPI, runtime: Runtime, *, include_metrics: bool = True) -> None:
     """The open routes, and the token-protected admin API (exporter.http.admin)."""
     sampler, registry, mode = runtime.sampler, runtime.registry, runtime.mode
+    exposition = runtime.exposition
     stale_after_s = runtime.config.stale_threshold_s
     add_admin_routes(app, runtime.admin)
     if include_metrics:
@@ -42,8 +43,13 @@ def add_routes(app: FastAPI, runtime: Runtime, *, include_metrics: bool = True) 
             # Rendered on the event loop thread (1-4 ms) rather than handed to a worker
             # thread: under a Python-bound server every thread hand-off waits for the GIL,
             # which is what dominated scrape latency in bench/scrape_latency.py.
-            encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-            return Response(content=encoder(registry), media_type=content_type)
+            accept = request.headers.get("accept", "")
+            if exposition is None:  # not our registry (attach()): render it as it is now
+                encoder, content_type = choose_encoder(accept)
+                return Response(content=encoder(registry), media_type=content_type)
+            body = exposition.body(accept, request.headers.get("accept-encoding", ""))
+            headers = {"Content-Encoding": "gzip"} if body.gzipped else None
+            return Response(content=body.data, media_type=body.content_type, headers=headers)
 
     @app.get("/healthz", tags=["exporter"])
     def healthz() -> JSONResponse:
@@ -95,7 +101,11 @@ def create_app(runtime: Runtime) -> FastAPI:
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind before starting uvicorn so that a taken port is a clear error, not a thread exit."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
+    # accepted connections inherit it. Without it every response after the first on a
+    # kept-alive connection (Prometheus keeps its connection) waited ~40 ms for the peer's
+    # delayed ACK (Nagle), because uvicorn writes the headers and the body separately.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

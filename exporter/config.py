@@ -44,6 +44,8 @@ class Config:
     torch: bool = True
     nvml: bool = True
     host_memory: bool = True
+    # NVML's per-process GPU memory (its costliest read) is read at this pace, not every tick.
+    process_interval_s: float = 10.0
     # Automatic remediation (off by default): empty_cache on retries with high fragmentation,
     # a snapshot on the first OOM.
     remediate: bool = False
@@ -225,7 +227,12 @@ def _convert(name: str, value: Any, origin: str) -> Any:
             if not number >= 0 or number > 3600 or (name == "interval_s" and number < 0.01):
                 raise ValueError
             return number
-        if name in ("remediate_cooldown_s", "oom_snapshot_cooldown_s", "empty_cache_cooldown_s"):
+        if name in (
+            "remediate_cooldown_s",
+            "oom_snapshot_cooldown_s",
+            "empty_cache_cooldown_s",
+            "process_interval_s",
+        ):
             number = float(value)
             if not 0 <= number <= 86400:
                 raise ValueError
@@ -275,6 +282,7 @@ def _convert(name: str, value: Any, origin: str) -> Any:
             "remediate_cooldown_s": "seconds between 0 and 86400",
             "oom_snapshot_cooldown_s": "seconds between 0 and 86400",
             "empty_cache_cooldown_s": "seconds between 0 and 86400",
+            "process_interval_s": "seconds between 0 and 86400",
             "snapshot_max_count": "a whole number of at least 1",
             "snapshot_max_bytes": "a whole number of bytes",
             "history_max_entries": "a whole number (0 = off)",

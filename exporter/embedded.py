@@ -55,6 +55,12 @@ class Handle:
     def registry(self) -> CollectorRegistry:
         return self.runtime.registry
 
+    @property
+    def unavailable(self) -> dict[str, str]:
+        """Sources with nothing to read on this host, and why (e.g. {"nvml": "NVML Shared
+        Library Not Found"} on a CPU-only host): no data, unlike `error`."""
+        return self.sampler.unavailable_sources()
+
     def stop(self) -> None:
         global _handle
         with _lock:

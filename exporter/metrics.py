@@ -168,11 +168,21 @@ class SampleCollector(Collector):
         errors = self._counter(
             "gpumem_exporter_source_errors", "Failed reads of the source.", ("source",)
         )
+        unavailable = InfoMetricFamily(
+            "gpumem_exporter_source_unavailable",
+            "A source with nothing to read on this host, and why (no NVML library, no driver, "
+            "no GPU): no data, not a failure (its source_up stays 1).",
+            labels=(*self._const_names, "source"),
+        )
         for name, status in sorted(state.sources.items()):
             up.add_metric(self._values(name), 1.0 if status.up else 0.0)
             duration.add_metric(self._values(name), status.duration_s)
             errors.add_metric(self._values(name), status.errors)
+            if status.unavailable:
+                unavailable.add_metric(self._values(name), {"reason": status.unavailable})
         yield from (up, duration, errors)
+        if unavailable.samples:
+            yield unavailable
         if self._alerts is not None:
             names = self._own(ALERT_LABELS)
             firing = self._gauge(

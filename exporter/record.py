@@ -164,7 +164,8 @@ def _self_pid(sample: Sample, non_allocator: dict[tuple[int, str, str], int]) ->
     """The exporting process's PID, which the exposition does not carry directly.
 
     non_allocator = NVML used(pid) - reserved, so the PID is the one whose NVML entry on that
-    GPU equals reserved + non_allocator exactly (both come from the same scrape).
+    GPU is reserved + non_allocator: exactly on a tick that read NVML's process list, nearly
+    on the ticks in between (the exporter keeps the value derived then while reserved moves).
     """
     for reading in sample.allocators:
         if reading.process:
@@ -173,9 +174,10 @@ def _self_pid(sample: Sample, non_allocator: dict[tuple[int, str, str], int]) ->
         reserved = reading.gauges.get("reserved_bytes")
         if outside is None or reserved is None:
             continue
-        for entry in sample.processes:
-            if entry.gpu_uuid == reading.gpu_uuid and entry.used_bytes == reserved + outside:
-                return entry.pid
+        on_gpu = [entry for entry in sample.processes if entry.gpu_uuid == reading.gpu_uuid]
+        if on_gpu:
+            nearest = min(on_gpu, key=lambda e: abs(e.used_bytes - (reserved + outside)))
+            return nearest.pid
     return None
 
 

@@ -56,14 +56,20 @@ def default_actions(mode: str, config: Config) -> Actions:
 def live_sources(config: Config, *, torch: bool) -> list[Source]:
     """The sources that read this machine, as the config enables them."""
     sources: list[Source] = []
+    allocator = None
     if torch and config.torch:
         from exporter.sources.torch_allocator import TorchAllocatorSource
 
-        sources.append(TorchAllocatorSource())
+        allocator = TorchAllocatorSource()
+        sources.append(allocator)
     if config.nvml:
         from exporter.sources.nvml import NvmlSource
 
-        sources.append(NvmlSource())
+        # Inside a server, only the GPUs this process uses (read after the allocator, in the
+        # same tick): every GPU of the node in every process would be O(GPUs^2) series per
+        # node. The node daemon and `run` read every GPU they can see.
+        uuids = (lambda: allocator.uuids_in_use) if allocator is not None else None
+        sources.append(NvmlSource(only_uuids=uuids, process_interval_s=config.process_interval_s))
     if config.host_memory:
         from exporter.sources.host import HostMemorySource
 

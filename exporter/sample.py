@@ -148,6 +148,12 @@ class SourceReading:
     self_pid: int | None = None
     # Messages from agents that were rejected, by reason (gpumem-exporter run).
     rejected_messages: dict[str, int] = field(default_factory=dict)
+    # `processes` repeat an earlier read: NVML's process list is its costliest call (~35 us
+    # per GPU), so it is read every few seconds, not every tick.
+    processes_cached: bool = False
+    # Why this source has nothing to report on this host (no NVML library, no driver, no
+    # GPU): "no data", not a failure. Empty when it reports.
+    unavailable: str = ""
 
 
 @dataclass
@@ -162,26 +168,60 @@ class Sample:
     host_processes: list[HostProcessReading] = field(default_factory=list)
     self_pid: int | None = None
     rejected_messages: dict[str, int] = field(default_factory=dict)
+    processes_cached: bool = False  # SourceReading.processes_cached
+    # NVML used minus torch reserved by "<gpu_uuid>/<pid>", fixed by the sampler at the end
+    # of its tick (settle_non_allocator). Not part of a trace: a replay derives it again.
+    settled_non_allocator: dict[str, int] | None = None
+
+    def _allocator_key(self, reading: AllocatorReading) -> str | None:
+        pid_text = reading.process.get("pid")
+        pid = int(pid_text) if pid_text else self.self_pid
+        return None if pid is None else f"{reading.gpu_uuid}/{pid}"
+
+    def _derive_non_allocator(self) -> dict[str, int]:
+        used = {f"{p.gpu_uuid}/{p.pid}": p.used_bytes for p in self.processes}
+        result = {}
+        for reading in self.allocators:
+            key = self._allocator_key(reading)
+            in_use = used.get(key) if key is not None else None
+            reserved = reading.gauges.get("reserved_bytes")
+            if key is not None and in_use is not None and reserved is not None:
+                result[key] = max(in_use - reserved, 0)
+        return result
+
+    def settle_non_allocator(self, previous: Sample | None) -> None:
+        """Derive the bytes outside the allocator from a process list and allocator readings
+        of this very tick; on a tick that reuses an earlier process list (NVML's costliest
+        read is made every few seconds), keep what was derived when it was read: an old used
+        minus a fresh reserved would be wrong whenever reserved moved."""
+        if not self.processes_cached:
+            self.settled_non_allocator = self._derive_non_allocator()
+        elif previous is not None and previous.settled_non_allocator is not None:
+            self.settled_non_allocator = dict(previous.settled_non_allocator)
+        else:
+            self.settled_non_allocator = {}
 
     def non_allocator_bytes(self) -> dict[int, int]:
-        """NVML per-process used minus torch reserved, by position in `allocators`.
+        """Bytes of each allocator's process outside the allocator (NVML used - reserved), by
+        position in `allocators`.
 
         Only where NVML lists the allocator's process on its GPU: inside a container without
         the host PID namespace the PIDs differ and nothing is reported.
         """
-        used = {(p.gpu_uuid, p.pid): p.used_bytes for p in self.processes}
+        by_key = self.settled_non_allocator
+        if by_key is None:  # a sample that no sampler settled (a scrape being recorded)
+            by_key = {} if self.processes_cached else self._derive_non_allocator()
         result = {}
         for position, reading in enumerate(self.allocators):
-            pid_text = reading.process.get("pid")
-            pid = int(pid_text) if pid_text else self.self_pid
-            in_use = used.get((reading.gpu_uuid, pid)) if pid is not None else None
-            reserved = reading.gauges.get("reserved_bytes")
-            if in_use is not None and reserved is not None:
-                result[position] = max(in_use - reserved, 0)
+            key = self._allocator_key(reading)
+            if key is not None and key in by_key:
+                result[position] = by_key[key]
         return result
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        del data["settled_non_allocator"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Sample:
@@ -194,6 +234,7 @@ class Sample:
             host=HostReading(**host) if host else None,
             host_processes=[HostProcessReading(**p) for p in data.get("host_processes", [])],
             self_pid=data.get("self_pid"),
+            processes_cached=bool(data.get("processes_cached", False)),
         )
 
 
@@ -206,6 +247,7 @@ class SourceStatus:
     errors: int = 0
     failed_reads: int = 0  # in a row, up to the latest
     last_error: str = ""  # of the latest read, when it failed
+    unavailable: str = ""  # SourceReading.unavailable of the latest read
 
 
 @dataclass

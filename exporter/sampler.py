@@ -81,6 +81,12 @@ class Sampler:
         required = {s.name for s in self.sources if getattr(s, "required", False)}
         return {name: failure for name, failure in failed.items() if name in required}
 
+    def unavailable_sources(self) -> dict[str, str]:
+        """Sources with nothing to read on this host, and why (SourceReading.unavailable)."""
+        with self._lock:
+            sources = self._state.sources
+        return {name: s.unavailable for name, s in sorted(sources.items()) if s.unavailable}
+
     def sample_age_s(self) -> float | None:
         sample = self.latest
         return None if sample is None else max(self._clock() - sample.timestamp, 0.0)
@@ -107,7 +113,9 @@ class Sampler:
                 self._errors.error(f"source:{source.name}", f"source {source.name} failed", exc)
                 continue
             duration = time.perf_counter() - started
-            statuses[source.name] = SourceStatus(True, duration, previous.errors)
+            statuses[source.name] = SourceStatus(
+                True, duration, previous.errors, unavailable=reading.unavailable
+            )
             sample.allocators.extend(reading.allocators)
             sample.gpus.extend(reading.gpus)
             sample.processes.extend(reading.processes)
@@ -117,6 +125,8 @@ class Sampler:
                 sample.host = reading.host
             if reading.self_pid is not None:
                 sample.self_pid = reading.self_pid
+            sample.processes_cached |= reading.processes_cached
+        sample.settle_non_allocator(self._state.sample)
         sample.timestamp = self._clock()
         with self._lock:
             self._state = ExporterState(sample=sample, sources=statuses)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -203,7 +204,11 @@ def test_record_a_running_exporter_and_replay_it(tmp_path):
 
 def test_serve_without_nvml_reports_the_source_down_and_host_up():
     with running("serve") as url:
+        time.sleep(2.5)  # a few ticks: a failing source would have counted errors by now
         values = scrape(url)
+        with urllib.request.urlopen(url + "/healthz", timeout=5) as response:
+            health = json.loads(response.read())
+    assert health["status"] == "ok"
     up = {
         dict(labels)["source"]: v
         for (n, labels), v in values.items()
@@ -213,7 +218,22 @@ def test_serve_without_nvml_reports_the_source_down_and_host_up():
     # The node daemon never reads torch; it reads the host memory of GPU processes.
     assert set(up) == {"nvml", "host", "process_memory"}
     if not Path("/dev/nvidiactl").exists():
-        assert up["nvml"] == 0
+        # No GPU stack here: no data with its reason, not a failing source (which would page
+        # through GpuMemExporterSourceFailing every tick).
+        assert up["nvml"] == 1
+        reasons = {
+            dict(labels)["source"]: dict(labels)["reason"]
+            for (n, labels), v in values.items()
+            if n == "gpumem_exporter_source_unavailable_info"
+        }
+        assert reasons["nvml"] in ("NVML Shared Library Not Found", "Driver Not Loaded", "no GPU")
+        errors = {
+            dict(labels)["source"]: v
+            for (n, labels), v in values.items()
+            if n == "gpumem_exporter_source_errors_total"
+        }
+        assert errors["nvml"] == 0
+        assert health["unavailable_sources"]["nvml"] == reasons["nvml"]
 
 
 def test_entry_point_is_installed():

@@ -19,6 +19,8 @@ class FakeNvml:
     NVMLError_NotSupported = pynvml.NVMLError_NotSupported
     NVMLError_NoPermission = pynvml.NVMLError_NoPermission
     NVMLError_ArgumentVersionMismatch = pynvml.NVMLError_ArgumentVersionMismatch
+    NVMLError_LibraryNotFound = pynvml.NVMLError_LibraryNotFound
+    NVMLError_DriverNotLoaded = pynvml.NVMLError_DriverNotLoaded
     nvmlMemory_v2 = pynvml.nvmlMemory_v2
 
     def __init__(self, raw: dict):
@@ -147,7 +149,7 @@ def test_processes_without_a_reading_are_left_out(raw):
 
 def test_init_failure_is_retried_slowly(raw):
     nvml = FakeNvml(raw)
-    nvml.init_error = pynvml.NVMLError_DriverNotLoaded()
+    nvml.init_error = pynvml.NVMLError_Unknown()  # a driver that is there but fails
     now = [1000.0]
     source = NvmlSource(nvml, clock=lambda: now[0])
     with pytest.raises(NvmlUnavailable, match="NVML unavailable"):
@@ -160,3 +162,86 @@ def test_init_failure_is_retried_slowly(raw):
     assert len(source.read().gpus) == len(raw["devices"])
     source.close()
     assert nvml.calls[-1] == "shutdown"
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (pynvml.NVMLError_LibraryNotFound(), "NVML Shared Library Not Found"),
+        (pynvml.NVMLError_DriverNotLoaded(), "Driver Not Loaded"),
+    ],
+)
+def test_a_host_without_nvml_is_no_data_with_its_reason_not_an_error(raw, error, reason):
+    nvml = FakeNvml(raw)
+    nvml.init_error = error
+    now = [1000.0]
+    source = NvmlSource(nvml, clock=lambda: now[0])
+    for _ in range(3):  # every tick: no exception, the reason, nothing read
+        reading = source.read()
+        assert reading.unavailable == reason and not reading.gpus
+        now[0] += 1
+    assert nvml.calls.count("init") == 1  # not retried every tick
+    nvml.init_error = None  # the driver was installed meanwhile
+    now[0] += INIT_RETRY_S
+    reading = source.read()
+    assert reading.unavailable == "" and len(reading.gpus) == len(raw["devices"])
+
+
+def test_a_host_without_a_gpu_is_no_data(raw):
+    raw["devices"] = []
+    nvml = FakeNvml(raw)
+    reading = NvmlSource(nvml).read()
+    assert reading.unavailable == "no GPU" and not reading.gpus
+    assert nvml.calls[-1] == "shutdown"
+
+
+def test_a_driver_that_answered_and_then_fails_is_an_error(raw):
+    nvml = FakeNvml(raw)
+    source = NvmlSource(nvml)
+    source.read()
+    nvml.failures[("memory_v2", 0)] = pynvml.NVMLError_Unknown()
+    with pytest.raises(pynvml.NVMLError_Unknown):
+        source.read()
+
+
+def test_the_process_list_is_read_at_its_own_slower_pace(raw):
+    nvml = FakeNvml(raw)
+    now = [1000.0]
+    source = NvmlSource(nvml, clock=lambda: now[0], process_interval_s=10.0)
+    first = source.read()
+    assert not first.processes_cached and first.processes
+    for _ in range(9):
+        now[0] += 1.0
+        nvml.calls.clear()
+        reading = source.read()
+        assert reading.processes_cached and reading.processes == first.processes
+        assert not any(call.startswith("processes") for call in nvml.calls)
+        assert "memory_v2:0" in nvml.calls  # device memory is still read every tick
+    now[0] += 1.0
+    nvml.calls.clear()
+    assert not source.read().processes_cached
+    assert "processes:0" in nvml.calls
+
+
+def test_only_the_gpus_asked_for_are_read(raw):
+    """Embedded in a server: only the GPUs the process holds a context on."""
+    assert len(raw["devices"]) >= 2
+    nvml = FakeNvml(raw)
+    wanted: set[str] = set()
+    source = NvmlSource(nvml, only_uuids=lambda: wanted)
+    nvml.calls.clear()
+    reading = source.read()  # no context anywhere yet: nothing read, not even init
+    assert not reading.gpus and not reading.processes and not nvml.calls
+    assert reading.unavailable == "no GPU in use by this process (yet)"
+    wanted.add(raw["devices"][1]["uuid"])
+    reading = source.read()
+    assert [g.uuid for g in reading.gpus] == [raw["devices"][1]["uuid"]]
+    assert {p.gpu_uuid for p in reading.processes} <= wanted
+    assert not any(call.endswith(":0") for call in nvml.calls)
+    # A GPU the process starts using later gets its process list at once, not on the
+    # next slow round.
+    wanted.add(raw["devices"][0]["uuid"])
+    nvml.calls.clear()
+    reading = source.read()
+    assert reading.processes_cached and "processes:0" in nvml.calls
+    assert "processes:1" not in nvml.calls

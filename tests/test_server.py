@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -90,6 +93,22 @@ def test_start_serves_and_is_idempotent(stopped):
     handle.stop()  # safe twice
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(handle.url + "/metrics", timeout=2)
+
+
+def test_a_cpu_only_host_is_no_data_with_its_reason_not_an_error(stopped, caplog):
+    """No GPU in use (here: none at all): nothing is logged as an error, no source counts
+    errors (GpuMemExporterSourceFailing would page), and the reason is visible."""
+    handle = exporter.start(port=0, interval_s=0.02)
+    time.sleep(0.3)  # many ticks
+    assert handle.unavailable == {"nvml": "no GPU in use by this process (yet)"}
+    assert handle.error is None
+    state = handle.sampler.state()
+    assert all(status.errors == 0 and status.up for status in state.sources.values())
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    with urllib.request.urlopen(handle.url + "/healthz", timeout=5) as response:
+        health = json.loads(response.read())
+    assert health["status"] == "ok"
+    assert health["unavailable_sources"] == handle.unavailable
 
 
 def test_a_taken_port_is_logged_not_raised(stopped, caplog):

@@ -73,6 +73,9 @@ def add_routes(app: FastAPI, runtime: Runtime, *, include_metrics: bool = True) 
             "sample_age_s": None if age is None else round(age, 3),
             "stale_after_s": stale_after_s,
         }
+        unavailable = sampler.unavailable_sources()
+        if unavailable:  # no data here, and why: not a failure
+            body["unavailable_sources"] = unavailable
         if failing:
             body["failing_sources"] = {
                 name: {"failed_reads": status.failed_reads, "last_error": status.last_error}

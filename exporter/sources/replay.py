@@ -95,6 +95,7 @@ class ReplaySource:
             host=copy.deepcopy(recorded.host),
             host_processes=copy.deepcopy(recorded.host_processes) or _recorded_process(recorded),
             self_pid=recorded.self_pid,
+            processes_cached=recorded.processes_cached,
         )
 
     def close(self) -> None:

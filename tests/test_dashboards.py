@@ -6,7 +6,12 @@ unknown keys rejected. Content, in plain Python: every panel queries through the
 variable, every query is non-empty, and every metric and label a query names is one the
 exporter serves (docs/metrics.md) or a recording rule defines (deploy/prometheus/*.yaml).
 
-Whether each query runs against a real Prometheus scraping the demo is tested elsewhere; use
+Import: `__inputs` asks for the Prometheus data source (DS_PROMETHEUS), which lands in the
+`datasource` variable; panels use the variable, so the Helm chart's copy, which Grafana's sidecar
+loads without an import, works too. Alert panels link their runbooks through the
+`runbook_url_base` variable. The `cluster` variable's default matches series without a `cluster`
+label: checked against a real Prometheus scraping the demo, some series with the label and some
+without. That every query returns data is tested in test_e2e_prometheus.py; use
 iter_panel_queries() to get at the queries.
 """
 
@@ -14,6 +19,12 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,14 +32,27 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, require_tool
 from tests.deploy_tools import run_tsc
+from tests.test_prometheus_rules import markdown_anchors
 
 DASHBOARDS_DIR = REPO_ROOT / "dashboards"
 DASHBOARDS = sorted(DASHBOARDS_DIR.glob("*.json"))
 METRICS_DOC = REPO_ROOT / "docs" / "metrics.md"
 RULES_DIR = REPO_ROOT / "deploy" / "prometheus"
+RUNBOOKS = REPO_ROOT / "docs" / "runbooks.md"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+# The import input Grafana asks for, and where its answer goes: the datasource variable.
+DS_INPUT = {
+    "name": "DS_PROMETHEUS",
+    "label": "Prometheus",
+    "type": "datasource",
+    "pluginId": "prometheus",
+    "pluginName": "Prometheus",
+}
+RUNBOOK_LINK = re.compile(r"^\$\{runbook_url_base:raw\}#([a-z0-9-]+)$")
+# Alerts no panel shows: GpuMemExporterDown is about `up`, which Prometheus records.
+ALERTS_WITHOUT_PANEL = {"GpuMemExporterDown"}
 
 # Series Prometheus makes itself, and client_python's process collector, which
 # docs/metrics.md lists as `process_*`.
@@ -67,6 +91,7 @@ GRAFANA_VARIABLES = {
     "timeFilter",
     "__from",
     "__to",
+    "__all",  # the value of a variable's "All" option
 }
 PROMQL_KEYWORDS = {
     "by",
@@ -250,7 +275,6 @@ def test_dashboard_model(path: Path) -> None:
     assert dashboard["title"]
     assert dashboard["schemaVersion"] >= 36, "Grafana 10/11 JSON model"
     assert dashboard.get("id") is None, "export for sharing: no instance-specific id"
-    assert "__inputs" not in dashboard, "the datasource is a variable, not an import input"
     ids = [p["id"] for p in dashboard["panels"]] + [
         p["id"] for p in iter_panels(dashboard) if p not in dashboard["panels"]
     ]
@@ -358,6 +382,7 @@ def test_label_names_exist(path: Path) -> None:
 def test_template_variables_are_defined(path: Path) -> None:
     dashboard = load(path)
     defined = {v["name"] for v in dashboard["templating"]["list"]} | GRAFANA_VARIABLES
+    defined |= {i["name"] for i in dashboard["__inputs"]}
     used = grafana_variables(json.dumps(dashboard["panels"]))
     used |= grafana_variables(json.dumps(dashboard["annotations"]))
     used |= grafana_variables(json.dumps(dashboard["templating"]))
@@ -368,7 +393,7 @@ def test_pod_dashboard_content() -> None:
     path = DASHBOARDS_DIR / "gpumem-pod.json"
     dashboard = load(path)
     variables = [v["name"] for v in dashboard["templating"]["list"]]
-    assert variables == ["datasource", "cluster", "namespace", "pod", "device"]
+    assert variables == ["datasource", "cluster", "namespace", "pod", "device", "runbook_url_base"]
     panels = {p["title"]: p for p in iter_panels(dashboard)}
 
     # The reserved-vs-allocated gap at a glance: one stacked panel per GPU.
@@ -467,3 +492,275 @@ def test_schema_types(tmp_path: Path) -> None:
         )
     output = run_tsc(tmp_path, sources)
     assert output == "", output
+
+
+# --- import: the data source input maps onto the datasource variable ----------------------------
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_import_asks_for_the_data_source(path: Path) -> None:
+    dashboard = load(path)
+    assert [{k: v for k, v in i.items() if k != "description"} for i in dashboard["__inputs"]] == [
+        DS_INPUT
+    ]
+    # Grafana's import writes the chosen data source over ${DS_PROMETHEUS}: the variable's
+    # current value is the only place it may stand, so that panels keep using the variable
+    # (which is what makes the sidecar's copy, never imported, work).
+    variable = next(v for v in dashboard["templating"]["list"] if v["type"] == "datasource")
+    assert variable["name"] == "datasource"
+    assert variable["current"]["value"] == "${DS_PROMETHEUS}"
+    rest = dict(
+        dashboard,
+        templating={"list": [v for v in dashboard["templating"]["list"] if v is not variable]},
+    )
+    assert "DS_PROMETHEUS}" not in json.dumps(rest)
+    requires = {(r["type"], r["id"]) for r in dashboard["__requires"]}
+    panel_types = {p["type"] for p in iter_panels(dashboard)}
+    assert requires == {("grafana", "grafana"), ("datasource", "prometheus")} | {
+        ("panel", t) for t in panel_types
+    }
+
+
+# --- runbook links ----------------------------------------------------------------------------
+
+
+def alert_names() -> set[str]:
+    return {
+        rule["alert"]
+        for group in yaml.safe_load((RULES_DIR / "alerts.yaml").read_text())["groups"]
+        for rule in group["rules"]
+        if "alert" in rule
+    }
+
+
+def runbook_links(panel: dict[str, Any]) -> list[dict[str, Any]]:
+    return [link for link in panel.get("links", []) if link["title"].startswith("Runbook")]
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_alert_panels_link_their_runbooks(path: Path) -> None:
+    anchors = markdown_anchors(RUNBOOKS.read_text(encoding="utf-8"))
+    alerts = {name.lower(): name for name in alert_names()}
+    dashboard = load(path)
+    base = next(v for v in dashboard["templating"]["list"] if v["name"] == "runbook_url_base")
+    # No URL ships: the base is the user's (or the chart's runbookUrlBase).
+    assert base["type"] == "textbox" and base["query"] == ""
+    linking = 0
+    for panel in iter_panels(dashboard):
+        linked = set()
+        for link in runbook_links(panel):
+            match = RUNBOOK_LINK.match(link["url"])
+            assert match, f"{panel['title']}: {link['url']}"
+            anchor = match.group(1)
+            assert anchor in anchors, f"{panel['title']}: no #{anchor} in docs/runbooks.md"
+            assert link["title"] == f"Runbook: {alerts[anchor]}"
+            assert link.get("targetBlank") is True
+            # Where to look while the base is empty.
+            assert f"docs/runbooks.md#{anchor}" in panel["description"], panel["title"]
+            linked.add(alerts[anchor])
+        description = panel.get("description", "")
+        named = {name for name in alerts.values() if name in description}
+        named |= {alerts[a] for a in re.findall(r"docs/runbooks\.md#([a-z0-9-]+)", description)}
+        assert named <= linked, f"{panel['title']} names {named - linked} without a runbook link"
+        linking += bool(linked)
+    assert linking >= 5
+
+
+def test_every_alert_has_a_runbook_link() -> None:
+    linked = {
+        link["title"].removeprefix("Runbook: ")
+        for path in DASHBOARDS
+        for panel in iter_panels(load(path))
+        for link in runbook_links(panel)
+    }
+    assert alert_names() - linked == ALERTS_WITHOUT_PANEL
+
+
+# --- cluster: works with and without the label -------------------------------------------------
+
+
+def cluster_matchers(expr: str) -> list[str]:
+    return re.findall(r'cluster\s*(?:=~|!~|!=|=)\s*"[^"]*"', expr)
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_cluster_is_matched_by_the_variable_regex(path: Path) -> None:
+    variable = next(v for v in load(path)["templating"]["list"] if v["name"] == "cluster")
+    assert variable["includeAll"] is True
+    assert variable["current"]["value"] == "$__all"
+    for title, expr in all_queries(path):
+        if title == "cluster":
+            continue
+        assert set(cluster_matchers(expr)) == {'cluster=~"$cluster"'}, f"{title}: {expr}"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_http(url: str, proc: subprocess.Popen[str], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                out = proc.stdout.read() if proc.stdout else ""
+                raise AssertionError(f"{url} never answered: {out[-3000:]}") from None
+            time.sleep(0.2)
+
+
+class PrometheusAPI:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def get(self, path: str, **params: str) -> Any:
+        query = urllib.parse.urlencode(params)
+        with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}", timeout=10) as response:
+            body = json.loads(response.read())
+        assert body["status"] == "success", body
+        return body["data"]
+
+
+# Two scrape jobs on one demo exporter: one adds a cluster label (a relabeled or federated
+# cluster), the other does not (a single Prometheus without one). Namespaces differ so that a
+# filter dropping either is visible.
+PLAIN = {"namespace": "plain", "pod": "plain-0"}
+DEMO = [sys.executable, "-m", "exporter.cli", "demo", "--speed", "3", "--interval-s", "0.5"]
+LABELLED = {"cluster": "east", "namespace": "east", "pod": "east-0"}
+
+
+@pytest.fixture(scope="module")
+def mixed_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusAPI]:
+    prometheus = require_tool("prometheus")
+    tmp = tmp_path_factory.mktemp("cluster")
+    exporter_port, prometheus_port = _free_port(), _free_port()
+    target = [f"127.0.0.1:{exporter_port}"]
+    config = {
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [
+            {"job_name": "gpumem-plain", "static_configs": [{"targets": target, "labels": PLAIN}]},
+            {
+                "job_name": "gpumem-east",
+                "static_configs": [{"targets": target, "labels": LABELLED}],
+            },
+        ],
+    }
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+    procs = [
+        subprocess.Popen(
+            [*DEMO, "--port", str(exporter_port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ),
+        subprocess.Popen(
+            [
+                prometheus,
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{prometheus_port}",
+                "--log.level=warn",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=tmp,
+        ),
+    ]
+    try:
+        _wait_http(f"http://127.0.0.1:{exporter_port}/readyz", procs[0])
+        _wait_http(f"http://127.0.0.1:{prometheus_port}/-/ready", procs[1])
+        api = PrometheusAPI(f"http://127.0.0.1:{prometheus_port}")
+        # Both jobs scraped a few times, so that rate() over 30 s has two samples.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            counts = api.get("query", query="count_over_time(gpumem_exporter_build_info[30s])")
+            if len(counts["result"]) == 2 and all(
+                float(r["value"][1]) >= 4 for r in counts["result"]
+            ):
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError("Prometheus did not scrape both jobs")
+        yield api
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def grafana_default(variable: dict[str, Any], values: list[str]) -> str:
+    """What Grafana substitutes for a single-value query variable left at its default."""
+    if variable.get("includeAll") and variable.get("current", {}).get("value") in (None, "$__all"):
+        # "All": the custom all value, else a regex of every value.
+        return variable.get("allValue") or "(" + "|".join(re.escape(v) for v in values) + ")"
+    return sorted(values)[0] if values else ""
+
+
+def _substitute(expr: str, values: dict[str, str]) -> str:
+    for name in sorted(values, key=len, reverse=True):
+        expr = expr.replace("${" + name + "}", values[name]).replace("$" + name, values[name])
+    assert "$" not in expr, expr
+    return expr
+
+
+PROBLEM_FILTER = re.compile(r"\s*(==|!=|>=|<=|>|<)\s*[0-9.]+\s*$")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_queries_see_series_without_a_cluster_label(
+    mixed_prometheus: PrometheusAPI, path: Path
+) -> None:
+    """At its default, $cluster filters nothing: every query returns what it returns with no
+    cluster matcher at all, also for the series that have no cluster label."""
+    api = mixed_prometheus
+    dashboard = load(path)
+    variable = next(v for v in dashboard["templating"]["list"] if v["name"] == "cluster")
+    selector = re.fullmatch(r"label_values\((.*),\s*cluster\)", variable["query"]["query"])
+    assert selector, variable["query"]
+    clusters = api.get("label/cluster/values", **{"match[]": selector.group(1)})
+    assert clusters == ["east"], "series without the label must not add a value"
+    values = {
+        "cluster": grafana_default(variable, clusters),
+        "namespace": PLAIN["namespace"],
+        "pod": PLAIN["pod"],
+        "device": "0",
+        "__rate_interval": "30s",
+        "__range": "5m",
+    }
+    now = time.time()
+
+    def run(expr: str) -> list[Any]:
+        data = api.get("query_range", query=expr, start=str(now - 20), end=str(now), step="2")
+        return sorted(data["result"], key=lambda series: json.dumps(series["metric"]))
+
+    def without_cluster(expr: str) -> str:
+        return re.sub(r'cluster=~"\$cluster"\s*,?\s*', "", expr)
+
+    for title, expr in [*iter_panel_queries(path), *iter_annotation_queries(path)]:
+        unfiltered = run(_substitute(without_cluster(expr), values))
+        if not unfiltered and PROBLEM_FILTER.search(expr):
+            # A problems-only query (`... == 0`) is rightly empty on the healthy demo.
+            expr = PROBLEM_FILTER.sub("", expr)
+            unfiltered = run(_substitute(without_cluster(expr), values))
+        assert unfiltered, f"{title}: no data for the pod without a cluster label: {expr}"
+        assert run(_substitute(expr, values)) == unfiltered, f"{title}: {expr}"
+    for name, query in iter_variable_queries(path):
+        match = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", query)
+        assert match, f"{name}: {query}"
+        label = match.group(2)
+        got = api.get(f"label/{label}/values", **{"match[]": _substitute(match.group(1), values)})
+        plain = api.get(
+            f"label/{label}/values",
+            **{"match[]": _substitute(without_cluster(match.group(1)), values) or "{}"},
+        )
+        assert got == plain, f"variable {name}: {query}"

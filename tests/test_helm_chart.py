@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import base64
 import copy
+import itertools
 import json
+import re
+import shlex
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +39,8 @@ NAMESPACE = "monitoring"
 # The chart's kubeVersion floor and the newest schema kubernetes-validate ships.
 KUBE_VERSIONS = ("1.25.0", kubernetes_validate.latest_version())
 MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+CHART_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["version"]
+RUNBOOK_URL_BASE = "https://git.example.com/ml/gpumem-exporter/blob/main/docs/runbooks.md"
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -45,7 +51,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "custom-pod-monitor": {
         "podMonitor": {
             "namespace": "observability",
-            "labels": {"release": "kube-prometheus-stack"},
+            "additionalLabels": {"release": "kube-prometheus-stack"},
             "selector": {
                 # Helm merges maps with the defaults: null drops the default label.
                 "matchLabels": {
@@ -125,14 +131,21 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "service": {"clusterIP": ""},
         "serviceMonitor": {
             "namespace": "observability",
-            "labels": {"release": "kps"},
+            "additionalLabels": {"release": "kps"},
             "targetLabels": ["app.kubernetes.io/instance"],
         },
         "prometheusRule": {
-            "labels": {"release": "kps"},
+            "additionalLabels": {"release": "kps"},
             "additionalAlertLabels": {"team": "ml-platform"},
         },
         "dashboards": {"namespace": "grafana", "annotations": {"grafana_folder": "GPU"}},
+    },
+    "kube-prometheus-stack": {
+        "kubePrometheusStackRelease": "kps",
+        "runbookUrlBase": RUNBOOK_URL_BASE,
+        "serviceMonitor": {"additionalLabels": {"release": "mine", "team": "ml-platform"}},
+        "podMonitor": {"additionalLabels": {"prometheus": "gpu"}},
+        "prometheusRule": {"additionalLabels": {"role": "alert-rules"}},
     },
     "node-daemon-off": {"daemonset": {"enabled": False}},
     "only-node-daemon": {
@@ -259,6 +272,12 @@ def test_values_schema_is_strict() -> None:
         ({"podMonitor": {"relabelings": [{"source_labels": ["a"]}]}}, "source_labels"),
         ({"image": {"digest": "latest"}}, "digest"),
         ({"adminToken": {"secretKey": ""}}, "secretKey"),
+        # Renamed to additionalLabels, as dcgm-exporter's and nvidia_gpu_exporter's charts say.
+        ({"serviceMonitor": {"labels": {"release": "kps"}}}, "labels"),
+        ({"podMonitor": {"additionalLabels": {"tier": 1}}}, "tier"),
+        ({"kubePrometheusStackRelease": "kube prometheus"}, "kubePrometheusStackRelease"),
+        ({"runbookUrlBase": "git.example.com/runbooks.md"}, "runbookUrlBase"),
+        ({"runbookUrlBase": "https://git.example.com/runbooks.md#top"}, "runbookUrlBase"),
     ],
 )
 def test_values_schema_rejects(values: dict[str, Any], fragment: str) -> None:
@@ -283,7 +302,7 @@ def test_core_objects_validate(rendered: dict[str, list[dict[str, Any]]], name: 
     assert docs
     for doc in docs:
         assert doc["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
-        assert doc["metadata"]["labels"]["helm.sh/chart"] == "gpumem-exporter-0.1.0"
+        assert doc["metadata"]["labels"]["helm.sh/chart"] == f"gpumem-exporter-{CHART_VERSION}"
         if doc["kind"] in MONITORING_KINDS:
             continue
         for version in KUBE_VERSIONS:
@@ -554,6 +573,79 @@ def test_prometheus_rule_is_deploy_prometheus(rendered: dict[str, list[dict[str,
         assert "{{ $labels" in text
 
 
+def test_prometheus_rule_without_runbook_url_base(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    # No base, no link: the alerts keep the runbook annotation naming their section.
+    annotations = [
+        rule["annotations"]
+        for group in one(rendered["defaults"], "PrometheusRule")["spec"]["groups"]
+        for rule in group["rules"]
+        if "alert" in rule
+    ]
+    assert annotations
+    for annotation in annotations:
+        assert "runbook_url" not in annotation
+        assert annotation["runbook"].startswith("docs/runbooks.md#")
+
+
+def test_prometheus_rule_runbook_urls(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    expected = copy.deepcopy(source_rule_groups())
+    for group in expected:
+        for rule in group["rules"]:
+            if "alert" in rule:
+                section = rule["annotations"].pop("runbook").removeprefix("docs/runbooks.md")
+                rule["annotations"]["runbook_url"] = RUNBOOK_URL_BASE + section
+    rule = one(rendered["kube-prometheus-stack"], "PrometheusRule")
+    assert rule["spec"]["groups"] == expected
+    urls = [r["annotations"]["runbook_url"] for g in expected for r in g["rules"] if "alert" in r]
+    assert RUNBOOK_URL_BASE + "#gpumemoutofmemory" in urls
+
+
+def test_runbook_annotation_is_required_with_a_base(tmp_path: Path) -> None:
+    """A rule file whose alert names no runbook section fails the render, not silently."""
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart, symlinks=False, ignore=shutil.ignore_patterns("dashboards"))
+    alerts = chart / "rules" / "alerts.yaml"
+    alerts.write_text(
+        alerts.read_text().replace(
+            "runbook: docs/runbooks.md#gpumemoutofmemory", "runbook: see the wiki"
+        )
+    )
+    with (
+        helm.Chart.load(chart) as loaded,
+        pytest.raises(helm.HelmRenderError, match="GpuMemOutOfMemory"),
+    ):
+        loaded.render(
+            {"runbookUrlBase": RUNBOOK_URL_BASE, "dashboards": {"enabled": False}},
+            name=RELEASE,
+            namespace=NAMESPACE,
+        )
+
+
+def test_monitoring_object_labels(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    chart_labels = one(rendered["defaults"], "DaemonSet")["metadata"]["labels"]
+    chart_labels = {k: v for k, v in chart_labels.items() if k != "app.kubernetes.io/component"}
+    for kind in MONITORING_KINDS:
+        labels = one(rendered["defaults"], kind)["metadata"]["labels"]
+        assert "release" not in labels, kind  # empty kubePrometheusStackRelease: no label
+        assert chart_labels.items() <= labels.items(), kind
+    docs = rendered["kube-prometheus-stack"]
+    # One value for all three objects, merged with the chart's labels and additionalLabels;
+    # an object's own additionalLabels win.
+    service_monitor = one(docs, "ServiceMonitor")["metadata"]["labels"]
+    pod_monitor = one(docs, "PodMonitor")["metadata"]["labels"]
+    rule = one(docs, "PrometheusRule")["metadata"]["labels"]
+    assert service_monitor["release"] == "mine"
+    assert service_monitor["team"] == "ml-platform"
+    assert service_monitor["app.kubernetes.io/component"] == "node-daemon"
+    assert pod_monitor["release"] == "kps" and pod_monitor["prometheus"] == "gpu"
+    assert pod_monitor["app.kubernetes.io/component"] == "inference-pods"
+    assert rule["release"] == "kps" and rule["role"] == "alert-rules"
+    for labels in (service_monitor, pod_monitor, rule):
+        assert chart_labels.items() <= labels.items()
+
+
 def test_prometheus_rule_additional_alert_labels(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
@@ -567,14 +659,39 @@ def test_prometheus_rule_additional_alert_labels(
     assert rule["metadata"]["labels"]["release"] == "kps"
 
 
-def test_dashboards_config_map(rendered: dict[str, list[dict[str, Any]]]) -> None:
-    config_map = one(rendered["defaults"], "ConfigMap")
+def sidecar_copy(path: Path, runbook_url_base: str = "") -> dict[str, Any]:
+    """The dashboard file as the chart must ship it to Grafana's sidecar, which imports nothing:
+    the data source variable on Grafana's default instead of the import input, and the runbook
+    base, when set."""
+    dashboard = json.loads(path.read_text())
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "datasource":
+            variable["current"] = {"selected": True, "text": "default", "value": "default"}
+        elif variable["name"] == "runbook_url_base" and runbook_url_base:
+            option = {"text": runbook_url_base, "value": runbook_url_base}
+            variable["query"] = runbook_url_base
+            variable["current"] = {"selected": False, **option}
+            variable["options"] = [{"selected": True, **option}]
+    return dashboard
+
+
+@pytest.mark.parametrize(
+    ("name", "runbook_url_base"), [("defaults", ""), ("kube-prometheus-stack", RUNBOOK_URL_BASE)]
+)
+def test_dashboards_config_map(
+    rendered: dict[str, list[dict[str, Any]]], name: str, runbook_url_base: str
+) -> None:
+    config_map = one(rendered[name], "ConfigMap")
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
     files = {p.name: p for p in DASHBOARDS_DIR.glob("*.json")}
     assert {"gpumem-pod.json", "gpumem-fleet.json"} <= set(files)
     assert set(config_map["data"]) == set(files)
-    for name, path in files.items():
-        assert config_map["data"][name] == path.read_text(), name
+    for file, path in files.items():
+        shipped = json.loads(config_map["data"][file])
+        assert shipped == sidecar_copy(path, runbook_url_base), file
+        # Nothing is left for an import to fill in; panels still go through the variable.
+        assert "${DS_PROMETHEUS}" not in config_map["data"][file]
+        assert "${datasource}" in config_map["data"][file]
     # Grafana's sidecar and the API server's 1 MiB object limit.
     assert len(json.dumps(config_map)) < 900_000
 
@@ -587,3 +704,51 @@ def test_packaged_chart_carries_rules_and_dashboards(tmp_path: Path) -> None:
         manifests = chart.render(None, name=RELEASE, namespace=NAMESPACE)
     assert {"rules/alerts.yaml", "dashboards/gpumem-pod.json"} <= names
     assert "PrometheusRule" in "".join(manifests.values())
+
+
+# --- the documented install works ------------------------------------------------------------
+
+INSTALL_DOCS = [REPO_ROOT / "README.md", REPO_ROOT / "docs" / "deploy.md", CHART / "README.md"]
+
+
+def documented_commands(markdown: str, *prefixes: str) -> list[list[str]]:
+    """The commands of the ```sh blocks that start with one of PREFIXES, as the shell splits
+    them (continuation lines joined)."""
+    commands = []
+    for block in re.findall(r"```sh\n(.*?)```", markdown, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.strip().startswith(prefixes):
+                commands.append(shlex.split(line, comments=True))
+    return commands
+
+
+def set_values(command: list[str]) -> dict[str, Any]:
+    """The values of `helm install ... --set a.b=c ...` (every value here is a string)."""
+    values: dict[str, Any] = {}
+    for flag, arg in itertools.pairwise(command):
+        if flag != "--set":
+            continue
+        key, _, value = arg.partition("=")
+        *parents, leaf = key.split(".")
+        node = values
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return values
+
+
+@pytest.mark.parametrize("doc", INSTALL_DOCS, ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_documented_install_builds_pushes_and_uses_the_image(doc: Path) -> None:
+    """No image is published: each doc builds and pushes one, and its `helm install` (whose
+    values must pass the schema and render) makes the nodes pull exactly that image."""
+    text = doc.read_text()
+    installs = documented_commands(text, "helm install")
+    assert installs, f"{doc.name}: no helm install"
+    built = {c[c.index("-t") + 1] for c in documented_commands(text, "docker build")}
+    pushed = {c[2] for c in documented_commands(text, "docker push")}
+    for install in installs:
+        values = set_values(install)
+        assert values.get("image", {}).get("repository"), "the install must set image.repository"
+        image = container(render(values))["image"]
+        assert image in built, f"{doc.name}: {image} is never built"
+        assert image in pushed, f"{doc.name}: {image} is never pushed"

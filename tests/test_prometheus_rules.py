@@ -4,6 +4,7 @@ between alerts, their promtool tests and docs/runbooks.md."""
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -20,9 +21,11 @@ RECORDING_FILE = RULES_DIR / "recording.yaml"
 RULE_FILES = [ALERTS_FILE, RECORDING_FILE]
 RULE_TEST_FILES = sorted((RULES_DIR / "tests").glob("*.yaml"))
 RUNBOOKS = REPO_ROOT / "docs" / "runbooks.md"
-RUNBOOK_BASE = "https://github.com/gpumem-exporter/gpumem-exporter/blob/main/docs/runbooks.md#"
+# Each alert names its runbook section by path; the Helm chart turns it into a runbook_url only
+# when told where the runbooks are hosted (runbookUrlBase).
+RUNBOOK = re.compile(r"^docs/runbooks\.md#([a-z0-9-]+)$")
 SEVERITIES = {"warning", "critical"}
-REQUIRED_ANNOTATIONS = ("summary", "description", "runbook_url")
+REQUIRED_ANNOTATIONS = ("summary", "description", "runbook")
 # level:metric:operations (https://prometheus.io/docs/practices/rules/)
 RECORD_NAME = re.compile(r"^[a-z][a-z0-9_]*:[a-z][a-z0-9_]*:[a-z][a-z0-9_]*$")
 
@@ -87,7 +90,16 @@ def test_alert_has_severity_and_annotations(alert: dict[str, Any]) -> None:
     annotations = alert.get("annotations", {})
     for key in REQUIRED_ANNOTATIONS:
         assert str(annotations.get(key, "")).strip(), f"{alert['alert']}: no {key}"
-    assert annotations["runbook_url"].startswith(RUNBOOK_BASE)
+    assert RUNBOOK.match(annotations["runbook"]), annotations["runbook"]
+    # No shipped link may point somewhere that does not exist: the project hosts no runbooks.
+    assert "runbook_url" not in annotations
+    assert not [value for value in annotations.values() if "://" in value]
+
+
+def runbook_anchor(alert: dict[str, Any]) -> str:
+    match = RUNBOOK.match(alert["annotations"]["runbook"])
+    assert match, f"{alert['alert']}: runbook is not docs/runbooks.md#<anchor>"
+    return match.group(1)
 
 
 def github_anchor(heading: str) -> str:
@@ -125,14 +137,41 @@ def test_github_anchor() -> None:
     assert markdown_anchors("# A\n```sh\n# not a heading\n```\n## A\n") == {"a", "a-1"}
 
 
-def test_runbook_urls_point_at_headings() -> None:
+def test_runbook_anchors_point_at_headings() -> None:
+    assert RUNBOOKS.is_file()
     anchors = markdown_anchors(RUNBOOKS.read_text(encoding="utf-8"))
     missing = {
-        rule["alert"]: rule["annotations"]["runbook_url"]
+        rule["alert"]: rule["annotations"]["runbook"]
         for rule in _alerts()
-        if rule["annotations"]["runbook_url"].removeprefix(RUNBOOK_BASE) not in anchors
+        if runbook_anchor(rule) not in anchors
     }
-    assert missing == {}, f"runbook_url anchors with no heading in {_rel(RUNBOOKS)}"
+    assert missing == {}, f"runbook anchors with no heading in {_rel(RUNBOOKS)}"
+
+
+def test_documented_runbook_url_rewrite(tmp_path: Path) -> None:
+    """docs/deploy.md's sed command gives every alert of the plain file a runbook_url."""
+    deploy_doc = (REPO_ROOT / "docs" / "deploy.md").read_text(encoding="utf-8")
+    line = next(
+        block.replace("\\\n", " ")
+        for block in re.findall(r"```sh\n(.*?)```", deploy_doc, re.S)
+        if "runbook_url" in block
+    )
+    sed, flag, script, source, redirect, _ = shlex.split(line)
+    assert (sed, flag, source, redirect) == ("sed", "-E", _rel(ALERTS_FILE), ">")
+    rewritten = subprocess.run(
+        [require_tool("sed"), flag, script, str(ALERTS_FILE)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    (tmp_path / "alerts.yaml").write_text(rewritten)
+    _run_promtool("check", "rules", str(tmp_path / "alerts.yaml"))
+    alerts = [r for g in yaml.safe_load(rewritten)["groups"] for r in g["rules"] if "alert" in r]
+    base = "https://git.example.com/ml/gpumem-exporter/blob/main/docs/runbooks.md#"
+    assert [a["annotations"]["runbook_url"] for a in alerts] == [
+        base + runbook_anchor(rule) for rule in _alerts()
+    ]
+    assert not [a for a in alerts if "runbook" in a["annotations"]]
 
 
 def test_runbook_table_lists_every_alert() -> None:
@@ -143,11 +182,7 @@ def test_runbook_table_lists_every_alert() -> None:
     table = {name: (anchor, severity) for name, anchor, severity in rows}
     assert len(rows) == len(table), "an alert is listed twice"
     expected = {
-        rule["alert"]: (
-            rule["annotations"]["runbook_url"].removeprefix(RUNBOOK_BASE),
-            rule["labels"]["severity"],
-        )
-        for rule in _alerts()
+        rule["alert"]: (runbook_anchor(rule), rule["labels"]["severity"]) for rule in _alerts()
     }
     assert table == expected
 

@@ -110,3 +110,21 @@ and from inference pods on the same machine can be joined.
     - __meta_kubernetes_pod_node_name
   targetLabel: node
 {{- end }}
+
+{{/*
+Labels of a ServiceMonitor, PodMonitor or PrometheusRule: the chart's own, its component (if
+any), `release` from kubePrometheusStackRelease, then the object's additionalLabels, which win.
+Merged as a map, so a key set twice renders once.
+Usage: include "gpumem-exporter.monitoringLabels" (list . "node-daemon" .Values.serviceMonitor.additionalLabels)
+*/}}
+{{- define "gpumem-exporter.monitoringLabels" -}}
+{{- $root := index . 0 }}
+{{- $labels := include "gpumem-exporter.labels" $root | fromYaml }}
+{{- with index . 1 }}
+{{- $_ := set $labels "app.kubernetes.io/component" . }}
+{{- end }}
+{{- with $root.Values.kubePrometheusStackRelease }}
+{{- $_ := set $labels "release" . }}
+{{- end }}
+{{- toYaml (mergeOverwrite $labels (index . 2 | default dict)) }}
+{{- end }}

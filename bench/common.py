@@ -101,23 +101,27 @@ class Decoder:
 
 
 class Scraper:
-    """Scrapes a URL every interval from a separate process (as Prometheus would), recording
+    """Scrapes a URL every interval from a separate process as Prometheus does: one kept-alive
+    connection (reopened only when the server closes it), `Accept-Encoding: gzip`. Records
     each scrape's latency; `stop()` returns the latencies in seconds."""
 
     CODE = r"""
-import json, signal, sys, time, urllib.request
+import http.client, json, signal, sys, time, urllib.parse
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 url, interval, out = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+parts = urllib.parse.urlsplit(url)
+conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
 lat = []
 deadline = time.monotonic() + 3600
 try:
     while time.monotonic() < deadline:
         t0 = time.perf_counter()
         try:
-            urllib.request.urlopen(url, timeout=10).read()
+            conn.request("GET", parts.path, headers={"Accept-Encoding": "gzip"})
+            conn.getresponse().read()
             lat.append(time.perf_counter() - t0)
         except Exception:
-            pass
+            conn.close()
         time.sleep(max(interval - (time.perf_counter() - t0), 0))
 finally:
     open(out, "w").write(json.dumps(lat))
@@ -134,6 +138,26 @@ finally:
         self.proc.wait(timeout=30)
         latencies: list[float] = json.loads(self.out.read_text()) if self.out.exists() else []
         return latencies
+
+
+def scrape_times(url: str, count: int, *, reuse: bool) -> list[float]:
+    """Wall time of `count` GETs, on one kept-alive connection (as Prometheus scrapes) or on
+    a new connection each (as bench/scrape_latency did before, which hid Nagle's 40 ms)."""
+    import http.client
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    times = []
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    for _ in range(count):
+        if not reuse:
+            conn.close()
+        started = time.perf_counter()
+        conn.request("GET", parts.path, headers={"Accept-Encoding": "gzip"})
+        conn.getresponse().read()
+        times.append(time.perf_counter() - started)
+    conn.close()
+    return times
 
 
 def scrape_once(url: str) -> bytes:

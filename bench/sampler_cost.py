@@ -2,7 +2,11 @@
 
 Naive: a thread calling torch.cuda.memory_stats(i) and setting a few prometheus Gauges.
 Ours: TorchAllocatorSource + NvmlSource reads, and a whole Sampler.tick (with host memory and
-detectors). CPU time is thread CPU time (user + system) of the calling thread.
+detectors). The NVML source reads its process list every 10 s: its reads are measured with a
+clock that advances one second per read, so the mean is the per-tick average at 1 Hz (the
+read with the list and the read without it are measured too). Render: the cached bytes a
+scrape gets once the tick's text exists, and the uncached prometheus_client rendering.
+CPU time is thread CPU time (user + system) of the calling thread.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ def measure(fn: Callable[[], object], ticks: int = TICKS) -> dict[str, dict[str,
         "wall_us": summary(wall, 1e6),
         "cpu_us": summary(cpu, 1e6),
         "cpu_mean_us": {"mean": sum(cpu) / len(cpu) * 1e6},
+        "wall_mean_us": {"mean": sum(wall) / len(wall) * 1e6},
     }
 
 
@@ -63,21 +68,50 @@ def main() -> None:
         for d in devices:
             torch.cuda.memory_stats_as_nested_dict(d)
 
-    torch_source, nvml_source = TorchAllocatorSource(), NvmlSource()
+    def the_c_call() -> None:
+        for d in devices:
+            torch._C._cuda_memoryStats(d)
+
+    class TickClock:
+        """One second per read: the NVML source's process-list cadence as at 1 Hz."""
+
+        def __init__(self) -> None:
+            self.now = 0.0
+
+        def __call__(self) -> float:
+            self.now += 1.0
+            return self.now
+
+    torch_source = TorchAllocatorSource()
+    torch_source.read()
     config = load_config(env={})
-    runtime = build_runtime(config, mode="embedded", sources=live_sources(config, torch=True))
+    uuids = lambda: torch_source.uuids_in_use  # noqa: E731
+    nvml_at_1hz = NvmlSource(clock=TickClock(), only_uuids=uuids)
+    nvml_every_read = NvmlSource(only_uuids=uuids, process_interval_s=0.0)
+    nvml_cached = NvmlSource(only_uuids=uuids, process_interval_s=1e9)
+    sources = live_sources(config, torch=True)
+    for source in sources:  # the embedded tick, with the process list's cadence as at 1 Hz
+        if isinstance(source, NvmlSource):
+            source._clock = TickClock()
+    runtime = build_runtime(config, mode="embedded", sources=sources)
     results = {
         "devices": len(devices),
         "naive_memory_stats_and_gauges": measure(naive),
         "cheapest_nested_dict": measure(cheapest),
+        "floor_c_call": measure(the_c_call),
         "ours_torch_source": measure(torch_source.read),
-        "ours_nvml_source": measure(nvml_source.read),
-        "ours_allocator_plus_nvml": measure(lambda: (torch_source.read(), nvml_source.read())),
+        "ours_nvml_source": measure(nvml_at_1hz.read),
+        "ours_nvml_with_process_list": measure(nvml_every_read.read),
+        "ours_nvml_memory_only": measure(nvml_cached.read),
+        "ours_allocator_plus_nvml": measure(lambda: (torch_source.read(), nvml_at_1hz.read())),
         "ours_full_tick": measure(runtime.sampler.tick),
     }
     from prometheus_client import generate_latest
 
-    results["ours_render_metrics"] = measure(lambda: generate_latest(runtime.registry), 500)
+    exposition = runtime.exposition
+    assert exposition is not None
+    results["ours_render_metrics"] = measure(lambda: exposition.body("", "gzip"), 3000)
+    results["ours_render_uncached"] = measure(lambda: generate_latest(runtime.registry), 500)
     results["naive_render_metrics"] = measure(lambda: generate_latest(registry), 500)
     results["machine"] = machine()
     del held

@@ -1,15 +1,29 @@
-"""Serving impact: a Python-bound decoder loop without the exporter, with it at 1 Hz and at
-10 Hz, while /metrics is scraped every second from another process.
+"""Serving impact, resolved to a fraction of a percent: what the exporter takes from a
+Python-bound decoder loop in the same process.
 
-Configurations are interleaved (A B C A B C ...) so that clock or thermal drift hits all of
-them alike; each run serves the same seeded request mix for a fixed wall time.
+Three measurements, all in one process:
+1. Paired A/B: many short runs of the same decode workload (a fixed number of steps, fixed
+   batch), in blocks of (off, 1 Hz, 10 Hz) in a random order per block, while a scraper
+   process scrapes /metrics every second over a kept-alive connection as Prometheus does.
+   Per block, the slowdown of each exporter run against the block's own "off" run; reported
+   as a mean with a 95% confidence interval (normal approximation over the blocks). Pairing
+   within a block removes the drift (clocks, thermals) that made unpaired 10 s runs spread 10%.
+2. The exporter's own threads: CPU time of the sampler and HTTP threads per second of serving
+   (`pthread_getcpuclockid`), an upper bound of the GIL time they can take.
+3. GIL wait of the serving thread: after every decode step the serving thread gives up the
+   GIL and takes it back (`time.sleep(0)`, as it does around every CUDA sync); how long taking
+   it back takes is how long another thread held it. Summed per second of serving.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import random
+import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -17,58 +31,115 @@ import torch
 
 from bench.common import Decoder, Scraper, emit, machine, summary
 
+CONFIGS = {"off": None, "1Hz": 1.0, "10Hz": 0.1}
 
-def serve(decoder: Decoder, seconds: float, seed: int) -> tuple[int, float, list[float]]:
-    rng = random.Random(seed)
-    steps: list[float] = []
-    tokens = 0
+
+def thread_cpu_s(names: tuple[str, ...]) -> float:
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name in names and thread.ident is not None:
+            with contextlib.suppress(OSError):  # the thread ended meanwhile
+                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return total
+
+
+def run(decoder: Decoder, steps: int, batch: int) -> tuple[float, list[float]]:
+    """Decode `steps` tokens; return the wall time and each step's GIL wait."""
+    torch_ = decoder.torch
+    h = decoder.hidden
+    waits = []
+    x = torch_.randn(batch, 64, h, device=decoder.device, dtype=torch_.bfloat16)
+    kv = [x[..., :h] for _ in decoder.layers]
+    step = x[:, -1:, :]
     started = time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        batch = rng.choice([1, 2, 4, 8, 16])
-        tokens += decoder.request(batch, rng.choice([32, 64, 128]), 32, steps)
-    return tokens, time.perf_counter() - started, steps
+    for n in range(steps):
+        if n % 64 == 0:  # a new request: the KV cache starts again
+            kv = [x[..., :h] for _ in decoder.layers]
+        for i, layer in enumerate(decoder.layers):
+            qkv = step @ layer["qkv"]
+            kv[i] = torch_.cat([kv[i], qkv[..., h : 2 * h]], dim=1)
+            attn = torch_.softmax((qkv[..., :h] @ kv[i].transpose(1, 2)) / 32.0, dim=-1)
+            step = (attn @ kv[i]) @ layer["o"] + step
+            step = torch_.nn.functional.gelu(step @ layer["up"]) @ layer["down"] + step
+        step = step / (step.float().norm(dim=-1, keepdim=True).to(step.dtype) + 1)
+        torch_.cuda.synchronize(decoder.device)
+        t0 = time.perf_counter()
+        time.sleep(0)  # give the GIL up and take it back: the wait is another thread's hold
+        waits.append(time.perf_counter() - t0)
+    return time.perf_counter() - started, waits
+
+
+def mean_ci(values: list[float]) -> dict[str, float]:
+    mean = statistics.fmean(values)
+    half = 1.96 * statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    return {"mean": mean, "ci95_low": mean - half, "ci95_high": mean + half, "n": len(values)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--blocks", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--batch", type=int, default=4)
     args = parser.parse_args()
 
     import exporter
 
     decoder = Decoder()
-    serve(decoder, 8.0, seed=0)  # warm-up: kernels, allocator, clocks
-    configs = {"off": None, "1Hz": 1.0, "10Hz": 0.1}
-    runs: dict[str, list[dict]] = {name: [] for name in configs}
-    scrape_latencies: dict[str, list[float]] = {name: [] for name in configs}
+    run(decoder, args.steps * 3, args.batch)  # warm-up: kernels, allocator, clocks
+    rng = random.Random(0)
     tmp = Path(tempfile.mkdtemp())
-    for repeat in range(args.repeats):
-        for name, interval in configs.items():
+    walls: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    waits: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    wait_per_s: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    thread_cpu: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    scrapes: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    slowdown: dict[str, list[float]] = {name: [] for name in CONFIGS if name != "off"}
+    for block in range(args.blocks):
+        order = list(CONFIGS)
+        rng.shuffle(order)
+        wall_of: dict[str, float] = {}
+        for name in order:
+            interval = CONFIGS[name]
             handle = scraper = None
             if interval is not None:
                 handle = exporter.start(port=0, interval_s=interval)
-                scraper = Scraper(f"{handle.url}/metrics", 1.0, tmp / f"{name}{repeat}.json")
-            tokens, wall, steps = serve(decoder, args.seconds, seed=repeat)
+                scraper = Scraper(f"{handle.url}/metrics", 1.0, tmp / f"{name}{block}.json")
+                time.sleep(0.3)  # the scraper process is up before the run starts
+            cpu0 = thread_cpu_s(("gpumem-sampler", "gpumem-http"))
+            wall, step_waits = run(decoder, args.steps, args.batch)
+            cpu = thread_cpu_s(("gpumem-sampler", "gpumem-http")) - cpu0
             if scraper is not None and handle is not None:
-                scrape_latencies[name] += scraper.stop()
+                scrapes[name] += scraper.stop()
                 handle.stop()
-            runs[name].append({"tokens_per_s": tokens / wall, "step_ms": summary(steps, 1e3)})
-    result: dict = {"seconds_per_run": args.seconds, "repeats": args.repeats, "configs": {}}
-    for name, items in runs.items():
-        throughput = [r["tokens_per_s"] for r in items]
+            wall_of[name] = wall
+            walls[name].append(wall)
+            waits[name] += step_waits
+            wait_per_s[name].append(sum(step_waits) / wall)
+            thread_cpu[name].append(cpu / wall)
+        for name in slowdown:
+            slowdown[name].append((wall_of[name] - wall_of["off"]) / wall_of["off"] * 100)
+    result: dict = {
+        "blocks": args.blocks,
+        "steps_per_run": args.steps,
+        "batch": args.batch,
+        "run_s": summary(walls["off"]),
+        "configs": {},
+    }
+    for name in CONFIGS:
         result["configs"][name] = {
-            "tokens_per_s": summary(throughput),
-            "step_p50_ms": summary([r["step_ms"]["p50"] for r in items]),
-            "step_p99_ms": summary([r["step_ms"]["p99"] for r in items]),
-            "scrape_ms": summary(scrape_latencies[name], 1e3),
+            "run_s": summary(walls[name]),
+            "gil_wait_per_step_us": summary(waits[name], 1e6),
+            "gil_wait_ms_per_s": mean_ci([w * 1e3 for w in wait_per_s[name]]),
+            "exporter_thread_cpu_ms_per_s": mean_ci([c * 1e3 for c in thread_cpu[name]]),
+            "scrape_ms": summary(scrapes[name], 1e3),
         }
-    base = result["configs"]["off"]["tokens_per_s"]["median"]
-    for name in ("1Hz", "10Hz"):
-        median = result["configs"][name]["tokens_per_s"]["median"]
-        result["configs"][name]["throughput_loss_pct"] = (base - median) / base * 100
+        if name in slowdown:
+            result["configs"][name]["slowdown_pct"] = mean_ci(slowdown[name])
+    # How much paired runs of the same configuration differ: the method's own resolution.
+    off = walls["off"]
+    noise = [(b - a) / a * 100 for a, b in zip(off[::2], off[1::2], strict=False)]
+    result["off_vs_off_pct"] = mean_ci(noise) if len(noise) > 1 else {}
     result["machine"] = machine()
-    result["gpu_devices_used"] = 1
     del decoder
     torch.cuda.empty_cache()
     emit(result)

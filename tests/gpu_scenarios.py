@@ -571,6 +571,46 @@ def host_memory_load() -> dict[str, Any]:
 
 
 # Every public function above is a scenario, by name.
+def own_gpus_and_process_cadence() -> dict[str, Any]:
+    """An embedded exporter's sources in a process that uses cuda:0 only (of 2+ GPUs): which
+    GPUs NVML is read for, and non-allocator bytes across a reused process list."""
+    import torch
+
+    from exporter.config import load_config
+    from exporter.runtime import live_sources
+    from exporter.sampler import Sampler
+    from exporter.sources.nvml import NvmlSource
+
+    x = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    sources = live_sources(load_config(env={}), torch=True)
+    sampler = Sampler(sources)
+    nvml = next(s for s in sources if isinstance(s, NvmlSource))
+    first = sampler.tick()  # reads the process list
+    grown = torch.empty(1024 * MiB, dtype=torch.uint8, device="cuda:0")  # reserved grows
+    torch.cuda.synchronize()
+    cached = sampler.tick()  # reuses the list (10 s cadence)
+    nvml._processes_due = 0.0  # the next tick reads the list again
+    fresh = sampler.tick()
+    truth_used = _nvml_pids()[fresh.allocators[0].gpu_uuid].get(os.getpid())
+    del x, grown
+    return {
+        "uuid_cuda0": first.allocators[0].gpu_uuid,
+        "gpus_read": [g.uuid for g in first.gpus],
+        "process_gpus": sorted({p.gpu_uuid for p in first.processes}),
+        "first": first.non_allocator_bytes(),
+        "first_reserved": first.allocators[0].gauges["reserved_bytes"],
+        "cached_flag": cached.processes_cached,
+        "cached": cached.non_allocator_bytes(),
+        "cached_reserved": cached.allocators[0].gauges["reserved_bytes"],
+        "fresh_flag": fresh.processes_cached,
+        "fresh": fresh.non_allocator_bytes(),
+        "fresh_reserved": fresh.allocators[0].gauges["reserved_bytes"],
+        "truth_used": truth_used,
+        "device_count": torch.cuda.device_count(),
+    }
+
+
 SCENARIOS = {
     name: fn
     for name, fn in list(globals().items())

@@ -68,6 +68,20 @@ def test_non_allocator_bytes_is_nvml_used_minus_reserved():
     )
 
 
+def test_embedded_reads_only_its_gpus_and_keeps_non_allocator_bytes_consistent():
+    r = run_scenario("own_gpus_and_process_cadence")
+    # Only the GPU this process uses, joined by UUID (the others are the node daemon's).
+    assert r["gpus_read"] == [r["uuid_cuda0"]]
+    assert r["process_gpus"] == [r["uuid_cuda0"]]
+    # Reserved grew by 1 GiB while the process list was reused: the value derived with the
+    # list is kept (old used - new reserved would have dropped by 1 GiB).
+    assert r["cached_flag"] is True and r["cached_reserved"] >= r["first_reserved"] + 1024 * MiB
+    assert r["cached"] == r["first"]
+    # A fresh list: derived again, equal to an independent NVML reading minus reserved.
+    assert r["fresh_flag"] is False
+    assert r["fresh"]["0"] == r["truth_used"] - r["fresh_reserved"]
+
+
 def test_sampling_never_initializes_cuda():
     r = run_scenario("no_init")
     assert r == {"is_initialized": False, "allocators": 0, "gpus": r["gpus"], "pid_on_gpus": []}

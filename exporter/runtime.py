@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
@@ -53,8 +53,12 @@ def default_actions(mode: str, config: Config) -> Actions:
     return LocalActions(store, config=config)
 
 
-def live_sources(config: Config, *, torch: bool) -> list[Source]:
-    """The sources that read this machine, as the config enables them."""
+def live_sources(
+    config: Config, *, torch: bool, gpu_users: Callable[[], Hashable] | None = None
+) -> list[Source]:
+    """The sources that read this machine, as the config enables them. `gpu_users` (under
+    `run`: the reporting processes and their GPUs) makes NVML read its process list at once
+    when it changes."""
     sources: list[Source] = []
     allocator = None
     if torch and config.torch:
@@ -69,7 +73,11 @@ def live_sources(config: Config, *, torch: bool) -> list[Source]:
         # same tick): every GPU of the node in every process would be O(GPUs^2) series per
         # node. The node daemon and `run` read every GPU they can see.
         uuids = (lambda: allocator.uuids_in_use) if allocator is not None else None
-        sources.append(NvmlSource(only_uuids=uuids, process_interval_s=config.process_interval_s))
+        sources.append(
+            NvmlSource(
+                only_uuids=uuids, process_interval_s=config.process_interval_s, users=gpu_users
+            )
+        )
     if config.host_memory:
         from exporter.sources.host import HostMemorySource
 

@@ -245,3 +245,16 @@ def test_only_the_gpus_asked_for_are_read(raw):
     reading = source.read()
     assert reading.processes_cached and "processes:0" in nvml.calls
     assert "processes:1" not in nvml.calls
+
+
+def test_a_new_user_of_a_gpu_gets_the_process_list_read_at_once(raw):
+    """Under `run`, a process that joins gets its non-allocator bytes on its first tick,
+    not up to process_interval_s later."""
+    nvml = FakeNvml(raw)
+    users: set[tuple[str, str]] = set()
+    source = NvmlSource(nvml, clock=lambda: 1000.0, users=lambda: frozenset(users))
+    assert not source.read().processes_cached
+    assert source.read().processes_cached
+    users.add(("4242", raw["devices"][0]["uuid"]))  # a rank reported its allocator
+    assert not source.read().processes_cached
+    assert source.read().processes_cached

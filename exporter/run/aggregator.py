@@ -164,6 +164,15 @@ class Aggregator:
         with self._lock:
             return [dict(p.process) for p in self._peers.values()]
 
+    def gpu_users(self) -> frozenset[tuple[str, str]]:
+        """(pid, GPU UUID) of every process reporting an allocator: who uses which GPU."""
+        with self._lock:
+            return frozenset(
+                (a.process.get("pid", ""), a.gpu_uuid)
+                for p in self._peers.values()
+                for a in p.allocators
+            )
+
     # -- source --------------------------------------------------------------------------
 
     def read(self) -> SourceReading:

@@ -89,7 +89,11 @@ def run(command: Sequence[str], config: Config) -> int:
         server_processes = ProcessMemorySource(
             lambda: process_tree(child.pid if child is not None else None), labels=agent_labels
         )
-        sources: list[Source] = [aggregator, server_processes, *live_sources(config, torch=False)]
+        sources: list[Source] = [
+            aggregator,
+            server_processes,
+            *live_sources(config, torch=False, gpu_users=aggregator.gpu_users),
+        ]
         actions = FanOutActions(aggregator, SnapshotStore.for_config(config))
         runtime = build_runtime(config, mode="run", sources=sources, actions=actions)
         http = HttpServer(create_app(runtime), config.host, config.port)  # ServerStartError

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
 from exporter.sample import GpuReading, ProcessGpuReading, SourceReading
@@ -66,6 +66,7 @@ class NvmlSource:
         *,
         only_uuids: Callable[[], Collection[str]] | None = None,
         process_interval_s: float = PROCESS_INTERVAL_S,
+        users: Callable[[], Hashable] | None = None,
     ) -> None:
         self._nvml = nvml_module
         self._clock = clock
@@ -73,6 +74,11 @@ class NvmlSource:
         # from the allocator source). Every GPU of the node is the node daemon's job.
         self._only_uuids = only_uuids
         self._process_interval_s = process_interval_s
+        # Who uses the GPUs (under `run`: each reporting process and its GPUs). When that
+        # changes, the list is read at once: a process that just joined gets its
+        # non-allocator bytes on its first tick, not up to process_interval_s later.
+        self._users = users
+        self._users_at_read: Hashable = None
         self._devices: list[_Device] | None = None
         self._driver_version = ""
         self._next_init = 0.0
@@ -139,9 +145,11 @@ class NvmlSource:
         if wanted is not None:
             devices = [d for d in devices if d.uuid in wanted]
         now = self._clock()
-        read_processes = now >= self._processes_due
+        users = self._users() if self._users is not None else None
+        read_processes = now >= self._processes_due or users != self._users_at_read
         if read_processes:
             self._processes_due = now + self._process_interval_s
+            self._users_at_read = users
         reading = SourceReading(processes_cached=not read_processes)
         for device in devices:
             gpu = self._read_device(device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -21,22 +22,64 @@ STALE_TEMP_S = 600.0
 _TEMP_NAME = re.compile(r"^\..+\.(?P<pid>[0-9]+)\.[^.]+" + re.escape(TEMP_SUFFIX) + "$")
 
 
-def write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write to a temporary file beside `path`, fsync, then rename over it."""
+def write_bytes(
+    path: str | os.PathLike[str], data: bytes, *, private: bool = True, fsync: bool = True
+) -> Path:
+    """Write to a temporary file beside `path`, fsync, then rename over it.
+
+    `private` (the default) keeps mkstemp's 0600: what the exporter writes for itself
+    (snapshots, in their private folder) is this user's alone. `private=False` gives the file
+    the mode `> FILE` would (user_file_mode): for files the user names (`view -o`,
+    `record -o`), which they expect to share like any other.
+    `fsync=False` skips the flush to disk, for files rewritten every few seconds that nobody
+    needs after a crash: readers still see the old content or the new, never half of it.
+    """
     target = Path(path)
     fd, tmp = tempfile.mkstemp(
         prefix=f".{target.name}.{os.getpid()}.", suffix=TEMP_SUFFIX, dir=target.parent
     )
     try:
         with os.fdopen(fd, "wb") as f:
+            if not private:
+                os.fchmod(f.fileno(), user_file_mode(target))
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def user_file_mode(target: Path | None = None) -> int:
+    """The mode `> FILE` in a shell leaves: an existing file's own, else 0666 less the umask
+    (a user who closed an earlier output to others keeps it closed)."""
+    if target is not None:
+        try:
+            info = target.stat()
+            if stat.S_ISREG(info.st_mode):
+                return stat.S_IMODE(info.st_mode)
+        except OSError:
+            pass
+    return 0o666 & ~current_umask()
+
+
+def current_umask() -> int:
+    """This process's umask. Linux shows it in /proc/self/status; elsewhere it can only be
+    read by setting it, which races with threads creating files meanwhile (the CLI has none).
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def is_temp(name: str) -> bool:

@@ -11,14 +11,14 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from exporter import __version__, atomic
 from exporter.actions.base import MAX_RECORD_S, Target
-from exporter.config import Config, ConfigError, load_config
+from exporter.config import Config, ConfigError, load_config, read_token_file
 from exporter.http.server import HttpServer, ServerStartError, create_app
 from exporter.identity import describe_process
 from exporter.runtime import build_runtime, live_sources
@@ -157,7 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
         "meanwhile.",
     )
     _add_client_flags(empty_cache)
-    empty_cache.add_argument("--device", type=int, help="CUDA device guard to use")
+    empty_cache.add_argument(
+        "--device",
+        type=int,
+        metavar="N",
+        help="which GPU the call runs on, by its number inside the server process (the CUDA "
+        "device number after CUDA_VISIBLE_DEVICES, not nvidia-smi's index); it must be one "
+        "the process uses. PyTorch empties the cache of every GPU of the process either way. "
+        "Default: the first GPU the process uses",
+    )
 
     history = commands.add_parser(
         "history",
@@ -205,7 +213,12 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
         "--url", required=True, help="exporter base URL, e.g. http://127.0.0.1:9445"
     )
     parser.add_argument(
-        "--token-file", type=Path, help="file holding the admin bearer token [GPUMEM_ADMIN_TOKEN]"
+        "--token-file",
+        type=Path,
+        help="file holding the admin bearer token [GPUMEM_ADMIN_TOKEN_FILE]. The token comes "
+        "from --token-file, else from the file named by GPUMEM_ADMIN_TOKEN_FILE, else from "
+        "GPUMEM_ADMIN_TOKEN (the token itself): a token file wins over a token, as on the "
+        "server",
     )
     parser.add_argument(
         "--timeout-s",
@@ -316,7 +329,10 @@ def cmd_record(args: argparse.Namespace) -> int:
     if not args.output.parent.is_dir():
         raise CliError(f"output directory does not exist: {args.output.parent}")
     writer = TraceWriter(
-        args.output, meta={"recorded_by": "gpumem-exporter record", "source_url": url}, live=True
+        args.output,
+        meta={"recorded_by": "gpumem-exporter record", "source_url": url},
+        live=True,
+        private=False,  # the user's own file, named by them: their umask, like `> FILE`
     )
     stopped = error = None
     try:
@@ -345,20 +361,37 @@ def cmd_record(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace) -> AdminClient:
     from exporter.http.client import AdminClient
 
-    token = os.environ.get("GPUMEM_ADMIN_TOKEN", "")
-    if args.token_file is not None:
-        try:
-            token = args.token_file.read_text().strip()
-        except OSError as exc:
-            raise CliError(f"cannot read token file {args.token_file}: {exc.strerror}") from None
-    if not token:
-        raise CliError("no admin token: pass --token-file or set GPUMEM_ADMIN_TOKEN")
+    token = _admin_token(args.token_file, os.environ)
     parsed = urlparse(args.url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise CliError(f"--url must be an http(s) URL, got {args.url!r}")
     if not args.timeout_s > 0:
         raise CliError("--timeout-s must be positive")
     return AdminClient(args.url, token, timeout_s=args.timeout_s)
+
+
+def _admin_token(token_file: Path | None, env: Mapping[str, str]) -> str:
+    """The client's token, by the server's precedence (exporter.config): a token file over a
+    token, the command line over the environment. A named file that is unreadable or empty
+    is an error, never a silent fall back to the next source."""
+    if token_file is not None:
+        name, origin = str(token_file), "--token-file"
+    elif env.get("GPUMEM_ADMIN_TOKEN_FILE"):
+        name, origin = env["GPUMEM_ADMIN_TOKEN_FILE"], "GPUMEM_ADMIN_TOKEN_FILE"
+    elif env.get("GPUMEM_ADMIN_TOKEN"):
+        return env["GPUMEM_ADMIN_TOKEN"]  # as the server takes it (exporter.config)
+    else:
+        raise CliError(
+            "no admin token: pass --token-file, or set GPUMEM_ADMIN_TOKEN_FILE or "
+            "GPUMEM_ADMIN_TOKEN"
+        )
+    try:
+        token = read_token_file(name, server=False)
+    except ConfigError as exc:
+        raise CliError(f"{origin}: {exc}") from None
+    if not token:
+        raise CliError(f"{origin}: admin token file {name} is empty")
+    return token
 
 
 def _target(args: argparse.Namespace) -> Target:
@@ -478,7 +511,8 @@ def cmd_view(args: argparse.Namespace) -> int:
         )
     except SnapshotError as exc:  # over the viewer's limits: too large to draw
         raise CliError(f"{args.snapshot}: {exc}") from None
-    atomic.write_bytes(args.output, html.encode("utf-8"))
+    # The user's own file, named by them: their umask, like `> FILE` (snapshots stay 0600).
+    atomic.write_bytes(args.output, html.encode("utf-8"), private=False)
     print(f"wrote {args.output}")
     return 0
 

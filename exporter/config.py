@@ -11,6 +11,7 @@ import logging
 import os
 import stat
 import tempfile
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from functools import cached_property
@@ -63,6 +64,9 @@ class Config:
     empty_cache_cooldown_s: float = 10.0
     admin_token: str | None = field(default=None, repr=False)
     admin_token_file: str | None = None
+    # Where the live page's alert links point (+ "#<alert in lower case>"), e.g. the
+    # docs/runbooks.md of your fork; unset: the copy the exporter serves at /runbooks.
+    runbook_url_base: str | None = None
 
     @cached_property
     def snapshot_directory(self) -> Path:
@@ -101,16 +105,24 @@ class Config:
     def resolved_admin_token(self) -> str | None:
         """The admin token, read from the file if one is named (so rotations are seen)."""
         if self.admin_token_file:
-            path = Path(self.admin_token_file)
-            try:
-                token = path.read_text().strip()
-                _warn_if_world_readable(path)
-            except OSError as exc:
-                raise ConfigError(
-                    f"cannot read admin token file {self.admin_token_file}: {exc.strerror}"
-                ) from None
-            return token or None
+            return read_token_file(self.admin_token_file) or None
         return self.admin_token or None
+
+
+def read_token_file(name: str | os.PathLike[str], *, server: bool = True) -> str:
+    """The token in file `name`, stripped ("" if empty); ConfigError in one line if it cannot
+    be read. The server and the CLI client read token files alike through this; only the
+    server warns about a file every user can read (the client's output stays its answer)."""
+    path = Path(name)
+    try:
+        token = path.read_text().strip()
+        if server:
+            _warn_if_world_readable(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot read admin token file {name}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"admin token file {name} is not text") from None
+    return token
 
 
 _warned_world_readable: set[str] = set()
@@ -271,6 +283,15 @@ def _convert(name: str, value: Any, origin: str) -> Any:
             if host not in ("localhost", "") and not _is_ip(host):
                 raise ValueError
             return host or DEFAULT_HOST
+        if name == "runbook_url_base" and value not in (None, ""):
+            # The page puts it in links: only http(s), never javascript: or a relative path.
+            url = str(value).strip()
+            parts = urllib.parse.urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc or parts.fragment:
+                raise ConfigError(
+                    f"{origin}: expected an http(s) URL without #fragment, got {value!r}"
+                )
+            return url
         return None if value in (None, "") else str(value)
     except ConfigError:
         raise

@@ -3,10 +3,14 @@
 Promise to the host process: after arguments are validated (ConfigError for bad settings),
 nothing raised inside the exporter reaches the caller. A taken port or a missing NVML is
 logged in one line and reported on the handle; the sampler keeps running.
+
+One exporter per process: a second start() or attach() returns the running handle, and says
+in a warning which of the settings it asked for the running exporter does not have.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -20,6 +24,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from exporter.config import Config, load_config
 from exporter.detectors import Listener as AlertListener
 from exporter.http.server import HttpServer, ServerStartError, add_routes, create_app
+from exporter.multiprocess import MultiprocessBridge, multiprocess_dir
 from exporter.run import agent
 from exporter.run.agent import RUN_DIR_ENV
 from exporter.runtime import Runtime, build_runtime, live_sources
@@ -30,6 +35,8 @@ log = logging.getLogger("exporter")
 
 _lock = threading.Lock()
 _handle: Handle | None = None
+# Settings whose values a warning never shows.
+_SECRET = frozenset({"admin_token"})
 
 
 @dataclass
@@ -40,8 +47,15 @@ class Handle:
     url: str | None = None
     error: str | None = None
     recorder: TraceWriter | None = None
+    # Under PROMETHEUS_MULTIPROC_DIR (attach()): what publishes the series to the app's
+    # MultiProcessCollector.
+    bridge: MultiprocessBridge | None = None
     _http: HttpServer | None = field(default=None, repr=False)
     _stopped: bool = field(default=False, repr=False)
+    # What the call that started it asked for, to compare a second call with.
+    _call: str = field(default="start", repr=False)
+    _asked: Config | None = field(default=None, repr=False)
+    _options: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def config(self) -> Config:
@@ -73,6 +87,8 @@ class Handle:
             if self._http is not None:
                 self._http.stop()
             self.sampler.stop()
+            if self.bridge is not None:
+                self.bridge.close()
             self.registry.unregister(self.runtime.collector)
             if self.recorder is not None:
                 path = self.recorder.close()
@@ -97,18 +113,25 @@ def start(
 ) -> Handle:
     """Start the sampler thread and (unless serve_http=False) the HTTP server thread.
 
-    Idempotent: a second call returns the running handle. `record_to` also writes every sample
+    Idempotent: a second call returns the running handle (and a warning names what it asked
+    for that the running exporter does not have). `record_to` also writes every sample
     to a trace file that `gpumem-exporter demo --trace FILE` replays. `on_alert(event)` is
     called (on the sampler thread) when an in-process alert starts firing or clears.
     """
     global _handle
+    asked = {"port": port, "host": host, "interval_s": interval_s, "labels": labels, **settings}
+    options = {
+        "serve_http": serve_http,
+        "record_to": None if record_to is None else str(record_to),
+        "listeners": tuple(id(x) for x in listeners) if listeners else None,
+        "on_alert": None if on_alert is None else id(on_alert),
+    }
     with _lock:
+        config = load_config(**asked)
         if _handle is not None:
-            log.debug("gpumem-exporter already started; returning the running handle")
-            return _handle
-        config = load_config(port=port, host=host, interval_s=interval_s, labels=labels, **settings)
+            return _already_running(_handle, "start", config, asked, options)
         if os.environ.get(RUN_DIR_ENV):
-            return _under_run(config)
+            return _remember(_under_run(config), "start", config, options)
         if config.port_per_local_rank and os.environ.get("LOCAL_RANK", "").isdigit():
             # The explicit rule for one exporter per rank without `run`: base port + rank.
             config = dataclasses.replace(config, port=config.port + int(os.environ["LOCAL_RANK"]))
@@ -123,8 +146,47 @@ def start(
         runtime.sampler.start()
         if serve_http:
             _serve(runtime, handle)
-        _handle = handle
+        _handle = _remember(handle, "start", config, options)
         return handle
+
+
+def _remember(handle: Handle, call: str, config: Config, options: dict[str, Any]) -> Handle:
+    handle._call, handle._asked, handle._options = call, config, options
+    return handle
+
+
+def _already_running(
+    handle: Handle, call: str, config: Config, asked: dict[str, Any], options: dict[str, Any]
+) -> Handle:
+    """Return the running handle. What this call asked for and the running exporter does not
+    have (settings it passed, options of the call) is named in a warning: running with other
+    settings than asked, silently, hides a mistake. A token's value is never shown."""
+    running = handle._asked or handle.config
+    differences = []
+    if handle._call != call:
+        differences.append(f"the running exporter was started by exporter.{handle._call}()")
+    for name, value in asked.items():
+        if value is not None and getattr(config, name) != getattr(running, name):
+            differences.append(_difference(name, getattr(running, name), getattr(config, name)))
+    for name, value in options.items():
+        if handle._call == call and value is not None and value != handle._options.get(name):
+            differences.append(_difference(name, handle._options.get(name), value))
+    if differences:
+        log.warning(
+            "gpumem-exporter: exporter.%s() called again; it returns the running exporter, "
+            "which keeps its own settings (stop() it first to change them): %s",
+            call,
+            "; ".join(differences),
+        )
+    else:
+        log.debug("gpumem-exporter already started; returning the running handle")
+    return handle
+
+
+def _difference(name: str, running: Any, asked: Any) -> str:
+    if name in _SECRET or name in ("listeners", "on_alert", "app", "registry"):
+        return f"{name} differs"  # a secret, or an object whose repr says nothing
+    return f"{name} is {running!r}, not {asked!r}"
 
 
 def _runtime(config: Config, on_alert: AlertListener | None, **options: Any) -> Runtime:
@@ -188,18 +250,40 @@ def attach(
     """Mount /healthz, /readyz (and /metrics if the app has none) on the host's FastAPI app.
 
     Metrics go into `registry` (the default prometheus_client registry unless told), so a
-    server that already serves /metrics from it, like vLLM, shows them without a new port.
+    server that already serves /metrics from it shows them without a new port. With
+    PROMETHEUS_MULTIPROC_DIR set (vLLM, apps with several workers), whose /metrics shows only
+    that folder's files, they are also written there on every sample
+    (exporter.multiprocess), each process's series labelled with its `pid`.
     """
     global _handle
+    asked = {"interval_s": interval_s, "labels": labels, **settings}
+    options = {
+        "app": id(app),
+        "registry": id(registry),
+        "on_alert": None if on_alert is None else id(on_alert),
+    }
     with _lock:
+        config = load_config(**asked)
         if _handle is not None:
-            return _handle
-        config = load_config(interval_s=interval_s, labels=labels, **settings)
+            return _already_running(_handle, "attach", config, asked, options)
         runtime = _runtime(config, on_alert, registry=registry)
         paths = {getattr(route, "path", None) for route in app.routes}
         add_routes(app, runtime, include_metrics="/metrics" not in paths)
+        handle = Handle(runtime)
+        directory = multiprocess_dir()
+        if directory is not None:
+            handle.bridge = MultiprocessBridge(
+                runtime.collector.collect, directory, interval_s=config.interval_s
+            )
+            runtime.sampler.listeners.append(handle.bridge)
+            atexit.register(handle.bridge.close)  # a worker that exits takes its series along
+            log.info(
+                "gpumem-exporter: PROMETHEUS_MULTIPROC_DIR is set: publishing to %s for the "
+                "app's MultiProcessCollector",
+                directory,
+            )
         runtime.sampler.start()
-        _handle = Handle(runtime)
+        _handle = _remember(handle, "attach", config, options)
         return _handle
 
 

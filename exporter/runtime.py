@@ -23,6 +23,7 @@ from exporter.identity import identity_labels
 from exporter.metrics import HOST_GAUGES, REPLAY_HOST_GAUGES, ActionStats, SampleCollector
 from exporter.sampler import Listener, Sampler
 from exporter.sources import Source
+from exporter.window import SampleWindow
 
 MODES = ("embedded", "node", "demo", "run")
 
@@ -37,6 +38,7 @@ class Runtime:
     detectors: Detectors
     actions: Actions
     admin: Admin
+    window: SampleWindow  # recent samples, for the live page (exporter.http.page)
     # /metrics bytes rendered once per tick; None where the registry is not ours (attach():
     # the host's other metrics change between our ticks and must not be served stale).
     exposition: ExpositionCache | None = None
@@ -113,8 +115,11 @@ def build_runtime(
         PlatformCollector(registry=registry)
     detectors = Detectors(load_thresholds(), listeners=list(on_alert))
     features = actions.sample_listeners(detectors)
+    window = SampleWindow(config.interval_s)
     sampler = Sampler(
-        sources, interval_s=config.interval_s, listeners=[detectors, *features, *listeners]
+        sources,
+        interval_s=config.interval_s,
+        listeners=[detectors, *features, window, *listeners],
     )
     admin = Admin(config, actions, sampler, detectors, mode)
 
@@ -136,5 +141,5 @@ def build_runtime(
     registry.register(collector)
     exposition = ExpositionCache(registry, collector.fingerprint) if owns_registry else None
     return Runtime(
-        config, mode, sampler, registry, collector, detectors, actions, admin, exposition
+        config, mode, sampler, registry, collector, detectors, actions, admin, window, exposition
     )

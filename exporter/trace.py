@@ -30,6 +30,7 @@ import zlib
 from pathlib import Path
 from typing import IO, Any
 
+from exporter import atomic
 from exporter.sample import Sample
 
 FORMAT = "gpumem-trace"
@@ -49,6 +50,9 @@ class TraceWriter:
     Timestamps in a trace strictly increase (the replay needs it, `read_trace` insists): a
     sample whose clock went backwards (a wall-clock step) is written at the previous timestamp
     plus the time that has really passed since it, on the monotonic clock.
+
+    `private` (the default) keeps the file this user's alone (0600); `private=False` gives it
+    the mode `> FILE` would (atomic.user_file_mode), for `record -o FILE`.
     """
 
     def __init__(
@@ -57,6 +61,7 @@ class TraceWriter:
         meta: dict[str, Any] | None = None,
         *,
         live: bool = False,
+        private: bool = True,
     ) -> None:
         self.path = Path(path)
         self.count = 0
@@ -68,6 +73,8 @@ class TraceWriter:
             prefix=f".{self.path.name}.", suffix=".partial", dir=self.path.parent or "."
         )
         self._tmp = Path(tmp)
+        if not private:
+            os.fchmod(fd, atomic.user_file_mode(self.path))
         self._raw: IO[bytes] | None = os.fdopen(fd, "wb")
         self._file: gzip.GzipFile | None = gzip.GzipFile(fileobj=self._raw, mode="wb")
         header = {"format": FORMAT, "version": VERSION, "meta": meta or {}}

@@ -54,7 +54,8 @@ def admin_routes(app):
 
 
 def test_without_a_token_every_admin_route_is_off_with_a_message(tmp_path):
-    app, _ = make_app(tmp_path, admin_token=None)
+    # Not the demo, which changes nothing and is open without a token (test_demo_admin.py).
+    app, _ = make_app(tmp_path, mode="embedded", admin_token=None)
     client = TestClient(app)
     routes = list(admin_routes(app))
     assert len(routes) >= 9

@@ -4,6 +4,7 @@ of the OpenAPI schema in which no request may get a 5xx."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 import shutil
@@ -38,6 +39,8 @@ def test_snapshot_view_and_empty_cache_clients(demo_env, tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert "replay" in proc.stdout
         assert pickle.loads(out.read_bytes())["segments"]
+        kept = list((tmp_path / "snaps").iterdir())  # the exporter's own copies stay private
+        assert kept and {f.stat().st_mode & 0o777 for f in kept} == {0o600}
         windowed = tmp_path / "window.pickle"
         proc = run_cli(
             "snapshot",
@@ -117,3 +120,61 @@ def test_no_request_gets_a_server_error(demo_env, tmp_path):
     cases = re.search(r"(\d+) generated, (\d+) passed", proc.stdout)
     assert tested and int(tested.group(1)) >= 13, proc.stdout[-3000:]
     assert cases and int(cases.group(1)) >= 200 and cases.group(1) == cases.group(2)
+
+
+def client_env(**variables: str) -> dict[str, str]:
+    """The CLI's environment: this one without GPUMEM_ADMIN_*, plus `variables`."""
+    kept = {k: v for k, v in os.environ.items() if not k.startswith("GPUMEM_ADMIN_")}
+    return {**kept, **variables}
+
+
+def test_the_client_takes_the_token_as_the_server_does(demo_env, tmp_path):
+    """--token-file, else the file named by GPUMEM_ADMIN_TOKEN_FILE, else GPUMEM_ADMIN_TOKEN:
+    a file over a token, the command line over the environment."""
+    env, token_file = demo_env
+    wrong = tmp_path / "wrong"
+    wrong.write_text("nope\n")
+    with running("demo", env=env) as url:
+
+        def stats(*args: str, **variables: str) -> subprocess.CompletedProcess:
+            return run_cli("stats", "--url", url, *args, env=client_env(**variables))
+
+        assert stats(GPUMEM_ADMIN_TOKEN_FILE=str(token_file)).returncode == 0
+        assert stats(GPUMEM_ADMIN_TOKEN=TOKEN).returncode == 0
+        both = stats(GPUMEM_ADMIN_TOKEN_FILE=str(token_file), GPUMEM_ADMIN_TOKEN="nope")
+        assert both.returncode == 0, both.stderr  # the file wins, as on the server
+        flag = stats("--token-file", str(wrong), GPUMEM_ADMIN_TOKEN_FILE=str(token_file))
+        assert flag.returncode == 2 and "HTTP 401" in flag.stderr  # the command line wins
+
+
+@pytest.mark.parametrize(
+    ("content", "use_flag", "message"),
+    [
+        (None, False, "GPUMEM_ADMIN_TOKEN_FILE: cannot read admin token file {path}: No such file"),
+        ("  \n", False, "GPUMEM_ADMIN_TOKEN_FILE: admin token file {path} is empty"),
+        ("\n", True, "--token-file: admin token file {path} is empty"),
+        (b"\xff\xfe", True, "--token-file: admin token file {path} is not text"),
+    ],
+)
+def test_a_token_file_that_gives_no_token_is_a_one_line_error(
+    content, use_flag, message, tmp_path, monkeypatch, capsys
+):
+    from exporter.cli import main
+
+    path = tmp_path / "token"
+    if isinstance(content, str):
+        path.write_text(content)
+    elif content is not None:
+        path.write_bytes(content)
+    for name in ("GPUMEM_ADMIN_TOKEN", "GPUMEM_ADMIN_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GPUMEM_ADMIN_TOKEN", TOKEN)  # never a silent fall back to it
+    args = ["stats", "--url", "http://127.0.0.1:9"]
+    if use_flag:
+        args += ["--token-file", str(path)]
+    else:
+        monkeypatch.setenv("GPUMEM_ADMIN_TOKEN_FILE", str(path))
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message.format(path=path) in err
+    assert err.count("\n") == 1 and "Traceback" not in err

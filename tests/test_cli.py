@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -29,8 +30,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+def run_cli(
+    *args: str, timeout: float = 60, env: dict[str, str] | None = None, umask: int = -1
+) -> subprocess.CompletedProcess:
+    """Run the CLI; `env` replaces the environment, `umask` is the user's (-1: inherited)."""
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env, umask=umask
+    )
 
 
 @contextmanager
@@ -185,11 +191,21 @@ def test_record_a_running_exporter_and_replay_it(tmp_path):
     trace = tmp_path / "incident.jsonl.gz"
     with running("demo", "--interval-s", "0.2") as url:
         proc = run_cli(
-            "record", "--url", url, "-o", str(trace), "--duration-s", "1.5", "--interval-s", "0.25"
+            "record",
+            "--url",
+            url,
+            "-o",
+            str(trace),
+            "--duration-s",
+            "1.5",
+            "--interval-s",
+            "0.25",
+            umask=0o002,
         )
         assert proc.returncode == 0, proc.stderr
         live = scrape(url)
     assert "recorded" in proc.stdout
+    assert stat.S_IMODE(trace.stat().st_mode) == 0o664  # the user's file: their umask
     meta, samples = read_trace(trace)
     assert meta["source_url"] == url + "/metrics"
     assert len(samples) >= 4
@@ -244,3 +260,45 @@ def test_entry_point_is_installed():
         [str(exe), "--version"], capture_output=True, text=True, timeout=60, env=dict(os.environ)
     )
     assert proc.returncode == 0 and proc.stdout.startswith("gpumem-exporter 0.1.0")
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize(
+    "command", [["snapshot"], ["empty-cache"], ["history", "status"], ["reset-peak"], ["stats"]]
+)
+def test_each_option_names_the_variable_it_reads(command):
+    help_text = flat(run_cli(*command, "--help").stdout)
+    assert (
+        "--token-file TOKEN_FILE file holding the admin bearer token [GPUMEM_ADMIN_TOKEN_FILE]"
+        in (help_text)
+    )
+    assert (
+        "The token comes from --token-file, else from the file named by "
+        "GPUMEM_ADMIN_TOKEN_FILE, else from GPUMEM_ADMIN_TOKEN" in help_text
+    )
+    assert "[GPUMEM_ADMIN_TOKEN]" not in help_text
+
+
+def test_empty_cache_device_says_which_gpu_in_plain_words():
+    help_text = flat(run_cli("empty-cache", "--help").stdout)
+    assert (
+        "--device N which GPU the call runs on, by its number inside the server process (the "
+        "CUDA device number after CUDA_VISIBLE_DEVICES, not nvidia-smi's index)" in help_text
+    )
+    assert "every GPU of the process" in help_text and "guard" not in help_text
+
+
+def test_view_writes_the_users_file_with_the_users_umask(tmp_path):
+    from exporter.actions.replay import demo_snapshot_path
+
+    page = tmp_path / "snap.html"
+    proc = run_cli("view", str(demo_snapshot_path()), "-o", str(page), umask=0o027)
+    assert proc.returncode == 0, proc.stderr
+    assert stat.S_IMODE(page.stat().st_mode) == 0o640  # like `> FILE`, not 0600
+    page.chmod(0o600)  # a user who closed it keeps it closed when writing it again
+    proc = run_cli("view", str(demo_snapshot_path()), "-o", str(page), umask=0o002)
+    assert proc.returncode == 0, proc.stderr
+    assert stat.S_IMODE(page.stat().st_mode) == 0o600

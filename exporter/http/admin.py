@@ -7,13 +7,13 @@ shape in every mode: `{"processes": [{"process": {...}, "ok": ..., "result" | "e
 `gpumem-exporter run`). `pid` and `rank` choose one process, in every mode.
 
 Status codes: 401 without a valid bearer token, 403 when no token is configured (admin actions
-are off), 413 for bodies over 16 KiB, 422 for invalid input, 404 when pid/rank names no
-process; when every selected process failed the same way, 409 (not possible now: CUDA not
-initialized, a capture in progress), 429 with Retry-After (empty_cache within its cooldown),
-501 (the backend cannot: cudaMallocAsync has no snapshots), 507 (the snapshot folder is full,
-read-only or not ours: the reason is in the answer), 502/504 (a process's agent is gone
-or did not answer). A partial failure answers 200 with `"ok": false`. Slow work runs in worker
-threads, off the event loop.
+are off; the demo, whose actions change nothing, answers without one), 413 for bodies over
+16 KiB, 422 for invalid input, 404 when pid/rank names no process; when every selected process
+failed the same way, 409 (not possible now: CUDA not initialized, a capture in progress), 429
+with Retry-After (empty_cache within its cooldown), 501 (the backend cannot: cudaMallocAsync has
+no snapshots), 507 (the snapshot folder is full, read-only or not ours: the reason is in the
+answer), 502/504 (a process's agent is gone or did not answer). A partial failure answers 200
+with `"ok": false`. Slow work runs in worker threads, off the event loop.
 """
 
 from __future__ import annotations
@@ -162,6 +162,10 @@ class Admin:
             # it, and a scanner must not flood the host's logs.
             self._token_log.log(logging.ERROR, "token", f"admin token unavailable: {exc}")
             raise AdminError(403, DISABLED, "disabled") from None
+        if not expected and self.actions.replay and not self.config.admin_token_file:
+            # The demo's actions answer from its recording and change nothing: open without a
+            # configured token, so that the demo shows every feature with no set-up.
+            return
         if not expected:
             if self.config.admin_token_file:
                 self._token_log.log(

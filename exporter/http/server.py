@@ -98,6 +98,9 @@ def create_app(runtime: Runtime) -> FastAPI:
         redoc_url=None,
     )
     add_routes(app, runtime)
+    from exporter.http.page import add_page_routes  # `/` is ours only on our own app
+
+    add_page_routes(app, runtime)
     return app
 
 

@@ -1,0 +1,197 @@
+"""The live page at `/`: recent memory per GPU, firing alerts, processes and snapshots, for an
+on-call engineer without Grafana.
+
+Routes (open, like /metrics: they show what /metrics already exposes, and nothing else):
+`/` (the page), `/static/...` (its script, styles and the vendored uPlot), `/api/window`
+(the window of recent samples as JSON, which the page polls with `?since=`) and `/runbooks`.
+Snapshots and actions stay behind the admin API; the page calls it with the token the user
+gives it. Nothing loads from another origin, and the Content-Security-Policy allows scripts
+from this origin only (no inline script).
+
+Added by create_app, not by add_routes: exporter.attach() mounts our routes on the host's
+own app, whose `/` is not ours to take.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Query
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from exporter import __version__
+from exporter.http.runbooks import runbook_url, runbooks_html
+from exporter.identity import identity_labels
+from exporter.runtime import Runtime
+from exporter.sample import Sample
+
+# Styles may be inline because a snapshot view that the page opens with the admin token (a
+# blob: document) inherits this policy, and the viewer's page is styled inline.
+PAGE_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'"
+)
+PAGE_HEADERS = {
+    "Content-Security-Policy": PAGE_CSP,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+# The files under exporter/static/ that are served, and as what: nothing else is.
+STATIC_FILES = {
+    "page.js": "text/javascript; charset=utf-8",
+    "page.css": "text/css; charset=utf-8",
+    "uplot/uPlot.iife.min.js": "text/javascript; charset=utf-8",
+    "uplot/uPlot.min.css": "text/css; charset=utf-8",
+    "uplot/LICENSE": "text/plain; charset=utf-8",
+}
+# Rows of the process table: a node daemon may see every process of a busy node.
+MAX_PROCESS_ROWS = 256
+
+
+@lru_cache(maxsize=len(STATIC_FILES) + 1)
+def static_file(name: str) -> bytes:
+    return (resources.files("exporter") / "static" / name).read_bytes()
+
+
+def add_page_routes(app: FastAPI, runtime: Runtime) -> None:
+    tags: list[Any] = ["page"]
+
+    @app.get("/", include_in_schema=False)
+    def page() -> Response:
+        return HTMLResponse(static_file("index.html"), headers=PAGE_HEADERS)
+
+    @app.get("/runbooks", include_in_schema=False)
+    def runbooks() -> Response:
+        return HTMLResponse(runbooks_html(), headers=PAGE_HEADERS)
+
+    @app.get("/static/{name:path}", include_in_schema=False)
+    def static(name: str) -> Response:
+        media_type = STATIC_FILES.get(name)
+        if media_type is None:
+            return JSONResponse({"detail": f"no static file {name!r}"}, status_code=404)
+        return Response(static_file(name), media_type=media_type, headers=PAGE_HEADERS)
+
+    @app.get("/api/window", tags=tags)
+    def window(
+        since: float | None = Query(
+            None,
+            ge=0,
+            allow_inf_nan=False,
+            description="Only samples newer than this Unix time (the last timestamp the "
+            "caller has); all of the window without it.",
+        ),
+    ) -> JSONResponse:
+        """The live page's data: recent samples per GPU as columns (`timestamps`, and per GPU
+        one list per field, null where unknown), with the latest sample's processes and host
+        memory and the firing in-process alerts. Bounded: see docs/metrics.md."""
+        body = window_payload(runtime, since)
+        return JSONResponse(body, headers={"Cache-Control": "no-store"})
+
+
+def window_payload(runtime: Runtime, since: float | None) -> dict[str, Any]:
+    window, sampler, config = runtime.window, runtime.sampler, runtime.config
+    state = sampler.state()
+    sample = state.sample
+    age = sampler.sample_age_s()
+    return {
+        "mode": runtime.mode,
+        "version": __version__,
+        "replay": runtime.actions.replay,
+        "labels": identity_labels(os.environ, config.labels),
+        "interval_s": window.interval_s,
+        "capacity": window.capacity,
+        "now": round(time.time(), 3),
+        "sample_age_s": None if age is None else round(age, 3),
+        "stale_after_s": config.stale_threshold_s,
+        "sources_up": {name: status.up for name, status in state.sources.items()},
+        **window.to_dict(since),
+        "host": _host(sample),
+        "processes": process_rows(sample) if sample else [],
+        "alerts": [
+            {"alert": alert, "labels": labels, "runbook_url": runbook_url(config, alert)}
+            for alert, labels, firing in runtime.detectors.firing()
+            if firing
+        ],
+    }
+
+
+def _host(sample: Sample | None) -> dict[str, int] | None:
+    if sample is None or sample.host is None:
+        return None
+    host = sample.host
+    return {
+        "total_bytes": host.total_bytes,
+        "available_bytes": host.available_bytes,
+        "swap_total_bytes": host.swap_total_bytes,
+        "swap_used_bytes": host.swap_used_bytes,
+    }
+
+
+def process_rows(sample: Sample) -> list[dict[str, Any]]:
+    """One row per process: its GPU memory (NVML, and its allocators where it has them) and
+    its host memory. Under `run` the allocators carry the process labels; elsewhere the one
+    allocator process is the sample's own (`self_pid`, the recorded one in a replay)."""
+    rows: dict[int, dict[str, Any]] = {}
+
+    def row(pid: int) -> dict[str, Any]:
+        if pid not in rows:
+            rows[pid] = {
+                "pid": pid,
+                "role": "",
+                "rank": "",
+                "gpus": [],
+                "gpu_used_bytes": None,
+                "allocated_bytes": None,
+                "reserved_bytes": None,
+                "host_resident_bytes": None,
+                "host_resident_peak_bytes": None,
+                "host_swap_bytes": None,
+            }
+        return rows[pid]
+
+    def add(entry: dict[str, Any], name: str, value: int | None) -> None:
+        if value is not None:
+            entry[name] = (entry[name] or 0) + value
+
+    def on_gpu(entry: dict[str, Any], key: str) -> None:
+        if key not in entry["gpus"]:
+            entry["gpus"].append(key)
+
+    for reading in sample.allocators:
+        pid_text = reading.process.get("pid", "")
+        pid = int(pid_text) if pid_text.isdigit() else sample.self_pid
+        if pid is None:
+            continue
+        entry = row(pid)
+        entry["role"] = reading.process.get("role", "") or entry["role"]
+        entry["rank"] = reading.process.get("rank", "") or entry["rank"]
+        on_gpu(entry, reading.gpu_uuid or f"cuda:{reading.device}")
+        add(entry, "allocated_bytes", reading.gauges.get("allocated_bytes"))
+        add(entry, "reserved_bytes", reading.gauges.get("reserved_bytes"))
+    for process in sample.processes:
+        entry = row(process.pid)
+        on_gpu(entry, process.gpu_uuid)
+        add(entry, "gpu_used_bytes", process.used_bytes)
+    for host_process in sample.host_processes:
+        entry = row(host_process.pid)
+        entry["role"] = host_process.role or entry["role"]
+        entry["rank"] = host_process.rank or entry["rank"]
+        entry["host_resident_bytes"] = host_process.resident_bytes
+        entry["host_resident_peak_bytes"] = host_process.resident_peak_bytes
+        entry["host_swap_bytes"] = host_process.swap_bytes
+    own = rows.get(sample.self_pid) if sample.self_pid is not None else None
+    if own is not None and own["host_resident_bytes"] is None and sample.host is not None:
+        # Outside `run` the exporter's own process is the allocator's: its resident memory.
+        own["host_resident_bytes"] = sample.host.process_resident_bytes
+        own["host_resident_peak_bytes"] = sample.host.process_resident_peak_bytes
+    ordered = sorted(
+        rows.values(),
+        key=lambda r: (-(r["gpu_used_bytes"] or r["reserved_bytes"] or 0), r["pid"]),
+    )
+    return ordered[:MAX_PROCESS_ROWS]

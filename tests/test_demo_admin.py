@@ -1,0 +1,69 @@
+"""The demo's admin actions answer without set-up: they replay a recording and change nothing,
+so without a configured token they are open. With a token configured the demo requires it, and
+every other mode keeps admin actions off without one."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from exporter.config import load_config
+from exporter.http.server import create_app
+from exporter.runtime import build_runtime
+from exporter.sources.replay import ReplaySource
+
+TOKEN = "demo-admin-token"
+
+
+def client_for(tmp_path, mode: str, **settings) -> TestClient:
+    config = load_config(env={}, snapshot_dir=str(tmp_path / "snaps"), **settings)
+    sources = [ReplaySource()] if mode == "demo" else []
+    runtime = build_runtime(config, mode=mode, sources=sources)
+    runtime.sampler.tick()
+    return TestClient(create_app(runtime))
+
+
+def test_the_demo_without_a_token_answers_every_action_from_its_recording(tmp_path):
+    client = client_for(tmp_path, "demo")
+    created = client.post("/snapshot")
+    assert created.status_code == 201, created.text
+    assert created.json()["replay"] is True
+    snapshot_id = created.json()["processes"][0]["result"]["id"]
+    listed = client.get("/snapshots")
+    assert listed.status_code == 200
+    assert [s["id"] for s in listed.json()["snapshots"]] == [snapshot_id]
+    assert client.get(f"/snapshots/{snapshot_id}/view").text.startswith("<!")
+    emptied = client.post("/empty-cache")
+    assert emptied.status_code == 200 and emptied.json()["ok"] is True
+    assert emptied.json()["processes"][0]["result"]["released_bytes"] > 0
+    assert client.get("/stats").status_code == 200
+    assert client.delete(f"/snapshots/{snapshot_id}").status_code == 204
+    # A wrong token changes nothing: there is none to match.
+    assert client.get("/snapshots", headers={"Authorization": "Bearer nope"}).status_code == 200
+
+
+def test_the_demo_with_a_token_requires_it(tmp_path):
+    client = client_for(tmp_path, "demo", admin_token=TOKEN)
+    for method, path in (("POST", "/snapshot"), ("GET", "/snapshots"), ("POST", "/empty-cache")):
+        response = client.request(method, path)
+        assert response.status_code == 401, (method, path)
+        assert response.headers["www-authenticate"] == "Bearer"
+    ok = client.get("/snapshots", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert ok.status_code == 200
+
+
+def test_the_demo_with_an_empty_token_file_stays_off(tmp_path):
+    """A named token file is a configured token, even while it is empty (being rotated)."""
+    token_file = tmp_path / "token"
+    token_file.write_text("\n")
+    client = client_for(tmp_path, "demo", admin_token_file=str(token_file))
+    assert client.post("/snapshot").status_code == 403
+
+
+@pytest.mark.parametrize("mode", ["embedded", "node", "run"])
+def test_every_other_mode_keeps_admin_actions_off_without_a_token(tmp_path, mode):
+    client = client_for(tmp_path, mode)
+    for method, path in (("POST", "/snapshot"), ("GET", "/snapshots"), ("POST", "/empty-cache")):
+        response = client.request(method, path)
+        assert response.status_code == 403, (mode, method, path)
+        assert "GPUMEM_ADMIN_TOKEN" in response.json()["detail"]

@@ -32,7 +32,15 @@ import torch
 
 from bench.common import Decoder, Scraper, emit, machine, summary
 
-CONFIGS = {"off": None, "1Hz": 1.0, "10Hz": 0.1}
+# name -> (sampler interval, exporter.start() settings, scraped every second), or None: off.
+# The last two take one part away from 10 Hz each, to tell which part costs.
+CONFIGS: dict[str, tuple[float, dict, bool] | None] = {
+    "off": None,
+    "1Hz": (1.0, {}, True),
+    "10Hz": (0.1, {}, True),
+    "10Hz-no-NVML": (0.1, {"nvml": False}, True),
+    "10Hz-no-scrapes": (0.1, {}, False),
+}
 
 
 def thread_cpu_s(names: tuple[str, ...]) -> float:
@@ -81,7 +89,7 @@ def mean_ci(values: list[float]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--blocks", type=int, default=60)
+    parser.add_argument("--blocks", type=int, default=50)
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--batch", type=int, default=4)
     args = parser.parse_args()
@@ -103,17 +111,20 @@ def main() -> None:
         rng.shuffle(order)
         wall_of: dict[str, float] = {}
         for name in order:
-            interval = CONFIGS[name]
+            config = CONFIGS[name]
             handle = scraper = None
-            if interval is not None:
-                handle = exporter.start(port=0, interval_s=interval)
-                scraper = Scraper(f"{handle.url}/metrics", 1.0, tmp / f"{name}{block}.json")
-                time.sleep(0.3)  # the scraper process is up before the run starts
+            if config is not None:
+                interval, settings, scraped = config
+                handle = exporter.start(port=0, interval_s=interval, **settings)
+                if scraped:
+                    scraper = Scraper(f"{handle.url}/metrics", 1.0, tmp / f"{name}{block}.json")
+                time.sleep(0.5)  # the scraper process is up before the run starts
             cpu0 = thread_cpu_s(("gpumem-sampler", "gpumem-http"))
             wall, step_waits = run(decoder, args.steps, args.batch)
             cpu = thread_cpu_s(("gpumem-sampler", "gpumem-http")) - cpu0
-            if scraper is not None and handle is not None:
+            if scraper is not None:
                 scrapes[name] += scraper.stop()
+            if handle is not None:
                 handle.stop()
             wall_of[name] = wall
             walls[name].append(wall)

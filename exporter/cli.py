@@ -251,7 +251,13 @@ def _serve(config: Config, sources: Sequence[Source], mode: str) -> int:
     except ServerStartError as exc:
         raise CliError(str(exc)) from None
     runtime.sampler.start()
-    log.info("gpumem-exporter %s (%s) serving %s/metrics", __version__, mode, http.url)
+    log.info(
+        "gpumem-exporter %s (%s) serving %s/metrics, live page at %s/",
+        __version__,
+        mode,
+        http.url,
+        http.url,
+    )
     try:
         http.run()
     finally:

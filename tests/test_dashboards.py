@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +31,9 @@ import yaml
 
 from tests.conftest import REPO_ROOT, require_tool
 from tests.deploy_tools import run_tsc
+from tests.prometheus_server import api as prometheus_get
+from tests.prometheus_server import start_prometheus, stop, wait_http
+from tests.test_cli import free_port
 from tests.test_prometheus_rules import markdown_anchors
 
 DASHBOARDS_DIR = REPO_ROOT / "dashboards"
@@ -594,35 +594,12 @@ def test_cluster_is_matched_by_the_variable_regex(path: Path) -> None:
         assert set(cluster_matchers(expr)) == {'cluster=~"$cluster"'}, f"{title}: {expr}"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_http(url: str, proc: subprocess.Popen[str], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                out = proc.stdout.read() if proc.stdout else ""
-                raise AssertionError(f"{url} never answered: {out[-3000:]}") from None
-            time.sleep(0.2)
-
-
 class PrometheusAPI:
     def __init__(self, url: str) -> None:
         self.url = url
 
     def get(self, path: str, **params: str) -> Any:
-        query = urllib.parse.urlencode(params)
-        with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}", timeout=10) as response:
-            body = json.loads(response.read())
-        assert body["status"] == "success", body
-        return body["data"]
+        return prometheus_get(self.url, path, **params)
 
 
 # Two scrape jobs on one demo exporter: one adds a cluster label (a relabeled or federated
@@ -637,7 +614,7 @@ LABELLED = {"cluster": "east", "namespace": "east", "pod": "east-0"}
 def mixed_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusAPI]:
     prometheus = require_tool("prometheus")
     tmp = tmp_path_factory.mktemp("cluster")
-    exporter_port, prometheus_port = _free_port(), _free_port()
+    exporter_port, prometheus_port = free_port(), free_port()
     target = [f"127.0.0.1:{exporter_port}"]
     config = {
         "global": {"scrape_interval": "1s"},
@@ -657,28 +634,18 @@ def mixed_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prome
             stderr=subprocess.STDOUT,
             text=True,
         ),
-        subprocess.Popen(
-            [
-                prometheus,
-                f"--config.file={tmp / 'prometheus.yml'}",
-                f"--storage.tsdb.path={tmp / 'data'}",
-                f"--web.listen-address=127.0.0.1:{prometheus_port}",
-                "--log.level=warn",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=tmp,
-        ),
+        start_prometheus(prometheus, tmp, prometheus_port),
     ]
     try:
-        _wait_http(f"http://127.0.0.1:{exporter_port}/readyz", procs[0])
-        _wait_http(f"http://127.0.0.1:{prometheus_port}/-/ready", procs[1])
-        api = PrometheusAPI(f"http://127.0.0.1:{prometheus_port}")
+        wait_http(f"http://127.0.0.1:{exporter_port}/readyz", procs[0])
+        wait_http(f"http://127.0.0.1:{prometheus_port}/-/ready", procs[1])
+        prometheus_api = PrometheusAPI(f"http://127.0.0.1:{prometheus_port}")
         # Both jobs scraped a few times, so that rate() over 30 s has two samples.
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            counts = api.get("query", query="count_over_time(gpumem_exporter_build_info[30s])")
+            counts = prometheus_api.get(
+                "query", query="count_over_time(gpumem_exporter_build_info[30s])"
+            )
             if len(counts["result"]) == 2 and all(
                 float(r["value"][1]) >= 4 for r in counts["result"]
             ):
@@ -686,15 +653,9 @@ def mixed_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prome
             time.sleep(0.5)
         else:
             raise AssertionError("Prometheus did not scrape both jobs")
-        yield api
+        yield prometheus_api
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(procs)
 
 
 def grafana_default(variable: dict[str, Any], values: list[str]) -> str:

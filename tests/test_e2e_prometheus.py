@@ -20,8 +20,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +28,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO_ROOT, require_tool
+from tests.prometheus_server import api, start_prometheus, stop, wait_http
 from tests.test_cli import free_port
 from tests.test_dashboards import iter_annotation_queries, iter_panel_queries
 
@@ -54,26 +53,8 @@ class Stack:
     exporter: str
 
     def api(self, path: str, **params: str) -> dict:
-        url = f"{self.prometheus}/api/v1/{path}"
-        if params:
-            url += "?" + urllib.parse.urlencode(params)
-        with urllib.request.urlopen(url, timeout=10) as response:
-            body = json.loads(response.read())
-        assert body["status"] == "success", body
-        return body["data"]
-
-
-def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                out = proc.stdout.read() if proc.stdout else ""
-                raise AssertionError(f"{url} never answered: {out[-3000:]}") from None
-            time.sleep(0.2)
+        data: dict = api(self.prometheus, path, **params)
+        return data
 
 
 def _short_rules(tmp: Path) -> list[str]:
@@ -130,31 +111,13 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
         ],
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    server = subprocess.Popen(
-        [
-            prometheus,
-            f"--config.file={tmp / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp / 'data'}",
-            f"--web.listen-address=127.0.0.1:{prometheus_port}",
-            "--log.level=warn",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=tmp,
-    )
+    server = start_prometheus(prometheus, tmp, prometheus_port)
     try:
-        _wait_http(f"http://127.0.0.1:{exporter_port}/readyz", exporter)
-        _wait_http(f"http://127.0.0.1:{prometheus_port}/-/ready", server)
+        wait_http(f"http://127.0.0.1:{exporter_port}/readyz", exporter)
+        wait_http(f"http://127.0.0.1:{prometheus_port}/-/ready", server)
         yield Stack(f"http://127.0.0.1:{prometheus_port}", f"http://127.0.0.1:{exporter_port}")
     finally:
-        for proc in (server, exporter):
-            proc.terminate()
-        for proc in (server, exporter):
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop((server, exporter))
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -20,6 +20,7 @@ from prometheus_client.exposition import choose_encoder
 
 from exporter.http.admin import add_admin_routes
 from exporter.http.guard import GuardedH11Protocol
+from exporter.http.page import add_page_routes
 from exporter.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -98,9 +99,7 @@ def create_app(runtime: Runtime) -> FastAPI:
         redoc_url=None,
     )
     add_routes(app, runtime)
-    from exporter.http.page import add_page_routes  # `/` is ours only on our own app
-
-    add_page_routes(app, runtime)
+    add_page_routes(app, runtime)  # here, not in add_routes: attach() must not take the host's `/`
     return app
 
 

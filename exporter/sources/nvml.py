@@ -145,17 +145,23 @@ class NvmlSource:
         if wanted is not None:
             devices = [d for d in devices if d.uuid in wanted]
         now = self._clock()
-        users = self._users() if self._users is not None else None
+        # Who uses which GPUs, as far as this source knows: the GPUs it reads (an embedded
+        # process that just initialized one more) and the users it is told of. A change
+        # reads the whole list at once, so that the sample's processes stay one reading.
+        users = (
+            frozenset(d.uuid for d in devices),
+            self._users() if self._users is not None else None,
+        )
         read_processes = now >= self._processes_due or users != self._users_at_read
         if read_processes:
             self._processes_due = now + self._process_interval_s
             self._users_at_read = users
+            self._processes = {}
         reading = SourceReading(processes_cached=not read_processes)
         for device in devices:
             gpu = self._read_device(device)
             reading.gpus.append(gpu)
-            if read_processes or device.uuid not in self._processes:
-                # A GPU new to this source (the process just initialized it) is read at once.
+            if read_processes:
                 self._processes[device.uuid] = self._read_processes(device) if gpu.up else []
             reading.processes.extend(self._processes[device.uuid])
         self.last_pids = frozenset(p.pid for p in reading.processes)

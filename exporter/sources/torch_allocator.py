@@ -71,8 +71,8 @@ def parse_alloc_conf(env: Mapping[str, str]) -> dict[str, str]:
     return settings
 
 
-# (family, pool, stat, metric key) for the gauges, (pool name, family) per pool gauge, and
-# (stat, metric key) for the counters that one backend and setting define.
+# (family, pool, stat, metric key) for the gauges, (pool stat, pool name, family) for the
+# per-pool gauges, and (stat, metric key) for the counters that one backend and setting define.
 _Plan = tuple[
     tuple[tuple[str, str, str, str], ...],
     tuple[tuple[str, str, str], ...],

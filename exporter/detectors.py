@@ -312,13 +312,10 @@ class Detectors:
         return _Check(recent, not recent, counter.rise if recent else 0.0)
 
     def _cache_gap(self, reading: AllocatorReading) -> _Check | None:
-        reserved = reading.gauges.get("reserved_bytes")
-        allocated = reading.gauges.get("allocated_bytes")
-        ratio = reading.cached_free_ratio
-        if reserved is None or allocated is None or ratio is None:
+        gap, ratio = reading.cached_free_bytes, reading.cached_free_ratio
+        if gap is None or ratio is None:
             return None
         th = self.thresholds
-        gap = reserved - allocated
         keep = 1 - th.clear_margin
         return _Check(
             gap > th.cache_gap_bytes and ratio > th.cache_gap_ratio,

@@ -68,13 +68,22 @@ class AllocatorReading:
         return inactive / reserved
 
     @property
+    def cached_free_bytes(self) -> int | None:
+        """reserved - allocated: cache held but not used by tensors, on every backend."""
+        reserved = self.gauges.get("reserved_bytes")
+        allocated = self.gauges.get("allocated_bytes")
+        if allocated is None or reserved is None:
+            return None
+        return max(reserved - allocated, 0)
+
+    @property
     def cached_free_ratio(self) -> float | None:
         """(reserved - allocated) / reserved: defined on every backend."""
         reserved = self.gauges.get("reserved_bytes", 0)
-        allocated = self.gauges.get("allocated_bytes")
-        if allocated is None or reserved <= 0:
+        cached_free = self.cached_free_bytes
+        if cached_free is None or reserved <= 0:
             return None
-        return max(reserved - allocated, 0) / reserved
+        return cached_free / reserved
 
 
 @dataclass
@@ -173,9 +182,14 @@ class Sample:
     # of its tick (settle_non_allocator). Not part of a trace: a replay derives it again.
     settled_non_allocator: dict[str, int] | None = None
 
+    def allocator_pid(self, reading: AllocatorReading) -> int | None:
+        """The host PID of the process an allocator reading is from: its `pid` label under
+        `run`, else the sample's own process."""
+        pid_text = reading.process.get("pid", "")
+        return int(pid_text) if pid_text.isdigit() else self.self_pid
+
     def _allocator_key(self, reading: AllocatorReading) -> str | None:
-        pid_text = reading.process.get("pid")
-        pid = int(pid_text) if pid_text else self.self_pid
+        pid = self.allocator_pid(reading)
         return None if pid is None else f"{reading.gpu_uuid}/{pid}"
 
     def _derive_non_allocator(self) -> dict[str, int]:

@@ -166,11 +166,8 @@ def gpu_points(sample: Sample) -> tuple[tuple[GpuInfo, ...], array[float]]:
         elif info.device is None:
             infos[key] = GpuInfo(key, info.index, reading.device, info.name)
         point = points.setdefault(key, {})
-        allocated = reading.gauges.get("allocated_bytes")
-        reserved = reading.gauges.get("reserved_bytes")
-        _add(point, "allocated_bytes", allocated)
-        if allocated is not None and reserved is not None:
-            _add(point, "cached_free_bytes", max(reserved - allocated, 0))
+        _add(point, "allocated_bytes", reading.gauges.get("allocated_bytes"))
+        _add(point, "cached_free_bytes", reading.cached_free_bytes)
         _add(point, "non_allocator_bytes", non_allocator.get(position))
         for counter in ("alloc_retries", "ooms"):
             _add(point, counter, reading.counters.get(counter))

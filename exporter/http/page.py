@@ -164,8 +164,7 @@ def process_rows(sample: Sample) -> list[dict[str, Any]]:
             entry["gpus"].append(key)
 
     for reading in sample.allocators:
-        pid_text = reading.process.get("pid", "")
-        pid = int(pid_text) if pid_text.isdigit() else sample.self_pid
+        pid = sample.allocator_pid(reading)
         if pid is None:
             continue
         entry = row(pid)

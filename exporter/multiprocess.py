@@ -69,7 +69,10 @@ def multiprocess_dir(env: Mapping[str, str] = os.environ) -> Path | None:
 def encode(entries: Entries) -> bytes:
     """prometheus_client's file layout (mmap_dict.MmapedDict): the used length (4 bytes) and
     4 bytes of padding, then per entry the key's length (4 bytes), the UTF-8 key padded with
-    spaces to 8-byte alignment, the value and a timestamp (doubles; 0: not `mostrecent`)."""
+    spaces to 8-byte alignment, the value and a timestamp (doubles; 0: not `mostrecent`).
+    Not MmapedDict itself: it updates a 1 MiB mapping in place and never drops a key, where
+    the bridge rewrites a small file whole and renames it (tests read it back through
+    MultiProcessCollector, so the two layouts cannot drift apart unseen)."""
     out = bytearray(_EMPTY_SIZE)
     for key, value in entries:
         raw = key.encode()

@@ -69,3 +69,14 @@ def test_token_file_is_read_and_stripped_and_never_shown(tmp_path):
     missing = Config(admin_token_file=str(tmp_path / "nope"))
     with pytest.raises(ConfigError, match="cannot read admin token file"):
         missing.resolved_admin_token()
+
+
+def test_the_process_list_cadence_reaches_the_nvml_source():
+    from exporter.runtime import live_sources
+    from exporter.sources.nvml import NvmlSource
+
+    config = load_config(env={"GPUMEM_PROCESS_INTERVAL_S": "3"})
+    (nvml,) = [s for s in live_sources(config, torch=True) if isinstance(s, NvmlSource)]
+    assert nvml._process_interval_s == 3.0
+    with pytest.raises(ConfigError, match="GPUMEM_PROCESS_INTERVAL_S"):
+        load_config(env={"GPUMEM_PROCESS_INTERVAL_S": "-1"})

@@ -43,3 +43,33 @@ def test_record_url_writes_samples(tmp_path, monkeypatch):
     _, samples = read_trace(tmp_path / "t.gz")
     assert count == len(samples) >= 2
     assert samples[0].allocators == sample.allocators
+
+
+def test_own_pid_is_recovered_on_a_tick_that_reuses_the_process_list():
+    """Between two reads of NVML's process list the exporter keeps the non-allocator bytes
+    derived with the last list while reserved moves on: used = reserved + non-allocator no
+    longer holds exactly, and the nearest process on the GPU is the exporter's."""
+    from exporter.sample import AllocatorReading, GpuReading, ProcessGpuReading, Sample
+
+    sample = Sample(
+        timestamp=1.0,
+        allocators=[
+            AllocatorReading(
+                0,
+                "GPU-a",
+                "native",
+                False,
+                gauges={"allocated_bytes": 900, "reserved_bytes": 1200},
+            )
+        ],
+        gpus=[GpuReading(0, "GPU-a", total_bytes=10_000, used_bytes=4500, free_bytes=5500)],
+        processes=[
+            ProcessGpuReading(0, "GPU-a", 41, 1500),
+            ProcessGpuReading(0, "GPU-a", 99, 3000),
+        ],
+        self_pid=41,
+        processes_cached=True,
+        settled_non_allocator={"GPU-a/41": 500},  # derived when reserved was 1000
+    )
+    back = sample_from_exposition(render(sample), timestamp=sample.timestamp)
+    assert back.self_pid == 41

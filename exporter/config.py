@@ -47,6 +47,11 @@ class Config:
     host_memory: bool = True
     # NVML's per-process GPU memory (its costliest read) is read at this pace, not every tick.
     process_interval_s: float = 10.0
+    # The allocator's layout (largest free block, private pools) comes from a snapshot, which
+    # stalls the serving thread ~0.7 us per block (docs/performance.md): read every this many
+    # seconds (0 = never), and not at all above this many blocks.
+    layout_interval_s: float = 10.0
+    layout_max_blocks: int = 10_000
     # Automatic remediation (off by default): empty_cache on retries with high fragmentation,
     # a snapshot on the first OOM.
     remediate: bool = False
@@ -244,12 +249,18 @@ def _convert(name: str, value: Any, origin: str) -> Any:
             "oom_snapshot_cooldown_s",
             "empty_cache_cooldown_s",
             "process_interval_s",
+            "layout_interval_s",
         ):
             number = float(value)
             if not 0 <= number <= 86400:
                 raise ValueError
             return number
-        if name in ("snapshot_max_count", "snapshot_max_bytes", "history_max_entries"):
+        if name in (
+            "snapshot_max_count",
+            "snapshot_max_bytes",
+            "history_max_entries",
+            "layout_max_blocks",
+        ):
             number = int(value)
             if number < 0 or (name == "snapshot_max_count" and number < 1):
                 raise ValueError
@@ -304,6 +315,8 @@ def _convert(name: str, value: Any, origin: str) -> Any:
             "oom_snapshot_cooldown_s": "seconds between 0 and 86400",
             "empty_cache_cooldown_s": "seconds between 0 and 86400",
             "process_interval_s": "seconds between 0 and 86400",
+            "layout_interval_s": "seconds between 0 and 86400 (0 = off)",
+            "layout_max_blocks": "a whole number of blocks",
             "snapshot_max_count": "a whole number of at least 1",
             "snapshot_max_bytes": "a whole number of bytes",
             "history_max_entries": "a whole number (0 = off)",

@@ -22,7 +22,9 @@ from prometheus_client.registry import Collector
 from exporter.sample import (
     ALLOCATOR_COUNTERS,
     ALLOCATOR_GAUGES,
+    LAYOUT_GAUGES,
     POOL_GAUGES,
+    PRIVATE_POOL_GAUGES,
     PROCESS_LABELS,
     ExporterState,
     Sample,
@@ -52,6 +54,39 @@ HOST_GAUGES = {
     "process_resident_peak_bytes": "process_resident_memory_peak_bytes",
 }
 REPLAY_HOST_GAUGES = {**HOST_GAUGES, "process_resident_bytes": "process_resident_memory_bytes"}
+
+_LAYOUT_HELP = {
+    "largest_free_block_bytes": "Biggest free block in the default pool's cache: the biggest "
+    "request that fits without a new cudaMalloc (or cuMemMap with expandable segments). From "
+    "an allocator snapshot read every few seconds (torch_cuda_layout_age_seconds).",
+    "default_pool_free_bytes": "Free bytes cached in the default pool: what ordinary "
+    "allocations can reuse. From an allocator snapshot.",
+    "free_in_used_segments_bytes": "Free bytes inside segments that also hold live blocks, in "
+    "every pool: fragmentation, defined with expandable segments too (there "
+    "inactive_split_bytes is not tracked). From an allocator snapshot.",
+}
+_PRIVATE_POOL_HELP = {
+    "reserved_bytes": "Bytes reserved by one private pool (a CUDA graph's or a MemPool's): "
+    "part of reserved_bytes that ordinary allocations cannot reuse.",
+    "allocated_bytes": "Bytes of live tensors in one private pool (from an allocator snapshot).",
+}
+# PinnedHostReading field -> metric name
+PINNED_HOST_GAUGES = {
+    "held_bytes": (
+        "torch_cuda_pinned_host_bytes",
+        "Page-locked host memory held by PyTorch's caching host allocator (in use or cached): "
+        "host RAM that cannot be swapped out.",
+    ),
+    "in_use_bytes": (
+        "torch_cuda_pinned_host_in_use_bytes",
+        "Pinned host blocks handed out and not yet reusable (updated when the host allocator "
+        "next processes its events, so it can lag a free).",
+    ),
+    "cached_bytes": (
+        "torch_cuda_pinned_host_cached_bytes",
+        "Pinned host memory cached for reuse: held minus in use.",
+    ),
+}
 
 _HELP = {
     "allocated_bytes": "Bytes of live tensors held by the CUDA caching allocator.",
@@ -280,9 +315,29 @@ class SampleCollector(Collector):
             "CUDA context, NCCL, library workspaces.",
             labels,
         )
+        layout = {k: self._gauge(TORCH_PREFIX + k, _LAYOUT_HELP[k], labels) for k in LAYOUT_GAUGES}
+        layout_age = self._gauge(
+            "torch_cuda_layout_age_seconds",
+            "Age of the allocator snapshot behind the layout families (largest free block, "
+            "private pool allocated bytes) at this tick.",
+            labels,
+        )
+        layout_skipped = InfoMetricFamily(
+            "torch_cuda_layout_skipped",
+            "Why the latest allocator snapshot was not taken (too_many_blocks: it would stall "
+            "the serving thread; history_recording: it would build every block's stack).",
+            labels=self._const_names + labels,
+        )
+        private_pools = {
+            k: self._gauge(
+                f"{TORCH_PREFIX}private_pool_{k}", _PRIVATE_POOL_HELP[k], (*labels, "pool_id")
+            )
+            for k in PRIVATE_POOL_GAUGES
+        }
         info = InfoMetricFamily(
             "torch_cuda_allocator",
-            "CUDA caching allocator settings.",
+            "CUDA caching allocator settings (settings_source: live when the allocator "
+            "reported them, else environment).",
             labels=self._const_names + labels,
         )
         outside = sample.non_allocator_bytes()
@@ -303,6 +358,15 @@ class SampleCollector(Collector):
                 cached_free.add_metric(self._values(*ids), ratio)
             if position in outside:
                 non_allocator.add_metric(self._values(*ids), outside[position])
+            for key, value in reading.layout.items():
+                layout[key].add_metric(self._values(*ids), value)
+            if reading.layout_age_s is not None:
+                layout_age.add_metric(self._values(*ids), reading.layout_age_s)
+            if reading.layout_skipped:
+                layout_skipped.add_metric(self._values(*ids), {"reason": reading.layout_skipped})
+            for pool_id, pool_gauges in sorted(reading.private_pools.items()):
+                for key, value in pool_gauges.items():
+                    private_pools[key].add_metric(self._values(*ids, pool_id), value)
             max_split = reading.max_split_size_bytes
             info.add_metric(
                 self._values(*ids),
@@ -310,6 +374,10 @@ class SampleCollector(Collector):
                     "backend": reading.backend,
                     "expandable_segments": str(reading.expandable_segments).lower(),
                     "max_split_size_bytes": "" if max_split is None else str(max_split),
+                    "garbage_collection_threshold": reading.settings.get(
+                        "garbage_collection_threshold", ""
+                    ),
+                    "settings_source": reading.settings.get("source", "environment"),
                     "torch_version": self._torch_version,
                 },
             )
@@ -320,9 +388,26 @@ class SampleCollector(Collector):
             fragmentation,
             cached_free,
             non_allocator,
+            *layout.values(),
+            layout_age,
+            layout_skipped,
+            *private_pools.values(),
             info,
         ]
         yield from (f for f in families if f.samples)
+        yield from self._pinned_host_families(sample)
+
+    def _pinned_host_families(self, sample: Sample) -> Iterator[Metric]:
+        if not sample.pinned_host:
+            return
+        per_process = any(reading.process for reading in sample.pinned_host)
+        labels = self._own(PROCESS_LABELS) if per_process else ()
+        for field_name, (name, doc) in PINNED_HOST_GAUGES.items():
+            family = self._gauge(name, doc, labels)
+            for reading in sample.pinned_host:
+                ids = (reading.process.get(n, "") for n in labels)
+                family.add_metric(self._values(*ids), getattr(reading, field_name))
+            yield family
 
     def _gpu_families(self, sample: Sample) -> Iterator[Metric]:
         if not sample.gpus:

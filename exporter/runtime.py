@@ -66,7 +66,10 @@ def live_sources(
     if torch and config.torch:
         from exporter.sources.torch_allocator import TorchAllocatorSource
 
-        allocator = TorchAllocatorSource()
+        allocator = TorchAllocatorSource(
+            layout_interval_s=config.layout_interval_s,
+            layout_max_blocks=config.layout_max_blocks,
+        )
         sources.append(allocator)
     if config.nvml:
         from exporter.sources.nvml import NvmlSource

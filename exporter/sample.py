@@ -41,6 +41,13 @@ POOL_GAUGES = (
     "inactive_split_bytes",
     "requested_bytes",
 )
+# From the allocator's layout (a segments-only snapshot), by metric suffix (torch_cuda_<key>).
+LAYOUT_GAUGES = (
+    "largest_free_block_bytes",
+    "default_pool_free_bytes",
+    "free_in_used_segments_bytes",
+)
+PRIVATE_POOL_GAUGES = ("reserved_bytes", "allocated_bytes")
 
 
 @dataclass
@@ -57,6 +64,16 @@ class AllocatorReading:
     max_split_size_bytes: int | None = None
     # Under `gpumem-exporter run`: which process of the server this is (PROCESS_LABELS).
     process: dict[str, str] = field(default_factory=dict)
+    # From the latest allocator snapshot (exporter/sources/allocator_layout.py), read at its
+    # own slower cadence: LAYOUT_GAUGES by key. Empty where no snapshot exists (the
+    # cudaMallocAsync backend) or it was skipped (layout_skipped says why).
+    layout: dict[str, int] = field(default_factory=dict)
+    layout_age_s: float | None = None  # how old `layout` is at this tick
+    layout_skipped: str = ""
+    # Private pools (CUDA graphs, MemPools) by pool id ("1_0"): PRIVATE_POOL_GAUGES by key.
+    private_pools: dict[str, dict[str, int]] = field(default_factory=dict)
+    # The allocator's live settings where torch reports them (name -> value as text).
+    settings: dict[str, str] = field(default_factory=dict)
 
     @property
     def fragmentation_ratio(self) -> float | None:
@@ -66,6 +83,17 @@ class AllocatorReading:
         if inactive is None or reserved <= 0:
             return None
         return inactive / reserved
+
+    @property
+    def largest_free_block_share(self) -> float | None:
+        """largest free block / free bytes of the default pool: near 1 when the free cache
+        is one piece, near 0 when it is shattered (a big request will need a new cudaMalloc
+        or fail although the cache holds enough in total). None without a layout."""
+        largest = self.layout.get("largest_free_block_bytes")
+        free = self.layout.get("default_pool_free_bytes", 0)
+        if largest is None or free <= 0:
+            return None
+        return largest / free
 
     @property
     def cached_free_bytes(self) -> int | None:
@@ -135,6 +163,21 @@ class HostProcessReading:
 
 
 @dataclass
+class PinnedHostReading:
+    """Page-locked host memory held by one process's PyTorch caching host allocator
+    (`pin_memory=True`, staging and swap buffers): host RAM that cannot be swapped out."""
+
+    held_bytes: int  # blocks the allocator owns, in use or cached for reuse
+    in_use_bytes: int  # blocks handed out and not yet reusable
+    # Under `gpumem-exporter run`: which process of the server this is (PROCESS_LABELS).
+    process: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def cached_bytes(self) -> int:
+        return max(self.held_bytes - self.in_use_bytes, 0)
+
+
+@dataclass
 class ActionCounts:
     """What one process's allocator actions did, as monotonic counts (its own, so they stay
     monotonic per process when one endpoint serves several)."""
@@ -153,6 +196,7 @@ class SourceReading:
     processes: list[ProcessGpuReading] = field(default_factory=list)
     host: HostReading | None = None
     host_processes: list[HostProcessReading] = field(default_factory=list)
+    pinned_host: list[PinnedHostReading] = field(default_factory=list)
     # PID that NVML would show for this process; replays carry the recorded one.
     self_pid: int | None = None
     # Messages from agents that were rejected, by reason (gpumem-exporter run).
@@ -175,6 +219,7 @@ class Sample:
     processes: list[ProcessGpuReading] = field(default_factory=list)
     host: HostReading | None = None
     host_processes: list[HostProcessReading] = field(default_factory=list)
+    pinned_host: list[PinnedHostReading] = field(default_factory=list)
     self_pid: int | None = None
     rejected_messages: dict[str, int] = field(default_factory=dict)
     processes_cached: bool = False  # SourceReading.processes_cached
@@ -247,6 +292,7 @@ class Sample:
             processes=[ProcessGpuReading(**p) for p in data.get("processes", [])],
             host=HostReading(**host) if host else None,
             host_processes=[HostProcessReading(**p) for p in data.get("host_processes", [])],
+            pinned_host=[PinnedHostReading(**p) for p in data.get("pinned_host", [])],
             self_pid=data.get("self_pid"),
             processes_cached=bool(data.get("processes_cached", False)),
         )

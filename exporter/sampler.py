@@ -120,6 +120,7 @@ class Sampler:
             sample.gpus.extend(reading.gpus)
             sample.processes.extend(reading.processes)
             sample.host_processes.extend(reading.host_processes)
+            sample.pinned_host.extend(reading.pinned_host)
             sample.rejected_messages.update(reading.rejected_messages)
             if reading.host is not None:
                 sample.host = reading.host

@@ -10,7 +10,10 @@ zero where it is tracked), then writes:
 - the raw `torch.cuda.memory_stats_as_nested_dict(0)` and the flat `memory_stats(0)`;
 - the reading the exporter's own sources produce (TorchAllocatorSource, NvmlSource);
 - the raw NVML values (v1 and v2 memory info, per-process list) and this process's PID;
-- independent truth: torch.cuda.memory_allocated/reserved and the tensor bytes held live.
+- independent truth: torch.cuda.memory_allocated/reserved and the tensor bytes held live;
+- a captured CUDA graph and a MemPool (private pools), a 1 GiB pinned host tensor, the raw
+  `_cuda_hostMemoryStats()`, a segments-only snapshot and a plain walk of its blocks
+  (largest free block, free bytes in used segments, bytes per private pool).
 The CPU tests check the exporter's mapping against these files; nothing in them is typed by
 hand.
 """
@@ -24,6 +27,7 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 CONFIGS = {
     "native": "",
@@ -65,6 +69,78 @@ def _nvml_raw() -> dict:
     }
 
 
+PINNED_BYTES = 1 << 30
+
+
+def _private_pools(torch: Any, device: Any) -> dict[str, Any]:
+    """A captured CUDA graph (its private pool) and a MemPool holding a tensor, where the
+    backend supports them; their ids and the bytes allocated inside."""
+    result: dict[str, Any] = {}
+    static = torch.randn(1024, 1024, device=device)
+    try:
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            static @ static  # warm-up outside the capture, as CUDA graphs require
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = static @ static
+            scratch = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+        _KEEP.extend([graph, static, out, scratch])
+        result["graph"] = {"pool_id": list(graph.pool()), "tensor_bytes": (4 << 20) + (64 << 20)}
+    except Exception as exc:  # record what the backend said
+        result["graph"] = {"error": repr(exc)}
+    try:
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool, device=device):
+            tensor = torch.empty(32 << 20, dtype=torch.uint8, device=device)
+        _KEEP.extend([pool, tensor])
+        result["mempool"] = {"pool_id": list(pool.id), "tensor_bytes": 32 << 20}
+    except Exception as exc:
+        result["mempool"] = {"error": repr(exc)}
+    return result
+
+
+_KEEP: list[Any] = []
+
+
+def _segments_snapshot(torch: Any) -> dict[str, Any] | None:
+    try:
+        snapshot = torch._C._cuda_memorySnapshot(None)
+    except RuntimeError:  # cudaMallocAsync has none
+        return None
+    return {"segments": snapshot["segments"], "allocator_settings": snapshot["allocator_settings"]}
+
+
+def _independent_walk(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """The layout numbers by a plain walk over every block (not the exporter's code)."""
+    largest = default_free = in_used = 0
+    pools: dict[str, list[int]] = {}
+    for segment in snapshot["segments"]:
+        blocks = segment["blocks"]
+        free = [b["size"] for b in blocks if b["state"] == "inactive"]
+        used = [b["size"] for b in blocks if b["state"] != "inactive"]
+        pool = "_".join(map(str, segment["segment_pool_id"]))
+        if pool == "0_0":
+            default_free += sum(free)
+            largest = max([largest, *free])
+        else:
+            sums = pools.setdefault(pool, [0, 0])
+            sums[0] += segment["total_size"]
+            sums[1] += sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+        if used:
+            in_used += sum(free)
+    return {
+        "largest_free_block_bytes": largest,
+        "default_pool_free_bytes": default_free,
+        "free_in_used_segments_bytes": in_used,
+        "private_pools": {
+            p: {"reserved_bytes": r, "allocated_bytes": a} for p, (r, a) in pools.items()
+        },
+    }
+
+
 def child(config_name: str, out: Path) -> None:
     import torch
 
@@ -86,10 +162,15 @@ def child(config_name: str, out: Path) -> None:
     del allocs, tensor
     torch.cuda.synchronize()
     live_bytes = sum(t.numel() * t.element_size() for t in keep)
+    private = _private_pools(torch, device)
+    pinned = torch.empty(PINNED_BYTES, dtype=torch.uint8, pin_memory=True)
+    keep.append(pinned)
+    torch.cuda.synchronize()
 
     stats = torch.cuda.memory_stats_as_nested_dict(0)
     flat = torch.cuda.memory_stats(0)
     source_reading = TorchAllocatorSource().read()
+    snapshot = _segments_snapshot(torch)
     nvml_reading = NvmlSource().read()
     settings = None
     if hasattr(torch._C, "_accelerator_getAllocatorSettings"):
@@ -112,7 +193,15 @@ def child(config_name: str, out: Path) -> None:
             "memory_allocated": torch.cuda.memory_allocated(0),
             "memory_reserved": torch.cuda.memory_reserved(0),
             "live_tensor_bytes": live_bytes,
+            "pinned_tensor_bytes": PINNED_BYTES,
+            "private_pools": private,
+            "snapshot_walk": None if snapshot is None else _independent_walk(snapshot),
         },
+        # Segments-only snapshot (history off, so no frames), taken right after the source
+        # read: the layout the CPU tests recompute. None where the backend has no snapshot.
+        "snapshot": snapshot,
+        "host_memory_stats": torch._C._cuda_hostMemoryStats(),
+        "exporter_pinned_host": [asdict(p) for p in source_reading.pinned_host],
         "memory_stats_as_nested_dict": stats,
         "memory_stats": flat,
         "exporter_allocators": [asdict(a) for a in source_reading.allocators],
@@ -133,7 +222,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.child:
         child(args.child, args.out)
-        return
+        # Skip interpreter teardown: on cudaMallocAsync, freeing the captured graph's tensors
+        # at exit aborts the process (torch 2.11: "uncaptured free of a captured allocation",
+        # then invalid argument), after the file was written.
+        sys.stdout.flush()
+        os._exit(0)
     for name, conf in CONFIGS.items():
         env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))

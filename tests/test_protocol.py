@@ -57,3 +57,49 @@ def test_json_and_types_are_checked():
     assert reason(protocol.decode, b"{nope") == "json"
     assert reason(protocol.decode, b'{"type": "x"}') == "type"
     assert reason(protocol.decode, b'{"type": "sample", "n": NaN}') == "json"
+
+
+def test_layout_private_pools_settings_and_pinned_memory_travel_from_agents():
+    allocator = {
+        **GOOD,
+        "layout": {"largest_free_block_bytes": 7, "default_pool_free_bytes": 9},
+        "layout_age_s": 1.5,
+        "layout_skipped": "",
+        "private_pools": {"1_0": {"reserved_bytes": 4, "allocated_bytes": 3}},
+        "settings": {"expandable_segments": "true", "source": "live"},
+    }
+    pinned = protocol.PinnedHostReading(held_bytes=8, in_use_bytes=2)
+    message = protocol.decode(protocol.encode(protocol.sample([allocator], ActionCounts(), pinned)))
+    (reading,), _ = protocol.parse_sample(message)
+    assert reading.layout == allocator["layout"] and reading.layout_age_s == 1.5
+    assert reading.private_pools == {"1_0": {"reserved_bytes": 4, "allocated_bytes": 3}}
+    assert reading.settings["source"] == "live"
+    parsed = protocol.parse_pinned_host(message)
+    assert parsed is not None and (parsed.held_bytes, parsed.in_use_bytes) == (8, 2)
+    assert protocol.parse_pinned_host(protocol.sample([allocator], ActionCounts())) is None
+
+
+@pytest.mark.parametrize(
+    "allocator",
+    [
+        {**GOOD, "layout": {"made_up_bytes": 1}},
+        {**GOOD, "layout": {"largest_free_block_bytes": -1}},
+        {**GOOD, "layout_age_s": -1},
+        {**GOOD, "layout_age_s": True},
+        {**GOOD, "private_pools": {"1_0": {"free_bytes": 1}}},
+        {**GOOD, "private_pools": {f"1_{i}": {} for i in range(40)}},
+        {**GOOD, "settings": {"a": 1}},
+        {**GOOD, "settings": {f"k{i}": "v" for i in range(40)}},
+        {**GOOD, "layout_skipped": "x" * 100},
+    ],
+)
+def test_bad_layout_fields_are_refused(allocator):
+    assert reason(protocol.parse_sample, {"type": "sample", "allocators": [allocator]}) == "field"
+
+
+@pytest.mark.parametrize(
+    "pinned",
+    [{"held_bytes": -1, "in_use_bytes": 0}, {"held_bytes": 1}, {"held_bytes": 1, "x": 1}, 5],
+)
+def test_bad_pinned_host_memory_is_refused(pinned):
+    assert reason(protocol.parse_pinned_host, {"type": "sample", "pinned_host": pinned}) == "field"

@@ -133,6 +133,21 @@ def test_every_process_under_one_endpoint_exits_cleaned_up_and_fan_out(tmp_path)
         api_pid = str(proc.pid)
         assert all(labels["pid"] != api_pid for labels in roles.values())
 
+        # Every process's allocator layout and pinned host memory, labelled by process.
+        series = scrape(url)
+        largest = {
+            s.labels["pid"] for s in series if s.name == "torch_cuda_largest_free_block_bytes"
+        }
+        pinned = {
+            s.labels["pid"]: s.value for s in series if s.name == "torch_cuda_pinned_host_bytes"
+        }
+        assert largest == pids and set(pinned) == pids
+        assert set(pinned.values()) == {1 << 30}  # the capture's 1 GiB pinned tensor
+        pools = {
+            s.labels["pool_id"] for s in series if s.name.startswith("torch_cuda_private_pool")
+        }
+        assert "1_0" in pools
+
         # Counters stay monotonic per process.
         def retries() -> dict[str, float]:
             return {

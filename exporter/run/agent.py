@@ -56,7 +56,16 @@ class Agent:
         self.run_dir = run_dir
         self.socket_path = str(Path(run_dir) / SOCKET_NAME)
         self.interval_s = interval_s
-        self.source = TorchAllocatorSource()
+        try:
+            config = load_agent_config(run_dir)
+        except Exception:  # the launcher checked them; never fail the host process here
+            from exporter.config import Config
+
+            config = Config()
+        self.source = TorchAllocatorSource(
+            layout_interval_s=config.layout_interval_s,
+            layout_max_blocks=config.layout_max_blocks,
+        )
         self.actions: LocalActions | None = None
         self._listeners: list[Listener] = []
         self._sock: socket.socket | None = None
@@ -140,7 +149,9 @@ class Agent:
                 log.debug("agent listener failed: %s", exc)
         if self._sock is None and not self._connect():
             return
-        self._send(protocol.sample([asdict(a) for a in reading.allocators], self._counts()))
+        pinned = reading.pinned_host[0] if reading.pinned_host else None
+        allocators = [asdict(a) for a in reading.allocators]
+        self._send(protocol.sample(allocators, self._counts(), pinned))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

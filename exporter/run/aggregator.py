@@ -33,7 +33,7 @@ from exporter.actions.base import ProcessCounts, ProcessResult, Target
 from exporter.ratelimit import RateLimitedLog
 from exporter.run import protocol
 from exporter.run.agent import SOCKET_NAME
-from exporter.sample import ActionCounts, AllocatorReading, SourceReading
+from exporter.sample import ActionCounts, AllocatorReading, PinnedHostReading, SourceReading
 
 log = logging.getLogger("exporter.aggregator")
 
@@ -45,6 +45,7 @@ class _Peer:
     process: dict[str, str] = field(default_factory=dict)
     allocators: list[AllocatorReading] = field(default_factory=list)
     counts: ActionCounts = field(default_factory=ActionCounts)
+    pinned_host: PinnedHostReading | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def send(self, message: dict[str, Any]) -> None:
@@ -126,6 +127,7 @@ class Aggregator:
         with self._lock:
             self.rejected[exc.reason] += 1
         peer.allocators = []  # that process's sample is dropped, nobody else's
+        peer.pinned_host = None
         who = peer.process.get("pid") or peer.pid or "?"
         self._log.warning(f"agent:{exc.reason}", f"rejected a message from pid {who}: {exc}")
 
@@ -147,7 +149,10 @@ class Aggregator:
                 readings, counts = protocol.parse_sample(message)
                 for reading in readings:
                     reading.process = dict(peer.process)
-                peer.allocators, peer.counts = readings, counts
+                pinned = protocol.parse_pinned_host(message)
+                if pinned is not None:
+                    pinned.process = dict(peer.process)
+                peer.allocators, peer.counts, peer.pinned_host = readings, counts, pinned
             elif kind == "reply":
                 request_id, result = protocol.parse_reply(message)
                 result.process = dict(peer.process)
@@ -180,7 +185,9 @@ class Aggregator:
             peers = list(self._peers.values())
             rejected = dict(self.rejected)
         return SourceReading(
-            allocators=[a for p in peers for a in p.allocators], rejected_messages=rejected
+            allocators=[a for p in peers for a in p.allocators],
+            pinned_host=[p.pinned_host for p in peers if p.pinned_host is not None],
+            rejected_messages=rejected,
         )
 
     def action_counts(self) -> list[ProcessCounts]:

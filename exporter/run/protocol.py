@@ -21,10 +21,13 @@ from exporter.actions.base import OUTCOME_STATUS, REMOTE_ACTIONS, ProcessResult
 from exporter.sample import (
     ALLOCATOR_COUNTERS,
     ALLOCATOR_GAUGES,
+    LAYOUT_GAUGES,
     POOL_GAUGES,
+    PRIVATE_POOL_GAUGES,
     PROCESS_LABELS,
     ActionCounts,
     AllocatorReading,
+    PinnedHostReading,
 )
 
 VERSION = 1
@@ -33,6 +36,9 @@ MAX_LINE_BYTES = 1 << 20
 MAX_ALLOCATORS = 64
 MAX_TEXT = 256
 _POOLS = ("large", "small")
+# The exporter keeps at most 16 private pools per device plus "other"; settings are scalars.
+MAX_PRIVATE_POOLS = 17
+MAX_SETTINGS = 16
 
 
 class ProtocolError(ValueError):
@@ -91,10 +97,17 @@ def hello(process: Mapping[str, str]) -> dict[str, Any]:
     return {"type": "hello", "version": VERSION, "process": dict(process)}
 
 
-def sample(allocators: list[dict[str, Any]], counts: ActionCounts) -> dict[str, Any]:
+def sample(
+    allocators: list[dict[str, Any]],
+    counts: ActionCounts,
+    pinned_host: PinnedHostReading | None = None,
+) -> dict[str, Any]:
     return {
         "type": "sample",
         "allocators": allocators,
+        "pinned_host": None
+        if pinned_host is None
+        else {"held_bytes": pinned_host.held_bytes, "in_use_bytes": pinned_host.in_use_bytes},
         "actions": {
             "snapshots": counts.snapshots,
             "empty_cache_released_bytes": counts.empty_cache_released_bytes,
@@ -166,6 +179,11 @@ def parse_allocator(data: Any) -> AllocatorReading:
         "pools",
         "max_split_size_bytes",
         "process",
+        "layout",
+        "layout_age_s",
+        "layout_skipped",
+        "private_pools",
+        "settings",
     }
     if set(data) - known:
         raise _fail(f"allocator: unknown fields {sorted(set(data) - known)[:3]}")
@@ -181,6 +199,17 @@ def parse_allocator(data: Any) -> AllocatorReading:
             raise _fail(f"pools: unknown pool {pool[:32]!r}")
         pools[pool] = _counts(gauges, f"pools.{pool}", POOL_GAUGES)
     max_split = data.get("max_split_size_bytes")
+    private_pools = _object(data.get("private_pools", {}), "private_pools")
+    if len(private_pools) > MAX_PRIVATE_POOLS:
+        raise _fail("private_pools: too many pools")
+    settings = _object(data.get("settings", {}), "settings")
+    if len(settings) > MAX_SETTINGS:
+        raise _fail("settings: too many keys")
+    age = data.get("layout_age_s")
+    if age is not None and (
+        isinstance(age, bool) or not isinstance(age, (int, float)) or not 0 <= age < 1e9
+    ):
+        raise _fail("layout_age_s: expected a non-negative number of seconds")
     return AllocatorReading(
         device=device,
         gpu_uuid=_text(data.get("gpu_uuid"), "gpu_uuid", 128),
@@ -190,6 +219,33 @@ def parse_allocator(data: Any) -> AllocatorReading:
         counters=_counts(data.get("counters", {}), "counters", ALLOCATOR_COUNTERS),
         pools=pools,
         max_split_size_bytes=None if max_split is None else _count(max_split, "max_split"),
+        layout=_counts(data.get("layout", {}), "layout", LAYOUT_GAUGES),
+        layout_age_s=None if age is None else float(age),
+        layout_skipped=_text(data.get("layout_skipped", ""), "layout_skipped", 32),
+        private_pools={
+            _text(pool, "private_pools", 64): _counts(
+                gauges, "private_pools.<pool>", PRIVATE_POOL_GAUGES
+            )
+            for pool, gauges in private_pools.items()
+        },
+        settings={
+            _text(key, "settings", 64): _text(value, "settings.<value>", 64)
+            for key, value in settings.items()
+        },
+    )
+
+
+def parse_pinned_host(message: Mapping[str, Any]) -> PinnedHostReading | None:
+    """The pinned host memory a sample message reports for its process, if any."""
+    data = message.get("pinned_host")
+    if data is None:
+        return None
+    data = _object(data, "pinned_host")
+    if set(data) - {"held_bytes", "in_use_bytes"}:
+        raise _fail("pinned_host: unknown fields")
+    return PinnedHostReading(
+        held_bytes=_count(data.get("held_bytes"), "pinned_host.held_bytes"),
+        in_use_bytes=_count(data.get("in_use_bytes"), "pinned_host.in_use_bytes"),
     )
 
 

@@ -94,6 +94,7 @@ class ReplaySource:
             processes=copy.deepcopy(recorded.processes),
             host=copy.deepcopy(recorded.host),
             host_processes=copy.deepcopy(recorded.host_processes) or _recorded_process(recorded),
+            pinned_host=copy.deepcopy(recorded.pinned_host),
             self_pid=recorded.self_pid,
             processes_cached=recorded.processes_cached,
         )

@@ -15,10 +15,19 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from collections.abc import Mapping
 from typing import Any
 
-from exporter.sample import AllocatorReading, SourceReading
+from exporter.sample import AllocatorReading, PinnedHostReading, SourceReading
+from exporter.sources.allocator_layout import (
+    DEFAULT_INTERVAL_S,
+    DEFAULT_MAX_BLOCKS,
+    DeviceLayout,
+    LayoutReader,
+    bounded_pools,
+    pool_label,
+)
 
 NATIVE = "native"
 ASYNC = "cudaMallocAsync"
@@ -133,6 +142,19 @@ def allocator_reading_from_stats(
         pools.setdefault(pool, {})[family] = value
     counters = {key: stats[stat] for stat, key in counter_plan if stat in stats}
     max_split = stats.get("max_split_size")
+    # torch 2.13+: reserved bytes per private pool, keyed by pool id tuples; read every tick
+    # (the snapshot adds allocated bytes at its own cadence).
+    by_pool = stats.get("reserved_bytes_by_private_pools")
+    private_pools = {}
+    if isinstance(by_pool, Mapping):
+        private_pools = bounded_pools(
+            {
+                pool_label(pool_id if isinstance(pool_id, tuple) else (pool_id,)): {
+                    "reserved_bytes": value["all"]["current"]
+                }
+                for pool_id, value in by_pool.items()
+            }
+        )
     return AllocatorReading(
         device=device,
         gpu_uuid=gpu_uuid,
@@ -142,7 +164,27 @@ def allocator_reading_from_stats(
         counters=counters,
         pools=pools,
         max_split_size_bytes=max_split if isinstance(max_split, int) and max_split >= 0 else None,
+        private_pools=private_pools,
     )
+
+
+def block_count(stats: Mapping[str, Any], expandable_segments: bool) -> int:
+    """An upper estimate of the blocks a snapshot would build for one device, from counts the
+    stats already have: live allocations, free split blocks and one free block per segment.
+    With expandable segments the last two are not tracked; free blocks sit between live ones
+    there, so at most one more per allocation."""
+    try:
+        allocations = int(stats["allocation"]["all"]["current"])
+        if expandable_segments:
+            return 2 * allocations + 1
+        split = int(stats["inactive_split"]["all"]["current"])
+        return allocations + split + int(stats["segment"]["all"]["current"])
+    except (KeyError, TypeError, ValueError):
+        return 0
+
+
+# Allocator settings exported as labels of torch_cuda_allocator_info (scalars only).
+_SETTINGS = ("expandable_segments", "garbage_collection_threshold", "max_split_size")
 
 
 class TorchAllocatorSource:
@@ -150,9 +192,22 @@ class TorchAllocatorSource:
 
     name = "torch"
 
-    def __init__(self, torch_module: Any = None, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        torch_module: Any = None,
+        env: Mapping[str, str] | None = None,
+        *,
+        layout_interval_s: float = DEFAULT_INTERVAL_S,
+        layout_max_blocks: int = DEFAULT_MAX_BLOCKS,
+    ) -> None:
         self._torch = torch_module
         self._env = os.environ if env is None else env
+        self._layout_interval_s = layout_interval_s
+        self._layout_max_blocks = layout_max_blocks
+        self._layout: LayoutReader | None = None
+        # Settings the allocator reported itself (the snapshot's allocator_settings); until
+        # then, what PYTORCH_CUDA_ALLOC_CONF said at start-up.
+        self._live_settings: dict[str, str] = {}
         self._backend: str | None = None
         self._expandable: bool | None = None
         self._uuids: dict[int, str] = {}
@@ -209,12 +264,14 @@ class TorchAllocatorSource:
                 torch._C, "_cuda_memoryStats", torch.cuda.memory_stats_as_nested_dict
             )
         readings = []
+        blocks = 0
         for index in range(torch.cuda.device_count()):
             if not self._has_context(torch, index):
                 continue
             stats = self._read_stats(index)
             if not stats:
                 continue
+            blocks += block_count(stats, expandable)
             reading = allocator_reading_from_stats(
                 stats,
                 device=index,
@@ -226,7 +283,83 @@ class TorchAllocatorSource:
                 continue  # fallback path: a device this process never used
             readings.append(reading)
         self.uuids_in_use = frozenset(reading.gpu_uuid for reading in readings)
-        return SourceReading(allocators=readings)
+        if readings:
+            self._add_layout(torch, backend, readings, blocks)
+        for reading in readings:
+            reading.settings = self._settings_labels()
+        return SourceReading(allocators=readings, pinned_host=self._pinned_host(torch))
+
+    def _layout_reader(self, torch: Any, backend: str) -> LayoutReader | None:
+        if self._layout is None and backend == NATIVE and self._layout_interval_s > 0:
+            snapshot = getattr(torch._C, "_cuda_memorySnapshot", None)
+            if snapshot is None:
+                return None
+            history = getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)
+            self._layout = LayoutReader(
+                # None: every device and pool. Its history trace is empty: the reader does not
+                # run while history recording is on.
+                lambda: snapshot(None),
+                history_enabled=history,
+                interval_s=self._layout_interval_s,
+                max_blocks=self._layout_max_blocks,
+            )
+        return self._layout
+
+    def _add_layout(
+        self, torch: Any, backend: str, readings: list[AllocatorReading], blocks: int
+    ) -> None:
+        """Attach the latest layout (reading a new one when due) to this tick's readings."""
+        reader = self._layout_reader(torch, backend)
+        if reader is None:
+            return
+        if reader.due():
+            read = reader.read(blocks)
+            if read.settings:
+                self._live_settings = read.settings
+                live = read.settings.get("expandable_segments", "").lower()
+                if live in ("true", "false"):
+                    # Settings can change at run time (torch.cuda.memory._set_allocator_settings)
+                    self._expandable = live == "true"
+        latest = reader.latest
+        if latest is None:
+            return
+        age = max(time.time() - latest.timestamp, 0.0)
+        for reading in readings:
+            reading.layout_skipped = latest.skipped
+            if latest.skipped:
+                continue
+            # A device with no segments at all has nothing free: zeros, not "unknown".
+            layout = latest.layouts.get(reading.device) or DeviceLayout()
+            reading.layout = layout.as_gauges()
+            reading.layout_age_s = age
+            pools = {label: dict(values) for label, values in layout.private_pools.items()}
+            for label, values in reading.private_pools.items():  # the stats' own, fresher
+                pools.setdefault(label, {}).update(values)
+            reading.private_pools = pools
+
+    def _settings_labels(self) -> dict[str, str]:
+        if self._live_settings:
+            settings = {k: self._live_settings[k] for k in _SETTINGS if k in self._live_settings}
+            return {**settings, "source": "live"}
+        conf = parse_alloc_conf(self._env)
+        return {
+            "garbage_collection_threshold": conf.get("garbage_collection_threshold", ""),
+            "source": "environment",
+        }
+
+    def _pinned_host(self, torch: Any) -> list[PinnedHostReading]:
+        """Pinned host memory of PyTorch's caching host allocator: one C call (5-8 us on an
+        H200 host), which creates no CUDA context (measured, shared/FACTS.md)."""
+        read = getattr(torch._C, "_cuda_hostMemoryStats", None)
+        if read is None:
+            return []
+        stats = read()
+        try:
+            held = int(stats["allocated_bytes"]["current"])
+            in_use = int(stats["active_bytes"]["current"])
+        except (KeyError, TypeError, ValueError):
+            return []
+        return [PinnedHostReading(held_bytes=held, in_use_bytes=in_use)]
 
     def close(self) -> None:
         pass

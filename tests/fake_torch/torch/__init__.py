@@ -1,7 +1,8 @@
 """A test double of torch for the multi-process CPU tests (tests/test_run.py).
 
 It serves the allocator dict captured on an H200 (tests/data/allocator_native.json) with
-allocated bytes and the retry counter moving over time, and tracks which devices this process
+allocated bytes and the retry counter moving over time (and that capture's snapshot and pinned
+host memory stats as they were), and tracks which devices this process
 "initialized" with set_device(), so that the real agent, aggregator and launcher can be
 exercised end to end on a machine without a GPU. The real thing is tested on the GPU machine
 (tests/test_gpu.py::test_run_two_ranks_on_two_gpus).
@@ -123,8 +124,21 @@ class _Cuda:
             _calls.append(("history", enabled))
 
 
+def _memory_snapshot(_pool=None):
+    """The captured segments-only snapshot, once per device this process initialized."""
+    segments = [
+        {**segment, "device": device}
+        for device in sorted(_initialized)
+        for segment in _DATA["snapshot"]["segments"]
+    ]
+    return {"segments": segments, "allocator_settings": _DATA["snapshot"]["allocator_settings"]}
+
+
 cuda = _Cuda()
 _C = SimpleNamespace(
     _cuda_hasPrimaryContext=lambda i: i in _initialized,
     _cuda_attach_out_of_memory_observer=_oom_observers.append,
+    _cuda_memorySnapshot=_memory_snapshot,
+    _cuda_isHistoryEnabled=lambda: False,
+    _cuda_hostMemoryStats=lambda: copy.deepcopy(_DATA["host_memory_stats"]),
 )

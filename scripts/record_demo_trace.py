@@ -2,24 +2,35 @@
 
 Run on a machine with a CUDA GPU, from the repository root:
 
-    python3 scripts/record_demo_trace.py --out exporter/data/demo_trace.jsonl.gz
+    python3 scripts/record_demo_trace.py --out exporter/data/demo_trace.jsonl.gz \
+        --snapshot exporter/data/demo_snapshot.pickle.gz
 
 The exporter's real sources (allocator, NVML, host) are sampled by the real sampler every
-0.5 s while the main thread runs, in phases:
+0.5 s (the allocator's layout, from a snapshot, every 2 s) while the main thread runs, in
+phases:
 
-1. serving (0-60 s): a bf16 decoder (12 layers, hidden 4096, ~4.8 GiB of weights) generates
+1. serving (0-45 s): a bf16 decoder (12 layers, hidden 4096, ~4.8 GiB of weights) generates
    token by token for request batches of varied batch size, prompt and output length; the KV
    cache grows by torch.cat every 16 tokens, as naive servers do.
-2. fragmentation (60-100 s): a "prefix cache" keeps every other block of varied sizes alive,
-   so partly used segments pile up and inactive_split / reserved climbs.
-3. pressure (100-130 s): traffic goes on under a 20 GiB cap
+2. cuda_graphs (45-60 s): decode steps for batch sizes 1-64 are captured into CUDA graphs
+   sharing one private pool (as vLLM does) and replayed between requests from then on.
+3. pinned (60-70 s): a 4 GiB pinned-host "swap space" is allocated and KV blocks are copied
+   out to it and back (`pin_memory=True`, non-blocking copies).
+4. fragmentation (70-110 s): a "prefix cache" keeps every other block of varied sizes alive,
+   so partly used segments pile up, inactive_split / reserved climbs and the largest free
+   block falls far below the free cache. History is recorded only in its last 5 s (while it
+   is on, the exporter does not take layout snapshots).
+5. pressure (110-140 s): traffic goes on under a 20 GiB cap
    (torch.cuda.set_per_process_memory_fraction), so large KV allocations first flush the
    cache and retry, and finally one request runs out of memory (caught, as a server would).
-4. recovery (130-150 s): the prefix cache is dropped, empty_cache() returns the cache to the
-   driver, traffic resumes.
+6. recovery (140-155 s): the prefix cache and the swap space are dropped, empty_cache()
+   returns the cache to the driver, traffic resumes (the pinned memory stays cached).
+7. expandable (155-185 s): the allocator is switched to expandable_segments:True at run time
+   and a smaller prefix cache fragments it again: inactive_split is not tracked there, the
+   free bytes inside used segments still are.
 
-A snapshot of the allocator (with allocation history recorded during the fragmentation phase)
-is also written for the incident tools' demo.
+A snapshot of the allocator (with allocation history recorded at the end of the
+fragmentation phase) is also written for the incident tools' demo.
 """
 
 from __future__ import annotations
@@ -47,7 +58,19 @@ HEAD_DIM = HIDDEN // HEADS
 CAP_BYTES = 20 * GiB
 FRAG_TARGET_BYTES = 10 * GiB  # allocated during the fragmentation phase; half stays live
 FRAG_ROUND_BYTES = 340 << 20
-PHASES = (("serving", 60.0), ("fragmentation", 40.0), ("pressure", 30.0), ("recovery", 20.0))
+PHASES = (
+    ("serving", 45.0),
+    ("cuda_graphs", 15.0),
+    ("pinned", 10.0),
+    ("fragmentation", 40.0),
+    ("pressure", 30.0),
+    ("recovery", 15.0),
+    ("expandable", 30.0),
+)
+GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+SWAP_BYTES = 4 * GiB
+HISTORY_LAST_S = 5.0
+LAYOUT_INTERVAL_S = 2.0
 
 
 class Decoder:
@@ -93,6 +116,58 @@ class Decoder:
         torch.cuda.synchronize(self.device)
 
 
+class GraphedSteps:
+    """Decode steps captured as CUDA graphs per batch size, all in one private pool."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.decoder = decoder
+        pool = None
+        side = torch.cuda.Stream(device=decoder.device)
+        for batch in GRAPH_BATCHES:
+            static = torch.zeros(batch, 1, HIDDEN, device=decoder.device, dtype=torch.bfloat16)
+            side.wait_stream(torch.cuda.current_stream(decoder.device))
+            with torch.cuda.stream(side):
+                self._step(static)  # warm-up outside the capture, as CUDA graphs require
+            torch.cuda.current_stream(decoder.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._step(static)
+            pool = graph.pool()
+            self.graphs[batch] = (graph, static)
+        self.pool_id = pool
+
+    def _step(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.decoder.layers:
+            x = torch.nn.functional.silu((x @ layer["o"]) @ layer["up"][:, :FFN]) @ layer["down"]
+        return x
+
+    def replay(self, rng: random.Random) -> str:
+        batch = rng.choice(GRAPH_BATCHES)
+        graph, _ = self.graphs[batch]
+        for _ in range(8):
+            graph.replay()
+        torch.cuda.synchronize(self.decoder.device)
+        return f"graph replay batch={batch}"
+
+
+def fragment(
+    device: torch.device, cache: list[torch.Tensor], state: dict[str, float], target: float
+) -> None:
+    """Rounds of blocks, each round's blocks 7% larger than the last round's. Every other
+    block stays alive, so each round leaves holes that later, larger requests cannot use:
+    free space piles up inside partly used segments and inactive_split / reserved climbs, as
+    with a prefix cache of odd sizes."""
+    while state["bytes"] < target:
+        size = int(state["size"])
+        count = max(2, FRAG_ROUND_BYTES // size)
+        batch = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)]
+        cache.extend(batch[::2])
+        state["bytes"] += size * count
+        state["size"] *= 1.07
+        del batch
+
+
 def serve_one(decoder: Decoder, rng: random.Random, scale: float = 1.0) -> str:
     batch = rng.choice([1, 2, 4, 8, 16, 24, 32])
     prompt = rng.choice([128, 256, 512, 768, 1024, 1536, 2048])
@@ -122,20 +197,26 @@ def main() -> None:
 
     meta = {
         "description": f"{torch.cuda.get_device_name(device)}: bf16 decoder serving varied "
-        "batches, then fragmentation, allocation retries, an OOM and recovery "
-        f"under a {CAP_BYTES // GiB} GiB cap",
+        "batches with CUDA graphs and pinned swap space, then fragmentation, allocation "
+        f"retries, an OOM, recovery under a {CAP_BYTES // GiB} GiB cap, and expandable "
+        "segments switched on at run time",
         "device_name": torch.cuda.get_device_name(device),
         "torch_version": torch.__version__,
         "host": socket.gethostname(),
         "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "cap_bytes": CAP_BYTES,
         "interval_s": args.interval_s,
+        "layout_interval_s": LAYOUT_INTERVAL_S,
         "phases": [{"name": n, "duration_s": d} for n, d in PHASES],
         "script": "scripts/record_demo_trace.py",
     }
     writer = TraceWriter(args.out, meta=meta)
     sampler = Sampler(
-        [TorchAllocatorSource(), NvmlSource(), HostMemorySource()],
+        [
+            TorchAllocatorSource(layout_interval_s=LAYOUT_INTERVAL_S),
+            NvmlSource(),
+            HostMemorySource(),
+        ],
         interval_s=args.interval_s,
         listeners=[writer],
     )
@@ -143,7 +224,11 @@ def main() -> None:
     torch.cuda.synchronize()
     sampler.start()
     prefix_cache: list[torch.Tensor] = []
-    frag_bytes, frag_rounds, frag_size = 0, 0, float(1 << 20)
+    frag = {"bytes": 0.0, "size": float(1 << 20)}
+    frag_rounds = 0
+    switched = False
+    graphs: GraphedSteps | None = None
+    swap: list[torch.Tensor] = []
     start = time.monotonic()
     events = []
 
@@ -152,40 +237,63 @@ def main() -> None:
         events.append(line)
         print(line, flush=True)
 
+    def traffic(scale: float = 1.0) -> None:
+        log(serve_one(decoder, rng, scale))
+        if graphs is not None:
+            log(graphs.replay(rng))
+
     for phase, duration in PHASES:
         log(f"phase {phase}")
         phase_start = time.monotonic()
         phase_end = phase_start + duration
-        if phase == "fragmentation":
-            torch.cuda.memory._record_memory_history(max_entries=20000, stacks="python")
+        history = False
         while time.monotonic() < phase_end:
             if phase == "serving":
-                log(serve_one(decoder, rng))
-            elif phase == "fragmentation":
-                # Rounds of blocks, each round's blocks 7% larger than the last round's. Every
-                # other block stays alive, so each round leaves holes that later, larger
-                # requests cannot use: free space piles up inside partly used segments and
-                # inactive_split / reserved climbs, as with a prefix cache of odd sizes.
-                progress = min((time.monotonic() - phase_start) / duration, 1.0)
-                while frag_bytes < FRAG_TARGET_BYTES * progress:
-                    count = max(2, FRAG_ROUND_BYTES // int(frag_size))
-                    batch = [
-                        torch.empty(int(frag_size), dtype=torch.uint8, device=device)
-                        for _ in range(count)
+                traffic()
+            elif phase == "cuda_graphs":
+                if graphs is None:
+                    graphs = GraphedSteps(decoder)
+                    log(f"captured {len(graphs.graphs)} CUDA graphs in pool {graphs.pool_id}")
+                traffic()
+            elif phase == "pinned":
+                if not swap:
+                    swap = [
+                        torch.empty(SWAP_BYTES // 4, dtype=torch.uint8, pin_memory=True)
+                        for _ in range(4)
                     ]
-                    prefix_cache.extend(batch[::2])
-                    frag_bytes += int(frag_size) * count
-                    frag_size *= 1.07
-                    del batch
+                    log(f"pinned swap space {SWAP_BYTES / GiB:.0f} GiB")
+                # Swap a KV-sized block out and back in, as servers do under pressure.
+                block = torch.empty(SWAP_BYTES // 8, dtype=torch.uint8, device=device)
+                host = swap[rng.randrange(4)][: block.numel()]
+                host.copy_(block, non_blocking=True)
+                block.copy_(host, non_blocking=True)
+                torch.cuda.synchronize(device)
+                del block
+                traffic()
+            elif phase in ("fragmentation", "expandable"):
+                if phase == "expandable" and not switched:
+                    # Applies to segments made from now on (the weights keep theirs).
+                    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+                    log("allocator switched to expandable_segments:True")
+                    frag = {"bytes": 0.0, "size": float(1 << 20)}
+                    switched = True
+                if (
+                    phase == "fragmentation"
+                    and not history
+                    and phase_end - time.monotonic() < HISTORY_LAST_S
+                ):
+                    torch.cuda.memory._record_memory_history(max_entries=20000, stacks="python")
+                    history = True
+                share = 0.4 if phase == "expandable" else 1.0
+                progress = min((time.monotonic() - phase_start) / duration, 1.0)
+                fragment(device, prefix_cache, frag, FRAG_TARGET_BYTES * share * progress)
                 frag_rounds += 1
                 if frag_rounds % 4 == 0:
                     stats = torch.cuda.memory_stats_as_nested_dict(device)
                     inactive = stats["inactive_split_bytes"]["all"]["current"]
                     reserved = stats["reserved_bytes"]["all"]["current"]
-                    log(
-                        f"fragmentation {inactive / reserved:.2f} of {reserved / GiB:.1f} GiB; "
-                        + serve_one(decoder, rng, scale=0.25)
-                    )
+                    log(f"inactive_split {inactive / reserved:.2f} of {reserved / GiB:.1f} GiB")
+                    traffic(scale=0.25)
                 else:
                     time.sleep(0.2)
             elif phase == "pressure":
@@ -201,7 +309,7 @@ def main() -> None:
                         log(f"burst {ask / GiB:.2f} GiB ok")
                     except torch.cuda.OutOfMemoryError:
                         log(f"burst {ask / GiB:.2f} GiB OOM")
-                log(serve_one(decoder, rng))
+                traffic()
                 if phase_end - time.monotonic() < 8 and not any("OOM" in e for e in events):
                     try:  # the request that no cache flush can satisfy
                         huge = torch.empty(CAP_BYTES, dtype=torch.uint8, device=device)
@@ -209,11 +317,12 @@ def main() -> None:
                     except torch.cuda.OutOfMemoryError:
                         log("OOM on a request for the whole cap (shed)")
             else:  # recovery
-                if prefix_cache:
+                if prefix_cache or swap:
                     prefix_cache.clear()
+                    swap.clear()
                     torch.cuda.empty_cache()
-                    log("prefix cache dropped, empty_cache()")
-                log(serve_one(decoder, rng))
+                    log("prefix cache and swap space dropped, empty_cache()")
+                traffic()
         if phase == "fragmentation":
             if args.snapshot is not None:
                 snapshot = torch.cuda.memory._snapshot()

@@ -611,6 +611,107 @@ def own_gpus_and_process_cadence() -> dict[str, Any]:
     }
 
 
+def _walk(snapshot: dict[str, Any], device: int) -> dict[str, Any]:
+    """The layout numbers by a plain walk over every block of one device (independent of
+    exporter/sources/allocator_layout.py)."""
+    largest = default_free = in_used = 0
+    pools: dict[str, list[int]] = {}
+    for segment in snapshot["segments"]:
+        if segment["device"] != device:
+            continue
+        blocks = segment["blocks"]
+        free = [b["size"] for b in blocks if b["state"] == "inactive"]
+        pool = "_".join(str(part) for part in segment["segment_pool_id"])
+        if pool == "0_0":
+            default_free += sum(free)
+            largest = max([largest, *free])
+        else:
+            sums = pools.setdefault(pool, [0, 0])
+            sums[0] += segment["total_size"]
+            sums[1] += sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+        if any(b["state"] != "inactive" for b in blocks):
+            in_used += sum(free)
+    return {
+        "largest_free_block_bytes": largest,
+        "default_pool_free_bytes": default_free,
+        "free_in_used_segments_bytes": in_used,
+        "private_pools": {p: {"reserved": r, "allocated": a} for p, (r, a) in pools.items()},
+    }
+
+
+def layout(index: str = "0") -> dict[str, Any]:
+    """An embedded exporter in a process that uses cuda:index only: varied sizes with every
+    other one freed, a captured CUDA graph, a 4 GiB pinned host tensor; /metrics against a
+    walk of torch.cuda.memory._snapshot() and torch's own pinned-memory stats."""
+    import torch
+    from prometheus_client.parser import text_string_to_metric_families
+
+    import exporter
+
+    used = int(index)
+    torch.cuda.set_device(used)
+    device = torch.device(f"cuda:{used}")
+    sizes = [3 * MiB, 5 * MiB, 7 * MiB, 2 * MiB, 11 * MiB, 300_000, 9000]
+    allocs = [torch.empty(s, dtype=torch.uint8, device=device) for s in sizes * 12]
+    keep = allocs[::2]
+    del allocs
+    static = torch.randn(2048, 2048, device=device)
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        static @ static
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = static @ static
+        scratch = torch.empty(96 * MiB, dtype=torch.uint8, device=device)
+    graph.replay()
+    pinned = torch.empty(4 << 30, dtype=torch.uint8, pin_memory=True)
+    torch.cuda.synchronize(device)
+    handle = exporter.start(port=0, interval_s=0.05)
+    time.sleep(1.0)  # several layout readings (GPUMEM_LAYOUT_INTERVAL_S=0.2)
+
+    def snapshot() -> dict[str, Any] | None:
+        try:
+            return torch.cuda.memory._snapshot()
+        except RuntimeError:  # cudaMallocAsync has no snapshot
+            return None
+
+    before = snapshot()
+    with urllib.request.urlopen(f"{handle.url}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    after = snapshot()
+    handle.stop()
+    series = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("device", str(used)) == str(used):
+                series.append([sample.name, sample.labels, sample.value])
+    stats = torch.cuda.memory_stats_as_nested_dict(used)
+    host = torch._C._cuda_hostMemoryStats()
+    pid_on_gpus = [u for u, pids in _nvml_pids().items() if os.getpid() in pids]
+    has_context = [
+        bool(torch._C._cuda_hasPrimaryContext(i)) for i in range(torch.cuda.device_count())
+    ]
+    result = {
+        "used": used,
+        "used_uuid": f"GPU-{torch.cuda.get_device_properties(used).uuid}",
+        "error": handle.error,
+        "series": series,
+        "walk": None if before is None else _walk(before, used),
+        "walk_after": None if after is None else _walk(after, used),
+        "graph_pool": "_".join(str(part) for part in graph.pool()),
+        "inactive_split_bytes": stats["inactive_split_bytes"]["all"]["current"],
+        "pinned_tensor_bytes": pinned.numel(),
+        "host_stats_held": host["allocated_bytes"]["current"],
+        "has_context": has_context,
+        "pid_on_gpus": pid_on_gpus,
+        "settings": None if before is None else before["allocator_settings"],
+    }
+    del keep, out, scratch, static, pinned
+    return result
+
+
 SCENARIOS = {
     name: fn
     for name, fn in list(globals().items())

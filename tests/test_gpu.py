@@ -615,3 +615,72 @@ def test_torchrun_under_run_actions_oom_alerts_and_host_memory(tmp_path):
         if out_dir:
             with open(os.path.join(out_dir, "torchrun_report.json"), "w") as f:
                 json.dump(report, f, indent=2)
+
+
+def _layout(used: str = "0", alloc_conf: str = "") -> tuple[dict, dict]:
+    os.environ["GPUMEM_LAYOUT_INTERVAL_S"] = "0.2"
+    try:
+        r = run_scenario("layout", used, alloc_conf=alloc_conf)
+    finally:
+        del os.environ["GPUMEM_LAYOUT_INTERVAL_S"]
+    assert r["error"] is None
+    assert r["walk"] == r["walk_after"], "the allocator moved while the test read it"
+    values = {}
+    for name, labels, value in r["series"]:
+        key = name if "pool_id" not in labels else f"{name}/{labels['pool_id']}"
+        values[key] = value
+    return r, values
+
+
+def test_layout_matches_an_independent_snapshot_walk_on_the_native_allocator():
+    r, m = _layout()
+    walk = r["walk"]
+    assert m["torch_cuda_largest_free_block_bytes"] == walk["largest_free_block_bytes"] > 0
+    assert m["torch_cuda_default_pool_free_bytes"] == walk["default_pool_free_bytes"]
+    assert m["torch_cuda_free_in_used_segments_bytes"] == walk["free_in_used_segments_bytes"]
+    # Native allocator: the same bytes as the allocator's own inactive_split count.
+    assert m["torch_cuda_free_in_used_segments_bytes"] == r["inactive_split_bytes"] > 0
+    assert m["torch_cuda_layout_age_seconds"] < 1.0
+    # The captured graph's private pool, under its own id, equal to its segments.
+    pool = walk["private_pools"][r["graph_pool"]]
+    assert m[f"torch_cuda_private_pool_reserved_bytes/{r['graph_pool']}"] == pool["reserved"]
+    assert m[f"torch_cuda_private_pool_allocated_bytes/{r['graph_pool']}"] == pool["allocated"]
+    assert pool["allocated"] >= 96 * MiB
+    # 4 GiB pinned host tensor: 4 GiB held and in use, as torch's own stats say.
+    assert m["torch_cuda_pinned_host_bytes"] == r["pinned_tensor_bytes"] == 4 << 30
+    assert m["torch_cuda_pinned_host_bytes"] == r["host_stats_held"]
+    assert m["torch_cuda_pinned_host_in_use_bytes"] == 4 << 30
+    assert "torch_cuda_layout_skipped_info" not in m
+
+
+def test_layout_defines_fragmentation_with_expandable_segments():
+    r, m = _layout(alloc_conf="expandable_segments:True")
+    walk = r["walk"]
+    assert r["inactive_split_bytes"] == 0  # not tracked there (pytorch/pytorch#159564)
+    assert "torch_cuda_inactive_split_bytes" not in m
+    assert m["torch_cuda_free_in_used_segments_bytes"] == walk["free_in_used_segments_bytes"] > 0
+    assert m["torch_cuda_largest_free_block_bytes"] == walk["largest_free_block_bytes"]
+    assert m["torch_cuda_default_pool_free_bytes"] == walk["default_pool_free_bytes"]
+    graph_pool = f"torch_cuda_private_pool_reserved_bytes/{r['graph_pool']}"
+    assert m[graph_pool] == walk["private_pools"][r["graph_pool"]]["reserved"]
+    info = [labels for name, labels, _ in r["series"] if name == "torch_cuda_allocator_info"]
+    assert info and info[0]["settings_source"] == "live"
+    assert info[0]["expandable_segments"] == "true"
+
+
+def test_layout_is_absent_on_cuda_malloc_async_but_pinned_memory_is_not():
+    r, m = _layout(alloc_conf="backend:cudaMallocAsync")
+    assert r["walk"] is None  # no snapshot on this backend
+    assert "torch_cuda_largest_free_block_bytes" not in m
+    assert not any(name.startswith("torch_cuda_private_pool") for name in m)
+    assert m["torch_cuda_pinned_host_bytes"] == 4 << 30
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(_devices() < 2, reason="needs two GPUs")
+def test_layout_and_pinned_reads_create_no_context_on_an_unused_gpu():
+    r, m = _layout("1")
+    assert [i for i, has in enumerate(r["has_context"]) if has] == [1]
+    assert r["pid_on_gpus"] == [r["used_uuid"]]
+    assert m["torch_cuda_largest_free_block_bytes"] == r["walk"]["largest_free_block_bytes"]
+    assert m["torch_cuda_pinned_host_bytes"] == 4 << 30

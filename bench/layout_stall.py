@@ -95,7 +95,11 @@ def minute(seconds: float) -> dict[str, Any]:
         lambda: torch._C._cuda_memorySnapshot(None),
         history_enabled=torch._C._cuda_isHistoryEnabled,
     )
-    results: dict[str, Any] = {"blocks": blocks, "interval_s": reader.interval_s}
+    results: dict[str, Any] = {
+        "blocks": blocks,
+        "interval_s": reader.interval_s,
+        "seconds": seconds,
+    }
     warm: list[float] = []
     decoder.request(4, 64, 64, warm)
     for name in ("off", "default_reader"):

@@ -186,6 +186,48 @@ def stall_table(r: dict[str, Any]) -> list[str]:
     return rows
 
 
+def layout_table(r: dict[str, Any]) -> list[str]:
+    rows = [
+        "Stall of the serving thread per layout reading (segments-only snapshot + walk), "
+        "by live blocks and history mode (p50, p99 and max over the readings):",
+        "",
+        "| live blocks | history | reading p50 (ms) | stall p50 (ms) | stall p99 (ms) | "
+        "stall max (ms) |",
+        "| ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for key, v in r["readings"].items():
+        count, history = key.split("/", 1)
+        if "error" in v:
+            rows.append(f"| {count} | {history} | error: {v['error']} | | | |")
+            continue
+        rows.append(
+            f"| {v['blocks']} | {history} | {v['read_ms']['p50']:.1f} | "
+            f"{v['stall_ms']['p50']:.1f} | {v['stall_ms']['p99']:.1f} | "
+            f"{v['stall_ms']['max']:.1f} |"
+        )
+    m = r.get("minute")
+    if m:
+        off, on = m["off"], m["default_reader"]
+        rows += [
+            "",
+            f"Decoder steps, {m.get('seconds', 60):.0f} s per arm (off first), {m['blocks']} "
+            f"blocks (just under the guard), reader every {m['interval_s']:.0f} s:",
+            "",
+            "| arm | steps | step p50 (ms) | step p99 (ms) | step max (ms) | readings | "
+            "reading p50 (ms) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for name, arm in (("off", off), ("default reader", on)):
+            read = arm["read_ms"].get("p50")
+            rows.append(
+                f"| {name} | {arm['step_ms']['n']} | {arm['step_ms']['p50']:.2f} | "
+                f"{arm['step_ms']['p99']:.2f} | {arm['step_ms']['max']:.2f} | "
+                f"{arm['readings']} | {'-' if read is None else f'{read:.1f}'} |"
+            )
+        rows += ["", f"Added p99: {m['added_p99_ms']:.2f} ms (goal < 1 ms)."]
+    return rows
+
+
 def render(results: dict[str, Any]) -> str:
     machine = results["footprint"]["machine"]
     out = [
@@ -217,6 +259,8 @@ def render(results: dict[str, Any]) -> str:
         "",
     ]
     out += ["### Stalls", "", *stall_table(results["stalls"]), ""]
+    if "layout_stall" in results:
+        out += ["### Allocator layout reading", "", *layout_table(results["layout_stall"]), ""]
     return "\n".join(out)
 
 

@@ -21,6 +21,7 @@ BENCHMARKS = {
     "scrape_latency": [],
     "serving_impact": [],
     "stalls": [],
+    "layout_stall": ["--minute", "60"],
 }
 
 

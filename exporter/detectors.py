@@ -50,6 +50,12 @@ class Thresholds:
     cache_gap_bytes: float = 4 * GiB
     cache_gap_ratio: float = 0.5
     cache_gap_for_s: float = 1800
+    # GpuMemFreeCacheShattered: the default pool's largest free block is under this share of
+    # its free bytes, with more than shattered_min_free_bytes free (allocator layout only), and
+    # the GPU's own free memory (NVML) is under this share of those free bytes too.
+    shattered_block_share: float = 0.25
+    shattered_min_free_bytes: float = 2 * GiB
+    shattered_for_s: float = 900
     headroom_free_ratio: float = 0.05
     headroom_for_s: float = 600
     exhaustion_free_ratio: float = 0.20
@@ -199,6 +205,7 @@ class Detectors:
         "GpuMemAllocRetries",
         "GpuMemOutOfMemory",
         "GpuMemCacheGapHigh",
+        "GpuMemFreeCacheShattered",
         "GpuMemHeadroomLow",
         "GpuMemExhaustionPredicted",
         "HostMemoryPressure",
@@ -231,6 +238,7 @@ class Detectors:
         t = sample.timestamp
         th = self.thresholds
         present: set[Subject] = set()
+        gpu_free = {gpu.uuid: gpu.free_bytes for gpu in sample.gpus}
         for reading in sample.allocators:
             labels = {
                 "device": str(reading.device),
@@ -249,6 +257,8 @@ class Detectors:
                     check = self._counter_check(alert, key, t, reading.counters[counter])
                     self._apply(alert, key, t, check, 0)
             self._apply("GpuMemCacheGapHigh", key, t, self._cache_gap(reading), th.cache_gap_for_s)
+            check = self._shattered(reading, gpu_free.get(reading.gpu_uuid))
+            self._apply("GpuMemFreeCacheShattered", key, t, check, th.shattered_for_s)
         for gpu in sample.gpus:
             if gpu.free_bytes is None or not gpu.total_bytes:
                 continue
@@ -321,6 +331,31 @@ class Detectors:
             gap > th.cache_gap_bytes and ratio > th.cache_gap_ratio,
             gap <= th.cache_gap_bytes * keep or ratio <= th.cache_gap_ratio * keep,
             gap,
+        )
+
+    def _shattered(self, reading: AllocatorReading, gpu_free: int | None) -> _Check | None:
+        """The free cache is in pieces (its largest block is a small share of it) and the GPU
+        has less free memory than that share of it too: a request the free cache could hold
+        in total fits neither a free block nor a new cudaMalloc. While the device has room, a
+        shattered cache does no harm. Reports the largest free block in bytes, as the
+        Prometheus alert does."""
+        share = reading.largest_free_block_share
+        if share is None:  # no layout (cudaMallocAsync, skipped, not read yet): unknown
+            return None
+        if gpu_free is None:  # no NVML reading for this GPU: the device side is unknown
+            return None
+        th = self.thresholds
+        free = reading.layout["default_pool_free_bytes"]
+        largest = reading.layout["largest_free_block_bytes"]
+        device_limit = th.shattered_block_share * free
+        return _Check(
+            share < th.shattered_block_share
+            and free > th.shattered_min_free_bytes
+            and gpu_free < device_limit,
+            share >= th.shattered_block_share * (1 + th.clear_margin)
+            or free <= th.shattered_min_free_bytes * (1 - th.clear_margin)
+            or gpu_free >= device_limit * (1 + th.clear_margin),
+            largest,
         )
 
     def _below(self, ratio: float, floor: float) -> _Check:

@@ -42,12 +42,14 @@ def allocator(reserved: int, allocated: int, inactive: int | None, retries=0, oo
     )
 
 
-def run(detectors: Detectors, readings, step_s: float = 60.0, key="allocators"):
-    """Feed one reading per step; time carries on across calls for the same detectors."""
+def run(detectors: Detectors, readings, step_s: float = 60.0, key="allocators", gpus=()):
+    """Feed one reading per step, with `gpus` (NVML readings) in every sample; time carries
+    on across calls for the same detectors."""
     for reading in readings:
         t = getattr(detectors, "test_clock", 1000.0)
         detectors.test_clock = t + step_s  # type: ignore[attr-defined]
         sample = Sample(timestamp=t)
+        sample.gpus.extend(gpus)
         if key == "host":
             sample.host = reading
         else:
@@ -123,6 +125,122 @@ def test_cache_gap_fires_only_when_held_long():
     assert not detectors.is_firing("GpuMemCacheGapHigh", DEVICE0)
     run(detectors, [gap] * 2)
     assert detectors.is_firing("GpuMemCacheGapHigh", DEVICE0)
+
+
+def layout_reading(largest: int, free: int, backend: str = "native") -> AllocatorReading:
+    """A reading with the allocator's layout (expandable segments: no inactive_split)."""
+    reading = allocator(free + 10 * GiB, 10 * GiB, None)
+    reading.backend = backend
+    reading.layout = {
+        "largest_free_block_bytes": largest,
+        "default_pool_free_bytes": free,
+        "free_in_used_segments_bytes": free - largest,
+    }
+    reading.layout_age_s = 5.0
+    return reading
+
+
+def gpu_a(free: float | None, total: float = 141 * GiB) -> GpuReading:
+    """NVML's reading of the GPU that the allocator readings are on (GPU-a)."""
+    return GpuReading(
+        index=0,
+        uuid="GPU-a",
+        total_bytes=int(total),
+        free_bytes=None if free is None else int(free),
+        used_bytes=None if free is None else int(total - free),
+    )
+
+
+FULL_GPU = [gpu_a(GiB)]  # 1 GiB free on the device: under a quarter of any pool above 4 GiB
+
+
+def test_shattered_free_cache_fires_after_its_duration_and_clears_with_hysteresis():
+    detectors, events = collect()
+    shattered = layout_reading(768 << 20, 8 * GiB)  # largest block 768 MiB of 8 GiB free
+    run(detectors, [shattered] * 15, gpus=FULL_GPU)  # 14 minutes: still pending
+    assert not detectors.is_firing("GpuMemFreeCacheShattered", DEVICE0)
+    run(detectors, [shattered], gpus=FULL_GPU)
+    assert detectors.is_firing("GpuMemFreeCacheShattered", DEVICE0)
+    fired = [e for e in events if e.alert == "GpuMemFreeCacheShattered"]
+    assert [(e.state, e.value, e.labels) for e in fired] == [("firing", 768 << 20, DEVICE0)]
+    # A share of 0.28 (above 0.25, under 0.25 * 1.2): keeps firing, no flapping.
+    run(detectors, [layout_reading(int(0.28 * 8 * GiB), 8 * GiB)] * 3, gpus=FULL_GPU)
+    assert detectors.is_firing("GpuMemFreeCacheShattered", DEVICE0)
+    run(detectors, [layout_reading(6 * GiB, 8 * GiB)], gpus=FULL_GPU)
+    assert [e.state for e in events if e.alert == "GpuMemFreeCacheShattered"] == [
+        "firing",
+        "resolved",
+    ]
+
+
+def test_shattered_free_cache_clears_once_the_gpu_has_clearly_room():
+    detectors, events = collect()
+    shattered = layout_reading(768 << 20, 8 * GiB)  # a quarter of the free cache: 2 GiB
+    run(detectors, [shattered] * 16, gpus=FULL_GPU)
+    assert detectors.is_firing("GpuMemFreeCacheShattered", DEVICE0)
+    # 2.2 GiB free on the device: above the quarter, under 2 GiB * 1.2: keeps firing.
+    run(detectors, [shattered] * 3, gpus=[gpu_a(2.2 * GiB)])
+    assert detectors.is_firing("GpuMemFreeCacheShattered", DEVICE0)
+    run(detectors, [shattered], gpus=[gpu_a(2.5 * GiB)])
+    assert not detectors.is_firing("GpuMemFreeCacheShattered", DEVICE0)
+    assert [e.state for e in events if e.alert == "GpuMemFreeCacheShattered"] == [
+        "firing",
+        "resolved",
+    ]
+
+
+def test_shattered_free_cache_with_plenty_free_on_the_gpu_stays_quiet():
+    """The real H200 trace: 400 MB largest of 8 GiB free while serving normally, with more
+    than 100 GiB free on the device, where a big request simply gets a new cudaMalloc."""
+    for free_on_gpu in (100 * GiB, 2 * GiB):  # 2 GiB: exactly a quarter, not below it
+        detectors, events = collect()
+        run(detectors, [layout_reading(400_000_000, 8 * GiB)] * 30, gpus=[gpu_a(free_on_gpu)])
+        assert not any(e.alert == "GpuMemFreeCacheShattered" for e in events), free_on_gpu
+        assert not detectors.is_firing("GpuMemFreeCacheShattered", DEVICE0)
+
+
+def test_shattered_free_cache_never_fires_without_an_nvml_reading_of_its_gpu():
+    other_gpu = GpuReading(index=1, uuid="GPU-b", total_bytes=80 * GiB, free_bytes=0)
+    shattered = layout_reading(768 << 20, 8 * GiB)
+    for gpus in ([], [other_gpu], [gpu_a(None)]):  # none, another GPU's, no free bytes
+        detectors, events = collect()
+        run(detectors, [shattered] * 30, gpus=gpus)
+        assert not any(e.alert == "GpuMemFreeCacheShattered" for e in events), gpus
+    # The reading goes missing while firing: the alert resolves (unknown), as it would in
+    # Prometheus when the NVML series vanishes.
+    detectors, events = collect()
+    run(detectors, [shattered] * 16, gpus=FULL_GPU)
+    assert detectors.is_firing("GpuMemFreeCacheShattered", DEVICE0)
+    run(detectors, [shattered], gpus=[gpu_a(None)])
+    assert not detectors.is_firing("GpuMemFreeCacheShattered", DEVICE0)
+
+
+def test_shattered_free_cache_needs_more_than_the_floor_and_a_small_largest_block():
+    for largest, free in (
+        (64 << 20, 2 * GiB),  # in 64 MiB pieces, but only 2 GiB free: at the floor
+        (2 * GiB, 8 * GiB),  # exactly a quarter, not below it
+        (30 * GiB, 32 * GiB),  # one big free block
+    ):
+        detectors, events = collect()
+        run(detectors, [layout_reading(largest, free)] * 30, gpus=[gpu_a(0)])  # device full
+        assert not any(e.alert == "GpuMemFreeCacheShattered" for e in events), (largest, free)
+        assert not detectors.is_firing("GpuMemFreeCacheShattered", DEVICE0)
+
+
+def test_shattered_free_cache_never_fires_without_a_layout():
+    detectors, events = collect()
+    no_layout = allocator(40 * GiB, 2 * GiB, None)  # cudaMallocAsync: no snapshot
+    no_layout.backend = "cudaMallocAsync"
+    skipped = allocator(40 * GiB, 2 * GiB, 1 * GiB)  # read skipped (too many blocks)
+    skipped.layout_skipped = "too_many_blocks"
+    run(detectors, [no_layout] * 30 + [skipped] * 30, gpus=FULL_GPU)
+    assert not any(e.alert == "GpuMemFreeCacheShattered" for e in events)
+    # A layout that stops being read resolves the alert, as the series vanishing does in
+    # Prometheus, rather than keep it firing on numbers no longer refreshed.
+    run(detectors, [layout_reading(GiB, 16 * GiB)] * 16, gpus=FULL_GPU)
+    assert detectors.is_firing("GpuMemFreeCacheShattered", DEVICE0)
+    run(detectors, [skipped], gpus=FULL_GPU)
+    assert not detectors.is_firing("GpuMemFreeCacheShattered", DEVICE0)
 
 
 def gpu(free: float, total: float = 80 * GiB) -> GpuReading:
@@ -271,6 +389,9 @@ def test_memory_spread_over_many_processes_names_none():
 
 def test_thresholds_from_environment():
     assert load_thresholds({"GPUMEM_DETECT_FRAGMENTATION_RATIO": "0.5"}).fragmentation_ratio == 0.5
+    env = {"GPUMEM_DETECT_SHATTERED_BLOCK_SHARE": "0.1", "GPUMEM_DETECT_SHATTERED_FOR_S": "60"}
+    th = load_thresholds(env)
+    assert (th.shattered_block_share, th.shattered_for_s) == (0.1, 60)
     with pytest.raises(ConfigError, match="GPUMEM_DETECT_HOST_FOR_S: expected a non-negative"):
         load_thresholds({"GPUMEM_DETECT_HOST_FOR_S": "-1"})
     with pytest.raises(ConfigError, match="unknown detector threshold"):
@@ -292,6 +413,7 @@ def test_detectors_mirror_the_prometheus_rules():
         "GpuMemAllocRetries": 0,
         "GpuMemOutOfMemory": 0,
         "GpuMemCacheGapHigh": th.cache_gap_for_s,
+        "GpuMemFreeCacheShattered": th.shattered_for_s,
         "GpuMemHeadroomLow": th.headroom_for_s,
         "GpuMemExhaustionPredicted": th.exhaustion_for_s,
         "HostMemoryPressure": th.host_for_s,
@@ -305,6 +427,7 @@ def test_detectors_mirror_the_prometheus_rules():
     for value in (
         th.fragmentation_ratio,
         th.cache_gap_ratio,
+        th.shattered_block_share,
         th.headroom_free_ratio,
         th.exhaustion_free_ratio,
         th.host_available_ratio,
@@ -315,6 +438,7 @@ def test_detectors_mirror_the_prometheus_rules():
     for value in (
         th.fragmentation_min_reserved_bytes,
         th.cache_gap_bytes,
+        th.shattered_min_free_bytes,
         th.swap_min_used_bytes,
         th.swap_growth_bytes_per_s,
     ):

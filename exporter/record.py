@@ -22,15 +22,23 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.metrics import GPU_MEMORY_GAUGES, REPLAY_HOST_GAUGES, TORCH_PREFIX
+from exporter.metrics import (
+    GPU_MEMORY_GAUGES,
+    PINNED_HOST_GAUGES,
+    REPLAY_HOST_GAUGES,
+    TORCH_PREFIX,
+)
 from exporter.sample import (
     ALLOCATOR_COUNTERS,
     ALLOCATOR_GAUGES,
+    LAYOUT_GAUGES,
     POOL_GAUGES,
+    PRIVATE_POOL_GAUGES,
     PROCESS_LABELS,
     AllocatorReading,
     GpuReading,
     HostReading,
+    PinnedHostReading,
     ProcessGpuReading,
     Sample,
 )
@@ -38,6 +46,10 @@ from exporter.trace import TraceWriter
 
 _GPU_FIELDS = {name: field for field, name in GPU_MEMORY_GAUGES.items()}
 _HOST_FIELDS = {name: field for field, name in REPLAY_HOST_GAUGES.items()}
+# The cached bytes are held minus in use: not a field of their own.
+_PINNED_FIELDS = {
+    name: field for field, (name, _) in PINNED_HOST_GAUGES.items() if field != "cached_bytes"
+}
 
 
 # Scrapes that may fail in a row before a recording stops: one slow or refused scrape (a pod
@@ -83,6 +95,7 @@ def _sample_from_exposition(text: str, timestamp: float) -> Sample:
     processes: list[ProcessGpuReading] = []
     host: dict[str, int] = {}
     non_allocator: dict[tuple[int, str, str], int] = {}
+    pinned: dict[str, dict[str, Any]] = {}  # pid label -> PinnedHostReading fields
 
     def allocator(labels: dict[str, str]) -> AllocatorReading:
         key = (int(labels["device"]), labels["gpu_uuid"], labels.get("pid", ""))
@@ -114,12 +127,24 @@ def _sample_from_exposition(text: str, timestamp: float) -> Sample:
                 elif key.startswith("pool_") and key[len("pool_") :] in POOL_GAUGES:
                     pools = allocator(labels).pools.setdefault(labels["pool"], {})
                     pools[key[len("pool_") :]] = _count(name, value)
+                elif key in LAYOUT_GAUGES:
+                    allocator(labels).layout[key] = _count(name, value)
+                elif key == "layout_age_seconds":
+                    allocator(labels).layout_age_s = value
+                elif key == "layout_skipped_info":
+                    allocator(labels).layout_skipped = labels.get("reason", "")
+                elif key.startswith("private_pool_") and "pool_id" in labels:
+                    field_name = key[len("private_pool_") :]
+                    if field_name in PRIVATE_POOL_GAUGES:
+                        pool = allocator(labels).private_pools.setdefault(labels["pool_id"], {})
+                        pool[field_name] = _count(name, value)
                 elif key == "allocator_info":
                     reading = allocator(labels)
                     reading.backend = labels.get("backend", "native")
                     reading.expandable_segments = labels.get("expandable_segments") == "true"
                     split = labels.get("max_split_size_bytes", "")
                     reading.max_split_size_bytes = int(split) if split else None
+                    reading.settings = _settings(labels)
                 elif key == "non_allocator_bytes":
                     key3 = (int(labels["device"]), labels["gpu_uuid"], labels.get("pid", ""))
                     non_allocator[key3] = _count(name, value)
@@ -141,6 +166,10 @@ def _sample_from_exposition(text: str, timestamp: float) -> Sample:
                         used_bytes=_count(name, value),
                     )
                 )
+            elif name in _PINNED_FIELDS:
+                process = {k: labels[k] for k in PROCESS_LABELS if k in labels}
+                entry = pinned.setdefault(labels.get("pid", ""), {"process": process})
+                entry[_PINNED_FIELDS[name]] = _count(name, value)
             elif name in _HOST_FIELDS:
                 host[_HOST_FIELDS[name]] = _count(name, value)
     sample = Sample(
@@ -149,9 +178,28 @@ def _sample_from_exposition(text: str, timestamp: float) -> Sample:
         gpus=list(gpus.values()),
         processes=processes,
         host=HostReading(**host) if _complete_host(host) else None,
+        pinned_host=[
+            PinnedHostReading(**entry)
+            for entry in pinned.values()
+            if "held_bytes" in entry and "in_use_bytes" in entry
+        ],
     )
     sample.self_pid = _self_pid(sample, non_allocator)
     return sample
+
+
+def _settings(labels: dict[str, str]) -> dict[str, str]:
+    """AllocatorReading.settings back from torch_cuda_allocator_info's labels (the live
+    settings' expandable_segments and max_split_size are the labels of those names)."""
+    threshold = labels.get("garbage_collection_threshold", "")
+    if labels.get("settings_source") != "live":
+        return {"garbage_collection_threshold": threshold, "source": "environment"}
+    return {
+        "expandable_segments": labels.get("expandable_segments", "false"),
+        "garbage_collection_threshold": threshold,
+        "max_split_size": labels.get("max_split_size_bytes") or "-1",
+        "source": "live",
+    }
 
 
 def _complete_host(host: dict[str, Any]) -> bool:

@@ -183,7 +183,7 @@ def block_count(stats: Mapping[str, Any], expandable_segments: bool) -> int:
         return 0
 
 
-# Allocator settings exported as labels of torch_cuda_allocator_info (scalars only).
+# Live allocator settings kept per reading (scalars; the snapshot reports more).
 _SETTINGS = ("expandable_segments", "garbage_collection_threshold", "max_split_size")
 
 
@@ -338,6 +338,8 @@ class TorchAllocatorSource:
             reading.private_pools = pools
 
     def _settings_labels(self) -> dict[str, str]:
+        """The settings behind torch_cuda_allocator_info: what the allocator reported
+        (source "live"), else what PYTORCH_CUDA_ALLOC_CONF set (source "environment")."""
         if self._live_settings:
             settings = {k: self._live_settings[k] for k in _SETTINGS if k in self._live_settings}
             return {**settings, "source": "live"}

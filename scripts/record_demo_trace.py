@@ -9,23 +9,23 @@ The exporter's real sources (allocator, NVML, host) are sampled by the real samp
 0.5 s (the allocator's layout, from a snapshot, every 2 s) while the main thread runs, in
 phases:
 
-1. serving (0-45 s): a bf16 decoder (12 layers, hidden 4096, ~4.8 GiB of weights) generates
+1. startup (0-10 s): as vLLM does before it serves, decode steps for batch sizes 1-64 are
+   captured into CUDA graphs sharing one private pool (replayed between requests from then
+   on), and a 4 GiB pinned-host "swap space" is allocated.
+2. serving (10-60 s): a bf16 decoder (12 layers, hidden 4096, ~4.8 GiB of weights) generates
    token by token for request batches of varied batch size, prompt and output length; the KV
-   cache grows by torch.cat every 16 tokens, as naive servers do.
-2. cuda_graphs (45-60 s): decode steps for batch sizes 1-64 are captured into CUDA graphs
-   sharing one private pool (as vLLM does) and replayed between requests from then on.
-3. pinned (60-70 s): a 4 GiB pinned-host "swap space" is allocated and KV blocks are copied
-   out to it and back (`pin_memory=True`, non-blocking copies).
-4. fragmentation (70-110 s): a "prefix cache" keeps every other block of varied sizes alive,
+   cache grows by torch.cat every 16 tokens, as naive servers do; now and then a KV block is
+   swapped out to the pinned space and back (non-blocking copies).
+3. fragmentation (60-100 s): a "prefix cache" keeps every other block of varied sizes alive,
    so partly used segments pile up, inactive_split / reserved climbs and the largest free
    block falls far below the free cache. History is recorded only in its last 5 s (while it
    is on, the exporter does not take layout snapshots).
-5. pressure (110-140 s): traffic goes on under a 20 GiB cap
+4. pressure (100-130 s): traffic goes on under a 20 GiB cap
    (torch.cuda.set_per_process_memory_fraction), so large KV allocations first flush the
    cache and retry, and finally one request runs out of memory (caught, as a server would).
-6. recovery (140-155 s): the prefix cache and the swap space are dropped, empty_cache()
+5. recovery (130-145 s): the prefix cache and the swap space are dropped, empty_cache()
    returns the cache to the driver, traffic resumes (the pinned memory stays cached).
-7. expandable (155-185 s): the allocator is switched to expandable_segments:True at run time
+6. expandable (145-175 s): the allocator is switched to expandable_segments:True at run time
    and a smaller prefix cache fragments it again: inactive_split is not tracked there, the
    free bytes inside used segments still are.
 
@@ -59,9 +59,8 @@ CAP_BYTES = 20 * GiB
 FRAG_TARGET_BYTES = 10 * GiB  # allocated during the fragmentation phase; half stays live
 FRAG_ROUND_BYTES = 340 << 20
 PHASES = (
-    ("serving", 45.0),
-    ("cuda_graphs", 15.0),
-    ("pinned", 10.0),
+    ("startup", 10.0),
+    ("serving", 50.0),
     ("fragmentation", 40.0),
     ("pressure", 30.0),
     ("recovery", 15.0),
@@ -248,27 +247,26 @@ def main() -> None:
         phase_end = phase_start + duration
         history = False
         while time.monotonic() < phase_end:
-            if phase == "serving":
-                traffic()
-            elif phase == "cuda_graphs":
+            if phase == "startup":
                 if graphs is None:
                     graphs = GraphedSteps(decoder)
                     log(f"captured {len(graphs.graphs)} CUDA graphs in pool {graphs.pool_id}")
-                traffic()
-            elif phase == "pinned":
-                if not swap:
                     swap = [
                         torch.empty(SWAP_BYTES // 4, dtype=torch.uint8, pin_memory=True)
                         for _ in range(4)
                     ]
                     log(f"pinned swap space {SWAP_BYTES / GiB:.0f} GiB")
-                # Swap a KV-sized block out and back in, as servers do under pressure.
-                block = torch.empty(SWAP_BYTES // 8, dtype=torch.uint8, device=device)
-                host = swap[rng.randrange(4)][: block.numel()]
-                host.copy_(block, non_blocking=True)
-                block.copy_(host, non_blocking=True)
-                torch.cuda.synchronize(device)
-                del block
+                traffic()
+            elif phase == "serving":
+                if rng.random() < 0.2:
+                    # Swap a KV-sized block out and back in, as servers do under pressure.
+                    block = torch.empty(SWAP_BYTES // 8, dtype=torch.uint8, device=device)
+                    host = swap[rng.randrange(4)][: block.numel()]
+                    host.copy_(block, non_blocking=True)
+                    block.copy_(host, non_blocking=True)
+                    torch.cuda.synchronize(device)
+                    del block
+                    log("swapped a 512 MiB block out and in")
                 traffic()
             elif phase in ("fragmentation", "expandable"):
                 if phase == "expandable" and not switched:

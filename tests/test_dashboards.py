@@ -646,13 +646,18 @@ def mixed_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prome
             counts = prometheus_api.get(
                 "query", query="count_over_time(gpumem_exporter_build_info[30s])"
             )
-            if len(counts["result"]) == 2 and all(
-                float(r["value"][1]) >= 4 for r in counts["result"]
+            # ... and the demo has reached its CUDA-graph phase (45 s into the trace, 15 s at
+            # 3x), so that the private-pool panel has data.
+            pools = prometheus_api.get("query", query="torch_cuda_private_pool_reserved_bytes")
+            if (
+                len(counts["result"]) == 2
+                and all(float(r["value"][1]) >= 4 for r in counts["result"])
+                and pools["result"]
             ):
                 break
             time.sleep(0.5)
         else:
-            raise AssertionError("Prometheus did not scrape both jobs")
+            raise AssertionError("Prometheus did not scrape both jobs through the graph phase")
         yield prometheus_api
     finally:
         stop(procs)

@@ -37,7 +37,8 @@ from exporter.sample import (
     Sample,
     SourceReading,
 )
-from exporter.sources.replay import ReplaySource
+from exporter.sources.replay import ReplaySource, demo_trace_path
+from exporter.trace import read_trace
 from tests.conftest import REPO_ROOT, require_tool
 from tests.test_viewer import _decode_png
 
@@ -144,7 +145,8 @@ def test_window_route_serves_recent_samples_incrementally(tmp_path):
     gpu0 = data["gpus"][0]
     assert (gpu0["index"], gpu0["name"]) == (0, "NVIDIA H200")
     assert len(gpu0["series"]["allocated_bytes"]) == 3
-    assert data["processes"][0]["pid"] == 997  # the recorded process
+    recorded = next(s.self_pid for s in read_trace(demo_trace_path())[1] if s.self_pid)
+    assert data["processes"][0]["pid"] == recorded  # the recorded process, not ours
     assert data["host"]["total_bytes"] > 0
     last = data["timestamps"][-1]
     assert client.get("/api/window", params={"since": last}).json()["timestamps"] == []

@@ -174,7 +174,8 @@ try {
       const pages = (await (await fetch(`http://127.0.0.1:${port}/json/list`)).json()).filter(
         (t) => t.type === "page" && t.id !== page.id,
       );
-      const viewer = pages.find((t) => t.title.includes("snapshot"));
+      // By its loaded title: while it loads, a tab's title is its URL (which says "snapshots").
+      const viewer = pages.find((t) => t.title.startsWith("GPU memory snapshot"));
       if (viewer) {
         // Whether its inline styles applied: a page opened from memory inherits this page's
         // Content-Security-Policy, which would block them if it did not allow them.

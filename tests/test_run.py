@@ -249,6 +249,29 @@ def test_the_agent_is_off_outside_run():
     assert proc.stdout.strip() == "False"
 
 
+@pytest.mark.parametrize(("interval", "has_layout"), [(10.0, True), (0.0, False)])
+def test_agents_read_the_layout_as_the_launcher_configured(tmp_path, interval, has_layout):
+    """The launcher's settings (agent.json) reach each agent's allocator source: with
+    GPUMEM_LAYOUT_INTERVAL_S=0 no process takes allocator snapshots."""
+    (tmp_path / "agent.json").write_text(json.dumps({"layout_interval_s": interval}))
+    probe = (
+        "import sys, torch\n"
+        "from exporter.run.agent import Agent\n"
+        "torch.cuda.set_device(0)\n"
+        "(reading,) = Agent(sys.argv[1]).source.read().allocators\n"
+        "print(bool(reading.layout))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_TORCH), str(REPO_ROOT)])},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(has_layout)
+
+
 def test_port_per_local_rank_without_run(tmp_path):
     code = (
         "import exporter; h = exporter.start(port=PORT, port_per_local_rank=True); "

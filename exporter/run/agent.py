@@ -57,14 +57,14 @@ class Agent:
         self.socket_path = str(Path(run_dir) / SOCKET_NAME)
         self.interval_s = interval_s
         try:
-            config = load_agent_config(run_dir)
+            self.config = load_agent_config(run_dir)
         except Exception:  # the launcher checked them; never fail the host process here
             from exporter.config import Config
 
-            config = Config()
+            self.config = Config()
         self.source = TorchAllocatorSource(
-            layout_interval_s=config.layout_interval_s,
-            layout_max_blocks=config.layout_max_blocks,
+            layout_interval_s=self.config.layout_interval_s,
+            layout_max_blocks=self.config.layout_max_blocks,
         )
         self.actions: LocalActions | None = None
         self._listeners: list[Listener] = []
@@ -90,7 +90,7 @@ class Agent:
             from exporter.actions.snapshots import SnapshotStore
             from exporter.detectors import Detectors, load_thresholds
 
-            config = load_agent_config(self.run_dir)
+            config = self.config
             actions = LocalActions(SnapshotStore.for_config(config), config=config)
             # Detection here serves remediation only; the launcher logs alerts for the pod.
             detectors = Detectors(load_thresholds(), log_events=False)

@@ -205,9 +205,11 @@ class TorchAllocatorSource:
         self._layout_interval_s = layout_interval_s
         self._layout_max_blocks = layout_max_blocks
         self._layout: LayoutReader | None = None
-        # Settings the allocator reported itself (the snapshot's allocator_settings); until
-        # then, what PYTORCH_CUDA_ALLOC_CONF said at start-up.
-        self._live_settings: dict[str, str] = {}
+        # What torch_cuda_allocator_info shows beyond backend, expandable segments and max
+        # split size: what PYTORCH_CUDA_ALLOC_CONF said at start-up (worked out with the
+        # backend, once), until the allocator reports its live settings in a snapshot.
+        self._setting_labels: dict[str, str] = {}
+        self._read_pinned: Any = None
         self._backend: str | None = None
         self._expandable: bool | None = None
         self._uuids: dict[int, str] = {}
@@ -250,6 +252,10 @@ class TorchAllocatorSource:
             self._backend = str(torch.cuda.get_allocator_backend())
             conf = parse_alloc_conf(self._env)
             self._expandable = conf.get("expandable_segments", "").lower() == "true"
+            self._setting_labels = {
+                "garbage_collection_threshold": conf.get("garbage_collection_threshold", ""),
+                "source": "environment",
+            }
         return self._backend, bool(self._expandable)
 
     def read(self) -> SourceReading:
@@ -263,6 +269,8 @@ class TorchAllocatorSource:
             self._read_stats = getattr(
                 torch._C, "_cuda_memoryStats", torch.cuda.memory_stats_as_nested_dict
             )
+        layout = self._layout_reader(torch, backend)
+        layout_due = layout is not None and layout.due()
         readings = []
         blocks = 0
         for index in range(torch.cuda.device_count()):
@@ -271,7 +279,8 @@ class TorchAllocatorSource:
             stats = self._read_stats(index)
             if not stats:
                 continue
-            blocks += block_count(stats, expandable)
+            if layout_due:
+                blocks += block_count(stats, expandable)
             reading = allocator_reading_from_stats(
                 stats,
                 device=index,
@@ -283,10 +292,10 @@ class TorchAllocatorSource:
                 continue  # fallback path: a device this process never used
             readings.append(reading)
         self.uuids_in_use = frozenset(reading.gpu_uuid for reading in readings)
-        if readings:
-            self._add_layout(torch, backend, readings, blocks)
+        if readings and layout is not None:
+            self._add_layout(layout, layout_due, readings, blocks)
         for reading in readings:
-            reading.settings = self._settings_labels()
+            reading.settings = dict(self._setting_labels)
         return SourceReading(allocators=readings, pinned_host=self._pinned_host(torch))
 
     def _layout_reader(self, torch: Any, backend: str) -> LayoutReader | None:
@@ -306,16 +315,14 @@ class TorchAllocatorSource:
         return self._layout
 
     def _add_layout(
-        self, torch: Any, backend: str, readings: list[AllocatorReading], blocks: int
+        self, reader: LayoutReader, due: bool, readings: list[AllocatorReading], blocks: int
     ) -> None:
         """Attach the latest layout (reading a new one when due) to this tick's readings."""
-        reader = self._layout_reader(torch, backend)
-        if reader is None:
-            return
-        if reader.due():
+        if due:
             read = reader.read(blocks)
             if read.settings:
-                self._live_settings = read.settings
+                live_settings = {k: read.settings[k] for k in _SETTINGS if k in read.settings}
+                self._setting_labels = {**live_settings, "source": "live"}
                 live = read.settings.get("expandable_segments", "").lower()
                 if live in ("true", "false"):
                     # Settings can change at run time (torch.cuda.memory._set_allocator_settings)
@@ -337,25 +344,14 @@ class TorchAllocatorSource:
                 pools.setdefault(label, {}).update(values)
             reading.private_pools = pools
 
-    def _settings_labels(self) -> dict[str, str]:
-        """The settings behind torch_cuda_allocator_info: what the allocator reported
-        (source "live"), else what PYTORCH_CUDA_ALLOC_CONF set (source "environment")."""
-        if self._live_settings:
-            settings = {k: self._live_settings[k] for k in _SETTINGS if k in self._live_settings}
-            return {**settings, "source": "live"}
-        conf = parse_alloc_conf(self._env)
-        return {
-            "garbage_collection_threshold": conf.get("garbage_collection_threshold", ""),
-            "source": "environment",
-        }
-
     def _pinned_host(self, torch: Any) -> list[PinnedHostReading]:
         """Pinned host memory of PyTorch's caching host allocator: one C call (5-8 us on an
         H200 host), which creates no CUDA context (measured, shared/FACTS.md)."""
-        read = getattr(torch._C, "_cuda_hostMemoryStats", None)
-        if read is None:
+        if self._read_pinned is None:
+            self._read_pinned = getattr(torch._C, "_cuda_hostMemoryStats", False)
+        if not self._read_pinned:
             return []
-        stats = read()
+        stats = self._read_pinned()
         try:
             held = int(stats["allocated_bytes"]["current"])
             in_use = int(stats["active_bytes"]["current"])

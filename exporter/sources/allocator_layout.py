@@ -66,13 +66,11 @@ def layouts_from_segments(segments: Iterable[Mapping[str, Any]]) -> dict[int, De
     than the snapshot that built the blocks.
     """
     layouts: dict[int, DeviceLayout] = {}
-    pools: dict[int, dict[tuple[int, ...], list[int]]] = {}
     for segment in segments:
         device = int(segment["device"])
         layout = layouts.get(device)
         if layout is None:
             layout = layouts[device] = DeviceLayout()
-            pools[device] = {}
         total = segment["total_size"]
         active = segment["active_size"]
         free = total - active
@@ -80,9 +78,11 @@ def layouts_from_segments(segments: Iterable[Mapping[str, Any]]) -> dict[int, De
         layout.blocks += len(blocks)
         pool_id = tuple(segment.get("segment_pool_id") or DEFAULT_POOL)
         if pool_id != DEFAULT_POOL:
-            sums = pools[device].setdefault(pool_id, [0, 0])
-            sums[0] += total
-            sums[1] += segment["allocated_size"]
+            sums = layout.private_pools.setdefault(
+                pool_label(pool_id), {"reserved_bytes": 0, "allocated_bytes": 0}
+            )
+            sums["reserved_bytes"] += total
+            sums["allocated_bytes"] += segment["allocated_size"]
         if active > 0:
             layout.free_in_used_segments_bytes += free
         if pool_id != DEFAULT_POOL or free <= 0:
@@ -96,13 +96,8 @@ def layouts_from_segments(segments: Iterable[Mapping[str, Any]]) -> dict[int, De
                 default=0,
             )
         layout.largest_free_block_bytes = max(layout.largest_free_block_bytes, largest)
-    for device, by_pool in pools.items():
-        layouts[device].private_pools = bounded_pools(
-            {
-                pool_label(pool_id): {"reserved_bytes": reserved, "allocated_bytes": allocated}
-                for pool_id, (reserved, allocated) in by_pool.items()
-            }
-        )
+    for layout in layouts.values():
+        layout.private_pools = bounded_pools(layout.private_pools)
     return layouts
 
 

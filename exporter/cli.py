@@ -21,7 +21,7 @@ from exporter.actions.base import MAX_RECORD_S, Target
 from exporter.config import Config, ConfigError, load_config, read_token_file
 from exporter.http.server import HttpServer, ServerStartError, create_app
 from exporter.identity import describe_process
-from exporter.runtime import build_runtime, live_sources
+from exporter.runtime import build_runtime, kubelet_source, live_sources
 from exporter.sources import Source
 from exporter.trace import TraceError, TraceWriter
 
@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         "/metrics. Needs no torch; for unmodified or non-Python servers.",
     )
     _add_server_flags(serve)
+    serve.add_argument(
+        "--kubelet-socket",
+        help="the kubelet's pod-resources socket for pod attribution, or off (default: "
+        "/var/lib/kubelet/pod-resources/kubelet.sock where this runs in Kubernetes or that "
+        "socket exists) [GPUMEM_KUBELET_SOCKET]",
+    )
 
     demo = commands.add_parser(
         "demo",
@@ -234,10 +240,10 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _config(args: argparse.Namespace) -> Config:
+def _config(args: argparse.Namespace, **more: Any) -> Config:
     try:
         return load_config(
-            host=args.host, port=args.port, interval_s=args.interval_s, labels=args.labels
+            host=args.host, port=args.port, interval_s=args.interval_s, labels=args.labels, **more
         )
     except ConfigError as exc:
         raise CliError(str(exc)) from None
@@ -269,12 +275,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from exporter.sources.nvml import NvmlSource
     from exporter.sources.process_memory import ProcessMemorySource
 
-    config = _config(args)
+    config = _config(args, kubelet_socket=args.kubelet_socket)
     sources = live_sources(config, torch=False)
     nvml = next((s for s in sources if isinstance(s, NvmlSource)), None)
     if nvml is not None and config.host_memory:
         # Host memory of every process with GPU memory (host PIDs: the DaemonSet's hostPID).
         sources.append(ProcessMemorySource(lambda: nvml.last_pids))
+    if nvml is not None:
+        kubelet = kubelet_source(config, lambda: nvml.last_pids)
+        if kubelet is not None:
+            sources.append(kubelet)
     return _serve(config, sources, "node")
 
 

@@ -52,6 +52,15 @@ class Config:
     # seconds (0 = never), and not at all above this many blocks.
     layout_interval_s: float = 10.0
     layout_max_blocks: int = 10_000
+    # Kubernetes attribution in the node daemon: the kubelet's pod-resources socket ("" = the
+    # kubelet's default path where this runs in Kubernetes or that socket exists; "off"),
+    # how often it is asked (and at once when GPU processes change), each call's deadline,
+    # and device-plugin resource names besides nvidia.com/gpu and nvidia.com/mig-* (a
+    # trailing * matches a prefix).
+    kubelet_socket: str = ""
+    kubelet_refresh_s: float = 10.0
+    kubelet_timeout_s: float = 5.0
+    kubelet_resources: tuple[str, ...] = ()
     # Automatic remediation (off by default): empty_cache on retries with high fragmentation,
     # a snapshot on the first OOM.
     remediate: bool = False
@@ -216,6 +225,7 @@ _RESERVED_LABELS = {
     "local_rank",
     "pod",
     "namespace",
+    "container",
     "instance",
     "job",
 }
@@ -255,6 +265,28 @@ def _convert(name: str, value: Any, origin: str) -> Any:
             if not 0 <= number <= 86400:
                 raise ValueError
             return number
+        if name in ("kubelet_refresh_s", "kubelet_timeout_s"):
+            number = float(value)
+            if not 0.1 <= number <= 3600:
+                raise ValueError
+            return number
+        if name == "kubelet_resources":
+            items = value.split(",") if isinstance(value, str) else list(value)
+            names = tuple(str(item).strip() for item in items if str(item).strip())
+            for item in names:
+                if "/" not in item or any(c.isspace() for c in item):
+                    raise ConfigError(
+                        f"{origin}: expected device-plugin resource names like "
+                        f"example.com/gpu (comma-separated), got {item!r}"
+                    )
+            return names
+        if name == "kubelet_socket":
+            text = str(value or "").strip()
+            if text and text != "off" and not text.startswith("/"):
+                raise ConfigError(
+                    f"{origin}: expected an absolute socket path or off, got {value!r}"
+                )
+            return text
         if name in (
             "snapshot_max_count",
             "snapshot_max_bytes",
@@ -320,6 +352,8 @@ def _convert(name: str, value: Any, origin: str) -> Any:
             "snapshot_max_count": "a whole number of at least 1",
             "snapshot_max_bytes": "a whole number of bytes",
             "history_max_entries": "a whole number (0 = off)",
+            "kubelet_refresh_s": "seconds between 0.1 and 3600",
+            "kubelet_timeout_s": "seconds between 0.1 and 3600",
             "host": "an IP address or localhost",
         }.get(name, "true or false")
         raise ConfigError(f"{origin}: expected {expected}, got {value!r}") from None

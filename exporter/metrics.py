@@ -19,6 +19,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from exporter.attribution import attribute
 from exporter.sample import (
     ALLOCATOR_COUNTERS,
     ALLOCATOR_GAUGES,
@@ -184,6 +185,7 @@ class SampleCollector(Collector):
             return
         yield from self._allocator_families(sample)
         yield from self._gpu_families(sample)
+        yield from self._kubernetes_families(sample)
         yield from self._host_families(sample)
 
     def _exporter_families(self, state: ExporterState) -> Iterator[Metric]:
@@ -449,6 +451,98 @@ class SampleCollector(Collector):
                 self._values(entry.gpu_index, entry.gpu_uuid, entry.pid), entry.used_bytes
             )
         families: list[Metric] = [*memory.values(), process, up, info]
+        yield from (f for f in families if f.samples)
+
+    def _kubernetes_families(self, sample: Sample) -> Iterator[Metric]:
+        """The node daemon's attribution (exporter.attribution): info series joined to the
+        device and process series by gpu_uuid or pid, which keep their identity when a GPU
+        changes hands."""
+        kubelet = sample.kubelet
+        if kubelet is None:
+            return
+        up = self._gauge(
+            "gpumem_exporter_kubelet_up",
+            "1 if the latest List of the kubelet's pod-resources API succeeded.",
+        )
+        up.add_metric(self._values(), 1.0 if kubelet.up else 0.0)
+        yield up
+        errors = self._counter(
+            "gpumem_exporter_kubelet_refresh_errors",
+            "Failed Lists of the kubelet's pod-resources API.",
+        )
+        errors.add_metric(self._values(), kubelet.refresh_errors)
+        yield errors
+        if kubelet.last_success_s is not None:
+            last = self._gauge(
+                "gpumem_exporter_kubelet_last_success_timestamp_seconds",
+                "Unix time of the latest successful List: the age of the attribution.",
+            )
+            last.add_metric(self._values(), kubelet.last_success_s)
+            yield last
+        if kubelet.error:
+            error = InfoMetricFamily(
+                "gpumem_exporter_kubelet_error",
+                "Why the latest List of the kubelet's pod-resources API failed.",
+                labels=self._const_names,
+            )
+            error.add_metric(self._values(), {"error": kubelet.error, "socket": kubelet.socket})
+            yield error
+        attribution = attribute(sample)
+        if attribution is None:
+            return
+        gpu_pods = self._gauge(
+            "gpu_pod_info",
+            "1 for each container the kubelet assigned a GPU to (gpu_uuid: the NVML GPU the "
+            "device is on, empty where none matches), whether or not NVML sees that GPU.",
+            ("gpu_uuid", "device_id", "resource", "namespace", "pod", "container"),
+        )
+        for row in attribution.gpu_pods:
+            gpu_pods.add_metric(
+                self._values(
+                    row.gpu_uuid, row.device_id, row.resource, row.namespace, row.pod, row.container
+                ),
+                1.0,
+            )
+        containers = self._gauge(
+            "gpu_process_container_info",
+            "1 for each GPU process in a pod: its pod UID and container ID (from its cgroup).",
+            ("pid", "pod_uid", "container_id"),
+        )
+        named = self._gauge(
+            "gpu_process_pod_info",
+            "1 for each GPU process whose pod is certain: the only pod, through one container, "
+            "holding the GPUs it uses, with no other pod's process on them.",
+            ("pid", "namespace", "pod", "container"),
+        )
+        for process in attribution.process_pods:
+            containers.add_metric(
+                self._values(process.pid, process.pod_uid, process.container_id), 1.0
+            )
+            if process.pod:
+                named.add_metric(
+                    self._values(process.pid, process.namespace, process.pod, process.container),
+                    1.0,
+                )
+        unattributed = self._gauge(
+            "gpu_memory_unattributed_bytes",
+            "GPU memory that no pod holding the GPU owns: the whole GPU's used memory where no "
+            "pod holds it, else its processes in no pod.",
+            GPU_LABELS,
+        )
+        for uuid, (index, value) in sorted(attribution.unattributed_gpus.items()):
+            unattributed.add_metric(self._values(index, uuid), value)
+        per_process = self._gauge(
+            "gpu_process_memory_unattributed_bytes",
+            "GPU memory of a process outside every pod that holds its GPU (reason: no_pod, "
+            "not_assigned; unknown: its cgroup could not be read, not counted as unattributed).",
+            (*GPU_LABELS, "pid", "reason"),
+        )
+        for entry in attribution.unattributed_processes:
+            per_process.add_metric(
+                self._values(entry.gpu_index, entry.gpu_uuid, entry.pid, entry.reason),
+                entry.used_bytes,
+            )
+        families = (gpu_pods, containers, named, unattributed, per_process)
         yield from (f for f in families if f.samples)
 
     def _host_families(self, sample: Sample) -> Iterator[Metric]:

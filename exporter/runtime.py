@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
@@ -88,6 +88,51 @@ def live_sources(
 
         sources.append(HostMemorySource())
     return sources
+
+
+def kubelet_source(
+    config: Config, pids: Callable[[], Collection[int]], env: Mapping[str, str] = os.environ
+) -> Source | None:
+    """The node daemon's Kubernetes attribution, or None where it is off: "off", or no socket
+    configured outside Kubernetes with no kubelet socket at the default path. Inside
+    Kubernetes a missing socket is a state on /metrics, never a silent absence."""
+    from exporter.kubernetes.podresources import DEFAULT_SOCKET
+
+    socket = config.kubelet_socket
+    if socket == "off":
+        return None
+    if not socket:
+        if "KUBERNETES_SERVICE_HOST" not in env and not os.path.exists(DEFAULT_SOCKET):
+            return None
+        socket = DEFAULT_SOCKET
+    from exporter.sources.kubelet import DEFAULT_RESOURCES, KubeletSource
+
+    return KubeletSource(
+        pids,
+        socket_path=socket,
+        refresh_s=config.kubelet_refresh_s,
+        timeout_s=config.kubelet_timeout_s,
+        resources=(*DEFAULT_RESOURCES, *config.kubelet_resources),
+    )
+
+
+def blind_reason(sampler: Sampler) -> str | None:
+    """Why a node daemon cannot see any GPU, or None while it sees one. It exists to read
+    NVML: without it (no library, no driver, no GPU visible, a container without the NVIDIA
+    runtime) it is not ready, whatever else it serves."""
+    state = sampler.state()
+    nvml = state.sources.get("nvml")
+    if nvml is None:
+        return "NVML is turned off (GPUMEM_NVML)"
+    if state.sample is None:
+        return "no sample yet"
+    if nvml.unavailable:
+        return f"NVML: {nvml.unavailable}"
+    if not nvml.up:
+        return f"NVML read failed: {nvml.last_error or 'unknown error'}"
+    if not any(gpu.up for gpu in state.sample.gpus):
+        return "no GPU answers NVML" if state.sample.gpus else "NVML lists no GPU"
+    return None
 
 
 def build_runtime(

@@ -128,6 +128,10 @@ class GpuReading:
     used_bytes: int | None = None
     free_bytes: int | None = None
     driver_reserved_bytes: int | None = None
+    # What device plugins name the GPU by (exporter.kubernetes.device_ids): the minor number
+    # of /dev/nvidia<N> (GKE) and the UUIDs of its MIG devices.
+    minor_number: int | None = None
+    mig_uuids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -138,6 +142,43 @@ class ProcessGpuReading:
     gpu_uuid: str
     pid: int
     used_bytes: int
+
+
+@dataclass(frozen=True)
+class PodDevice:
+    """One device the kubelet assigned to one container (pod-resources API, List)."""
+
+    namespace: str
+    pod: str
+    container: str
+    resource: str  # nvidia.com/gpu, nvidia.com/mig-1g.10gb, ...
+    device_id: str  # as the device plugin wrote it (exporter.kubernetes.device_ids)
+
+
+@dataclass
+class KubeletReading:
+    """What the node daemon knows from the kubelet, and how fresh it is."""
+
+    socket: str
+    up: bool  # the latest List succeeded
+    error: str = ""  # why the latest List failed, in one line
+    last_success_s: float | None = None  # Unix time of the latest successful List
+    refresh_errors: int = 0
+    # From the latest successful List (kept while the kubelet is down); None before one.
+    devices: list[PodDevice] | None = None
+
+
+@dataclass
+class ProcessContainerReading:
+    """Where one GPU process runs, from /proc/<pid>/cgroup (exporter.kubernetes.cgroup).
+    state: "container" (pod_uid "" for a container of no pod), "no_container" (a host
+    process), or "unknown" (gone, unreadable or of an unknown shape: detail says which)."""
+
+    pid: int
+    state: str
+    pod_uid: str = ""
+    container_id: str = ""
+    detail: str = ""
 
 
 @dataclass
@@ -207,6 +248,9 @@ class SourceReading:
     # Why this source has nothing to report on this host (no NVML library, no driver, no
     # GPU): "no data", not a failure. Empty when it reports.
     unavailable: str = ""
+    # The node daemon's Kubernetes attribution (exporter.sources.kubelet).
+    kubelet: KubeletReading | None = None
+    process_containers: list[ProcessContainerReading] = field(default_factory=list)
 
 
 @dataclass
@@ -226,6 +270,9 @@ class Sample:
     # NVML used minus torch reserved by "<gpu_uuid>/<pid>", fixed by the sampler at the end
     # of its tick (settle_non_allocator). Not part of a trace: a replay derives it again.
     settled_non_allocator: dict[str, int] | None = None
+    # Kubernetes attribution (node daemon only; not part of a trace).
+    kubelet: KubeletReading | None = None
+    process_containers: list[ProcessContainerReading] = field(default_factory=list)
 
     def allocator_pid(self, reading: AllocatorReading) -> int | None:
         """The host PID of the process an allocator reading is from: its `pid` label under
@@ -279,7 +326,8 @@ class Sample:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        del data["settled_non_allocator"]
+        for name in ("settled_non_allocator", "kubelet", "process_containers"):
+            del data[name]
         return data
 
     @classmethod

@@ -124,6 +124,9 @@ class Sampler:
             sample.rejected_messages.update(reading.rejected_messages)
             if reading.host is not None:
                 sample.host = reading.host
+            if reading.kubelet is not None:
+                sample.kubelet = reading.kubelet
+            sample.process_containers.extend(reading.process_containers)
             if reading.self_pid is not None:
                 sample.self_pid = reading.self_pid
             sample.processes_cached |= reading.processes_cached

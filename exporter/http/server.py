@@ -21,7 +21,7 @@ from prometheus_client.exposition import choose_encoder
 from exporter.http.admin import add_admin_routes
 from exporter.http.guard import GuardedH11Protocol
 from exporter.http.page import add_page_routes
-from exporter.runtime import Runtime
+from exporter.runtime import Runtime, blind_reason
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +86,15 @@ def add_routes(app: FastAPI, runtime: Runtime, *, include_metrics: bool = True) 
 
     @app.get("/readyz", tags=["exporter"])
     def readyz() -> JSONResponse:
-        """200 once the first sample has been taken."""
-        ready = sampler.latest is not None
-        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+        """200 once the first sample has been taken; the node daemon also needs a GPU that
+        answers NVML (runtime.blind_reason): a blind one answers 503 with the reason."""
+        reason = "no sample yet" if sampler.latest is None else None
+        if mode == "node":
+            reason = blind_reason(sampler)
+        body: dict[str, object] = {"ready": reason is None}
+        if reason is not None:
+            body["reason"] = reason
+        return JSONResponse(body, status_code=200 if reason is None else 503)
 
 
 def create_app(runtime: Runtime) -> FastAPI:

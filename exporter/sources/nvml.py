@@ -47,9 +47,40 @@ class _Device:
             self.pci_bus_id = _text(nvml.nvmlDeviceGetPciInfo(self.handle).busId)
         except nvml.NVMLError:
             self.pci_bus_id = ""
+        self.minor_number = _minor_number(nvml, self.handle)
+        self.mig_uuids = _mig_uuids(nvml, self.handle)
         self.lost = False
         self.memory_v2 = True
         self.processes_supported = True
+
+
+def _minor_number(nvml: Any, handle: Any) -> int | None:
+    """The N of /dev/nvidiaN, which GKE's device plugin names GPUs by; None where NVML has
+    none (not Linux, or a binding that lacks the call)."""
+    try:
+        return int(nvml.nvmlDeviceGetMinorNumber(handle))
+    except (nvml.NVMLError, AttributeError):
+        return None
+
+
+def _mig_uuids(nvml: Any, handle: Any) -> list[str]:
+    """The UUIDs of the GPU's MIG devices (MIG-...), which the device plugin assigns to pods
+    under the MIG strategies; [] where MIG is off or not supported."""
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+        if current != nvml.NVML_DEVICE_MIG_ENABLE:
+            return []
+        count = nvml.nvmlDeviceGetMaxMigDeviceCount(handle)
+    except (nvml.NVMLError, AttributeError):
+        return []
+    uuids = []
+    for index in range(count):
+        try:
+            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
+            uuids.append(_text(nvml.nvmlDeviceGetUUID(mig)))
+        except nvml.NVMLError:  # NotFound: that slot holds no MIG device
+            continue
+    return uuids
 
 
 def _text(value: Any) -> str:
@@ -175,6 +206,8 @@ class NvmlSource:
             name=device.name,
             driver_version=self._driver_version,
             pci_bus_id=device.pci_bus_id,
+            minor_number=device.minor_number,
+            mig_uuids=device.mig_uuids,
         )
         if device.lost:
             gpu.up = False

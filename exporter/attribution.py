@@ -1,0 +1,163 @@
+"""Whose GPU memory it is: the kubelet's device assignments and each GPU process's cgroup,
+joined with NVML's readings of one sample. Pure: reads a Sample, returns plain values that
+exporter.metrics renders.
+
+- Every assignment becomes a row of gpu_pod_info, whether or not NVML sees that GPU.
+- A process is named (namespace, pod, container) where that is certain without guessing: it
+  runs in a pod's container, its GPU is assigned to containers of exactly one pod, and every
+  process on that GPU is in that one pod (container named only where the pod holds the GPU
+  through one container). Elsewhere (shared GPUs: time-slicing, MPS, MIG slices on one GPU;
+  two pods on one exclusive GPU) it keeps its pod UID alone.
+- Memory that no pod owns is certain in three cases: a process in no pod (a host process,
+  a container of no pod: orphaned workers of a killed server, `docker run`), a pod's process
+  on a GPU that no pod holds, and the GPU memory of a GPU that no pod holds. A process whose
+  cgroup could not be read is listed with reason "unknown" and not counted.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from exporter.kubernetes.device_ids import base_device_id, resolve_gpu_uuid
+from exporter.sample import ProcessContainerReading, Sample
+
+# Reasons a process's GPU memory belongs to no pod that holds its GPU.
+NO_POD = "no_pod"  # a host process or a container of no pod
+NOT_ASSIGNED = "not_assigned"  # a pod's process on a GPU no pod holds
+UNKNOWN = "unknown"  # its cgroup could not be read: listed, not counted
+COUNTED_REASONS = (NO_POD, NOT_ASSIGNED)
+
+
+@dataclass(frozen=True)
+class GpuPod:
+    gpu_uuid: str  # "" where the device ID names no GPU NVML reported
+    device_id: str  # without a time-slicing replica suffix
+    resource: str
+    namespace: str
+    pod: str
+    container: str
+
+
+@dataclass(frozen=True)
+class ProcessPod:
+    pid: int
+    pod_uid: str
+    container_id: str
+    namespace: str = ""  # with pod and container: only where certain (see module doc)
+    pod: str = ""
+    container: str = ""
+
+
+@dataclass(frozen=True)
+class UnattributedProcess:
+    gpu_index: int
+    gpu_uuid: str
+    pid: int
+    reason: str
+    used_bytes: int
+
+
+@dataclass
+class Attribution:
+    gpu_pods: list[GpuPod] = field(default_factory=list)
+    process_pods: list[ProcessPod] = field(default_factory=list)
+    # By GPU UUID: (NVML index, bytes no pod owns). Only once the kubelet has answered.
+    unattributed_gpus: dict[str, tuple[int, int]] = field(default_factory=dict)
+    unattributed_processes: list[UnattributedProcess] = field(default_factory=list)
+
+
+def attribute(sample: Sample) -> Attribution | None:
+    """None where the sample has no Kubernetes view (not the node daemon in a cluster)."""
+    kubelet = sample.kubelet
+    if kubelet is None:
+        return None
+    result = Attribution()
+    if kubelet.devices is None:  # never answered: no assignment known, nothing to judge
+        return result
+    seen = set()
+    for device in kubelet.devices:
+        row = GpuPod(
+            resolve_gpu_uuid(device.device_id, sample.gpus),
+            base_device_id(device.device_id),
+            device.resource,
+            device.namespace,
+            device.pod,
+            device.container,
+        )
+        if row not in seen:  # time-slicing gives one container several replicas
+            seen.add(row)
+            result.gpu_pods.append(row)
+    holders: dict[str, set[tuple[str, str, str]]] = defaultdict(set)
+    for row in result.gpu_pods:
+        if row.gpu_uuid:
+            holders[row.gpu_uuid].add((row.namespace, row.pod, row.container))
+    located = {c.pid: c for c in sample.process_containers}
+    result.process_pods = _process_pods(sample, located, holders)
+    for entry in sample.processes:
+        where = located.get(entry.pid)
+        reason = _unattributed_reason(where, entry.gpu_uuid in holders)
+        if reason is not None:
+            result.unattributed_processes.append(
+                UnattributedProcess(
+                    entry.gpu_index, entry.gpu_uuid, entry.pid, reason, entry.used_bytes
+                )
+            )
+    for gpu in sample.gpus:
+        if not gpu.up:
+            continue
+        if gpu.uuid in holders:
+            counted = sum(
+                p.used_bytes
+                for p in result.unattributed_processes
+                if p.gpu_uuid == gpu.uuid and p.reason in COUNTED_REASONS
+            )
+        elif gpu.used_bytes is not None:
+            counted = gpu.used_bytes  # no pod holds this GPU: all of its memory
+        else:
+            continue
+        result.unattributed_gpus[gpu.uuid] = (gpu.index, counted)
+    return result
+
+
+def _unattributed_reason(where: ProcessContainerReading | None, assigned: bool) -> str | None:
+    if where is None or where.state == "unknown":
+        return UNKNOWN
+    if where.state == "no_container" or not where.pod_uid:
+        return NO_POD
+    return None if assigned else NOT_ASSIGNED
+
+
+def _process_pods(
+    sample: Sample,
+    located: dict[int, ProcessContainerReading],
+    holders: dict[str, set[tuple[str, str, str]]],
+) -> list[ProcessPod]:
+    pod_uids_on: dict[str, set[str]] = defaultdict(set)  # GPU -> pod UIDs of its processes
+    gpus_of: dict[int, set[str]] = defaultdict(set)
+    for entry in sample.processes:
+        where = located.get(entry.pid)
+        if where is not None and where.pod_uid:
+            pod_uids_on[entry.gpu_uuid].add(where.pod_uid)
+            gpus_of[entry.pid].add(entry.gpu_uuid)
+    result = []
+    for pid, gpus in sorted(gpus_of.items()):
+        where = located[pid]
+        names = {_certain_owner(holders.get(g, set()), pod_uids_on[g]) for g in gpus}
+        owner = names.pop() if len(names) == 1 else None
+        if owner is None:
+            result.append(ProcessPod(pid, where.pod_uid, where.container_id))
+        else:
+            result.append(ProcessPod(pid, where.pod_uid, where.container_id, *owner))
+    return result
+
+
+def _certain_owner(
+    holders: set[tuple[str, str, str]], pod_uids: set[str]
+) -> tuple[str, str, str] | None:
+    """(namespace, pod, container) of a GPU's processes where that is certain, else None.
+    (Never a partial name: an empty `container` label would take the scraping target's own
+    under honor_labels.)"""
+    if len(holders) != 1 or len(pod_uids) != 1:
+        return None
+    return next(iter(holders))

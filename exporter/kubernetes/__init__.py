@@ -1,0 +1,10 @@
+"""Kubernetes attribution for the node daemon: which pod, namespace and container each GPU
+and each GPU process belongs to.
+
+- podresources: the kubelet's pod-resources gRPC API (which container each device is assigned
+  to), through grpcio and a private protobuf descriptor pool built from the published schema.
+- device_ids: device IDs as device plugins write them, resolved to NVML GPU UUIDs.
+- cgroup: a process's pod UID and container ID from /proc/<pid>/cgroup.
+
+exporter.sources.kubelet reads them into samples; exporter.attribution joins them with NVML.
+"""

@@ -1,0 +1,42 @@
+"""Device IDs as device plugins write them, resolved to the NVML GPU they are on.
+
+The NVIDIA device plugin writes `GPU-<uuid>` for a whole GPU, `MIG-<uuid>` for a MIG device
+(`MIG-GPU-<uuid>/<gi>/<ci>` before driver R470), and appends `::<n>` for each time-slicing
+replica. GKE's plugin writes `nvidia<minor>` (the /dev/nvidia<minor> node), `nvidia<minor>/vgpu<n>`
+for time-sharing and `nvidia<minor>/gi<n>` for MIG. Every form is matched through what NVML
+says about the GPU (UUID, MIG device UUIDs, minor number), never through an index: NVML's order
+is PCI order and CUDA_VISIBLE_DEVICES renumbers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from exporter.sample import GpuReading
+
+_GKE = re.compile(r"nvidia(\d+)(?:/(?:gi|vgpu)\d+)*")
+_OLD_MIG = re.compile(r"MIG-(GPU-[0-9a-fA-F-]+)/\d+/\d+")
+
+
+def base_device_id(device_id: str) -> str:
+    """The device without its time-slicing replica suffix (`GPU-x::3` -> `GPU-x`)."""
+    return device_id.partition("::")[0]
+
+
+def resolve_gpu_uuid(device_id: str, gpus: Iterable[GpuReading]) -> str:
+    """The NVML UUID of the GPU `device_id` is on, or "" where nothing NVML reported matches.
+    A `GPU-<uuid>` ID is its own answer even where NVML cannot see that GPU: the kubelet
+    assigned it, and that is worth seeing."""
+    base = base_device_id(device_id)
+    if base.startswith("GPU-"):
+        return base
+    if (old := _OLD_MIG.fullmatch(base)) is not None:
+        return old.group(1)
+    gpus = list(gpus)
+    if base.startswith("MIG-"):
+        return next((g.uuid for g in gpus if base in g.mig_uuids), "")
+    if (gke := _GKE.fullmatch(base)) is not None:
+        minor = int(gke.group(1))
+        return next((g.uuid for g in gpus if g.minor_number == minor), "")
+    return ""

@@ -1,0 +1,124 @@
+"""The kubelet's pod-resources API (v1.PodResourcesLister/List): which container of which pod
+each device is assigned to.
+
+Messages come from the published v1 schema (podresources_v1/api.proto), loaded from its
+descriptor set into a private pool: generated `_pb2` modules pin the protobuf runtime they were
+made with, and a private pool cannot clash with another `v1` package in the host's default
+pool. grpcio and protobuf are the optional extra `kubernetes`; without them the node daemon
+reports that state (KubeletClientMissing) instead of attribution.
+
+dcgm-exporter calls List on a new connection per collection with a 10 s timeout; here one
+channel is kept and every call has its own deadline (seconds), made off the sampler's thread
+(exporter.sources.kubelet).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from exporter.sample import PodDevice
+
+DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+LIST_METHOD = "/v1.PodResourcesLister/List"
+# A List answer on a node with hundreds of pods is a few hundred KiB; anything near this is
+# not a kubelet.
+MAX_RESPONSE_BYTES = 16 << 20
+
+
+class KubeletClientMissing(RuntimeError):
+    """grpcio or protobuf is not installed (pip install 'gpumem-exporter[kubernetes]')."""
+
+
+@cache
+def messages() -> dict[str, Any]:
+    """The v1 message classes by short name, from the shipped descriptor set."""
+    try:
+        from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    except ImportError as exc:
+        raise KubeletClientMissing(
+            "protobuf is not installed (pip install 'gpumem-exporter[kubernetes]')"
+        ) from exc
+    data = resources.files(__package__).joinpath("podresources_v1/api.descriptor.binpb")
+    files = descriptor_pb2.FileDescriptorSet.FromString(data.read_bytes())
+    pool = descriptor_pool.DescriptorPool()
+    for file in files.file:
+        pool.Add(file)
+    package = pool.FindFileByName("api.proto")
+    return {
+        name: message_factory.GetMessageClass(descriptor)
+        for name, descriptor in package.message_types_by_name.items()
+    }
+
+
+def assignments(response: Any, resources: frozenset[str] | None = None) -> list[PodDevice]:
+    """The device assignments in a ListPodResourcesResponse, only for `resources` (exact
+    names, or prefixes ending in '*') when given."""
+    result = []
+    for pod in response.pod_resources:
+        for container in pod.containers:
+            for devices in container.devices:
+                if resources is not None and not resource_matches(devices.resource_name, resources):
+                    continue
+                for device_id in devices.device_ids:
+                    names = (pod.namespace, pod.name, container.name)
+                    result.append(PodDevice(*names, devices.resource_name, device_id))
+    return result
+
+
+def resource_matches(name: str, patterns: frozenset[str]) -> bool:
+    return any(name.startswith(p[:-1]) if p.endswith("*") else name == p for p in patterns)
+
+
+class PodResourcesClient:
+    """List over one gRPC channel to the kubelet's unix socket; every call has a deadline."""
+
+    def __init__(self, socket_path: str, *, timeout_s: float = 5.0) -> None:
+        # gRPC's C core logs connection events (a kubelet restart's GOAWAY) at INFO to
+        # stderr; the daemon reports them as states instead.
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+        try:
+            import grpc
+        except ImportError as exc:
+            raise KubeletClientMissing(
+                "grpcio is not installed (pip install 'gpumem-exporter[kubernetes]')"
+            ) from exc
+        self._grpc = grpc
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        classes = messages()
+        self._request = classes["ListPodResourcesRequest"]
+        self._channel = grpc.insecure_channel(
+            f"unix://{socket_path}",
+            options=[("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)],
+        )
+        self._list = self._channel.unary_unary(
+            LIST_METHOD,
+            request_serializer=lambda message: message.SerializeToString(),
+            response_deserializer=classes["ListPodResourcesResponse"].FromString,
+        )
+
+    def list(self, resources: frozenset[str] | None = None) -> list[PodDevice]:
+        """Every device assignment; raises KubeletError with a one-line reason."""
+        try:
+            response = self._list(self._request(), timeout=self.timeout_s, wait_for_ready=False)
+        except self._grpc.RpcError as exc:
+            raise KubeletError(_describe(exc, self.socket_path)) from None
+        return assignments(response, resources)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class KubeletError(RuntimeError):
+    """The kubelet did not answer List; str() says why in one line."""
+
+
+def _describe(error: Any, socket_path: str) -> str:
+    code = getattr(error, "code", lambda: None)()
+    details = getattr(error, "details", lambda: "")() or ""
+    name = getattr(code, "name", "UNKNOWN")
+    text = " ".join(f"{name}: {details}".split())
+    return f"kubelet pod-resources at {socket_path}: {text}"[:300]

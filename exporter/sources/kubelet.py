@@ -1,0 +1,184 @@
+"""The node daemon's Kubernetes view: which container each GPU is assigned to (the kubelet's
+pod-resources API) and which container each GPU process runs in (/proc/<pid>/cgroup).
+
+The kubelet is asked from a thread of this source's own, never from the sampler's tick: a slow
+or hung kubelet costs its call's deadline (seconds) on that thread, and every tick reads the
+latest answer. It asks every `refresh_s`, and at once when the set of GPU processes changes
+(a pod that starts or stops changes both), so a GPU that moves to another pod is re-attributed
+within one refresh. A missing socket, a kubelet that times out, answers garbage or restarts,
+or a missing grpcio, is a state on the reading (exporter.metrics: gpumem_exporter_kubelet_*)
+and one log line per change of reason, never an exception into the tick.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Collection
+from typing import Any
+
+from exporter.kubernetes.cgroup import UnknownCgroupShape, read_cgroup
+from exporter.kubernetes.podresources import (
+    DEFAULT_SOCKET,
+    KubeletClientMissing,
+    KubeletError,
+    PodResourcesClient,
+)
+from exporter.sample import KubeletReading, PodDevice, ProcessContainerReading, SourceReading
+
+log = logging.getLogger(__name__)
+
+# Resources that are GPUs (device-plugin names); more with GPUMEM_KUBELET_RESOURCES.
+DEFAULT_RESOURCES = ("nvidia.com/gpu", "nvidia.com/mig-*")
+
+
+class KubeletSource:
+    name = "kubelet"
+
+    def __init__(
+        self,
+        pids: Callable[[], Collection[int]],
+        *,
+        socket_path: str = DEFAULT_SOCKET,
+        refresh_s: float = 10.0,
+        timeout_s: float = 5.0,
+        resources: Collection[str] = DEFAULT_RESOURCES,
+        proc: str = "/proc",
+        client_factory: Callable[..., Any] = PodResourcesClient,
+    ) -> None:
+        self._pids = pids  # host PIDs with GPU memory (NvmlSource.last_pids)
+        self.socket_path = socket_path
+        self._refresh_s = refresh_s
+        self._timeout_s = timeout_s
+        self._resources = frozenset(resources)
+        self._proc = proc
+        self._client_factory = client_factory
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._state = KubeletReading(socket=socket_path, up=False, error="not asked yet")
+        self._logged_error = ""
+        self._containers: dict[int, ProcessContainerReading] = {}
+        self.refreshes = 0  # completed List attempts, for tests and the refresh thread's pace
+
+    # -- the sampler's side: cheap, never blocks on the kubelet ---------------------------
+
+    def read(self) -> SourceReading:
+        self._start()
+        pids = frozenset(self._pids())
+        if pids != self._containers.keys():
+            # Processes came or went: who holds the GPUs may have changed pods too.
+            known = self._containers
+            self._containers = {
+                pid: known[pid]
+                if pid in known and known[pid].state != "unknown"
+                else self._locate(pid)
+                for pid in sorted(pids)
+            }
+            self._wake.set()
+        with self._lock:
+            state = self._state
+        return SourceReading(kubelet=state, process_containers=list(self._containers.values()))
+
+    def _locate(self, pid: int) -> ProcessContainerReading:
+        try:
+            container = read_cgroup(pid, self._proc)
+        except FileNotFoundError:
+            return ProcessContainerReading(pid, "unknown", detail="process gone")
+        except OSError as exc:
+            return ProcessContainerReading(pid, "unknown", detail=f"cgroup: {exc.strerror}")
+        except UnknownCgroupShape as exc:
+            return ProcessContainerReading(pid, "unknown", detail=str(exc)[:200])
+        if container is None:
+            return ProcessContainerReading(pid, "no_container")
+        return ProcessContainerReading(
+            pid, "container", pod_uid=container.pod_uid, container_id=container.container_id
+        )
+
+    # -- the refresh thread ---------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gpumem-kubelet", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            self.refresh()
+            self._wake.wait(self._refresh_s)
+
+    def refresh(self) -> None:
+        """One List call; its outcome becomes the state the next tick reads."""
+        try:
+            devices = self._list()
+        except Exception as exc:  # any failure is a state: this thread must go on
+            self._failed(_one_line(exc))
+        else:
+            with self._lock:
+                self._state = KubeletReading(
+                    socket=self.socket_path,
+                    up=True,
+                    last_success_s=time.time(),
+                    refresh_errors=self._state.refresh_errors,
+                    devices=devices,
+                )
+            if self._logged_error:
+                log.info("kubelet pod-resources at %s answers again", self.socket_path)
+                self._logged_error = ""
+        self.refreshes += 1
+
+    def _list(self) -> list[PodDevice]:
+        if not os.path.exists(self.socket_path):
+            self._drop_client()  # a kubelet restart makes a new socket: connect afresh
+            raise KubeletError(f"kubelet pod-resources socket {self.socket_path} not found")
+        if self._client is None:
+            self._client = self._client_factory(self.socket_path, timeout_s=self._timeout_s)
+        try:
+            return list(self._client.list(self._resources))
+        except Exception:
+            self._drop_client()
+            raise
+
+    def _failed(self, error: str) -> None:
+        with self._lock:
+            previous = self._state
+            self._state = KubeletReading(
+                socket=self.socket_path,
+                up=False,
+                error=error,
+                last_success_s=previous.last_success_s,
+                refresh_errors=previous.refresh_errors + 1,
+                devices=previous.devices,  # the last known assignment, aged on /metrics
+            )
+        if error != self._logged_error:  # one line per reason, not one per refresh
+            log.warning("no pod attribution from the kubelet: %s", error)
+            self._logged_error = error
+
+    def _drop_client(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            with contextlib.suppress(Exception):  # a broken channel: nothing to save
+                client.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(self._timeout_s + 1)
+            self._thread = None
+        self._drop_client()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = (
+        str(exc)
+        if isinstance(exc, (KubeletError, KubeletClientMissing))
+        else (f"{type(exc).__name__}: {exc}")
+    )
+    return " ".join(text.split())[:300]

@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,8 +41,11 @@ def run_cli(
 
 
 @contextmanager
-def running(*args: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """Start `gpumem-exporter ARGS --port P`, wait for /readyz, yield the base URL."""
+def running(
+    *args: str, env: dict[str, str] | None = None, wait_for: str = "/readyz"
+) -> Iterator[str]:
+    """Start `gpumem-exporter ARGS --port P`, wait for `wait_for` to answer 200, yield the
+    base URL."""
     port = free_port()
     proc = subprocess.Popen(
         [*CLI, *args, "--port", str(port)],
@@ -55,7 +59,7 @@ def running(*args: str, env: dict[str, str] | None = None) -> Iterator[str]:
         deadline = time.monotonic() + 30
         while True:
             try:
-                with urllib.request.urlopen(url + "/readyz", timeout=1):
+                with urllib.request.urlopen(url + wait_for, timeout=1):
                     break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
@@ -219,11 +223,17 @@ def test_record_a_running_exporter_and_replay_it(tmp_path):
 
 
 def test_serve_without_nvml_reports_the_source_down_and_host_up():
-    with running("serve") as url:
+    # Healthy (it serves), but a node daemon that sees no GPU is not ready (below).
+    with running("serve", wait_for="/healthz") as url:
         time.sleep(2.5)  # a few ticks: a failing source would have counted errors by now
         values = scrape(url)
         with urllib.request.urlopen(url + "/healthz", timeout=5) as response:
             health = json.loads(response.read())
+        try:
+            urllib.request.urlopen(url + "/readyz", timeout=5)
+            readiness: tuple[int, dict] = (200, {})
+        except urllib.error.HTTPError as error:
+            readiness = (error.code, json.loads(error.read()))
     assert health["status"] == "ok"
     up = {
         dict(labels)["source"]: v
@@ -243,6 +253,7 @@ def test_serve_without_nvml_reports_the_source_down_and_host_up():
             if n == "gpumem_exporter_source_unavailable_info"
         }
         assert reasons["nvml"] in ("NVML Shared Library Not Found", "Driver Not Loaded", "no GPU")
+        assert readiness == (503, {"ready": False, "reason": f"NVML: {reasons['nvml']}"})
         errors = {
             dict(labels)["source"]: v
             for (n, labels), v in values.items()

@@ -45,6 +45,17 @@ RUNBOOK_URL_BASE = "https://git.example.com/ml/gpumem-exporter/blob/main/docs/ru
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "host-pid": {"daemonset": {"hostPID": True}},
+    "no-kubelet": {"daemonset": {"kubelet": {"enabled": False}}},
+    "microk8s-kubelet": {
+        "daemonset": {
+            "kubelet": {
+                "hostPath": "/var/snap/microk8s/common/var/lib/kubelet/pod-resources",
+                "refreshSeconds": 30,
+                "timeoutSeconds": 2,
+                "extraResources": ["example.com/gpu", "amd.com/*"],
+            }
+        }
+    },
     "existing-secret": {"adminToken": {"existingSecret": "gpumem-admin", "secretKey": "bearer"}},
     "chart-secret": {"adminToken": {"value": "not-a-real-token"}},
     "service-monitor-off": {"serviceMonitor": {"enabled": False}},
@@ -391,12 +402,80 @@ def test_daemonset_runs_node_daemon(rendered: dict[str, list[dict[str, Any]]]) -
     )
 
 
+def test_kubelet_attribution_mounts_the_folder_read_only(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["defaults"]
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    c = container(docs)
+    [mount] = [m for m in c["volumeMounts"] if m["name"] == "pod-resources"]
+    assert mount == {
+        "name": "pod-resources",
+        "mountPath": "/var/lib/kubelet/pod-resources",
+        "readOnly": True,
+    }
+    [volume] = [v for v in pod["volumes"] if v["name"] == "pod-resources"]
+    # The folder, not the socket: a kubelet restart replaces the socket file.
+    assert volume["hostPath"] == {"path": "/var/lib/kubelet/pod-resources", "type": "Directory"}
+    env = env_of(docs)
+    assert env["GPUMEM_KUBELET_SOCKET"] == "/var/lib/kubelet/pod-resources/kubelet.sock"
+    assert env["GPUMEM_KUBELET_REFRESH_S"] == "10"
+    assert env["GPUMEM_KUBELET_TIMEOUT_S"] == "5"
+    assert "GPUMEM_KUBELET_RESOURCES" not in env
+    [node] = [e for e in c["env"] if e["name"] == "NODE_NAME"]
+    assert node["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    # The socket is root's: uid 0 in this container, still without any capability.
+    assert c["securityContext"]["runAsUser"] == 0
+    assert c["securityContext"]["runAsNonRoot"] is False
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    monitor = one(docs, "ServiceMonitor")["spec"]["endpoints"][0]
+    assert monitor["honorLabels"] is True  # keeps gpu_pod_info's pod/namespace/container
+    assert "Pod attribution reads the kubelet" in render_notes()
+
+    custom = rendered["microk8s-kubelet"]
+    [volume] = [
+        v
+        for v in one(custom, "DaemonSet")["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "pod-resources"
+    ]
+    assert volume["hostPath"]["path"] == "/var/snap/microk8s/common/var/lib/kubelet/pod-resources"
+    env = env_of(custom)
+    assert env["GPUMEM_KUBELET_REFRESH_S"] == "30"
+    assert env["GPUMEM_KUBELET_TIMEOUT_S"] == "2"
+    assert env["GPUMEM_KUBELET_RESOURCES"] == "example.com/gpu,amd.com/*"
+
+
+def test_kubelet_attribution_off_keeps_the_daemon_non_root(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["no-kubelet"]
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    c = container(docs)
+    assert env_of(docs)["GPUMEM_KUBELET_SOCKET"] == "off"
+    assert not [v for v in pod["volumes"] if v["name"] == "pod-resources"]
+    assert "runAsUser" not in c["securityContext"]
+    assert c["securityContext"]["runAsNonRoot"] is True
+
+
+def test_kubelet_values_are_validated() -> None:
+    for bad, where in (
+        ({"hostPath": "relative/path"}, "hostPath"),
+        ({"refreshSeconds": 0}, "refreshSeconds"),
+        ({"extraResources": ["no-slash"]}, "extraResources"),
+        ({"socket": "/x"}, "socket"),
+    ):
+        with pytest.raises(Exception, match=f"/daemonset/kubelet.*{where}|{where}.*not allowed"):
+            render({"daemonset": {"kubelet": bad}})
+
+
 def test_security_context(rendered: dict[str, list[dict[str, Any]]]) -> None:
     for name, docs in rendered.items():
         if not by_kind(docs, "DaemonSet"):
             continue
         pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
         sc = container(docs)["securityContext"]
+        # The container runs as root only to use the kubelet's socket (tested above).
+        assert sc.get("runAsUser", 0) == 0 and sc.get("runAsNonRoot") is not None, name
         assert pod["securityContext"]["runAsNonRoot"] is True, name
         assert pod["securityContext"]["runAsUser"] == 10001, name  # the Dockerfile's USER
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name

@@ -1,0 +1,163 @@
+"""exporter.attribution: the kubelet's assignments and the processes' cgroups joined with NVML,
+on samples built from the H200 NVML capture (tests/data/allocator_native.json)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from exporter.attribution import GpuPod, ProcessPod, UnattributedProcess, attribute
+from exporter.kubernetes.device_ids import base_device_id, resolve_gpu_uuid
+from exporter.sample import (
+    GpuReading,
+    KubeletReading,
+    PodDevice,
+    ProcessContainerReading,
+    ProcessGpuReading,
+    Sample,
+)
+from tests.conftest import DATA_DIR
+
+RAW = json.loads((DATA_DIR / "allocator_native.json").read_text())["nvml_raw"]
+GPU0, GPU1 = (d["uuid"] for d in RAW["devices"])
+USED0 = RAW["devices"][0]["memory_v2"]["used"]
+PID = RAW["devices"][0]["processes"][0]["pid"]
+PID_USED = RAW["devices"][0]["processes"][0]["usedGpuMemory"]
+UID_A = "2c9f8a79-5391-454b-88cb-86190881cb96"
+UID_B = "7922aa99-d4aa-4885-a953-82976860b23a"
+
+
+def gpus() -> list[GpuReading]:
+    return [
+        GpuReading(
+            index=d["index"],
+            uuid=d["uuid"],
+            used_bytes=d["memory_v2"]["used"],
+            minor_number=d["index"],
+            mig_uuids=[f"MIG-{d['index']}-a", f"MIG-{d['index']}-b"],
+        )
+        for d in RAW["devices"]
+    ]
+
+
+def sample(devices, processes, located) -> Sample:
+    return Sample(
+        timestamp=0.0,
+        gpus=gpus(),
+        processes=processes,
+        kubelet=KubeletReading(socket="/k.sock", up=True, devices=devices),
+        process_containers=located,
+    )
+
+
+def the_process(pid: int = PID, used: int = PID_USED, gpu: int = 0) -> ProcessGpuReading:
+    return ProcessGpuReading(gpu, (GPU0, GPU1)[gpu], pid, used)
+
+
+def in_pod(pid: int = PID, uid: str = UID_A) -> ProcessContainerReading:
+    return ProcessContainerReading(pid, "container", pod_uid=uid, container_id="c" * 64)
+
+
+def llama(device_id: str = GPU0, pod: str = "llama-0") -> PodDevice:
+    return PodDevice("serving", pod, "server", "nvidia.com/gpu", device_id)
+
+
+@pytest.mark.parametrize(
+    ("device_id", "expected"),
+    [
+        (GPU0, GPU0),
+        (f"{GPU0}::3", GPU0),
+        ("GPU-not-on-this-node", "GPU-not-on-this-node"),
+        ("MIG-1-b", GPU1),
+        ("MIG-1-b::2", GPU1),
+        (f"MIG-{GPU1}/1/0", GPU1),
+        ("nvidia1", GPU1),
+        ("nvidia0/vgpu3", GPU0),
+        ("nvidia1/gi2", GPU1),
+        ("nvidia7", ""),
+        ("MIG-unknown", ""),
+        ("0000:3b:00.1", ""),
+    ],
+)
+def test_device_ids_resolve_to_the_nvml_gpu(device_id, expected):
+    assert resolve_gpu_uuid(device_id, gpus()) == expected
+
+
+def test_replica_suffix_is_dropped():
+    assert base_device_id(f"{GPU0}::12") == GPU0
+
+
+def test_exclusive_gpu_names_its_process_and_leaves_nothing_unattributed():
+    result = attribute(
+        sample([llama(f"{GPU0}::0"), llama(f"{GPU0}::1")], [the_process()], [in_pod()])
+    )
+    assert result.gpu_pods == [GpuPod(GPU0, GPU0, "nvidia.com/gpu", "serving", "llama-0", "server")]
+    assert result.process_pods == [ProcessPod(PID, UID_A, "c" * 64, "serving", "llama-0", "server")]
+    assert result.unattributed_processes == []
+    assert result.unattributed_gpus == {GPU0: (0, 0), GPU1: (1, 0)}  # GPU1: no pod, 0 used
+
+
+def test_a_process_in_no_container_is_held_outside_any_pod():
+    located = [ProcessContainerReading(PID, "no_container")]
+    result = attribute(sample([llama()], [the_process()], located))
+    assert result.unattributed_processes == [UnattributedProcess(0, GPU0, PID, "no_pod", PID_USED)]
+    assert result.unattributed_gpus[GPU0] == (0, PID_USED)
+    assert result.process_pods == []
+
+
+def test_a_container_of_no_pod_is_outside_any_pod():
+    located = [ProcessContainerReading(PID, "container", container_id="d" * 64)]
+    result = attribute(sample([llama()], [the_process()], located))
+    assert result.unattributed_processes[0].reason == "no_pod"
+
+
+def test_a_gpu_no_pod_holds_is_unattributed_whole():
+    result = attribute(sample([llama("GPU-elsewhere")], [the_process()], [in_pod()]))
+    assert result.unattributed_gpus[GPU0] == (0, USED0)
+    assert result.unattributed_processes == [
+        UnattributedProcess(0, GPU0, PID, "not_assigned", PID_USED)
+    ]
+    # The assignment is still published, though NVML does not see that GPU.
+    assert result.gpu_pods[0].gpu_uuid == "GPU-elsewhere"
+    assert result.process_pods == [ProcessPod(PID, UID_A, "c" * 64)]
+
+
+def test_an_unreadable_process_is_listed_as_unknown_and_not_counted():
+    located = [ProcessContainerReading(PID, "unknown", detail="process gone")]
+    result = attribute(sample([llama()], [the_process()], located))
+    assert result.unattributed_processes[0].reason == "unknown"
+    assert result.unattributed_gpus[GPU0] == (0, 0)
+
+
+def test_a_shared_gpu_keeps_pod_uids_only():
+    devices = [llama(f"{GPU0}::0"), llama(f"{GPU0}::1", pod="llama-1")]
+    processes = [the_process(), the_process(pid=PID + 1, used=1 << 30)]
+    located = [in_pod(), in_pod(PID + 1, UID_B)]
+    result = attribute(sample(devices, processes, located))
+    assert {p.pod for p in result.process_pods} == {""}
+    assert {p.pod_uid for p in result.process_pods} == {UID_A, UID_B}
+    assert result.unattributed_gpus[GPU0] == (0, 0)
+
+
+def test_two_pods_on_an_exclusive_gpu_are_not_guessed():
+    processes = [the_process(), the_process(pid=PID + 1, used=1 << 30)]
+    result = attribute(sample([llama()], processes, [in_pod(), in_pod(PID + 1, UID_B)]))
+    assert [p.pod for p in result.process_pods] == ["", ""]
+
+
+def test_no_assignment_known_yet_judges_nothing():
+    s = sample(None, [the_process()], [ProcessContainerReading(PID, "no_container")])
+    result = attribute(s)
+    assert result.gpu_pods == [] and result.unattributed_gpus == {}
+    assert result.unattributed_processes == []
+
+
+def test_no_kubelet_view_is_no_attribution():
+    assert attribute(Sample(timestamp=0.0, gpus=gpus())) is None
+
+
+def test_a_lost_gpu_is_not_judged():
+    s = sample([], [], [])
+    s.gpus[1].up = False
+    assert GPU1 not in attribute(s).unattributed_gpus

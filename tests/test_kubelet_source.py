@@ -282,3 +282,32 @@ def test_an_embedded_exporter_without_nvml_is_still_ready():
     runtime = build_runtime(load_config(env={}), mode="embedded", sources=[NvmlSource(fake)])
     runtime.sampler.tick()
     assert TestClient(create_app(runtime)).get("/readyz").status_code == 200
+
+
+def test_a_change_of_gpu_processes_asks_the_kubelet_at_once(tmp_path):
+    """A pod that starts or stops changes the GPU processes: the kubelet is asked then, not
+    only every refresh_s (60 s here)."""
+    state, sock = tmp_path / "s.json", tmp_path / "k.sock"
+    write_state(state, [pod("serving", "llama-0", "server", GPU0)])
+    kubelet = StandInKubelet(sock, state).start()
+    pids = [[1]]
+    source = KubeletSource(lambda: pids[0], socket_path=str(sock), refresh_s=60)
+    try:
+        source.read()
+        deadline = time.monotonic() + 5
+        while source.refreshes < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        calls = kubelet.calls
+        for _ in range(5):
+            source.read()  # the same processes: no new call
+        time.sleep(0.3)
+        assert kubelet.calls == calls
+        pids[0] = [1, 2]
+        source.read()
+        deadline = time.monotonic() + 5
+        while kubelet.calls == calls and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert kubelet.calls == calls + 1
+    finally:
+        source.close()
+        kubelet.stop()

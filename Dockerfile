@@ -17,8 +17,11 @@ RUN python3 -m venv /opt/gpumem-exporter
 # Only what the wheel needs (see .dockerignore), so code-only changes reuse no stale layers.
 COPY pyproject.toml README.md ./
 COPY exporter ./exporter
-RUN /opt/gpumem-exporter/bin/pip install --no-cache-dir . \
-    && /opt/gpumem-exporter/bin/gpumem-exporter --help > /dev/null
+# The `kubernetes` extra (grpcio, protobuf): the node daemon's pod attribution through the
+# kubelet's pod-resources API. Checked to load here, not at the first List on a node.
+RUN /opt/gpumem-exporter/bin/pip install --no-cache-dir ".[kubernetes]" \
+    && /opt/gpumem-exporter/bin/gpumem-exporter --help > /dev/null \
+    && /opt/gpumem-exporter/bin/python -c "import grpc; from exporter.kubernetes import podresources; podresources.messages()"
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="gpumem-exporter" \

@@ -118,10 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start CMD with the exporter injected into every Python process it "
         "spawns (through sitecustomize on PYTHONPATH), and serve one /metrics for "
         "all of them, each process's series labelled with pid, rank, local_rank "
-        "and role. Signals are passed on to CMD; the exit status is CMD's.",
+        "and role. The launcher owns CMD's process tree: signals go to all of it, orphans "
+        "are reaped, and whatever is left when CMD ends or the launcher is stopped gets "
+        "SIGTERM, then SIGKILL after --stop-grace-s; the exit status is CMD's.",
         usage="gpumem-exporter run [options] -- CMD [ARGS...]",
     )
     _add_server_flags(run)
+    run.add_argument(
+        "--stop-grace-s",
+        help="seconds between SIGTERM and SIGKILL for what is left of the command's process "
+        "tree when it ends or the launcher is stopped (default 10) [GPUMEM_STOP_GRACE_S]",
+    )
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command to run, after --")
 
     snapshot = commands.add_parser(
@@ -323,7 +330,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not command:
         raise CliError("no command to run: gpumem-exporter run [options] -- CMD [ARGS...]")
-    config = _config(args)
+    config = _config(args, stop_grace_s=args.stop_grace_s)
     try:
         return run(command, config)
     except ServerStartError as exc:

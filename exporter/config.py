@@ -61,6 +61,9 @@ class Config:
     kubelet_refresh_s: float = 10.0
     kubelet_timeout_s: float = 5.0
     kubelet_resources: tuple[str, ...] = ()
+    # `run`: how long what is left of the command's process tree gets between SIGTERM and
+    # SIGKILL when the launcher stops (shorter than Kubernetes' 30 s termination grace).
+    stop_grace_s: float = 10.0
     # Automatic remediation (off by default): empty_cache on retries with high fragmentation,
     # a snapshot on the first OOM.
     remediate: bool = False
@@ -265,6 +268,11 @@ def _convert(name: str, value: Any, origin: str) -> Any:
             if not 0 <= number <= 86400:
                 raise ValueError
             return number
+        if name == "stop_grace_s":
+            number = float(value)
+            if not 0 <= number <= 3600:
+                raise ValueError
+            return number
         if name in ("kubelet_refresh_s", "kubelet_timeout_s"):
             number = float(value)
             if not 0.1 <= number <= 3600:
@@ -353,6 +361,7 @@ def _convert(name: str, value: Any, origin: str) -> Any:
             "snapshot_max_bytes": "a whole number of bytes",
             "history_max_entries": "a whole number (0 = off)",
             "kubelet_refresh_s": "seconds between 0.1 and 3600",
+            "stop_grace_s": "seconds between 0 and 3600",
             "kubelet_timeout_s": "seconds between 0.1 and 3600",
             "host": "an IP address or localhost",
         }.get(name, "true or false")

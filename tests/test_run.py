@@ -726,17 +726,45 @@ def test_a_busy_port_leaves_no_folder_or_socket_behind(short_tmp):
 
 
 def test_folders_of_launchers_that_are_gone_are_swept_at_start(short_tmp):
+    """Liveness is the launcher's lock on its folder, not its pid: a launcher in another PID
+    namespace (a container sharing /tmp) has a pid that means nothing here."""
     temp = short_tmp
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    left = temp / f"gpumem-run-{gone.pid}-abcd1234"
+    # Gone, although its pid (1) exists here: nobody holds its lock.
+    left = temp / "gpumem-run-1-abcd1234"
     left.mkdir()
     (left / "aggregator.sock").touch()
-    running = temp / f"gpumem-run-{os.getpid()}-abcd1234"  # a live launcher's
+    (left / "launcher.lock").touch()
+    os.utime(left, (time.time() - 3600, time.time() - 3600))
+    # Alive, although no process here has its pid: a process holds its lock.
+    running = temp / "gpumem-run-4194000-abcd1234"
     running.mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            f"fd = os.open({str(running / 'launcher.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "print('locked', flush=True)\n"
+            "time.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        # Just made by a launcher that has not locked it yet: spared.
+        new = temp / "gpumem-run-4194001-abcd1234"
+        new.mkdir()
+        done = run_cli("--", "true", env={"TMPDIR": str(temp)})
+        assert done.returncode == 0, done.stderr
+        assert sorted(temp.glob("gpumem-run-*")) == sorted([running, new])
+    finally:
+        holder.kill()
+        holder.wait()
+    # Its holder gone, the folder is swept by the next launcher.
     done = run_cli("--", "true", env={"TMPDIR": str(temp)})
-    assert done.returncode == 0, done.stderr
-    assert list(temp.glob("gpumem-run-*")) == [running]
+    assert sorted(temp.glob("gpumem-run-*")) == [new]
 
 
 def test_a_temp_dir_too_deep_for_a_socket_path_falls_back_to_tmp(tmp_path):

@@ -6,26 +6,28 @@ on PYTHONPATH, so that each Python process of the server loads the agent at star
 opentelemetry-instrument injects itself. The launcher never uses CUDA: allocator actions fan
 out to the agents (FanOutActions), which also run OOM capture, history and remediation with
 the launcher's settings (written to the run folder, without the admin token, which the
-server's processes never see). CMD runs in its own session: every signal the launcher gets
-(SIGTERM from Kubernetes, SIGINT from a terminal, ...) is passed on once, and the launcher
-exits with CMD's exit status (128 + N if CMD died of signal N). If the launcher itself is
-killed, its reaper (exporter.run.reaper) stops CMD and removes the run folder.
+server's processes never see, nor can read from the launcher: it is not dumpable). The
+launcher supervises CMD's whole process tree (exporter.run.supervisor: subreaper, signals to
+CMD's process group, one reaper, everything left stopped when CMD ends or the launcher is told
+to stop) and exits with CMD's exit status (128 + N if CMD died of signal N). If the launcher
+itself is killed, its keeper (exporter.run.reaper) stops CMD and removes the run folder.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import os
 import shutil
 import signal
-import subprocess
+import stat
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 
 import psutil
 
@@ -37,15 +39,15 @@ from exporter.http.server import HttpServer, create_app
 from exporter.run import reaper
 from exporter.run.agent import CONFIG_NAME, RUN_DIR_ENV, SOCKET_NAME
 from exporter.run.aggregator import Aggregator
+from exporter.run.supervisor import PR_SET_DUMPABLE, Supervisor, prctl
 from exporter.runtime import build_runtime, live_sources
 from exporter.sources import Source
-from exporter.sources.process_memory import ProcessMemorySource, process_tree
+from exporter.sources.process_memory import ProcessMemorySource, describe, process_tree
 
 log = logging.getLogger("exporter.launcher")
 
 INJECT_DIR = Path(__file__).resolve().parent / "inject"
 RUN_PREFIX = "gpumem-run-"  # then the launcher's pid
-FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGWINCH")
 
 
 # Secrets of the launcher that the server's processes must not inherit.
@@ -71,29 +73,55 @@ def write_agent_config(config: Config, run_dir: str) -> None:
 
 
 def run(command: Sequence[str], config: Config) -> int:
+    nvml: list[Source] = []
+    keeper_pid: list[int] = []
+    supervisor = Supervisor(
+        grace_s=config.stop_grace_s,
+        describe=lambda pid: describe(pid)["role"],
+        gpu_pids=lambda: next((getattr(s, "last_pids", ()) for s in nvml), ()),
+        spared=lambda: keeper_pid,
+    )
+    # First of all: a signal that comes while the launcher sets up is not lost (a stop signal
+    # then means the command never starts).
+    restore_signals = supervisor.install()
+    try:
+        return _run(command, config, supervisor, nvml, keeper_pid)
+    finally:
+        restore_signals()
+
+
+def _run(
+    command: Sequence[str],
+    config: Config,
+    supervisor: Supervisor,
+    nvml: list[Source],
+    keeper_pid: list[int],
+) -> int:
+    # The admin token is in this process's environment and memory: not dumpable, so that the
+    # server's processes (same uid) can neither read /proc/<launcher>/environ nor ptrace it.
+    prctl(PR_SET_DUMPABLE, 0)
     sweep_run_folders()
     with contextlib.ExitStack() as cleanup:  # whatever was set up is undone, on any exit
         # 0700: only this user reaches the socket.
         run_dir = tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-", dir=run_base())
         cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
+        cleanup.callback(os.close, hold_lock(run_dir))  # the folder's proof of life
         keeper = reaper.start(run_dir)  # stops the command if this process is killed
+        keeper_pid.append(keeper.pid)
         cleanup.callback(reaper.release, keeper)
         write_agent_config(config, run_dir)
         aggregator = Aggregator(run_dir)
         cleanup.callback(aggregator.close)
-        child: subprocess.Popen[bytes] | None = None
 
         def agent_labels() -> dict[int, dict[str, str]]:
             return {int(p["pid"]): p for p in aggregator.processes() if p.get("pid")}
 
         server_processes = ProcessMemorySource(
-            lambda: process_tree(child.pid if child is not None else None), labels=agent_labels
+            lambda: process_tree(supervisor.pid), labels=agent_labels
         )
-        sources: list[Source] = [
-            aggregator,
-            server_processes,
-            *live_sources(config, torch=False, gpu_users=aggregator.gpu_users),
-        ]
+        machine = live_sources(config, torch=False, gpu_users=aggregator.gpu_users)
+        nvml.extend(s for s in machine if s.name == "nvml")
+        sources: list[Source] = [aggregator, server_processes, *machine]
         actions = FanOutActions(aggregator, SnapshotStore.for_config(config))
         runtime = build_runtime(config, mode="run", sources=sources, actions=actions)
         http = HttpServer(create_app(runtime), config.host, config.port)  # ServerStartError
@@ -103,27 +131,18 @@ def run(command: Sequence[str], config: Config) -> int:
         http.start()
         log.info("gpumem-exporter run: serving %s/metrics for %s", http.url, " ".join(command))
 
-        def forward(signum: int, frame: FrameType | None) -> None:
-            if child is not None and child.poll() is None:
-                child.send_signal(signum)
-
-        for name in FORWARDED:
-            signum = getattr(signal, name, None)
-            if signum is not None:
-                cleanup.callback(signal.signal, signum, signal.signal(signum, forward))
         try:
-            child = subprocess.Popen(
-                list(command),
-                env=child_environment(config, run_dir, dict(os.environ)),
-                start_new_session=True,
-            )
+            pid = supervisor.spawn(command, child_environment(config, run_dir, dict(os.environ)))
         except OSError as exc:
             log.error("cannot start %s: %s", command[0], exc.strerror or exc)
             return 127 if isinstance(exc, FileNotFoundError) else 126
+        if pid is None:
+            signum = supervisor.stop_signal or signal.SIGTERM
+            log.info("stopped by %s before the command started", signal.Signals(signum).name)
+            return 128 + signum
         with contextlib.suppress(psutil.Error, OSError):  # gone already: nothing to guard
-            reaper.watch(psutil.Process(child.pid), keeper)
-        code = child.wait()
-        return code if code >= 0 else 128 - code
+            reaper.watch(psutil.Process(pid), keeper)
+        return supervisor.wait()
 
 
 def run_base() -> str:
@@ -134,15 +153,52 @@ def run_base() -> str:
     return base if len(longest.encode()) <= 107 else "/tmp"
 
 
+LOCK_NAME = "launcher.lock"
+# A folder without its lock yet may be a launcher between mkdtemp and flock: spared this long.
+NEW_FOLDER_S = 60.0
+
+
+def hold_lock(run_dir: str) -> int:
+    """Lock the run folder for as long as this launcher lives: the kernel drops the lock when
+    the process dies, however it dies. A pid would not do: launchers in other PID namespaces
+    (containers sharing /tmp) see other pids, and pids are reused."""
+    fd = os.open(os.path.join(run_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh folder: nobody else holds it
+    return fd
+
+
+def folder_in_use(folder: Path) -> bool:
+    """Whether a live launcher holds the folder's lock (a new folder not locked yet counts)."""
+    try:
+        fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        try:
+            return time.time() - folder.lstat().st_mtime < NEW_FOLDER_S
+        except OSError:
+            return False
+    except OSError:
+        return True  # cannot tell: leave it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a lock taken here
+    return False
+
+
 def sweep_run_folders() -> None:
     """Remove run folders of this user left by launchers that are gone (one killed together
-    with its reaper, e.g. by `kill -9 -PGID`)."""
+    with its keeper, e.g. by `kill -9 -PGID`). Liveness is the launcher's own lock on its
+    folder, so no launcher removes another's, whatever PID namespace either runs in."""
     bases = {tempfile.gettempdir(), run_base()}  # run_base may have fallen back to /tmp
     for folder in (f for base in bases for f in Path(base).glob(f"{RUN_PREFIX}*-*")):
-        pid = folder.name[len(RUN_PREFIX) :].partition("-")[0]
         try:
-            mine = folder.lstat().st_uid == os.getuid() and folder.is_dir()
+            info = folder.lstat()
         except OSError:
             continue
-        if mine and pid.isdigit() and not psutil.pid_exists(int(pid)):
+        mine = info.st_uid == os.getuid() and stat.S_ISDIR(info.st_mode)
+        if mine and not folder_in_use(folder):
             shutil.rmtree(folder, ignore_errors=True)

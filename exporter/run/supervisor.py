@@ -1,0 +1,230 @@
+"""`gpumem-exporter run` owns the process tree it starts, as tini -g, dumb-init and systemd's
+control-group kill do, and more:
+
+- The launcher is a child subreaper (PR_SET_CHILD_SUBREAPER; as PID 1 of a container it is
+  one anyway): every process of the server that is orphaned (its parent died, or it left with
+  a double fork or setsid) is re-parented to it, so it is reaped and never outlives the run.
+- The command runs as the leader of its own process group (and session); every forwarded
+  signal goes to that group, so a terminal's Ctrl-C reaches all of the server as it would
+  without the wrapper.
+- Exactly one reaper: this loop's waitpid(-1) records the command's status when it reaps it
+  (a second waiter would make Popen.wait() report 0 for a crash) and reaps every orphan.
+- Stopping: on SIGTERM, SIGINT or SIGHUP, and when the command exits by itself, whatever is
+  left of the tree (the group, descendants, orphans, setsid'd ones) gets SIGTERM, then SIGKILL
+  once the grace period (GPUMEM_STOP_GRACE_S, default 10 s, inside Kubernetes' 30 s) has
+  passed. The launcher then exits with the command's status (128 + N for signal N) and logs
+  which processes it had to stop, and which of them still held GPU memory.
+- No lost signals: the handlers are in place before the command starts; a signal that comes
+  while it is being started is delivered once it exists, and a stop signal before it starts
+  means it never starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from types import FrameType
+
+import psutil
+
+log = logging.getLogger("exporter.launcher")
+
+PR_SET_DUMPABLE = 4
+PR_SET_CHILD_SUBREAPER = 36
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+FORWARDED = tuple(
+    getattr(signal, name)
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGWINCH")
+    if hasattr(signal, name)
+)
+POLL_S = 0.05  # how often zombies are reaped and the grace deadline checked
+
+
+def prctl(option: int, value: int) -> bool:
+    """prctl(2) on Linux; False where it is not available or refused."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(option, value, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def exit_status(wait_status: int) -> int:
+    """A shell's exit status for a wait status: the code, or 128 + N for signal N."""
+    code = os.waitstatus_to_exitcode(wait_status)
+    return code if code >= 0 else 128 - code
+
+
+class Supervisor:
+    """Starts one command and owns everything it starts. `describe(pid)` names a process for
+    the log; `gpu_pids()` says which processes hold GPU memory (NVML); `spared` are the
+    launcher's own helper processes (its keeper), never stopped here."""
+
+    def __init__(
+        self,
+        *,
+        grace_s: float,
+        describe: Callable[[int], str] = lambda pid: "",
+        gpu_pids: Callable[[], Collection[int]] = frozenset,
+        spared: Callable[[], Collection[int]] = frozenset,
+    ) -> None:
+        self.grace_s = grace_s
+        self._describe = describe
+        self._gpu_pids = gpu_pids
+        self._spared = spared
+        self.pid: int | None = None
+        self.status: int | None = None
+        self._pending: list[int] = []
+        self.stop_signal: int | None = None  # the first stop signal received
+        self._stop_deadline: float | None = None
+        self._killed = False
+        self.subreaper = False
+        self.stopped: list[tuple[int, str]] = []  # what was left when the command ended
+
+    # -- signals --------------------------------------------------------------------------
+
+    def install(self) -> Callable[[], None]:
+        """Handle the forwarded signals from now on; returns what restores the old handlers."""
+        previous = {signum: signal.signal(signum, self._on_signal) for signum in FORWARDED}
+
+        def restore() -> None:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+        return restore
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if signum in STOP_SIGNALS and self._stop_deadline is None:
+            self.stop_signal = signum
+            self._stop_deadline = time.monotonic() + self.grace_s
+        if self.pid is None:
+            self._pending.append(signum)  # delivered once the command exists
+        else:
+            self._to_group(signum)
+
+    def _to_group(self, signum: int) -> None:
+        if self.pid is not None and self.status is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signum)  # the command leads its own group
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_deadline is not None
+
+    # -- the command ----------------------------------------------------------------------
+
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str]) -> int | None:
+        """Start the command; None if a stop signal came first (it never starts). OSError if
+        it cannot be started."""
+        self.subreaper = prctl(PR_SET_CHILD_SUBREAPER, 1) or os.getpid() == 1
+        if self.stopping:
+            return None
+        # setsid in the child (async-signal-safe, unlike a preexec_fn in a threaded process):
+        # its own session and process group, led by the command.
+        child = subprocess.Popen(list(argv), env=dict(env), start_new_session=True)
+        child.returncode = 0  # this Popen is never waited on: the loop below is the reaper
+        self.pid = child.pid
+        for signum in self._pending:
+            self._to_group(signum)
+        self._pending.clear()
+        return self.pid
+
+    def wait(self) -> int:
+        """Reap until the command has exited, stop what it left, return its exit status."""
+        assert self.pid is not None
+        while self.status is None:
+            self._reap()
+            if self.status is not None:
+                break
+            overdue = self._stop_deadline is not None and time.monotonic() >= self._stop_deadline
+            if overdue and not self._killed:
+                log.warning(
+                    "the command did not stop within %.0f s of the signal: SIGKILL", self.grace_s
+                )
+                self._signal_all(signal.SIGKILL)
+                self._killed = True
+            time.sleep(POLL_S)
+        self._stop_leftovers()
+        return self.status
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, wait_status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid == self.pid:
+                self.status = exit_status(wait_status)
+
+    def _leftovers(self) -> list[psutil.Process]:
+        """Every process of the tree still there: the launcher's descendants (a subreaper's
+        include the orphans) and the command's group, less the launcher's own helpers."""
+        spared = set(self._spared())
+        found: dict[int, psutil.Process] = {}
+        with contextlib.suppress(psutil.Error):
+            for helper in [psutil.Process(p) for p in spared if psutil.pid_exists(p)]:
+                spared.update(c.pid for c in helper.children(recursive=True))
+        with contextlib.suppress(psutil.Error):
+            for process in psutil.Process().children(recursive=True):
+                found[process.pid] = process
+        if self.pid is not None:
+            for process in psutil.process_iter():
+                with contextlib.suppress(psutil.Error, OSError):
+                    if os.getpgid(process.pid) == self.pid:
+                        found[process.pid] = process
+        return [p for pid, p in sorted(found.items()) if pid not in spared and _running(p)]
+
+    def _signal_all(self, signum: int) -> None:
+        self._to_group_anyway(signum)
+        for process in self._leftovers():
+            with contextlib.suppress(psutil.Error):
+                process.send_signal(signum)
+
+    def _to_group_anyway(self, signum: int) -> None:
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signum)
+
+    def _stop_leftovers(self) -> None:
+        left = self._leftovers()
+        if not left:
+            return
+        self.stopped = [(p.pid, self._describe(p.pid)) for p in left]
+        gpu = sorted(set(self._gpu_pids()) & {pid for pid, _ in self.stopped})
+        deadline = self._stop_deadline or time.monotonic() + self.grace_s
+        self._signal_all(signal.SIGTERM)
+        while self._leftovers() and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(POLL_S)
+        killed = self._leftovers()
+        if killed:
+            self._signal_all(signal.SIGKILL)
+        end = time.monotonic() + 5
+        while self._leftovers() and time.monotonic() < end:
+            self._reap()
+            time.sleep(POLL_S)
+        self._reap()
+        names = ", ".join(f"{pid} ({role or '?'})" for pid, role in self.stopped)
+        log.warning(
+            "the command left %d process(es) running; stopped them: %s%s%s",
+            len(self.stopped),
+            names,
+            f"; {len(killed)} needed SIGKILL" if killed else "",
+            f"; still holding GPU memory: {', '.join(map(str, gpu))}" if gpu else "",
+        )
+
+
+def _running(process: psutil.Process) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -9,15 +9,21 @@ monotonic per process. Commands fan out over the same connections.
 
 Nothing an agent sends can hurt another process's series or the endpoint: each message is
 bounded and validated (exporter.run.protocol); a bad one drops that process's sample and is
-counted by reason; a line over the size bound closes that connection.
+counted by reason; a line over the size bound closes that connection. No local process can
+blind it either: one thread serves every connection through a selector; at most MAX_PEERS are
+open, and one that says no hello within HELLO_TIMEOUT_S is closed; running out of fds pauses
+accepting instead of ending it; a pid registers once; only the process a command was sent to
+may answer it; a rank its launch environment contradicts is replaced by that environment's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import os
+import selectors
 import socket
 import struct
 import threading
@@ -38,10 +44,28 @@ from exporter.sample import ActionCounts, AllocatorReading, PinnedHostReading, S
 log = logging.getLogger("exporter.aggregator")
 
 
+# At most this many connections at once: far above the processes of one server (a node has
+# at most 8 GPUs, a few workers each), far below what would exhaust the launcher's fds.
+MAX_PEERS = 256
+# A connection that has not said hello by then is closed: it holds an fd and a slot.
+HELLO_TIMEOUT_S = 5.0
+# After an accept fails for want of fds or memory, wait this long before the next one.
+ACCEPT_BACKOFF_S = 0.2
+# A peer that does not take a command within this long is given up on.
+SEND_TIMEOUT_S = 5.0
+_NO_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+
+
+_CONNECTION_IDS = itertools.count(1)
+
+
 @dataclass
 class _Peer:
     sock: socket.socket
     pid: int
+    id: int = field(default_factory=lambda: next(_CONNECTION_IDS))  # never reused, unlike fds
+    connected_at: float = field(default_factory=time.monotonic)
+    reader: protocol.LineReader = field(default_factory=protocol.LineReader)
     process: dict[str, str] = field(default_factory=dict)
     allocators: list[AllocatorReading] = field(default_factory=list)
     counts: ActionCounts = field(default_factory=ActionCounts)
@@ -53,42 +77,121 @@ class _Peer:
             self.sock.sendall(protocol.encode(message))
 
 
+def _environment_labels(pid: int, proc: str = "/proc") -> dict[str, str]:
+    """rank and local_rank as the process was started with them (RANK, LOCAL_RANK in
+    /proc/<pid>/environ): what a hello's claims are checked against. Only the variables that
+    are there: a process may set RANK itself after it started (torch.multiprocessing workers
+    often do), which /proc cannot show, and then its claim stands."""
+    try:
+        with open(f"{proc}/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    env = dict(item.partition(b"=")[::2] for item in raw.split(b"\0") if item)
+    return {
+        label: env[name].decode(errors="replace")[:64]
+        for label, name in (("rank", b"RANK"), ("local_rank", b"LOCAL_RANK"))
+        if name in env
+    }
+
+
 class Aggregator:
     name = "agents"
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        max_peers: int = MAX_PEERS,
+        hello_timeout_s: float = HELLO_TIMEOUT_S,
+        proc: str = "/proc",
+    ) -> None:
         self.socket_path = Path(run_dir) / SOCKET_NAME
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(str(self.socket_path))
         os.chmod(self.socket_path, 0o600)
         self._server.listen(64)
-        self._peers: dict[int, _Peer] = {}  # fileno -> peer
+        self._server.setblocking(False)
+        self._max_peers = max_peers
+        self._hello_timeout_s = hello_timeout_s
+        self._proc = proc
+        self._peers: dict[int, _Peer] = {}  # fileno -> peer that said hello
+        self._connections: dict[int, _Peer] = {}  # fileno -> every open connection
         self._lock = threading.Lock()
-        self._pending: dict[int, Future[ProcessResult]] = {}
+        # request id -> (the answer, the connection it was sent to: only that one may answer)
+        self._pending: dict[int, tuple[Future[ProcessResult], int]] = {}
         self._ids = itertools.count(1)
         self._closed = False
         self.rejected: Counter[str] = Counter()  # reason -> messages
         self._log = RateLimitedLog(log)
-        threading.Thread(target=self._accept, name="gpumem-aggregator", daemon=True).start()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._server, selectors.EVENT_READ)
+        self._accept_paused_until = 0.0
+        # One thread for every connection: a selector loop, not a thread per peer (3,000 idle
+        # connections once made 3,006 threads).
+        self._thread = threading.Thread(target=self._loop, name="gpumem-aggregator", daemon=True)
+        self._thread.start()
 
     # -- connections ---------------------------------------------------------------------
 
-    def _accept(self) -> None:
+    def _loop(self) -> None:
         while not self._closed:
             try:
+                self._turn()
+            except Exception as exc:  # the loop is every agent's link: it must go on
+                if self._closed:
+                    return
+                self._log.error("loop", "agent connections loop failed", exc)
+                time.sleep(0.1)
+
+    def _turn(self) -> None:
+        now = time.monotonic()
+        if self._accept_paused_until and now >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            self._selector.register(self._server, selectors.EVENT_READ)
+        for key, _ in self._selector.select(timeout=0.5):
+            if key.fileobj is self._server:
+                self._accept()
+            else:
+                self._read(key.data)
+        self._expire_silent(time.monotonic())
+
+    def _accept(self) -> None:
+        for _ in range(64):  # a burst of connections, without starving the peers
+            try:
                 sock, _ = self._server.accept()
-            except OSError:
+            except BlockingIOError:
                 return
-            creds = self._peer_credentials(sock)
-            if creds is None:
-                sock.close()
-                continue
-            threading.Thread(
-                target=self._serve,
-                args=(_Peer(sock, creds),),
-                name="gpumem-aggregator-peer",
-                daemon=True,
-            ).start()
+            except OSError as exc:
+                if exc.errno in _NO_RESOURCES:
+                    # Out of fds or memory: stop accepting for a moment rather than spin or
+                    # die; the agents' connections wait in the backlog.
+                    self._log.warning(
+                        "accept", f"cannot accept agent connections: {exc.strerror}; retrying"
+                    )
+                    self._selector.unregister(self._server)
+                    self._accept_paused_until = time.monotonic() + ACCEPT_BACKOFF_S
+                    return
+                if self._closed:
+                    return
+                self._log.warning("accept", f"accepting an agent connection failed: {exc}")
+                return
+            self._admit(sock)
+
+    def _admit(self, sock: socket.socket) -> None:
+        pid = self._peer_credentials(sock)
+        if pid is None:
+            sock.close()
+            return
+        if len(self._connections) >= self._max_peers:
+            self._count("too_many_connections", f"refused pid {pid}: {self._max_peers} open")
+            sock.close()
+            return
+        sock.settimeout(SEND_TIMEOUT_S)  # reads happen only when the selector says so
+        peer = _Peer(sock, pid)
+        with self._lock:
+            self._connections[sock.fileno()] = peer
+        self._selector.register(sock, selectors.EVENT_READ, peer)
 
     @staticmethod
     def _peer_credentials(sock: socket.socket) -> int | None:
@@ -100,28 +203,49 @@ class Aggregator:
         pid, uid, _ = struct.unpack("3i", creds)
         return int(pid) if uid == os.getuid() else None
 
-    def _serve(self, peer: _Peer) -> None:
-        key = peer.sock.fileno()
-        reader = protocol.LineReader()
+    def _read(self, peer: _Peer) -> None:
         try:
-            while True:
-                chunk = peer.sock.recv(1 << 16)
-                if not chunk:
-                    break
-                for line in reader.feed(chunk):
-                    self._handle(key, peer, line)
+            chunk = peer.sock.recv(1 << 16)
+        except (BlockingIOError, TimeoutError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop(peer)
+            return
+        try:
+            for line in peer.reader.feed(chunk):
+                self._handle(peer, line)
         except protocol.ProtocolError as exc:  # a line over the bound: no way to resync
             self._reject(peer, exc)
-        except OSError:
-            pass
-        except Exception as exc:  # a bug here must not kill the aggregator's threads
-            log.error("agent connection failed: %s: %s", type(exc).__name__, exc)
-        finally:
-            with self._lock:
-                self._peers.pop(key, None)
-            peer.sock.close()
-            if peer.process:
-                log.info("process %s (%s) left", peer.process.get("pid"), peer.process.get("role"))
+            self._drop(peer)
+
+    def _expire_silent(self, now: float) -> None:
+        with self._lock:
+            silent = [
+                p
+                for p in self._connections.values()
+                if not p.process and now - p.connected_at > self._hello_timeout_s
+            ]
+        for peer in silent:
+            self._count("hello_timeout", f"closed pid {peer.pid}: no hello")
+            self._drop(peer)
+
+    def _drop(self, peer: _Peer) -> None:
+        key = peer.sock.fileno()
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(peer.sock)
+        with self._lock:
+            self._connections.pop(key, None)
+            registered = self._peers.pop(key, None) is not None
+        peer.sock.close()
+        if registered:
+            log.info("process %s (%s) left", peer.process.get("pid"), peer.process.get("role"))
+
+    def _count(self, reason: str, message: str) -> None:
+        with self._lock:
+            self.rejected[reason] += 1
+        self._log.warning(f"agent:{reason}", message)
 
     def _reject(self, peer: _Peer, exc: protocol.ProtocolError) -> None:
         with self._lock:
@@ -131,18 +255,31 @@ class Aggregator:
         who = peer.process.get("pid") or peer.pid or "?"
         self._log.warning(f"agent:{exc.reason}", f"rejected a message from pid {who}: {exc}")
 
-    def _handle(self, key: int, peer: _Peer, line: bytes) -> None:
+    def _hello(self, peer: _Peer, process: dict[str, str]) -> None:
+        if peer.pid:
+            process["pid"] = str(peer.pid)  # the socket's word, not the agent's
+            for name, value in _environment_labels(peer.pid, self._proc).items():
+                if process.get(name, "") != value:  # a claim its environment does not back
+                    self._count("claim", f"pid {peer.pid} claimed {name}={process.get(name)!r}")
+                    process[name] = value
+        key = peer.sock.fileno()
+        with self._lock:
+            taken = peer.pid and any(p.pid == peer.pid and k != key for k, p in self._peers.items())
+            if not taken:
+                self._peers[key] = peer
+                peer.process = process
+        if taken:
+            raise protocol.ProtocolError("duplicate", f"pid {peer.pid} is registered already")
+        log.info("process %s (%s) joined", process.get("pid"), process.get("role"))
+
+    def _handle(self, peer: _Peer, line: bytes) -> None:
         try:
             message = protocol.decode(line)
             kind = message["type"]
             if kind == "hello":
-                process = protocol.parse_hello(message)
-                if peer.pid:
-                    process["pid"] = str(peer.pid)  # the socket's word, not the agent's
-                peer.process = process
-                with self._lock:
-                    self._peers[key] = peer
-                log.info("process %s (%s) joined", process.get("pid"), process.get("role"))
+                if peer.process:
+                    raise protocol.ProtocolError("order", "a second hello")
+                self._hello(peer, protocol.parse_hello(message))
             elif not peer.process:
                 raise protocol.ProtocolError("order", f"a {kind} message before hello")
             elif kind == "sample":
@@ -157,8 +294,17 @@ class Aggregator:
                 request_id, result = protocol.parse_reply(message)
                 result.process = dict(peer.process)
                 with self._lock:
-                    future = self._pending.pop(request_id, None)
-                if future is not None and not future.done():
+                    pending = self._pending.get(request_id)
+                    if pending is not None and pending[1] == peer.id:
+                        del self._pending[request_id]
+                    else:
+                        pending = None
+                if pending is None:
+                    raise protocol.ProtocolError(
+                        "reply", f"a reply to request {request_id}, which was not sent to it"
+                    )
+                future = pending[0]
+                if not future.done():
                     future.set_result(result)
             else:
                 raise protocol.ProtocolError("type", f"an agent may not send {kind!r}")
@@ -196,12 +342,17 @@ class Aggregator:
 
     def close(self) -> None:
         self._closed = True
-        self._server.close()
+        self._thread.join(2.0)  # the loop wakes at least every 0.5 s
         with self._lock:
-            peers = list(self._peers.values())
-        for peer in peers:
+            connections = list(self._connections.values())
+            self._connections.clear()
+            self._peers.clear()
+        for peer in connections:
             with contextlib.suppress(OSError):
                 peer.sock.shutdown(socket.SHUT_RDWR)
+            peer.sock.close()
+        self._server.close()
+        self._selector.close()
         self.socket_path.unlink(missing_ok=True)
 
     # -- fan-out -------------------------------------------------------------------------
@@ -223,7 +374,7 @@ class Aggregator:
             request_id = next(self._ids)
             future: Future[ProcessResult] = Future()
             with self._lock:
-                self._pending[request_id] = future
+                self._pending[request_id] = (future, peer.id)
             try:
                 peer.send(protocol.command(request_id, action, params))
             except OSError as exc:

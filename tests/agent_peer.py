@@ -4,8 +4,8 @@
 
 MODE: "answer" replies to each command it gets (after 0.3 s) with {"who": "answer"};
 "spoof" keeps sending replies for request ids 1..20, each {"who": "spoof"}, as if it had
-been asked, every 50 ms for 10 s. Both say hello claiming rank RANK_CLAIM, send one sample with one allocator, print
-"ready", and stay until stdin closes.
+been asked, every 50 ms for 10 s. Both say hello claiming rank RANK_CLAIM, send one sample
+with one allocator, print "ready", and stay until stdin closes.
 """
 
 from __future__ import annotations

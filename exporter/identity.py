@@ -20,9 +20,28 @@ def process_title(pid: int | str = "self", proc: str = "/proc") -> str:
         return ""
 
 
+def multiprocessing_name() -> str:
+    """The name a `multiprocessing` child was given (Process(name=...): LitServe's and vLLM's
+    workers name themselves so), or "" in a main process or where multiprocessing is unused.
+    Never imports multiprocessing."""
+    module = sys.modules.get("multiprocessing")
+    if module is None:
+        return ""
+    try:
+        name = str(module.current_process().name)
+    except Exception:  # a half-initialized module during interpreter start: no name
+        return ""
+    return "" if name == "MainProcess" else name
+
+
 def process_role() -> str:
-    """GPUMEM_ROLE, else the process title."""
-    role = os.environ.get("GPUMEM_ROLE", "") or process_title()
+    """GPUMEM_ROLE, else the process title where the process set one (setproctitle: vLLM's
+    "VLLM::EngineCore"), else its multiprocessing name, else the interpreter's name."""
+    title = process_title()
+    interpreter = title.startswith("python") or not title
+    role = os.environ.get("GPUMEM_ROLE", "") or (
+        (multiprocessing_name() or title) if interpreter else title
+    )
     if not role:
         role = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     return role[:64]

@@ -346,3 +346,65 @@ def test_the_documented_table_is_measured(table):
     assert table in doc, (
         f"docs/reliability.md's supervisor table is not what was measured:\n{table}"
     )
+
+
+NAMED_WORKERS = (
+    "import multiprocessing as mp, time\n"
+    "def work():\n"
+    "    import torch\n"
+    "    torch.cuda.set_device(0)\n"  # the fake torch's "CUDA": the agent starts reporting
+    "    time.sleep(60)\n"
+    "if __name__ == '__main__':\n"
+    "    mp.set_start_method('spawn')\n"
+    "    w = mp.Process(target=work, name='inference-worker-0')\n"
+    "    w.start()\n"
+    "    w.join()\n"
+)
+
+
+def test_a_multiprocessing_worker_is_named_by_its_process_name(tmp_path):
+    """Without GPUMEM_ROLE, a worker's role is its multiprocessing name, not "python3"."""
+    import json as json_module
+    import urllib.request
+
+    script = tmp_path / "named.py"  # spawn re-imports the main module: a file, not -c
+    script.write_text(NAMED_WORKERS)
+    port = free_port()
+    env = {**os.environ, "GPUMEM_NVML": "off"}
+    env["PYTHONPATH"] = str(REPO_ROOT / "tests" / "fake_torch")
+    env.pop("GPUMEM_ROLE", None)
+    proc = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "exporter.cli",
+            "run",
+            "--port",
+            str(port),
+            "--interval-s",
+            "0.2",
+            "--",
+            PY,
+            str(script),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO_ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        roles: set[str] = set()
+        while time.monotonic() < deadline and not roles:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                    text = r.read().decode()
+            except OSError:
+                time.sleep(0.2)
+                continue
+            roles = set(re.findall(r'torch_cuda_allocated_bytes\{[^}]*role="([^"]*)"', text))
+            time.sleep(0.2)
+        assert roles == {"inference-worker-0"}, json_module.dumps(sorted(roles))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)

@@ -35,6 +35,7 @@ def main() -> None:
         "gauges": {"allocated_bytes": 1},
     }
     send(sock, {"type": "sample", "allocators": [allocator]})
+
     def spoof() -> None:
         for _ in range(200):
             for request_id in range(1, 21):

@@ -10,7 +10,8 @@ exporter.metrics renders.
   two pods on one exclusive GPU) it keeps its pod UID alone.
 - Memory that no pod owns is certain in three cases: a process in no pod (a host process,
   a container of no pod: orphaned workers of a killed server, `docker run`), a pod's process
-  on a GPU that no pod holds, and the GPU memory of a GPU that no pod holds. A process whose
+  on a GPU that no pod holds (with the pod reader: that none of its pods holds, though others
+  may), and the GPU memory of a GPU that no pod holds. A process whose
   cgroup could not be read is listed with reason "unknown" and not counted.
 """
 
@@ -20,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from exporter.kubernetes.device_ids import base_device_id, resolve_gpu_uuid
-from exporter.sample import ProcessContainerReading, Sample
+from exporter.sample import KubeletReading, ProcessContainerReading, Sample
 
 # Reasons a process's GPU memory belongs to no pod that holds its GPU.
 NO_POD = "no_pod"  # a host process or a container of no pod
@@ -96,7 +97,7 @@ def attribute(sample: Sample) -> Attribution | None:
     result.process_pods = _process_pods(sample, located, holders)
     for entry in sample.processes:
         where = located.get(entry.pid)
-        reason = _unattributed_reason(where, entry.gpu_uuid in holders)
+        reason = _unattributed_reason(where, _holds(kubelet, where, holders.get(entry.gpu_uuid)))
         if reason is not None:
             result.unattributed_processes.append(
                 UnattributedProcess(
@@ -120,6 +121,20 @@ def attribute(sample: Sample) -> Attribution | None:
     return result
 
 
+def _holds(
+    kubelet: KubeletReading,
+    where: ProcessContainerReading | None,
+    holders: set[tuple[str, str, str]] | None,
+) -> bool:
+    """Whether a pod holds the GPU a process is on: with the pod reader, the process's own pod
+    (by its pod UID); without, any pod (which one cannot be told)."""
+    if not holders:
+        return False
+    if kubelet.pods is None or where is None or where.pod_uid not in kubelet.pods:
+        return True
+    return kubelet.pods[where.pod_uid] in {(ns, pod) for ns, pod, _ in holders}
+
+
 def _unattributed_reason(where: ProcessContainerReading | None, assigned: bool) -> str | None:
     if where is None or where.state == "unknown":
         return UNKNOWN
@@ -141,15 +156,27 @@ def _process_pods(
             pod_uids_on[entry.gpu_uuid].add(where.pod_uid)
             gpus_of[entry.pid].add(entry.gpu_uuid)
     result = []
+    kubelet = sample.kubelet
     for pid, gpus in sorted(gpus_of.items()):
         where = located[pid]
         names = {_certain_owner(holders.get(g, set()), pod_uids_on[g]) for g in gpus}
         owner = names.pop() if len(names) == 1 else None
+        if kubelet is not None and kubelet.pods is not None:
+            owner = _owner_from_api(kubelet, where)
         if owner is None:
             result.append(ProcessPod(pid, where.pod_uid, where.container_id))
         else:
             result.append(ProcessPod(pid, where.pod_uid, where.container_id, *owner))
     return result
+
+
+def _owner_from_api(
+    kubelet: KubeletReading, where: ProcessContainerReading
+) -> tuple[str, str, str] | None:
+    """(namespace, pod, container) as the API names the process's pod UID and container ID."""
+    pod = (kubelet.pods or {}).get(where.pod_uid)
+    container = kubelet.containers.get(where.container_id)
+    return None if pod is None or not container else (*pod, container)
 
 
 def _certain_owner(

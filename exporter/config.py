@@ -61,6 +61,9 @@ class Config:
     kubelet_refresh_s: float = 10.0
     kubelet_timeout_s: float = 5.0
     kubelet_resources: tuple[str, ...] = ()
+    # Read this node's pods from the Kubernetes API (needs RBAC: the chart's podReader), so
+    # that processes on shared GPUs are named, not only their pod UID.
+    kubelet_pod_reader: bool = False
     # `run`: how long what is left of the command's process tree gets between SIGTERM and
     # SIGKILL when the launcher stops (shorter than Kubernetes' 30 s termination grace).
     stop_grace_s: float = 10.0
@@ -312,6 +315,7 @@ def _convert(name: str, value: Any, origin: str) -> Any:
             "remediate",
             "oom_snapshot",
             "port_per_local_rank",
+            "kubelet_pod_reader",
         ):
             if isinstance(value, bool):
                 return value

@@ -487,6 +487,22 @@ class SampleCollector(Collector):
             )
             error.add_metric(self._values(), {"error": kubelet.error, "socket": kubelet.socket})
             yield error
+        if kubelet.pods_api:
+            pods_up = self._gauge(
+                "gpumem_exporter_pods_api_up",
+                "1 if the latest list of this node's pods from the Kubernetes API succeeded "
+                "(the pod reader names processes on shared GPUs).",
+            )
+            pods_up.add_metric(self._values(), 1.0 if kubelet.pods is not None else 0.0)
+            yield pods_up
+            if kubelet.pods_error:
+                pods_error = InfoMetricFamily(
+                    "gpumem_exporter_pods_api_error",
+                    "Why the latest list of this node's pods from the Kubernetes API failed.",
+                    labels=self._const_names,
+                )
+                pods_error.add_metric(self._values(), {"error": kubelet.pods_error})
+                yield pods_error
         attribution = attribute(sample)
         if attribution is None:
             return

@@ -105,7 +105,11 @@ def kubelet_source(
         if "KUBERNETES_SERVICE_HOST" not in env and not os.path.exists(DEFAULT_SOCKET):
             return None
         socket = DEFAULT_SOCKET
+    from exporter.kubernetes.pods import PodsClient
     from exporter.sources.kubelet import DEFAULT_RESOURCES, KubeletSource
+
+    def pods() -> PodsClient:
+        return PodsClient.in_cluster(env, timeout_s=config.kubelet_timeout_s)
 
     return KubeletSource(
         pids,
@@ -113,6 +117,7 @@ def kubelet_source(
         refresh_s=config.kubelet_refresh_s,
         timeout_s=config.kubelet_timeout_s,
         resources=(*DEFAULT_RESOURCES, *config.kubelet_resources),
+        pods=pods if config.kubelet_pod_reader else None,
     )
 
 

@@ -166,6 +166,12 @@ class KubeletReading:
     refresh_errors: int = 0
     # From the latest successful List (kept while the kubelet is down); None before one.
     devices: list[PodDevice] | None = None
+    # From the Kubernetes API where the daemon may read this node's pods (pod reader on):
+    # pod UID -> (namespace, name) and container ID -> container name; None without.
+    pods: dict[str, tuple[str, str]] | None = None
+    containers: dict[str, str] = field(default_factory=dict)
+    pods_api: bool = False  # the pod reader is on
+    pods_error: str = ""  # why the latest pod list failed
 
 
 @dataclass

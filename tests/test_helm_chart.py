@@ -46,6 +46,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "host-pid": {"daemonset": {"hostPID": True}},
     "no-kubelet": {"daemonset": {"kubelet": {"enabled": False}}},
+    "pod-reader": {"daemonset": {"kubelet": {"podReader": True}}},
     "microk8s-kubelet": {
         "daemonset": {
             "kubelet": {
@@ -457,6 +458,25 @@ def test_kubelet_attribution_off_keeps_the_daemon_non_root(
     assert c["securityContext"]["runAsNonRoot"] is True
 
 
+def test_the_pod_reader_may_list_pods_and_nothing_else(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["pod-reader"]
+    role = one(docs, "ClusterRole")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}]
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    account = one(docs, "ServiceAccount")["metadata"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["name"], "namespace": NAMESPACE}
+    ]
+    assert env_of(docs)["GPUMEM_KUBELET_POD_READER"] == "1"
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is True
+    assert not by_kind(rendered["defaults"], "ClusterRole")
+    assert "GPUMEM_KUBELET_POD_READER" not in env_of(rendered["defaults"])
+
+
 def test_kubelet_values_are_validated() -> None:
     for bad, where in (
         ({"hostPath": "relative/path"}, "hostPath"),
@@ -479,7 +499,8 @@ def test_security_context(rendered: dict[str, list[dict[str, Any]]]) -> None:
         assert pod["securityContext"]["runAsNonRoot"] is True, name
         assert pod["securityContext"]["runAsUser"] == 10001, name  # the Dockerfile's USER
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
-        assert pod["automountServiceAccountToken"] is False, name
+        # Only the pod reader talks to the Kubernetes API (tested below).
+        assert pod["automountServiceAccountToken"] is (name == "pod-reader"), name
         assert sc["readOnlyRootFilesystem"] is True, name
         assert sc["allowPrivilegeEscalation"] is False, name
         assert sc["capabilities"] == {"drop": ["ALL"]}, name

@@ -27,6 +27,7 @@ from exporter.kubernetes.podresources import (
     KubeletError,
     PodResourcesClient,
 )
+from exporter.kubernetes.pods import PodsApiError
 from exporter.sample import KubeletReading, PodDevice, ProcessContainerReading, SourceReading
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class KubeletSource:
         resources: Collection[str] = DEFAULT_RESOURCES,
         proc: str = "/proc",
         client_factory: Callable[..., Any] = PodResourcesClient,
+        pods: Callable[[], Any] | None = None,
     ) -> None:
         self._pids = pids  # host PIDs with GPU memory (NvmlSource.last_pids)
         self.socket_path = socket_path
@@ -57,12 +59,17 @@ class KubeletSource:
         self._proc = proc
         self._client_factory = client_factory
         self._client: Any = None
+        # Makes the Kubernetes API client (exporter.kubernetes.pods), where the pod reader is
+        # on; raises PodsApiError where it cannot be made (then a state, like the kubelet's).
+        self._pods_factory = pods
+        self._pods_client: Any = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._state = KubeletReading(socket=socket_path, up=False, error="not asked yet")
         self._logged_error = ""
+        self._logged_pods_error = ""
         self._containers: dict[int, ProcessContainerReading] = {}
         self.refreshes = 0  # completed List attempts, for tests and the refresh thread's pace
 
@@ -120,6 +127,7 @@ class KubeletSource:
         except Exception as exc:  # any failure is a state: this thread must go on
             self._failed(_one_line(exc))
         else:
+            pods, containers, pods_error = self._list_pods()
             with self._lock:
                 self._state = KubeletReading(
                     socket=self.socket_path,
@@ -127,6 +135,10 @@ class KubeletSource:
                     last_success_s=time.time(),
                     refresh_errors=self._state.refresh_errors,
                     devices=devices,
+                    pods=pods,
+                    containers=containers,
+                    pods_api=self._pods_factory is not None,
+                    pods_error=pods_error,
                 )
             if self._logged_error:
                 log.info("kubelet pod-resources at %s answers again", self.socket_path)
@@ -145,6 +157,23 @@ class KubeletSource:
             self._drop_client()
             raise
 
+    def _list_pods(self) -> tuple[dict[str, tuple[str, str]] | None, dict[str, str], str]:
+        """(pods by UID, container names by ID, error) from the Kubernetes API, if on."""
+        if self._pods_factory is None:
+            return None, {}, ""
+        try:
+            if self._pods_client is None:
+                self._pods_client = self._pods_factory()
+            listed = self._pods_client.list()
+        except Exception as exc:  # a state on /metrics; the kubelet's answer still counts
+            error = _one_line(exc)
+            if error != self._logged_pods_error:
+                log.warning("no pod names from the Kubernetes API: %s", error)
+                self._logged_pods_error = error
+            return None, {}, error
+        self._logged_pods_error = ""
+        return listed.pods, listed.containers, ""
+
     def _failed(self, error: str) -> None:
         with self._lock:
             previous = self._state
@@ -155,6 +184,10 @@ class KubeletSource:
                 last_success_s=previous.last_success_s,
                 refresh_errors=previous.refresh_errors + 1,
                 devices=previous.devices,  # the last known assignment, aged on /metrics
+                pods=previous.pods,
+                containers=previous.containers,
+                pods_api=previous.pods_api,
+                pods_error=previous.pods_error,
             )
         if error != self._logged_error:  # one line per reason, not one per refresh
             log.warning("no pod attribution from the kubelet: %s", error)
@@ -176,9 +209,6 @@ class KubeletSource:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = (
-        str(exc)
-        if isinstance(exc, (KubeletError, KubeletClientMissing))
-        else (f"{type(exc).__name__}: {exc}")
-    )
+    ours = (KubeletError, KubeletClientMissing, PodsApiError)
+    text = str(exc) if isinstance(exc, ours) else f"{type(exc).__name__}: {exc}"
     return " ".join(text.split())[:300]

@@ -1,0 +1,85 @@
+"""A stand-in Kubernetes API server: real HTTPS (a certificate made by `openssl` for
+127.0.0.1) answering `GET /api/v1/pods?fieldSelector=spec.nodeName=NODE` with a v1 PodList,
+for a bearer token it was given; 401 for any other token, 400 for any other query."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import ssl
+import subprocess
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def make_certificate(folder: Path) -> tuple[Path, Path]:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl not found")
+    cert, key = folder / "api.crt", folder / "api.key"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+def pod(namespace: str, name: str, uid: str, containers: dict[str, str]) -> dict[str, Any]:
+    """A v1 Pod as the API serves it, with `containers` {name: containerd ID}."""
+    statuses = [{"name": n, "containerID": f"containerd://{i}"} for n, i in containers.items()]
+    return {
+        "metadata": {"namespace": namespace, "name": name, "uid": uid},
+        "spec": {"nodeName": "gpu-node-1"},
+        "status": {"containerStatuses": statuses},
+    }
+
+
+class StandInApi:
+    def __init__(self, folder: Path, token: str, node: str = "gpu-node-1") -> None:
+        self.cert, key = make_certificate(folder)
+        self.pods: list[dict[str, Any]] = []
+        self.requests: list[str] = []
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                api.requests.append(self.path)
+                url = urllib.parse.urlsplit(self.path)
+                query = urllib.parse.parse_qs(url.query)
+                if self.headers.get("Authorization") != f"Bearer {token}":
+                    self._answer(401, {"kind": "Status", "reason": "Unauthorized"})
+                elif url.path != "/api/v1/pods" or query != {
+                    "fieldSelector": [f"spec.nodeName={node}"]
+                }:
+                    self._answer(400, {"kind": "Status", "reason": "BadRequest"})
+                else:
+                    self._answer(200, {"kind": "PodList", "apiVersion": "v1", "items": api.pods})
+
+            def _answer(self, code: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.cert, key)
+        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+        self.url = f"https://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -248,6 +248,19 @@ def _valid_label_name(name: str) -> bool:
     )
 
 
+# Settings in seconds, with the range each accepts.
+_SECONDS = {
+    "remediate_cooldown_s": (0.0, 86400.0),
+    "oom_snapshot_cooldown_s": (0.0, 86400.0),
+    "empty_cache_cooldown_s": (0.0, 86400.0),
+    "process_interval_s": (0.0, 86400.0),
+    "layout_interval_s": (0.0, 86400.0),
+    "stop_grace_s": (0.0, 3600.0),
+    "kubelet_refresh_s": (0.1, 3600.0),
+    "kubelet_timeout_s": (0.1, 3600.0),
+}
+
+
 def _convert(name: str, value: Any, origin: str) -> Any:
     try:
         if name == "port":
@@ -260,25 +273,10 @@ def _convert(name: str, value: Any, origin: str) -> Any:
             if not number >= 0 or number > 3600 or (name == "interval_s" and number < 0.01):
                 raise ValueError
             return number
-        if name in (
-            "remediate_cooldown_s",
-            "oom_snapshot_cooldown_s",
-            "empty_cache_cooldown_s",
-            "process_interval_s",
-            "layout_interval_s",
-        ):
+        if name in _SECONDS:
+            low, high = _SECONDS[name]
             number = float(value)
-            if not 0 <= number <= 86400:
-                raise ValueError
-            return number
-        if name == "stop_grace_s":
-            number = float(value)
-            if not 0 <= number <= 3600:
-                raise ValueError
-            return number
-        if name in ("kubelet_refresh_s", "kubelet_timeout_s"):
-            number = float(value)
-            if not 0.1 <= number <= 3600:
+            if not low <= number <= high:
                 raise ValueError
             return number
         if name == "kubelet_resources":

@@ -90,6 +90,13 @@ def marked(marker: str, *, tree_only: bool = False) -> list[int]:
     return pids
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment, with the repository importable and `extra` set."""
+    env = {**os.environ, **extra}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
 def tree_of(marker: str, wrapper: subprocess.Popen) -> list[int]:
     return [p for p in marked(marker, tree_only=True) if p != wrapper.pid]
 
@@ -109,8 +116,7 @@ def wrapper_argv(wrapper: str, command: tuple[str, ...]) -> list[str]:
 def run_tree(wrapper: str, tree: Tree) -> tuple[int | None, int]:
     """(the wrapper's exit status, processes of the tree left afterwards)."""
     marker = uuid.uuid4().hex
-    env = {**os.environ, "GPUMEM_TREE_MARK": marker, "GPUMEM_STOP_GRACE_S": str(GRACE_S)}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env = child_env(GPUMEM_TREE_MARK=marker, GPUMEM_STOP_GRACE_S=str(GRACE_S))
     proc = subprocess.Popen(
         wrapper_argv(wrapper, tree.argv),
         env=env,
@@ -153,8 +159,7 @@ def test_nothing_outlives_the_launcher_and_its_status_is_the_commands(tree):
 
 def test_ctrl_c_ends_a_multiprocessing_server_and_the_launcher():
     marker = uuid.uuid4().hex
-    env = {**os.environ, "GPUMEM_TREE_MARK": marker}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env = child_env(GPUMEM_TREE_MARK=marker)
     proc = subprocess.Popen(
         wrapper_argv("gpumem-exporter run", TREES[0].argv),
         env=env,
@@ -213,8 +218,7 @@ ZOMBIES = (
 
 def zombies_as_pid_1(wrapper: str) -> int:
     unshare = require_tool("unshare")
-    env = {**os.environ, "GPUMEM_STOP_GRACE_S": str(GRACE_S)}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env = child_env(GPUMEM_STOP_GRACE_S=str(GRACE_S))
     result = subprocess.run(
         [unshare, "-fp", "--mount-proc", *wrapper_argv(wrapper, (PY, "-c", ZOMBIES))],
         env=env,

@@ -194,6 +194,13 @@ def test_demo_serves_moving_allocator_nvml_and_host_metrics_that_promtool_accept
 def test_record_a_running_exporter_and_replay_it(tmp_path):
     trace = tmp_path / "incident.jsonl.gz"
     with running("demo", "--interval-s", "0.2") as url:
+        # The demo's CUDA-graph pool appears in its first seconds: record once it is there, so
+        # that the recording and the live scrape after it show the same families.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(
+            n == "torch_cuda_private_pool_reserved_bytes" for n, _ in scrape(url)
+        ):
+            time.sleep(0.2)
         proc = run_cli(
             "record",
             "--url",
@@ -214,19 +221,12 @@ def test_record_a_running_exporter_and_replay_it(tmp_path):
     assert meta["source_url"] == url + "/metrics"
     assert len(samples) >= 4
     assert samples[-1].allocators and samples[-1].gpus and samples[-1].host
-    wanted = {n for n, _ in live if n.startswith("torch_cuda")}
     with running("demo", "--trace", str(trace), "--no-loop") as url:
-        # Played to its end (then held): its first samples can predate families that the
-        # recording saw appear (the demo's CUDA-graph pool in its first seconds).
-        deadline = time.monotonic() + 15
-        while True:
-            replayed = scrape(url)
-            got = {n for n, _ in replayed if n.startswith("torch_cuda")}
-            if got == wanted or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        replayed = scrape(url)
     assert first(replayed, "torch_cuda_reserved_bytes") > 0
-    assert got == wanted
+    assert {n for n, _ in replayed if n.startswith("torch_cuda")} == {
+        n for n, _ in live if n.startswith("torch_cuda")
+    }
 
 
 def test_serve_without_nvml_reports_the_source_down_and_host_up():

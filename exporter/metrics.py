@@ -526,8 +526,9 @@ class SampleCollector(Collector):
         )
         named = self._gauge(
             "gpu_process_pod_info",
-            "1 for each GPU process whose pod is certain: the only pod, through one container, "
-            "holding the GPUs it uses, with no other pod's process on them.",
+            "1 for each GPU process whose pod is certain: named by the Kubernetes API (pod "
+            "reader), or the only pod, through one container, holding the GPUs it uses, with "
+            "no other pod's process on them.",
             ("pid", "namespace", "pod", "container"),
         )
         for process in attribution.process_pods:

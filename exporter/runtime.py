@@ -39,6 +39,8 @@ class Runtime:
     actions: Actions
     admin: Admin
     window: SampleWindow  # recent samples, for the live page (exporter.http.page)
+    # Why /readyz answers 503, or None when ready; picked once for the mode (readiness).
+    not_ready: Callable[[], str | None]
     # /metrics bytes rendered once per tick; None where the registry is not ours (attach():
     # the host's other metrics change between our ticks and must not be served stale).
     exposition: ExpositionCache | None = None
@@ -121,6 +123,14 @@ def kubelet_source(
     )
 
 
+def readiness(mode: str, sampler: Sampler) -> Callable[[], str | None]:
+    """What /readyz asks: every mode needs its first sample; the node daemon, which exists to
+    read NVML, also needs a GPU that answers it (blind_reason)."""
+    if mode == "node":
+        return lambda: blind_reason(sampler)
+    return lambda: "no sample yet" if sampler.latest is None else None
+
+
 def blind_reason(sampler: Sampler) -> str | None:
     """Why a node daemon cannot see any GPU, or None while it sees one. It exists to read
     NVML: without it (no library, no driver, no GPU visible, a container without the NVIDIA
@@ -194,5 +204,15 @@ def build_runtime(
     registry.register(collector)
     exposition = ExpositionCache(registry, collector.fingerprint) if owns_registry else None
     return Runtime(
-        config, mode, sampler, registry, collector, detectors, actions, admin, window, exposition
+        config,
+        mode,
+        sampler,
+        registry,
+        collector,
+        detectors,
+        actions,
+        admin,
+        window,
+        readiness(mode, sampler),
+        exposition,
     )

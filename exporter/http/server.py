@@ -21,7 +21,7 @@ from prometheus_client.exposition import choose_encoder
 from exporter.http.admin import add_admin_routes
 from exporter.http.guard import GuardedH11Protocol
 from exporter.http.page import add_page_routes
-from exporter.runtime import Runtime, blind_reason
+from exporter.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +87,8 @@ def add_routes(app: FastAPI, runtime: Runtime, *, include_metrics: bool = True) 
     @app.get("/readyz", tags=["exporter"])
     def readyz() -> JSONResponse:
         """200 once the first sample has been taken; the node daemon also needs a GPU that
-        answers NVML (runtime.blind_reason): a blind one answers 503 with the reason."""
-        reason = "no sample yet" if sampler.latest is None else None
-        if mode == "node":
-            reason = blind_reason(sampler)
+        answers NVML (runtime.readiness): otherwise 503 with the reason."""
+        reason = runtime.not_ready()
         body: dict[str, object] = {"ready": reason is None}
         if reason is not None:
             body["reason"] = reason

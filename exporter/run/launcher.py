@@ -42,6 +42,7 @@ from exporter.run.aggregator import Aggregator
 from exporter.run.supervisor import PR_SET_DUMPABLE, Supervisor, prctl
 from exporter.runtime import build_runtime, live_sources
 from exporter.sources import Source
+from exporter.sources.nvml import NvmlSource
 from exporter.sources.process_memory import ProcessMemorySource, describe, process_tree
 
 log = logging.getLogger("exporter.launcher")
@@ -73,30 +74,17 @@ def write_agent_config(config: Config, run_dir: str) -> None:
 
 
 def run(command: Sequence[str], config: Config) -> int:
-    nvml: list[Source] = []
-    keeper_pid: list[int] = []
-    supervisor = Supervisor(
-        grace_s=config.stop_grace_s,
-        describe=lambda pid: describe(pid)["role"],
-        gpu_pids=lambda: next((getattr(s, "last_pids", ()) for s in nvml), ()),
-        spared=lambda: keeper_pid,
-    )
+    supervisor = Supervisor(grace_s=config.stop_grace_s, describe=lambda pid: describe(pid)["role"])
     # First of all: a signal that comes while the launcher sets up is not lost (a stop signal
     # then means the command never starts).
     restore_signals = supervisor.install()
     try:
-        return _run(command, config, supervisor, nvml, keeper_pid)
+        return _run(command, config, supervisor)
     finally:
         restore_signals()
 
 
-def _run(
-    command: Sequence[str],
-    config: Config,
-    supervisor: Supervisor,
-    nvml: list[Source],
-    keeper_pid: list[int],
-) -> int:
+def _run(command: Sequence[str], config: Config, supervisor: Supervisor) -> int:
     # The admin token is in this process's environment and memory: not dumpable, so that the
     # server's processes (same uid) can neither read /proc/<launcher>/environ nor ptrace it.
     prctl(PR_SET_DUMPABLE, 0)
@@ -107,7 +95,7 @@ def _run(
         cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
         cleanup.callback(os.close, hold_lock(run_dir))  # the folder's proof of life
         keeper = reaper.start(run_dir)  # stops the command if this process is killed
-        keeper_pid.append(keeper.pid)
+        supervisor.spared.add(keeper.pid)
         cleanup.callback(reaper.release, keeper)
         write_agent_config(config, run_dir)
         aggregator = Aggregator(run_dir)
@@ -120,7 +108,10 @@ def _run(
             lambda: process_tree(supervisor.pid), labels=agent_labels
         )
         machine = live_sources(config, torch=False, gpu_users=aggregator.gpu_users)
-        nvml.extend(s for s in machine if s.name == "nvml")
+        nvml = next((s for s in machine if isinstance(s, NvmlSource)), None)
+        if nvml is not None:  # which of the processes it stops still held GPU memory
+            reader = nvml
+            supervisor.gpu_pids = lambda: reader.last_pids
         sources: list[Source] = [aggregator, server_processes, *machine]
         actions = FanOutActions(aggregator, SnapshotStore.for_config(config))
         runtime = build_runtime(config, mode="run", sources=sources, actions=actions)

@@ -63,29 +63,20 @@ def exit_status(wait_status: int) -> int:
 
 class Supervisor:
     """Starts one command and owns everything it starts. `describe(pid)` names a process for
-    the log; `gpu_pids()` says which processes hold GPU memory (NVML); `spared` are the
-    launcher's own helper processes (its keeper), never stopped here."""
+    the log. Set after construction, as the launcher learns them: `gpu_pids` (which processes
+    hold GPU memory, from NVML) and `spared` (the launcher's own helpers, its keeper, never
+    stopped here)."""
 
-    def __init__(
-        self,
-        *,
-        grace_s: float,
-        describe: Callable[[int], str] = lambda pid: "",
-        gpu_pids: Callable[[], Collection[int]] = frozenset,
-        spared: Callable[[], Collection[int]] = frozenset,
-    ) -> None:
+    def __init__(self, *, grace_s: float, describe: Callable[[int], str] = lambda pid: "") -> None:
         self.grace_s = grace_s
         self._describe = describe
-        self._gpu_pids = gpu_pids
-        self._spared = spared
+        self.gpu_pids: Callable[[], Collection[int]] = frozenset
+        self.spared: set[int] = set()
         self.pid: int | None = None
         self.status: int | None = None
         self._pending: list[int] = []
         self.stop_signal: int | None = None  # the first stop signal received
         self._stop_deadline: float | None = None
-        self._killed = False
-        self.subreaper = False
-        self.stopped: list[tuple[int, str]] = []  # what was left when the command ended
 
     # -- signals --------------------------------------------------------------------------
 
@@ -109,21 +100,17 @@ class Supervisor:
             self._to_group(signum)
 
     def _to_group(self, signum: int) -> None:
-        if self.pid is not None and self.status is None:
+        if self.pid is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pid, signum)  # the command leads its own group
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop_deadline is not None
 
     # -- the command ----------------------------------------------------------------------
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str]) -> int | None:
         """Start the command; None if a stop signal came first (it never starts). OSError if
         it cannot be started."""
-        self.subreaper = prctl(PR_SET_CHILD_SUBREAPER, 1) or os.getpid() == 1
-        if self.stopping:
+        prctl(PR_SET_CHILD_SUBREAPER, 1)  # as PID 1 (or off Linux) nothing changes
+        if self._stop_deadline is not None:
             return None
         # setsid in the child (async-signal-safe, unlike a preexec_fn in a threaded process):
         # its own session and process group, led by the command.
@@ -138,17 +125,18 @@ class Supervisor:
     def wait(self) -> int:
         """Reap until the command has exited, stop what it left, return its exit status."""
         assert self.pid is not None
+        killed = False
         while self.status is None:
             self._reap()
             if self.status is not None:
                 break
             overdue = self._stop_deadline is not None and time.monotonic() >= self._stop_deadline
-            if overdue and not self._killed:
+            if overdue and not killed:
                 log.warning(
                     "the command did not stop within %.0f s of the signal: SIGKILL", self.grace_s
                 )
-                self._signal_all(signal.SIGKILL)
-                self._killed = True
+                self._signal(self._leftovers(), signal.SIGKILL)
+                killed = True
             time.sleep(POLL_S)
         self._stop_leftovers()
         return self.status
@@ -167,10 +155,10 @@ class Supervisor:
     def _leftovers(self) -> list[psutil.Process]:
         """Every process of the tree still there: the launcher's descendants (a subreaper's
         include the orphans) and the command's group, less the launcher's own helpers."""
-        spared = set(self._spared())
+        spared = set(self.spared)
         found: dict[int, psutil.Process] = {}
         with contextlib.suppress(psutil.Error):
-            for helper in [psutil.Process(p) for p in spared if psutil.pid_exists(p)]:
+            for helper in [psutil.Process(p) for p in self.spared if psutil.pid_exists(p)]:
                 spared.update(c.pid for c in helper.children(recursive=True))
         with contextlib.suppress(psutil.Error):
             for process in psutil.Process().children(recursive=True):
@@ -182,42 +170,39 @@ class Supervisor:
                         found[process.pid] = process
         return [p for pid, p in sorted(found.items()) if pid not in spared and _running(p)]
 
-    def _signal_all(self, signum: int) -> None:
-        self._to_group_anyway(signum)
-        for process in self._leftovers():
+    def _signal(self, processes: list[psutil.Process], signum: int) -> None:
+        self._to_group(signum)
+        for process in processes:
             with contextlib.suppress(psutil.Error):
                 process.send_signal(signum)
 
-    def _to_group_anyway(self, signum: int) -> None:
-        if self.pid is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pid, signum)
+    def _wait_gone(self, processes: list[psutil.Process], deadline: float) -> list[psutil.Process]:
+        """Reap while any of `processes` runs, until `deadline`; those still running."""
+        while (alive := [p for p in processes if _running(p)]) and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(POLL_S)
+        self._reap()
+        return alive
 
     def _stop_leftovers(self) -> None:
         left = self._leftovers()
         if not left:
             return
-        self.stopped = [(p.pid, self._describe(p.pid)) for p in left]
-        gpu = sorted(set(self._gpu_pids()) & {pid for pid, _ in self.stopped})
+        stopped = [(p.pid, self._describe(p.pid)) for p in left]
+        gpu = sorted(set(self.gpu_pids()) & {pid for pid, _ in stopped})
+        self._signal(left, signal.SIGTERM)
         deadline = self._stop_deadline or time.monotonic() + self.grace_s
-        self._signal_all(signal.SIGTERM)
-        while self._leftovers() and time.monotonic() < deadline:
-            self._reap()
-            time.sleep(POLL_S)
-        killed = self._leftovers()
+        # Once more through the whole tree: what the first SIGTERM made start meanwhile.
+        killed = self._wait_gone(left, deadline) + self._leftovers()
         if killed:
-            self._signal_all(signal.SIGKILL)
-        end = time.monotonic() + 5
-        while self._leftovers() and time.monotonic() < end:
-            self._reap()
-            time.sleep(POLL_S)
-        self._reap()
-        names = ", ".join(f"{pid} ({role or '?'})" for pid, role in self.stopped)
+            self._signal(killed, signal.SIGKILL)
+            self._wait_gone(killed, time.monotonic() + 5)
+        names = ", ".join(f"{pid} ({role or '?'})" for pid, role in stopped)
         log.warning(
             "the command left %d process(es) running; stopped them: %s%s%s",
-            len(self.stopped),
+            len(stopped),
             names,
-            f"; {len(killed)} needed SIGKILL" if killed else "",
+            f"; {len({p.pid for p in killed})} needed SIGKILL" if killed else "",
             f"; still holding GPU memory: {', '.join(map(str, gpu))}" if gpu else "",
         )
 

@@ -40,6 +40,7 @@ from exporter.ratelimit import RateLimitedLog
 from exporter.run import protocol
 from exporter.run.agent import SOCKET_NAME
 from exporter.sample import ActionCounts, AllocatorReading, PinnedHostReading, SourceReading
+from exporter.sources.process_memory import read_environ
 
 log = logging.getLogger("exporter.aggregator")
 
@@ -82,12 +83,7 @@ def _environment_labels(pid: int, proc: str = "/proc") -> dict[str, str]:
     /proc/<pid>/environ): what a hello's claims are checked against. Only the variables that
     are there: a process may set RANK itself after it started (torch.multiprocessing workers
     often do), which /proc cannot show, and then its claim stands."""
-    try:
-        with open(f"{proc}/{pid}/environ", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return {}
-    env = dict(item.partition(b"=")[::2] for item in raw.split(b"\0") if item)
+    env = read_environ(pid, proc)
     return {
         label: env[name].decode(errors="replace")[:64]
         for label, name in (("rank", b"RANK"), ("local_rank", b"LOCAL_RANK"))

@@ -34,7 +34,8 @@ def read_status(pid: int, proc: str = "/proc") -> dict[str, int] | None:
     return values if "rss" in values else None  # kernel threads and zombies have no VmRSS
 
 
-def _environ(pid: int, proc: str = "/proc") -> dict[bytes, bytes]:
+def read_environ(pid: int, proc: str = "/proc") -> dict[bytes, bytes]:
+    """The environment a process was started with; {} if it cannot be read."""
     try:
         with open(f"{proc}/{pid}/environ", "rb") as f:
             raw = f.read()
@@ -45,7 +46,7 @@ def _environ(pid: int, proc: str = "/proc") -> dict[bytes, bytes]:
 
 def describe(pid: int, proc: str = "/proc") -> dict[str, str]:
     """role (GPUMEM_ROLE, else the process title) and rank (RANK) as the process started."""
-    env = _environ(pid, proc)
+    env = read_environ(pid, proc)
     role = env.get(b"GPUMEM_ROLE", b"").decode(errors="replace") or process_title(pid, proc)
     return {"role": role[:64], "rank": env.get(b"RANK", b"").decode(errors="replace")[:16]}
 

@@ -3,11 +3,12 @@ joined with NVML's readings of one sample. Pure: reads a Sample, returns plain v
 exporter.metrics renders.
 
 - Every assignment becomes a row of gpu_pod_info, whether or not NVML sees that GPU.
-- A process is named (namespace, pod, container) where that is certain without guessing: it
-  runs in a pod's container, its GPU is assigned to containers of exactly one pod, and every
-  process on that GPU is in that one pod (container named only where the pod holds the GPU
-  through one container). Elsewhere (shared GPUs: time-slicing, MPS, MIG slices on one GPU;
-  two pods on one exclusive GPU) it keeps its pod UID alone.
+- A process is named (namespace, pod, container) where that is certain without guessing:
+  from the Kubernetes API's pods of the node (the pod reader: exact, on shared GPUs too);
+  without it, where it runs in a pod's container, its GPU is assigned to one container of
+  exactly one pod, and every process on that GPU is in that one pod. Elsewhere (shared GPUs:
+  time-slicing, MPS, MIG slices on one GPU; two pods on one exclusive GPU) it keeps its pod
+  UID alone.
 - Memory that no pod owns is certain in three cases: a process in no pod (a host process,
   a container of no pod: orphaned workers of a killed server, `docker run`), a pod's process
   on a GPU that no pod holds (with the pod reader: that none of its pods holds, though others
@@ -159,10 +160,11 @@ def _process_pods(
     kubelet = sample.kubelet
     for pid, gpus in sorted(gpus_of.items()):
         where = located[pid]
-        names = {_certain_owner(holders.get(g, set()), pod_uids_on[g]) for g in gpus}
-        owner = names.pop() if len(names) == 1 else None
         if kubelet is not None and kubelet.pods is not None:
             owner = _owner_from_api(kubelet, where)
+        else:
+            names = {_certain_owner(holders.get(g, set()), pod_uids_on[g]) for g in gpus}
+            owner = names.pop() if len(names) == 1 else None
         if owner is None:
             result.append(ProcessPod(pid, where.pod_uid, where.container_id))
         else:
@@ -174,7 +176,7 @@ def _owner_from_api(
     kubelet: KubeletReading, where: ProcessContainerReading
 ) -> tuple[str, str, str] | None:
     """(namespace, pod, container) as the API names the process's pod UID and container ID."""
-    pod = (kubelet.pods or {}).get(where.pod_uid)
+    pod = kubelet.pods.get(where.pod_uid) if kubelet.pods is not None else None
     container = kubelet.containers.get(where.container_id)
     return None if pod is None or not container else (*pod, container)
 

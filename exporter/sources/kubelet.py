@@ -13,6 +13,7 @@ and one log line per change of reason, never an exception into the tick.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -176,18 +177,12 @@ class KubeletSource:
 
     def _failed(self, error: str) -> None:
         with self._lock:
-            previous = self._state
-            self._state = KubeletReading(
-                socket=self.socket_path,
+            # The last known assignment (and pods) stay, aged on /metrics by last_success_s.
+            self._state = dataclasses.replace(
+                self._state,
                 up=False,
                 error=error,
-                last_success_s=previous.last_success_s,
-                refresh_errors=previous.refresh_errors + 1,
-                devices=previous.devices,  # the last known assignment, aged on /metrics
-                pods=previous.pods,
-                containers=previous.containers,
-                pods_api=previous.pods_api,
-                pods_error=previous.pods_error,
+                refresh_errors=self._state.refresh_errors + 1,
             )
         if error != self._logged_error:  # one line per reason, not one per refresh
             log.warning("no pod attribution from the kubelet: %s", error)

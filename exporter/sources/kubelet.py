@@ -148,14 +148,13 @@ class KubeletSource:
 
     def _list(self) -> list[PodDevice]:
         if not os.path.exists(self.socket_path):
-            self._drop_client()  # a kubelet restart makes a new socket: connect afresh
             raise KubeletError(f"kubelet pod-resources socket {self.socket_path} not found")
         if self._client is None:
             self._client = self._client_factory(self.socket_path, timeout_s=self._timeout_s)
         try:
             return list(self._client.list(self._resources))
         except Exception:
-            self._drop_client()
+            self._drop_client()  # a restarted kubelet's new socket: connect afresh next time
             raise
 
     def _list_pods(self) -> tuple[dict[str, tuple[str, str]] | None, dict[str, str], str]:

@@ -27,6 +27,7 @@ EXPECTED = {
         "99f3a16ea25b7724cb56a4f0c0df1113ad9474fbf5545bead97fd5c7f61c13f4",
         "containerd",
     ),
+    "v2-nested-kind-pod-level.txt": Container("eab5a334-93fe-48a8-b139-9e8079c1f163", "", ""),
     "v2-cgroupfs-burstable.txt": Container(
         "5a89bcaa-3509-4375-83e1-b9e7a5712123",
         "a069581483b00a498b3ba172612ffed06b3275a043bf3895c1b19e783e2793ee",

@@ -201,3 +201,35 @@ def test_a_new_user_of_a_gpu_gets_the_process_list_read_at_once(raw):
     users.add(("4242", raw["devices"][0]["uuid"]))  # a rank reported its allocator
     assert not source.read().processes_cached
     assert source.read().processes_cached
+
+
+def test_the_process_list_is_read_on_the_tick_after_a_gpu_s_memory_moved(raw):
+    """Per-process memory is at most one tick old after memory moves: the device reading
+    (every tick) says when, not the slow round."""
+    nvml = FakeNvml(raw)
+    now = [1000.0]
+    source = NvmlSource(nvml, clock=lambda: now[0], process_interval_s=10.0)
+    source.read()
+    memory = raw["devices"][1]["memory_v2"]
+    (entry,) = raw["devices"][0]["processes"]
+
+    def tick() -> bool:
+        now[0] += 1.0
+        return not source.read().processes_cached
+
+    assert not tick()
+    # A process allocates 1 GiB on the second GPU.
+    memory["used"] += 1 << 30
+    raw["devices"][1]["processes"] = [{"pid": 77, "usedGpuMemory": 1 << 30}]
+    assert tick()
+    assert source.read().processes[-1].used_bytes == 1 << 30
+    assert not tick()
+    # Below NVML's 2 MiB page: no new list until the slow round.
+    memory["used"] += 1 << 19
+    assert not tick()
+    # Its memory goes; the list is read at once and the process is gone from it.
+    memory["used"] -= 1 << 30
+    raw["devices"][1]["processes"] = []
+    assert tick()
+    reading = source.read()
+    assert [p.pid for p in reading.processes] == [entry["pid"]]

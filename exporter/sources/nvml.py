@@ -8,8 +8,8 @@ a loaded driver or without a GPU is "no data" with its reason (SourceReading.una
 not an error every tick; a driver that answered once and then fails is an error.
 
 Costs (2x H200, measured): memory info ~5 us per GPU, the process list ~35 us per GPU. The
-process list is read every `process_interval_s` and reused in between (the sample says so,
-and the non-allocator bytes it feeds are only derived on the tick that read it).
+memory info is read every tick; the process list on the tick after memory moved, and every
+`process_interval_s` while it stands still (then reused, and the sample says so).
 """
 
 from __future__ import annotations
@@ -26,8 +26,11 @@ log = logging.getLogger(__name__)
 
 # nvmlInit costs ~10 ms and fails fast where there is no driver; retry at this pace.
 INIT_RETRY_S = 60.0
-# Per-process GPU memory is read at this pace (its consumers, Prometheus at 15-30 s and the
-# non-allocator bytes, do not need it every tick).
+# NVML's process list (~35 us per GPU) is read again on the tick that sees a GPU's used
+# memory move by more than this (the device reading, ~5 us, is taken every tick), and at
+# least every PROCESS_INTERVAL_S: a process that freed what another took leaves used
+# unchanged. Below NVML's 2 MiB page, so that any allocation counts.
+CHANGE_BYTES = 1 << 20
 PROCESS_INTERVAL_S = 10.0
 
 
@@ -116,6 +119,7 @@ class NvmlSource:
         self._absent = ""  # why there is no NVML here, while there is none
         self._processes: dict[str, list[ProcessGpuReading]] = {}  # by GPU UUID
         self._processes_due = 0.0
+        self._used_at_read: dict[str, int] = {}  # each GPU's used memory then
         # Host PIDs with memory on some GPU at the last read (the node daemon reads their
         # host memory too: exporter.sources.process_memory).
         self.last_pids: frozenset[int] = frozenset()
@@ -183,20 +187,32 @@ class NvmlSource:
             frozenset(d.uuid for d in devices),
             self._users() if self._users is not None else None,
         )
-        read_processes = now >= self._processes_due or users != self._users_at_read
+        gpus = [self._read_device(device) for device in devices]
+        used = {gpu.uuid: gpu.used_bytes for gpu in gpus if gpu.used_bytes is not None}
+        read_processes = (
+            now >= self._processes_due or users != self._users_at_read or self._moved(used)
+        )
         if read_processes:
             self._processes_due = now + self._process_interval_s
             self._users_at_read = users
+            self._used_at_read = used
             self._processes = {}
-        reading = SourceReading(processes_cached=not read_processes)
-        for device in devices:
-            gpu = self._read_device(device)
-            reading.gpus.append(gpu)
+        reading = SourceReading(processes_cached=not read_processes, gpus=gpus)
+        for device, gpu in zip(devices, gpus, strict=True):
             if read_processes:
                 self._processes[device.uuid] = self._read_processes(device) if gpu.up else []
             reading.processes.extend(self._processes[device.uuid])
         self.last_pids = frozenset(p.pid for p in reading.processes)
         return reading
+
+    def _moved(self, used: dict[str, int]) -> bool:
+        """Whether some GPU's used memory moved (or the GPUs answering changed) since the
+        process list was read: then the list is read on this tick, not up to
+        process_interval_s later."""
+        before = self._used_at_read
+        if used.keys() != before.keys():
+            return True
+        return any(abs(value - before[uuid]) > CHANGE_BYTES for uuid, value in used.items())
 
     def _read_device(self, device: _Device) -> GpuReading:
         nvml = self._nvml

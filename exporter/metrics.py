@@ -314,7 +314,13 @@ class SampleCollector(Collector):
         non_allocator = self._gauge(
             "torch_cuda_non_allocator_bytes",
             "GPU memory of this process outside the caching allocator (NVML used - reserved): "
-            "CUDA context, NCCL, library workspaces.",
+            "CUDA context, NCCL, library workspaces. Taken only from readings of one moment.",
+            labels,
+        )
+        non_allocator_age = self._gauge(
+            "torch_cuda_non_allocator_age_seconds",
+            "Age of torch_cuda_non_allocator_bytes at this tick: it is taken again whenever "
+            "the process's memory moves, and kept while its readings disagree.",
             labels,
         )
         layout = {k: self._gauge(TORCH_PREFIX + k, _LAYOUT_HELP[k], labels) for k in LAYOUT_GAUGES}
@@ -342,8 +348,7 @@ class SampleCollector(Collector):
             "reported them, else environment).",
             labels=self._const_names + labels,
         )
-        outside = sample.non_allocator_bytes()
-        for position, reading in enumerate(sample.allocators):
+        for reading in sample.allocators:
             ids: tuple[object, ...] = (reading.device, reading.gpu_uuid)
             if per_process:
                 ids += tuple(reading.process.get(name, "") for name in PROCESS_LABELS)
@@ -358,8 +363,10 @@ class SampleCollector(Collector):
                 fragmentation.add_metric(self._values(*ids), ratio)
             if (ratio := reading.cached_free_ratio) is not None:
                 cached_free.add_metric(self._values(*ids), ratio)
-            if position in outside:
-                non_allocator.add_metric(self._values(*ids), outside[position])
+            if reading.non_allocator_bytes is not None:
+                non_allocator.add_metric(self._values(*ids), reading.non_allocator_bytes)
+            if reading.non_allocator_age_s is not None:
+                non_allocator_age.add_metric(self._values(*ids), reading.non_allocator_age_s)
             for key, value in reading.layout.items():
                 layout[key].add_metric(self._values(*ids), value)
             if reading.layout_age_s is not None:
@@ -390,6 +397,7 @@ class SampleCollector(Collector):
             fragmentation,
             cached_free,
             non_allocator,
+            non_allocator_age,
             *layout.values(),
             layout_age,
             layout_skipped,

@@ -94,7 +94,6 @@ def _sample_from_exposition(text: str, timestamp: float) -> Sample:
     gpus: dict[tuple[int, str], GpuReading] = {}
     processes: list[ProcessGpuReading] = []
     host: dict[str, int] = {}
-    non_allocator: dict[tuple[int, str, str], int] = {}
     pinned: dict[str, dict[str, Any]] = {}  # pid label -> PinnedHostReading fields
 
     def allocator(labels: dict[str, str]) -> AllocatorReading:
@@ -146,8 +145,9 @@ def _sample_from_exposition(text: str, timestamp: float) -> Sample:
                     reading.max_split_size_bytes = int(split) if split else None
                     reading.settings = _settings(labels)
                 elif key == "non_allocator_bytes":
-                    key3 = (int(labels["device"]), labels["gpu_uuid"], labels.get("pid", ""))
-                    non_allocator[key3] = _count(name, value)
+                    allocator(labels).non_allocator_bytes = _count(name, value)
+                elif key == "non_allocator_age_seconds":
+                    allocator(labels).non_allocator_age_s = value
             elif name in _GPU_FIELDS and "gpu" in labels:
                 setattr(gpu(labels), _GPU_FIELDS[name], _count(name, value))
             elif name == "gpu_up" and "gpu" in labels:
@@ -184,7 +184,7 @@ def _sample_from_exposition(text: str, timestamp: float) -> Sample:
             if "held_bytes" in entry and "in_use_bytes" in entry
         ],
     )
-    sample.self_pid = _self_pid(sample, non_allocator)
+    sample.self_pid = _self_pid(sample)
     return sample
 
 
@@ -208,17 +208,16 @@ def _complete_host(host: dict[str, Any]) -> bool:
     )
 
 
-def _self_pid(sample: Sample, non_allocator: dict[tuple[int, str, str], int]) -> int | None:
+def _self_pid(sample: Sample) -> int | None:
     """The exporting process's PID, which the exposition does not carry directly.
 
     non_allocator = NVML used(pid) - reserved, so the PID is the one whose NVML entry on that
-    GPU is reserved + non_allocator: exactly on a tick that read NVML's process list, nearly
-    on the ticks in between (the exporter keeps the value derived then while reserved moves).
+    GPU is nearest to reserved + non_allocator (exactly, while memory stands still).
     """
     for reading in sample.allocators:
         if reading.process:
             continue  # per-process series carry their pid
-        outside = non_allocator.get((reading.device, reading.gpu_uuid, ""))
+        outside = reading.non_allocator_bytes
         reserved = reading.gauges.get("reserved_bytes")
         if outside is None or reserved is None:
             continue

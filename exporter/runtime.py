@@ -23,6 +23,7 @@ from exporter.identity import identity_labels
 from exporter.metrics import HOST_GAUGES, REPLAY_HOST_GAUGES, ActionStats, SampleCollector
 from exporter.sampler import Listener, Sampler
 from exporter.sources import Source
+from exporter.sources.non_allocator import NonAllocatorProbe
 from exporter.window import SampleWindow
 
 MODES = ("embedded", "node", "demo", "run")
@@ -71,6 +72,7 @@ def live_sources(
         allocator = TorchAllocatorSource(
             layout_interval_s=config.layout_interval_s,
             layout_max_blocks=config.layout_max_blocks,
+            non_allocator=non_allocator_probe(config),
         )
         sources.append(allocator)
     if config.nvml:
@@ -90,6 +92,13 @@ def live_sources(
 
         sources.append(HostMemorySource())
     return sources
+
+
+def non_allocator_probe(config: Config) -> NonAllocatorProbe | None:
+    """What takes a process's bytes outside its allocator, where NVML may be read."""
+    if not config.nvml:
+        return None
+    return NonAllocatorProbe(refresh_s=config.process_interval_s)
 
 
 def kubelet_source(

@@ -74,6 +74,11 @@ class AllocatorReading:
     private_pools: dict[str, dict[str, int]] = field(default_factory=dict)
     # The allocator's live settings where torch reports them (name -> value as text).
     settings: dict[str, str] = field(default_factory=dict)
+    # This process's GPU memory outside the allocator (NVML used - reserved), taken by the
+    # process itself from readings that agree (exporter/sources/non_allocator.py), and how old
+    # that value is at this reading. None where NVML does not list the process.
+    non_allocator_bytes: int | None = None
+    non_allocator_age_s: float | None = None
 
     @property
     def fragmentation_ratio(self) -> float | None:
@@ -273,9 +278,6 @@ class Sample:
     self_pid: int | None = None
     rejected_messages: dict[str, int] = field(default_factory=dict)
     processes_cached: bool = False  # SourceReading.processes_cached
-    # NVML used minus torch reserved by "<gpu_uuid>/<pid>", fixed by the sampler at the end
-    # of its tick (settle_non_allocator). Not part of a trace: a replay derives it again.
-    settled_non_allocator: dict[str, int] | None = None
     # Kubernetes attribution (node daemon only; not part of a trace).
     kubelet: KubeletReading | None = None
     process_containers: list[ProcessContainerReading] = field(default_factory=list)
@@ -286,53 +288,9 @@ class Sample:
         pid_text = reading.process.get("pid", "")
         return int(pid_text) if pid_text.isdigit() else self.self_pid
 
-    def _allocator_key(self, reading: AllocatorReading) -> str | None:
-        pid = self.allocator_pid(reading)
-        return None if pid is None else f"{reading.gpu_uuid}/{pid}"
-
-    def _derive_non_allocator(self) -> dict[str, int]:
-        used = {f"{p.gpu_uuid}/{p.pid}": p.used_bytes for p in self.processes}
-        result = {}
-        for reading in self.allocators:
-            key = self._allocator_key(reading)
-            in_use = used.get(key) if key is not None else None
-            reserved = reading.gauges.get("reserved_bytes")
-            if key is not None and in_use is not None and reserved is not None:
-                result[key] = max(in_use - reserved, 0)
-        return result
-
-    def settle_non_allocator(self, previous: Sample | None) -> None:
-        """Derive the bytes outside the allocator from a process list and allocator readings
-        of this very tick; on a tick that reuses an earlier process list (NVML's costliest
-        read is made every few seconds), keep what was derived when it was read: an old used
-        minus a fresh reserved would be wrong whenever reserved moved."""
-        if not self.processes_cached:
-            self.settled_non_allocator = self._derive_non_allocator()
-        elif previous is not None and previous.settled_non_allocator is not None:
-            self.settled_non_allocator = dict(previous.settled_non_allocator)
-        else:
-            self.settled_non_allocator = {}
-
-    def non_allocator_bytes(self) -> dict[int, int]:
-        """Bytes of each allocator's process outside the allocator (NVML used - reserved), by
-        position in `allocators`.
-
-        Only where NVML lists the allocator's process on its GPU: inside a container without
-        the host PID namespace the PIDs differ and nothing is reported.
-        """
-        by_key = self.settled_non_allocator
-        if by_key is None:  # a sample that no sampler settled (a scrape being recorded)
-            by_key = {} if self.processes_cached else self._derive_non_allocator()
-        result = {}
-        for position, reading in enumerate(self.allocators):
-            key = self._allocator_key(reading)
-            if key is not None and key in by_key:
-                result[position] = by_key[key]
-        return result
-
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        for name in ("settled_non_allocator", "kubelet", "process_containers"):
+        for name in ("kubelet", "process_containers"):
             del data[name]
         return data
 

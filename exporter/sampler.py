@@ -130,7 +130,6 @@ class Sampler:
             if reading.self_pid is not None:
                 sample.self_pid = reading.self_pid
             sample.processes_cached |= reading.processes_cached
-        sample.settle_non_allocator(self._state.sample)
         sample.timestamp = self._clock()
         with self._lock:
             self._state = ExporterState(sample=sample, sources=statuses)

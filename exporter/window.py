@@ -31,7 +31,7 @@ MAX_RECORDS = 3000
 FIELDS = (
     "allocated_bytes",  # summed over the GPU's allocators
     "cached_free_bytes",  # reserved - allocated, summed
-    "non_allocator_bytes",  # Sample.non_allocator_bytes(), summed: CUDA context, NCCL
+    "non_allocator_bytes",  # AllocatorReading.non_allocator_bytes, summed: context, NCCL
     "other_bytes",  # total - free - the three above: other processes, driver reserve
     "used_bytes",  # NVML
     "free_bytes",  # NVML
@@ -157,8 +157,7 @@ def gpu_points(sample: Sample) -> tuple[tuple[GpuInfo, ...], array[float]]:
             "free_bytes": _number(gpu.free_bytes),
             "total_bytes": _number(gpu.total_bytes),
         }
-    non_allocator = sample.non_allocator_bytes()
-    for position, reading in enumerate(sample.allocators):
+    for reading in sample.allocators:
         key = reading.gpu_uuid or f"cuda:{reading.device}"
         info = infos.get(key)
         if info is None:
@@ -168,7 +167,7 @@ def gpu_points(sample: Sample) -> tuple[tuple[GpuInfo, ...], array[float]]:
         point = points.setdefault(key, {})
         _add(point, "allocated_bytes", reading.gauges.get("allocated_bytes"))
         _add(point, "cached_free_bytes", reading.cached_free_bytes)
-        _add(point, "non_allocator_bytes", non_allocator.get(position))
+        _add(point, "non_allocator_bytes", reading.non_allocator_bytes)
         for counter in ("alloc_retries", "ooms"):
             _add(point, counter, reading.counters.get(counter))
         _worst(point, "fragmentation_ratio", reading.fragmentation_ratio)

@@ -35,12 +35,12 @@ def _nvml_pids() -> dict[str, dict[int, int]]:
 def _sampler(interval_s: float = 0.02) -> Any:
     from exporter.sampler import Sampler
     from exporter.sources.host import HostMemorySource
+    from exporter.sources.non_allocator import NonAllocatorProbe
     from exporter.sources.nvml import NvmlSource
     from exporter.sources.torch_allocator import TorchAllocatorSource
 
-    return Sampler(
-        [TorchAllocatorSource(), NvmlSource(), HostMemorySource()], interval_s=interval_s
-    )
+    allocator = TorchAllocatorSource(non_allocator=NonAllocatorProbe())
+    return Sampler([allocator, NvmlSource(), HostMemorySource()], interval_s=interval_s)
 
 
 def exact_bytes() -> dict[str, Any]:
@@ -81,7 +81,7 @@ def context_size() -> dict[str, Any]:
     return {
         "pid": os.getpid(),
         "sample": sample.to_dict(),
-        "non_allocator": sample.non_allocator_bytes(),
+        "non_allocator": _non_allocator(sample),
         "raw_nvml_used": _nvml_pids().get(uuid, {}).get(os.getpid()),
         "torch_reserved": torch.cuda.memory_reserved(0),
     }
@@ -571,41 +571,52 @@ def host_memory_load() -> dict[str, Any]:
 
 
 # Every public function above is a scenario, by name.
+def _non_allocator(sample: Any) -> dict[int, int]:
+    """Non-allocator bytes by allocator position, where the sample has them."""
+    return {
+        position: reading.non_allocator_bytes
+        for position, reading in enumerate(sample.allocators)
+        if reading.non_allocator_bytes is not None
+    }
+
+
 def own_gpus_and_process_cadence() -> dict[str, Any]:
     """An embedded exporter's sources in a process that uses cuda:0 only (of 2+ GPUs): which
-    GPUs NVML is read for, and non-allocator bytes across a reused process list."""
+    GPUs NVML is read for, and per-process and non-allocator bytes when memory moves."""
     import torch
 
     from exporter.config import load_config
     from exporter.runtime import live_sources
     from exporter.sampler import Sampler
-    from exporter.sources.nvml import NvmlSource
 
     x = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda:0")
     torch.cuda.synchronize()
     sources = live_sources(load_config(env={}), torch=True)
     sampler = Sampler(sources)
-    nvml = next(s for s in sources if isinstance(s, NvmlSource))
     first = sampler.tick()  # reads the process list
     grown = torch.empty(1024 * MiB, dtype=torch.uint8, device="cuda:0")  # reserved grows
     torch.cuda.synchronize()
-    cached = sampler.tick()  # reuses the list (10 s cadence)
-    nvml._processes_due = 0.0  # the next tick reads the list again
-    fresh = sampler.tick()
-    truth_used = _nvml_pids()[fresh.allocators[0].gpu_uuid].get(os.getpid())
+    moved = sampler.tick()  # memory moved: the list is read again on this tick
+    uuid = moved.allocators[0].gpu_uuid
+    truth_used = _nvml_pids()[uuid].get(os.getpid())
+    time.sleep(0.2)
+    still = sampler.tick()  # nothing moved: the list is reused, the value kept, older
+    mine = [p.used_bytes for p in moved.processes if p.pid == os.getpid()]
     del x, grown
     return {
         "uuid_cuda0": first.allocators[0].gpu_uuid,
         "gpus_read": [g.uuid for g in first.gpus],
         "process_gpus": sorted({p.gpu_uuid for p in first.processes}),
-        "first": first.non_allocator_bytes(),
+        "first": _non_allocator(first),
         "first_reserved": first.allocators[0].gauges["reserved_bytes"],
-        "cached_flag": cached.processes_cached,
-        "cached": cached.non_allocator_bytes(),
-        "cached_reserved": cached.allocators[0].gauges["reserved_bytes"],
-        "fresh_flag": fresh.processes_cached,
-        "fresh": fresh.non_allocator_bytes(),
-        "fresh_reserved": fresh.allocators[0].gauges["reserved_bytes"],
+        "moved_flag": moved.processes_cached,
+        "moved": _non_allocator(moved),
+        "moved_age_s": moved.allocators[0].non_allocator_age_s,
+        "moved_reserved": moved.allocators[0].gauges["reserved_bytes"],
+        "moved_process_used": mine,
+        "still_flag": still.processes_cached,
+        "still": _non_allocator(still),
+        "still_age_s": still.allocators[0].non_allocator_age_s,
         "truth_used": truth_used,
         "device_count": torch.cuda.device_count(),
     }

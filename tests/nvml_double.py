@@ -47,6 +47,12 @@ class FakeNvml:
     def nvmlDeviceGetHandleByIndex(self, index):
         return index
 
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        for index, device in enumerate(self.raw["devices"]):
+            if device["uuid"] == uuid:
+                return index
+        raise pynvml.NVMLError_NotFound()
+
     def nvmlDeviceGetUUID(self, h):
         return self.raw["devices"][h]["uuid"]
 

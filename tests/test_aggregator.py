@@ -177,6 +177,38 @@ def test_a_pid_registers_once(run_dir):
         aggregator.close()
 
 
+def test_ages_a_process_sent_grow_while_its_reading_waits(run_dir):
+    """An agent's non-allocator and layout ages are as of its own reading; the launcher's
+    tick comes later, and serves them as of its tick."""
+    aggregator = Aggregator(run_dir)
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(str(aggregator.socket_path))
+        allocator = {
+            "device": 0,
+            "gpu_uuid": "GPU-a",
+            "backend": "native",
+            "expandable_segments": False,
+            "non_allocator_bytes": 500,
+            "non_allocator_age_s": 1.0,
+            "layout_age_s": 3.0,
+        }
+        for message in (
+            {"type": "hello", "version": 1, "process": {"role": "w"}},
+            {"type": "sample", "allocators": [allocator], "actions": {}},
+        ):
+            conn.sendall(json.dumps(message).encode() + b"\n")
+        assert wait_for(lambda: aggregator.read().allocators)
+        time.sleep(0.3)
+        (reading,) = aggregator.read().allocators
+        assert reading.non_allocator_bytes == 500
+        assert 1.3 <= reading.non_allocator_age_s < 3.0
+        assert 3.3 <= reading.layout_age_s < 5.0
+        conn.close()
+    finally:
+        aggregator.close()
+
+
 def test_only_the_process_asked_may_answer(run_dir):
     aggregator = Aggregator(run_dir)
     honest = peer(aggregator.socket_path, "answer", "")

@@ -68,18 +68,21 @@ def test_non_allocator_bytes_is_nvml_used_minus_reserved():
     )
 
 
-def test_embedded_reads_only_its_gpus_and_keeps_non_allocator_bytes_consistent():
+def test_embedded_reads_only_its_gpus_and_reads_them_again_when_memory_moves():
     r = run_scenario("own_gpus_and_process_cadence")
     # Only the GPU this process uses, joined by UUID (the others are the node daemon's).
     assert r["gpus_read"] == [r["uuid_cuda0"]]
     assert r["process_gpus"] == [r["uuid_cuda0"]]
-    # Reserved grew by 1 GiB while the process list was reused: the value derived with the
-    # list is kept (old used - new reserved would have dropped by 1 GiB).
-    assert r["cached_flag"] is True and r["cached_reserved"] >= r["first_reserved"] + 1024 * MiB
-    assert r["cached"] == r["first"]
-    # A fresh list: derived again, equal to an independent NVML reading minus reserved.
-    assert r["fresh_flag"] is False
-    assert r["fresh"]["0"] == r["truth_used"] - r["fresh_reserved"]
+    # Reserved grew by 1 GiB: the tick after reads the process list again (no 10 s wait),
+    # and the non-allocator bytes are taken again, equal to an independent NVML reading.
+    assert r["moved_reserved"] >= r["first_reserved"] + 1024 * MiB
+    assert r["moved_flag"] is False
+    assert r["moved_process_used"] == [r["truth_used"]]
+    assert r["moved"]["0"] == r["truth_used"] - r["moved_reserved"]
+    assert r["moved"] == r["first"] and r["moved_age_s"] == 0.0
+    # Nothing moved since: the list is reused and the value kept, with its age.
+    assert r["still_flag"] is True and r["still"] == r["moved"]
+    assert r["still_age_s"] >= 0.2
 
 
 def test_sampling_never_initializes_cuda():

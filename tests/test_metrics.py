@@ -20,7 +20,7 @@ from exporter.sample import (
     Sample,
     SourceStatus,
 )
-from exporter.sources.replay import demo_trace_path
+from exporter.sources.replay import demo_trace_path, derive_recorded_non_allocator
 from exporter.trace import read_trace
 from tests.conftest import DATA_DIR, require_tool
 
@@ -28,13 +28,17 @@ from tests.conftest import DATA_DIR, require_tool
 def captured_sample(name: str) -> Sample:
     """A sample as the exporter's own sources read it on the GPU machine."""
     data = json.loads((DATA_DIR / f"allocator_{name}.json").read_text())
-    return Sample(
+    sample = Sample(
         timestamp=1.0,
         allocators=[AllocatorReading(**a) for a in data["exporter_allocators"]],
         gpus=[GpuReading(**g) for g in data["exporter_gpus"]],
         processes=[ProcessGpuReading(**p) for p in data["exporter_processes"]],
         self_pid=data["pid"],
     )
+    # Captured before processes took their non-allocator bytes themselves: derived from the
+    # capture's process list, read in the same tick, as a replay does.
+    derive_recorded_non_allocator([sample])
+    return sample
 
 
 def render(sample: Sample | None, labels: dict | None = None, replay: bool = False) -> str:
@@ -107,8 +111,13 @@ def test_non_allocator_bytes_is_this_processes_nvml_use_minus_reserved():
     # A CUDA context on an H200 is ~540 MB (FACTS.md); the capture also ran a matmul (for
     # its CUDA graph), which loads cuBLAS's kernels outside the allocator: 782 MB there.
     assert 400e6 < outside.value < 1e9
-    sample.self_pid = 1  # e.g. a container without the host PID namespace: nothing to join
-    assert "torch_cuda_non_allocator_bytes" not in samples_by_name(render(sample))
+    (age,) = samples_by_name(render(sample))["torch_cuda_non_allocator_age_seconds"]
+    assert age.value == 0.0 and age.labels == outside.labels
+    # NVML did not list the process (a container without the host PID namespace): neither.
+    sample.allocators[0].non_allocator_bytes = sample.allocators[0].non_allocator_age_s = None
+    rendered = samples_by_name(render(sample))
+    assert "torch_cuda_non_allocator_bytes" not in rendered
+    assert "torch_cuda_non_allocator_age_seconds" not in rendered
 
 
 @pytest.mark.parametrize("name", ["expandable", "async"])

@@ -67,6 +67,8 @@ def test_layout_private_pools_settings_and_pinned_memory_travel_from_agents():
         "layout_skipped": "",
         "private_pools": {"1_0": {"reserved_bytes": 4, "allocated_bytes": 3}},
         "settings": {"expandable_segments": "true", "source": "live"},
+        "non_allocator_bytes": 543_162_368,
+        "non_allocator_age_s": 2.0,
     }
     pinned = protocol.PinnedHostReading(held_bytes=8, in_use_bytes=2)
     message = protocol.decode(protocol.encode(protocol.sample([allocator], ActionCounts(), pinned)))
@@ -74,6 +76,7 @@ def test_layout_private_pools_settings_and_pinned_memory_travel_from_agents():
     assert reading.layout == allocator["layout"] and reading.layout_age_s == 1.5
     assert reading.private_pools == {"1_0": {"reserved_bytes": 4, "allocated_bytes": 3}}
     assert reading.settings["source"] == "live"
+    assert (reading.non_allocator_bytes, reading.non_allocator_age_s) == (543_162_368, 2.0)
     parsed = protocol.parse_pinned_host(message)
     assert parsed is not None and (parsed.held_bytes, parsed.in_use_bytes) == (8, 2)
     assert protocol.parse_pinned_host(protocol.sample([allocator], ActionCounts())) is None
@@ -91,6 +94,10 @@ def test_layout_private_pools_settings_and_pinned_memory_travel_from_agents():
         {**GOOD, "settings": {"a": 1}},
         {**GOOD, "settings": {f"k{i}": "v" for i in range(40)}},
         {**GOOD, "layout_skipped": "x" * 100},
+        {**GOOD, "non_allocator_bytes": -1},
+        {**GOOD, "non_allocator_bytes": 1.5},
+        {**GOOD, "non_allocator_age_s": float("inf")},
+        {**GOOD, "non_allocator_age_s": "1"},
     ],
 )
 def test_bad_layout_fields_are_refused(allocator):

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from exporter.record import RecordError, record_url, sample_from_exposition, scrape
-from exporter.sources.replay import demo_trace_path
+from exporter.sources.replay import demo_trace_path, derive_recorded_non_allocator
 from exporter.trace import TraceWriter, read_trace
 from tests.test_metrics import captured_sample, render
 
@@ -24,18 +24,13 @@ def test_round_trip_of_captured_samples(which):
 
 def test_round_trip_of_the_demo_trace():
     _, samples = read_trace(demo_trace_path())
-    previous = None
-    for sample in samples:  # settled in order, as the sampler does when it replays them
-        sample.settle_non_allocator(previous)
-        previous = sample
+    derive_recorded_non_allocator(samples)  # as the replay does
     assert any(s.processes_cached for s in samples)  # the trace reuses NVML's process list
+    assert any(r.non_allocator_age_s for s in samples for r in s.allocators)
     for sample in samples[:: max(len(samples) // 20, 1)]:
         back = sample_from_exposition(render(sample, replay=True), timestamp=sample.timestamp)
-        # A scrape does not say whether the exporter reused its process list, and settling is
-        # the sampler's: a recording holds the list as read, unsettled.
-        assert back == dataclasses.replace(
-            sample, processes_cached=False, settled_non_allocator=None
-        )
+        # A scrape does not say whether the exporter reused its process list.
+        assert back == dataclasses.replace(sample, processes_cached=False)
 
 
 def test_scrape_errors_are_one_line():
@@ -80,7 +75,7 @@ def test_own_pid_is_recovered_on_a_tick_that_reuses_the_process_list():
         ],
         self_pid=41,
         processes_cached=True,
-        settled_non_allocator={"GPU-a/41": 500},  # derived when reserved was 1000
     )
+    sample.allocators[0].non_allocator_bytes = 500  # taken when reserved was 1000
     back = sample_from_exposition(render(sample), timestamp=sample.timestamp)
     assert back.self_pid == 41

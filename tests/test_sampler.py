@@ -124,29 +124,3 @@ def test_meminfo_is_read_in_bytes(tmp_path):
         "SwapTotal": 2048 * 1024,
         "SwapFree": 1024 * 1024,
     }
-
-
-def test_non_allocator_bytes_come_from_a_process_list_and_reserved_read_together():
-    """The process list is read every few seconds; reserved every tick. Used (old) minus
-    reserved (new) would be wrong whenever reserved moved: the value derived on the tick
-    that read the list is kept until the next list."""
-    from exporter.sample import ProcessGpuReading
-
-    allocator = AllocatorReading(0, "GPU-a", "native", False, gauges={"reserved_bytes": 1000})
-    torch_source = StaticSource("torch", SourceReading(allocators=[allocator]))
-    nvml_source = StaticSource(
-        "nvml",
-        SourceReading(processes=[ProcessGpuReading(0, "GPU-a", 7, 1500)], self_pid=7),
-    )
-    sampler = Sampler([torch_source, nvml_source])
-    assert sampler.tick().non_allocator_bytes() == {0: 500}
-    # The server grows its cache; NVML's list is not read again this tick.
-    allocator.gauges["reserved_bytes"] = 1200
-    nvml_source.reading.processes_cached = True
-    assert sampler.tick().non_allocator_bytes() == {0: 500}  # not 1500 - 1200
-    assert sampler.tick().non_allocator_bytes() == {0: 500}
-    # A fresh list: derived again from the two readings of this tick.
-    nvml_source.reading = SourceReading(
-        processes=[ProcessGpuReading(0, "GPU-a", 7, 1800)], self_pid=7
-    )
-    assert sampler.tick().non_allocator_bytes() == {0: 600}

@@ -8,12 +8,41 @@ import json
 import pytest
 
 from exporter.sample import Sample
-from exporter.sources.replay import ReplaySource, demo_trace_path
+from exporter.sources.replay import ReplaySource, demo_trace_path, derive_recorded_non_allocator
 from exporter.trace import TraceError, TraceWriter, read_trace
 
 
 def demo_samples() -> list[Sample]:
-    return read_trace(demo_trace_path())[1]
+    """The demo trace as the replay serves it (with the non-allocator bytes derived)."""
+    samples = read_trace(demo_trace_path())[1]
+    derive_recorded_non_allocator(samples)
+    return samples
+
+
+def test_a_recorded_trace_gets_non_allocator_bytes_from_its_own_fresh_lists_only():
+    """The demo was recorded before processes took the value themselves: it is derived where
+    the recorded tick read NVML's process list, and kept, aging, on the ticks between."""
+    samples = read_trace(demo_trace_path())[1]
+    derive_recorded_non_allocator(samples)
+    fresh = cached = 0
+    last: tuple[int, float] | None = None
+    for sample in samples:
+        (reading,) = sample.allocators
+        if not sample.processes_cached:
+            (used,) = [p.used_bytes for p in sample.processes if p.pid == sample.self_pid]
+            assert reading.non_allocator_bytes == used - reading.gauges["reserved_bytes"]
+            assert reading.non_allocator_age_s == 0.0
+            last = (reading.non_allocator_bytes, sample.timestamp)
+            fresh += 1
+        elif last is not None:
+            assert reading.non_allocator_bytes == last[0]
+            assert reading.non_allocator_age_s == pytest.approx(sample.timestamp - last[1])
+            cached += 1
+    assert fresh >= 5 and cached >= 5
+    # A trace that carries the values keeps them as recorded.
+    samples[0].allocators[0].non_allocator_bytes = 12345
+    derive_recorded_non_allocator(samples)
+    assert samples[0].allocators[0].non_allocator_bytes == 12345
 
 
 def test_the_shipped_demo_trace_was_recorded_on_a_gpu_and_holds_an_incident():

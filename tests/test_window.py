@@ -48,6 +48,7 @@ def allocator(
     ooms: int = 0,
     pid: str = "",
     device: int = 0,
+    outside: int | None = None,
 ) -> AllocatorReading:
     gauges = {"allocated_bytes": allocated, "reserved_bytes": reserved}
     if inactive is not None:
@@ -60,6 +61,7 @@ def allocator(
         gauges=gauges,
         counters={"alloc_retries": retries, "ooms": ooms},
         process={"pid": pid, "rank": "", "local_rank": "", "role": "worker"} if pid else {},
+        non_allocator_bytes=outside,
     )
 
 
@@ -104,11 +106,13 @@ def test_allocator_mode_stacks_allocated_cache_non_allocator_other_and_free():
     sample = Sample(
         timestamp=1.0,
         gpus=[gpu(0, UUID0, used=30 * GiB, free=49 * GiB, total=80 * GiB)],
-        allocators=[allocator(UUID0, allocated=20 * GiB, reserved=28 * GiB, inactive=7 * GiB)],
+        allocators=[
+            # NVML's 29 GiB used - 28 GiB reserved
+            allocator(UUID0, allocated=20 * GiB, reserved=28 * GiB, inactive=7 * GiB, outside=GiB)
+        ],
         processes=[ProcessGpuReading(0, UUID0, 4242, 29 * GiB)],
         self_pid=4242,
     )
-    assert sample.non_allocator_bytes() == {0: GiB}
     window(sample)
     values = {name: column[0] for name, column in series(window, UUID0).items()}
     assert values == {
@@ -179,13 +183,21 @@ def test_run_mode_sums_the_processes_of_a_gpu_and_keeps_the_worst_ratio():
             timestamp=1.0,
             gpus=[gpu(0, UUID0, used=40 * GiB, free=39 * GiB)],
             allocators=[
-                allocator(UUID0, allocated=10 * GiB, reserved=12 * GiB, inactive=GiB, pid="11"),
+                allocator(
+                    UUID0,
+                    allocated=10 * GiB,
+                    reserved=12 * GiB,
+                    inactive=GiB,
+                    pid="11",
+                    outside=GiB,
+                ),
                 allocator(
                     UUID0,
                     allocated=5 * GiB,
                     reserved=20 * GiB,
                     inactive=10 * GiB,
                     pid="12",
+                    outside=GiB,
                     retries=3,
                     ooms=1,
                 ),

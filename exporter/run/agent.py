@@ -26,6 +26,7 @@ from exporter.actions.base import HistoryParams, ProcessResult, Target
 from exporter.identity import process_labels
 from exporter.run import protocol
 from exporter.sample import ActionCounts, Sample
+from exporter.sources.non_allocator import NonAllocatorProbe
 from exporter.sources.torch_allocator import TorchAllocatorSource
 
 if TYPE_CHECKING:
@@ -62,9 +63,16 @@ class Agent:
             from exporter.config import Config
 
             self.config = Config()
+        # The agent takes its process's non-allocator bytes itself: the launcher reads NVML
+        # at other moments than this process reads its allocator.
         self.source = TorchAllocatorSource(
             layout_interval_s=self.config.layout_interval_s,
             layout_max_blocks=self.config.layout_max_blocks,
+            non_allocator=(
+                NonAllocatorProbe(refresh_s=self.config.process_interval_s)
+                if self.config.nvml
+                else None
+            ),
         )
         self.actions: LocalActions | None = None
         self._listeners: list[Listener] = []

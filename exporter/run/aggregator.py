@@ -19,6 +19,7 @@ may answer it; a rank its launch environment contradicts is replaced by that env
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import itertools
 import logging
@@ -69,6 +70,7 @@ class _Peer:
     reader: protocol.LineReader = field(default_factory=protocol.LineReader)
     process: dict[str, str] = field(default_factory=dict)
     allocators: list[AllocatorReading] = field(default_factory=list)
+    sampled_at: float = 0.0  # time.monotonic() when `allocators` arrived
     counts: ActionCounts = field(default_factory=ActionCounts)
     pinned_host: PinnedHostReading | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -89,6 +91,16 @@ def _environment_labels(pid: int, proc: str = "/proc") -> dict[str, str]:
         for label, name in (("rank", b"RANK"), ("local_rank", b"LOCAL_RANK"))
         if name in env
     }
+
+
+def _aged(reading: AllocatorReading, waited_s: float) -> AllocatorReading:
+    """A peer's reading with its ages as of now: it was sent `waited_s` ago."""
+    ages = {}
+    for name in ("layout_age_s", "non_allocator_age_s"):
+        age = getattr(reading, name)
+        if age is not None:
+            ages[name] = age + max(waited_s, 0.0)
+    return dataclasses.replace(reading, **ages) if ages else reading
 
 
 class Aggregator:
@@ -286,6 +298,7 @@ class Aggregator:
                 if pinned is not None:
                     pinned.process = dict(peer.process)
                 peer.allocators, peer.counts, peer.pinned_host = readings, counts, pinned
+                peer.sampled_at = time.monotonic()
             elif kind == "reply":
                 request_id, result = protocol.parse_reply(message)
                 result.process = dict(peer.process)
@@ -326,8 +339,9 @@ class Aggregator:
         with self._lock:
             peers = list(self._peers.values())
             rejected = dict(self.rejected)
+        now = time.monotonic()
         return SourceReading(
-            allocators=[a for p in peers for a in p.allocators],
+            allocators=[_aged(a, now - p.sampled_at) for p in peers for a in p.allocators],
             pinned_host=[p.pinned_host for p in peers if p.pinned_host is not None],
             rejected_messages=rejected,
         )

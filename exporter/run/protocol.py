@@ -184,6 +184,8 @@ def parse_allocator(data: Any) -> AllocatorReading:
         "layout_skipped",
         "private_pools",
         "settings",
+        "non_allocator_bytes",
+        "non_allocator_age_s",
     }
     if set(data) - known:
         raise _fail(f"allocator: unknown fields {sorted(set(data) - known)[:3]}")
@@ -205,11 +207,8 @@ def parse_allocator(data: Any) -> AllocatorReading:
     settings = _object(data.get("settings", {}), "settings")
     if len(settings) > MAX_SETTINGS:
         raise _fail("settings: too many keys")
-    age = data.get("layout_age_s")
-    if age is not None and (
-        isinstance(age, bool) or not isinstance(age, (int, float)) or not 0 <= age < 1e9
-    ):
-        raise _fail("layout_age_s: expected a non-negative number of seconds")
+    age = _age(data.get("layout_age_s"), "layout_age_s")
+    outside = data.get("non_allocator_bytes")
     return AllocatorReading(
         device=device,
         gpu_uuid=_text(data.get("gpu_uuid"), "gpu_uuid", 128),
@@ -220,7 +219,7 @@ def parse_allocator(data: Any) -> AllocatorReading:
         pools=pools,
         max_split_size_bytes=None if max_split is None else _count(max_split, "max_split"),
         layout=_counts(data.get("layout", {}), "layout", LAYOUT_GAUGES),
-        layout_age_s=None if age is None else float(age),
+        layout_age_s=age,
         layout_skipped=_text(data.get("layout_skipped", ""), "layout_skipped", 32),
         private_pools={
             _text(pool, "private_pools", 64): _counts(
@@ -232,7 +231,17 @@ def parse_allocator(data: Any) -> AllocatorReading:
             _text(key, "settings", 64): _text(value, "settings.<value>", 64)
             for key, value in settings.items()
         },
+        non_allocator_bytes=None if outside is None else _count(outside, "non_allocator_bytes"),
+        non_allocator_age_s=_age(data.get("non_allocator_age_s"), "non_allocator_age_s"),
     )
+
+
+def _age(value: Any, what: str) -> float | None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e9
+    ):
+        raise _fail(f"{what}: expected a non-negative number of seconds")
+    return None if value is None else float(value)
 
 
 def parse_pinned_host(message: Mapping[str, Any]) -> PinnedHostReading | None:

@@ -43,6 +43,7 @@ class ReplaySource:
             raise ValueError(f"speed must be positive, got {speed}")
         self.path = Path(path) if path is not None else demo_trace_path()
         self.meta, self._samples = read_trace(self.path)
+        derive_recorded_non_allocator(self._samples)
         self._clock = clock
         self._loop = loop
         self._speed = speed
@@ -104,6 +105,27 @@ class ReplaySource:
 
 
 _Key = tuple[int, str]
+
+
+def derive_recorded_non_allocator(samples: list[Sample]) -> None:
+    """Traces recorded before processes took their non-allocator bytes themselves carry the
+    parts: derive the value where the recorded process list was read on the tick of the
+    allocator readings (which the recording exporter read tens of microseconds apart), and
+    keep it, with its age, on the ticks that reused that list."""
+    if any(r.non_allocator_bytes is not None for s in samples for r in s.allocators):
+        return  # the trace carries the values
+    taken: dict[tuple[str, int | None], tuple[int, float]] = {}
+    for sample in samples:
+        used = {(p.gpu_uuid, p.pid): p.used_bytes for p in sample.processes}
+        for reading in sample.allocators:
+            key = (reading.gpu_uuid, sample.allocator_pid(reading))
+            reserved = reading.gauges.get("reserved_bytes")
+            if not sample.processes_cached and reserved is not None and key in used:
+                taken[key] = (max(used[key] - reserved, 0), sample.timestamp)
+            if key in taken:
+                value, at = taken[key]
+                reading.non_allocator_bytes = value
+                reading.non_allocator_age_s = max(sample.timestamp - at, 0.0)
 
 
 def _recorded_process(sample: Sample) -> list[HostProcessReading]:

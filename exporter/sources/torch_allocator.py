@@ -28,6 +28,7 @@ from exporter.sources.allocator_layout import (
     bounded_pools,
     pool_label,
 )
+from exporter.sources.non_allocator import NonAllocatorProbe
 
 NATIVE = "native"
 ASYNC = "cudaMallocAsync"
@@ -199,8 +200,11 @@ class TorchAllocatorSource:
         *,
         layout_interval_s: float = DEFAULT_INTERVAL_S,
         layout_max_blocks: int = DEFAULT_MAX_BLOCKS,
+        non_allocator: NonAllocatorProbe | None = None,
     ) -> None:
         self._torch = torch_module
+        # Takes this process's bytes outside the allocator from NVML (None: NVML is off).
+        self._non_allocator = non_allocator
         self._env = os.environ if env is None else env
         self._layout_interval_s = layout_interval_s
         self._layout_max_blocks = layout_max_blocks
@@ -292,11 +296,21 @@ class TorchAllocatorSource:
                 continue  # fallback path: a device this process never used
             readings.append(reading)
         self.uuids_in_use = frozenset(reading.gpu_uuid for reading in readings)
+        if self._non_allocator is not None:
+            self._non_allocator.apply(readings, self._reserved_now)
         if readings and layout is not None:
             self._add_layout(layout, layout_due, readings, blocks)
         for reading in readings:
             reading.settings = dict(self._setting_labels)
         return SourceReading(allocators=readings, pinned_host=self._pinned_host(torch))
+
+    def _reserved_now(self, index: int) -> int | None:
+        """Reserved bytes of device `index` read again (the probe's second reading)."""
+        stats = self._read_stats(index)
+        try:
+            return int(stats["reserved_bytes"]["all"]["current"])
+        except (KeyError, TypeError):
+            return None
 
     def _layout_reader(self, torch: Any, backend: str) -> LayoutReader | None:
         if self._layout is None and backend == NATIVE and self._layout_interval_s > 0:
@@ -360,4 +374,5 @@ class TorchAllocatorSource:
         return [PinnedHostReading(held_bytes=held, in_use_bytes=in_use)]
 
     def close(self) -> None:
-        pass
+        if self._non_allocator is not None:
+            self._non_allocator.close()

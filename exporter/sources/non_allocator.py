@@ -1,0 +1,134 @@
+"""This process's GPU memory outside PyTorch's caching allocator, from readings that belong
+together.
+
+The value is NVML's per-process used minus the allocator's reserved: CUDA context, NCCL,
+library workspaces. Both move while a server works, so a value built from a process list of
+one moment and a reserved of another is off by whatever moved in between (seen on an H100:
+768 MiB published where the truth was 518). Here the process list is read between two reads
+of reserved, and a value is taken only when they agree; otherwise the last value taken stays,
+with its age. The allocator's stats are read under the same mutex that cudaMalloc and
+cudaFree run under, so equal readings before and after mean the list saw that reserved.
+
+When: on the first tick, whenever reserved or the device's used memory (NVML's cheap device
+reading, ~5 us) moved since the value was taken, and every `refresh_s` in any case. The
+process owning the allocator does this itself, embedded or as an agent under `run`: readings
+from two processes are never of one moment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from exporter.sample import AllocatorReading
+from exporter.sources.nvml import CHANGE_BYTES, INIT_RETRY_S
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Taken:
+    """The last agreeing reading of one GPU, and what it was taken against."""
+
+    value: int | None  # None: NVML did not list this process (another PID namespace)
+    at: float
+    reserved: int
+    device_used: int
+
+
+class NonAllocatorProbe:
+    """Fills AllocatorReading.non_allocator_bytes/_age_s for this process's own readings."""
+
+    def __init__(
+        self,
+        nvml_module: Any = None,
+        *,
+        refresh_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        pid: Callable[[], int] = os.getpid,
+    ) -> None:
+        self._nvml = nvml_module
+        self._refresh_s = refresh_s
+        self._clock = clock
+        self._pid = pid
+        self._handles: dict[str, Any] = {}
+        self._ready = False
+        self._next_init = 0.0
+        self._taken: dict[str, _Taken] = {}
+
+    def _init(self) -> bool:
+        if self._ready:
+            return True
+        now = self._clock()
+        if now < self._next_init:
+            return False
+        self._next_init = now + INIT_RETRY_S
+        try:
+            if self._nvml is None:
+                import pynvml  # nvidia-ml-py
+
+                self._nvml = pynvml
+            self._nvml.nvmlInit()
+        except Exception as exc:  # no library, no driver: no value, the NVML source says why
+            log.debug("non-allocator bytes unavailable: %s", exc)
+            return False
+        self._ready = True
+        return True
+
+    def _handle(self, uuid: str) -> Any:
+        if uuid not in self._handles:
+            self._handles[uuid] = self._nvml.nvmlDeviceGetHandleByUUID(uuid)
+        return self._handles[uuid]
+
+    def apply(
+        self, readings: list[AllocatorReading], reserved_now: Callable[[int], int | None]
+    ) -> None:
+        """Set the value on this tick's readings; `reserved_now(device)` reads reserved again
+        (after the process list). Never raises: a GPU NVML cannot read gets no value."""
+        if not readings or not self._init():
+            return
+        for reading in readings:
+            try:
+                self._apply(reading, reserved_now)
+            except Exception as exc:  # NVMLError (lost GPU, not supported) or a torch error
+                log.debug("non-allocator bytes of GPU %s: %s", reading.gpu_uuid, exc)
+
+    def _apply(self, reading: AllocatorReading, reserved_now: Callable[[int], int | None]) -> None:
+        reserved = reading.gauges.get("reserved_bytes")
+        if reserved is None:
+            return
+        nvml = self._nvml
+        handle = self._handle(reading.gpu_uuid)
+        now = self._clock()
+        taken = self._taken.get(reading.gpu_uuid)
+        device_used = int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
+        due = (
+            taken is None
+            or taken.reserved != reserved
+            or abs(taken.device_used - device_used) > CHANGE_BYTES
+            or now - taken.at >= self._refresh_s
+        )
+        if due:
+            pid = self._pid()
+            entries = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            # Reserved again, after the list: equal means the list saw this reserved.
+            if reserved_now(reading.device) == reserved:
+                used = [e.usedGpuMemory for e in entries if e.pid == pid]
+                value = max(int(used[0]) - reserved, 0) if used and used[0] is not None else None
+                taken = _Taken(value, now, reserved, device_used)
+                self._taken[reading.gpu_uuid] = taken
+        if taken is not None and taken.value is not None:
+            reading.non_allocator_bytes = taken.value
+            reading.non_allocator_age_s = max(now - taken.at, 0.0)
+
+    def close(self) -> None:
+        if self._ready and self._nvml is not None:
+            with contextlib.suppress(Exception):
+                self._nvml.nvmlShutdown()
+            self._ready = False
+            self._handles.clear()

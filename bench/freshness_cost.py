@@ -56,11 +56,37 @@ def _calls(count: int = 2000) -> dict[str, float]:
     return result
 
 
+def _used_values() -> int:
+    """How many distinct values NVML's used memory of GPU 0 takes in 100 reads, 1 ms apart,
+    with nothing allocating: whether the device reading is a quiet signal."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    values = set()
+    for _ in range(100):
+        values.add(pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2).used)
+        time.sleep(0.001)
+    pynvml.nvmlShutdown()
+    return len(values)
+
+
 def main() -> None:
+    import pynvml
+
     import exporter
     from exporter.config import load_config
     from exporter.runtime import live_sources
 
+    # Count the process-list reads of each state (the sources call the module's function).
+    list_reads = [0]
+    read_list = pynvml.nvmlDeviceGetComputeRunningProcesses
+
+    def counted(handle: object) -> object:
+        list_reads[0] += 1
+        return read_list(handle)
+
+    pynvml.nvmlDeviceGetComputeRunningProcesses = counted
     held = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda:0")
     torch.cuda.synchronize()
     config = load_config(env={"GPUMEM_HOST_MEMORY": "false"})
@@ -72,11 +98,15 @@ def main() -> None:
             if owner is not None and hasattr(owner, "_clock"):
                 owner._clock = clock
 
+    per_source = {source.name: 0.0 for source in sources}
+
     def tick() -> tuple[float, float]:
         clock.now += 1.0
         w0, c0 = time.perf_counter(), time.thread_time()
         for source in sources:
+            started = time.perf_counter()
             source.read()
+            per_source[source.name] += time.perf_counter() - started
         return time.thread_time() - c0, time.perf_counter() - w0
 
     for _ in range(50):
@@ -84,6 +114,8 @@ def main() -> None:
     results: dict = {"exporter_path": exporter.__file__, "devices": 1, "ticks": TICKS}
     for state in ("steady", "moving"):
         cpu, wall = [], []
+        list_reads[0] = 0
+        per_source.update((name, 0.0) for name in per_source)
         moving: torch.Tensor | None = None
         for _ in range(TICKS):
             if state == "moving":
@@ -100,8 +132,12 @@ def main() -> None:
             "wall_us": summary(wall, 1e6),
             "cpu_mean_us": sum(cpu) / len(cpu) * 1e6,
             "wall_mean_us": sum(wall) / len(wall) * 1e6,
+            "process_list_reads_per_tick": list_reads[0] / TICKS,
+            "per_source_wall_mean_us": {n: t / TICKS * 1e6 for n, t in per_source.items()},
         }
+    pynvml.nvmlDeviceGetComputeRunningProcesses = read_list
     results["calls_us"] = _calls()
+    results["used_v2_distinct_in_100_reads"] = _used_values()
     results["machine"] = machine()
     del held
     emit(results)

@@ -22,6 +22,7 @@ BENCHMARKS = {
     "serving_impact": [],
     "stalls": [],
     "layout_stall": ["--minute", "60"],
+    "freshness_cost": [],
 }
 
 

@@ -184,6 +184,7 @@ def check(result: dict[str, Any]) -> dict[str, Any]:
     # Per-process memory after each step: NVML's from 2 ticks on, in both endpoints.
     marks = [e for e in events if e["kind"] in ("step", "fragment")]
     stale = {"ours": 0, "node": 0}
+    details = []
     compared = 0
     for step, following in itertools.pairwise(marks):
         if step["kind"] != "step":
@@ -194,10 +195,15 @@ def check(result: dict[str, Any]) -> dict[str, Any]:
         for s in settled:
             compared += 1
             for endpoint in stale:
-                if s[endpoint].get("gpu_process_memory_used_bytes") != s["nvml"]:
+                served = s[endpoint].get("gpu_process_memory_used_bytes")
+                if served != s["nvml"]:
                     stale[endpoint] += 1
+                    details.append(
+                        (endpoint, step["gib"], round(s["t"] - step["t"], 2), served, s["nvml"])
+                    )
     report["step_scrapes"] = compared
     report["step_scrapes_stale"] = stale
+    report["stale_details"] = details[:12]
 
     (held,) = result["held"]
     report["held"] = {

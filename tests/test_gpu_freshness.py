@@ -143,8 +143,17 @@ def run_workload(tmp_path: Path, under_run: bool) -> dict[str, Any]:
             assert time.monotonic() < deadline + 120, "the workload did not finish"
             started = time.time()
             values, node_values = ours.values(pid), node_scraper.values(pid)
+            # NVML right after: "t_end" bounds the whole measurement, so that a scrape is
+            # compared only where no step happened while it was taken.
+            nvml = nvml_used(pid)
             scrapes.append(
-                {"t": started, "ours": values, "node": node_values, "nvml": nvml_used(pid)}
+                {
+                    "t": started,
+                    "t_end": time.time(),
+                    "ours": values,
+                    "node": node_values,
+                    "nvml": nvml,
+                }
             )
             hold = [e for e in read_events(events_path) if e["kind"] == "hold"]
             if hold and not measured_hold and time.time() > hold[0]["t"] + 2 * INTERVAL_S + 0.3:
@@ -190,7 +199,7 @@ def check(result: dict[str, Any]) -> dict[str, Any]:
         if step["kind"] != "step":
             continue
         settled_at = step["t"] + 2 * INTERVAL_S + SCRAPE_EVERY_S
-        settled = [s for s in scrapes if settled_at <= s["t"] < following["t"]]
+        settled = [s for s in scrapes if settled_at <= s["t"] and s["t_end"] < following["t"]]
         assert len(settled) >= 3, step
         for s in settled:
             compared += 1

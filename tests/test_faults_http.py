@@ -162,7 +162,12 @@ def test_a_half_sent_request_is_dropped_after_the_read_deadline(tmp_path, monkey
         # A kept-alive connection that starts its next request and stalls is dropped too.
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            answer = sock.recv(65536)
+            head, _, body = answer.partition(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            while len(body) < length:  # head and body may come in two reads
+                body += sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200")
             sock.sendall(b"GET /metrics HTTP/1.1\r\n")
             began = time.monotonic()
             assert sock.recv(1024) == b""
@@ -181,17 +186,33 @@ def test_slow_connections_are_capped_and_scrapes_still_answer(tmp_path):
             sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and never the rest
             slow.append(sock)
         try:
-            time.sleep(0.5)  # closing is asynchronous: let the loop finish what it started
-            held = len(server._server.server_state.connections)
+            # Closing is asynchronous: let the loop finish what it started. At most the cap
+            # and the probes' reserve stay open (the others got 503 or made room).
+            cap = guard.MAX_CONNECTIONS + guard.PROBE_RESERVE
+            deadline = time.monotonic() + 5
+            while (held := len(server._server.server_state.connections)) > cap + 1:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            # A connection that has held half a request past the grace may be closed for room.
+            time.sleep(guard.READ_GRACE_S)
             began = time.monotonic()
             fresh = http.client.HTTPConnection(*address, timeout=10)
             fresh.request("GET", "/metrics")
             response = fresh.getresponse()
             assert response.status == 200 and b"torch_cuda" in response.read()
             assert time.monotonic() - began < 5
-            assert held <= guard.MAX_CONNECTIONS + 1, held
-            keeper.request("GET", "/metrics")  # reconnects if it was closed to make room
-            assert keeper.getresponse().status == 200
+            assert held <= cap + 1, held
+            # Closed to make room while idle, or kept: as Prometheus does, a request that fails
+            # on a kept-alive connection before any answer is retried on a new one.
+            try:
+                keeper.request("GET", "/metrics")
+                status = keeper.getresponse().status
+            except (http.client.RemoteDisconnected, ConnectionError):
+                keeper.close()
+                keeper.request("GET", "/metrics")
+                status = keeper.getresponse().status
+            assert status == 200
         finally:
             for sock in slow:
                 sock.close()

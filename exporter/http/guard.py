@@ -1,28 +1,64 @@
-"""Slow and hostile clients: a deadline for reading each request, and a cap on connections.
+"""Slow and hostile clients: deadlines for reading each request and for writing each answer,
+a cap on connections with room kept for Prometheus and the kubelet's probes, and an HTTP 503
+(never a reset) for whoever finds the server full.
 
 uvicorn bounds only the wait between requests on a kept-alive connection. A client that sends
-half a request head (or trickles a body) is held forever, and each such connection holds a file
-descriptor: enough of them (1,100 were all held) and `accept` fails for Prometheus too. This
-protocol adds the two bounds the exporter needs:
+half a request head (or trickles a body), or one that pipelines requests and never reads the
+answers, is held forever: each holds a file descriptor and a slot, and 70 such connections
+once took every scrape and health check away for 40 s (docs/reliability.md). This protocol
+adds:
 
 - a whole request (head and body; admin bodies are at most 16 KiB) must arrive within
   READ_TIMEOUT_S of its first byte, or of the connection opening;
-- at most MAX_CONNECTIONS are open. A new connection beyond that closes the oldest one still
-  reading a request, else the oldest idle kept-alive one (a scraper reconnects at no cost),
-  else itself: a request being answered is never cut.
+- an answer that cannot be written for WRITE_TIMEOUT_S (the transport's buffer stays above
+  its high-water mark: the client reads nothing, or a byte now and then) is dropped with the
+  connection. uvicorn answers pipelined requests one at a time and stops reading while one is
+  answered, so a client that never reads holds at most one answer and the buffer's 64 KiB;
+- at most MAX_CONNECTIONS are open. A new connection beyond that closes, oldest first, one
+  whose answer is stalled, else one that has been reading a request for READ_GRACE_S, else an
+  idle kept-alive one (a scraper reconnects at no cost). If none can go, its request line
+  decides: /metrics, /healthz and /readyz are served in PROBE_RESERVE more slots; anything
+  else, or beyond those, gets 503 with Retry-After and the connection is closed after it. A
+  request being answered is never cut to make room.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from exporter.ratelimit import RateLimitedLog
+
+log = logging.getLogger(__name__)
+_dropped = RateLimitedLog(log)
+
 READ_TIMEOUT_S = 10.0
+WRITE_TIMEOUT_S = 10.0
+# A connection that has not sent its whole request head this long after it started is slow,
+# and may be closed to make room (a client on a network with a 300 ms round trip sends its
+# request within one).
+READ_GRACE_S = 0.5
 MAX_CONNECTIONS = 64
+# Slots beyond MAX_CONNECTIONS that only the probe paths may use.
+PROBE_RESERVE = 16
+PROBE_PATHS = (b"/metrics", b"/healthz", b"/readyz")
+# The longest request line a full server waits for before it answers 503.
+MAX_REQUEST_LINE = 8192
+RETRY_AFTER_S = 1
+
+_BUSY_BODY = b"the exporter has too many connections; retry shortly\n"
+BUSY_RESPONSE = (
+    b"HTTP/1.1 503 Service Unavailable\r\n"
+    b"Content-Type: text/plain; charset=utf-8\r\n"
+    b"Retry-After: " + str(RETRY_AFTER_S).encode() + b"\r\n"
+    b"Connection: close\r\n"
+    b"Content-Length: " + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY
+)
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -30,11 +66,21 @@ class GuardedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.opened = time.monotonic()
         self._read_deadline: asyncio.TimerHandle | None = None
+        self._reading_since = 0.0
+        self._write_deadline: asyncio.TimerHandle | None = None
+        # The first bytes of a connection that found the server full, until its request line
+        # says whether it may have a reserved slot; None once admitted.
+        self._waiting: bytearray | None = None
 
     @property
     def reading(self) -> bool:
         """Waiting for the rest of a request (or for the first one)."""
         return self._read_deadline is not None
+
+    @property
+    def stalled(self) -> bool:
+        """An answer waits for the client to read (the transport paused writing)."""
+        return self._write_deadline is not None
 
     @property
     def idle(self) -> bool:
@@ -44,14 +90,18 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
-        if len(self.connections) > MAX_CONNECTIONS:
-            self._make_room()
+        if len(self.connections) > MAX_CONNECTIONS and not self._make_room():
+            self._waiting = bytearray()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._disarm_write()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._waiting is not None:
+            self._admit(data)
+            return
         super().data_received(data)
         if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):
             if not self.reading:  # the first bytes of the next request on a kept-alive one
@@ -59,7 +109,49 @@ class GuardedH11Protocol(H11Protocol):
         else:  # the request is in (DONE), or the connection is over
             self._disarm()
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_deadline is None:
+            self._write_deadline = self.loop.call_later(WRITE_TIMEOUT_S, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._disarm_write()
+
+    # -- admission of a connection that found the server full ----------------------------
+
+    def _admit(self, data: bytes) -> None:
+        assert self._waiting is not None
+        self._waiting += data
+        line, found, _ = bytes(self._waiting[:MAX_REQUEST_LINE]).partition(b"\r\n")
+        if not found:
+            if len(self._waiting) >= MAX_REQUEST_LINE:
+                self._busy()
+            return
+        target = line.split(b" ")[1] if line.count(b" ") >= 2 else b""
+        path = target.partition(b"?")[0]
+        room = len(self.connections) <= MAX_CONNECTIONS or (
+            path in PROBE_PATHS and len(self.connections) <= MAX_CONNECTIONS + PROBE_RESERVE
+        )
+        if not room:
+            self._busy()
+            return
+        buffered, self._waiting = bytes(self._waiting), None
+        self.data_received(buffered)
+
+    def _busy(self) -> None:
+        """503 with Retry-After, then close: a full server says so in HTTP (a reset reads as a
+        dead target). The request was read, so closing sends FIN, not RST."""
+        _dropped.warning("busy", "HTTP connections at the limit: answered 503 to a newcomer")
+        self._waiting = None
+        self._disarm()
+        self.transport.write(BUSY_RESPONSE)
+        self.transport.close()
+
+    # -- deadlines -----------------------------------------------------------------------
+
     def _arm(self) -> None:
+        self._reading_since = time.monotonic()
         self._read_deadline = self.loop.call_later(READ_TIMEOUT_S, self._too_slow)
 
     def _disarm(self) -> None:
@@ -67,17 +159,51 @@ class GuardedH11Protocol(H11Protocol):
             self._read_deadline.cancel()
             self._read_deadline = None
 
+    def _disarm_write(self) -> None:
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
+
     def _too_slow(self) -> None:
         self._read_deadline = None
         self.transport.close()  # a handler waiting for the body sees the client disconnect
 
-    def _make_room(self) -> None:
+    def _write_stalled(self) -> None:
+        _dropped.warning("stalled", "dropped an HTTP connection whose client read nothing")
+        self._drop()
+
+    def _drop(self) -> None:
+        """Close now. A stalled answer is aborted: close() would wait for a buffer that never
+        drains. Otherwise close() (FIN; an idle scraper just reconnects)."""
+        stalled = self.stalled
+        self._disarm()
+        self._disarm_write()
+        if stalled:
+            self.transport.abort()
+        else:
+            self.transport.close()
+
+    # -- making room -----------------------------------------------------------------------
+
+    def _make_room(self) -> bool:
+        """Close the connection that should go first, if any may; True if one did."""
         others = sorted(
-            (c for c in self.connections if isinstance(c, GuardedH11Protocol) and c is not self),
+            (
+                c
+                for c in self.connections
+                if isinstance(c, GuardedH11Protocol)
+                and c is not self
+                and not c.transport.is_closing()  # already going: closing it frees nothing
+            ),
             key=lambda c: c.opened,
         )
-        victim = next((c for c in others if c.reading), None) or next(
-            (c for c in others if c.idle), self
+        slow_since = time.monotonic() - READ_GRACE_S
+        victim = (
+            next((c for c in others if c.stalled), None)
+            or next((c for c in others if c.reading and c._reading_since <= slow_since), None)
+            or next((c for c in others if c.idle and c._waiting is None), None)
         )
-        victim._disarm()
-        victim.transport.close()
+        if victim is None:
+            return False
+        victim._drop()
+        return True

@@ -52,8 +52,11 @@ def add_routes(app: FastAPI, runtime: Runtime, *, include_metrics: bool = True) 
             headers = {"Content-Encoding": "gzip"} if body.gzipped else None
             return Response(content=body.data, media_type=body.content_type, headers=headers)
 
+    # Health and readiness run on the event loop, never in the thread pool: admin calls that
+    # wait for a stopped process hold the pool's 40 threads, and a probe queued behind them
+    # (57 s, measured) would restart a healthy pod. Both read the sampler's state: no I/O.
     @app.get("/healthz", tags=["exporter"])
-    def healthz() -> JSONResponse:
+    async def healthz() -> JSONResponse:
         """200 while fresh samples come from working sources; else 503 and why: "starting"
         (no sample yet), "stale" (the sampler stopped producing them), "failing" (samples come
         but carry nothing: every source failed its last 3 reads, or the demo's replay did;
@@ -85,7 +88,7 @@ def add_routes(app: FastAPI, runtime: Runtime, *, include_metrics: bool = True) 
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/readyz", tags=["exporter"])
-    def readyz() -> JSONResponse:
+    async def readyz() -> JSONResponse:
         """200 once the first sample has been taken; the node daemon also needs a GPU that
         answers NVML (runtime.readiness): otherwise 503 with the reason."""
         reason = runtime.not_ready()
@@ -118,7 +121,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(128)
+        # A burst of clients (300 at once, measured) must queue, not see dropped SYNs: the
+        # guard answers the ones beyond its connection cap with 503 (exporter.http.guard).
+        sock.listen(1024)
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:

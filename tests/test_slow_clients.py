@@ -60,9 +60,16 @@ def slow_reader(address: tuple[str, int], requests: int) -> socket.socket:
 def wait_until_stalled(server: HttpServer, count: int) -> None:
     """Until `count` connections have answers the client does not read (the guard's view)."""
     deadline = time.monotonic() + 30
-    while (
-        sum(getattr(c, "stalled", False) for c in server._server.server_state.connections) < count
-    ):
+    connections = server._server.server_state.connections
+
+    def stalled() -> int:
+        while True:
+            try:  # the server's thread changes the set meanwhile
+                return sum(getattr(c, "stalled", False) for c in list(connections))
+            except RuntimeError:
+                continue
+
+    while stalled() < count:
         assert time.monotonic() < deadline, "the slow readers' answers never stalled"
         time.sleep(0.1)
 

@@ -336,6 +336,27 @@ def test_a_read_only_disk_answers_507_with_the_reason(small_disk):
     assert os.listdir(folder) == []
 
 
+def test_deleting_on_a_read_only_disk_answers_507_and_keeps_the_snapshot_listed(small_disk):
+    disk = small_disk("8m")
+    folder = private_folder(disk / "snaps")
+    client, _ = demo_app(folder)
+    created = client.post("/snapshot", headers=AUTH)
+    assert created.status_code == 201, created.text
+    snapshot_id = created.json()["processes"][0]["result"]["id"]
+    files = sorted(os.listdir(folder))
+    _mount("-o", "remount,ro", str(disk))
+    deleted = client.delete(f"/snapshots/{snapshot_id}", headers=AUTH)
+    assert deleted.status_code == 507, deleted.text
+    assert "Read-only file system" in deleted.json()["detail"]
+    # Still listed, still there, still downloadable: the index says what the folder holds.
+    assert listed_ids(client) == [snapshot_id]
+    assert sorted(os.listdir(folder)) == files
+    assert client.get(f"/snapshots/{snapshot_id}", headers=AUTH).status_code == 200
+    _mount("-o", "remount,rw", str(disk))
+    assert client.delete(f"/snapshots/{snapshot_id}", headers=AUTH).status_code == 204
+    assert listed_ids(client) == [] and os.listdir(folder) == []
+
+
 # -- 6. SIGKILL mid-write: a restart leaves the folder exactly what the index says -----------
 
 WRITER = """

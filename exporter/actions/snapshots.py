@@ -373,9 +373,10 @@ class SnapshotStore:
             self._write_meta(info)
 
     def discard(self, info: SnapshotInfo) -> None:
+        """Forget a failed capture (its sidecar); OSError leaves it listed."""
         with self._lock:
+            (self.directory / (info.filename + ".json")).unlink(missing_ok=True)
             self._index.pop(info.id, None)
-        (self.directory / (info.filename + ".json")).unlink(missing_ok=True)
 
     def _filename(self, info: SnapshotInfo, device: int | None) -> str:
         parts = [
@@ -426,12 +427,18 @@ class SnapshotStore:
         )
 
     def delete(self, snapshot_id: str) -> bool:
+        """Remove a ready snapshot; False if there is none. OSError (a read-only or foreign
+        folder) leaves it listed and on disk as it was: the index never names data that is
+        gone, nor forgets data that is there."""
         with self._lock:
             info = self._index.get(snapshot_id) if ID_PATTERN.fullmatch(snapshot_id) else None
             if info is None or info.status != "ready":
                 return False
+            (self.directory / info.filename).unlink(missing_ok=True)  # OSError: nothing changed
             del self._index[snapshot_id]
-        self._remove_files(info)
+        # The data is gone: a sidecar left behind (it too may fail) is dropped at the next start.
+        with contextlib.suppress(OSError):
+            (self.directory / (info.filename + ".json")).unlink(missing_ok=True)
         return True
 
     def _remove_files(self, info: SnapshotInfo) -> None:

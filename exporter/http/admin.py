@@ -503,10 +503,16 @@ def add_admin_routes(app: FastAPI, admin: Admin) -> None:
             raise AdminError(404, f"no snapshot {snapshot_id!r}", "not_found")
         if info.status == "recording":
             raise AdminError(409, f"snapshot {info.id} is still recording", "conflict")
-        if info.status == "failed":
-            actions.store.discard(info)
-        else:
-            actions.store.delete(info.id)
+        try:
+            if info.status == "failed":
+                actions.store.discard(info)
+            else:
+                actions.store.delete(info.id)
+        except OSError as exc:  # a read-only or foreign folder: still listed, still there
+            reason = exc.strerror or type(exc).__name__
+            raise AdminError(
+                507, f"cannot delete snapshot {info.id}: {reason}", "insufficient_storage"
+            ) from None
         return Response(status_code=204)
 
     @app.post("/empty-cache", tags=tags, openapi_extra=_schema(EmptyCacheRequest))

@@ -135,14 +135,14 @@ def read_token_file(name: str | os.PathLike[str], *, server: bool = True) -> str
     server warns about a file every user can read (the client's output stays its answer)."""
     path = Path(name)
     try:
-        token = path.read_text().strip()
+        text = path.read_text()
         if server:
             _warn_if_world_readable(path)
     except OSError as exc:
         raise ConfigError(f"cannot read admin token file {name}: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"admin token file {name} is not text") from None
-    return token
+    return _token(text, f"admin token file {name}")
 
 
 _warned_world_readable: set[str] = set()
@@ -261,8 +261,20 @@ _SECONDS = {
 }
 
 
+def _token(text: str, origin: str) -> str:
+    """A bearer token as the header carries it: surrounding whitespace (a trailing newline
+    from `echo`) is dropped; whitespace or control characters inside could never match what
+    a client sends. The token itself is never put in the message."""
+    token = text.strip()
+    if any(c.isspace() or not c.isprintable() for c in token):
+        raise ConfigError(f"{origin}: the admin token contains whitespace or control characters")
+    return token
+
+
 def _convert(name: str, value: Any, origin: str) -> Any:
     try:
+        if name == "admin_token":
+            return _token(str(value), origin) or None
         if name == "port":
             port = int(value)
             if not 0 <= port <= 65535:
@@ -396,6 +408,14 @@ def load_config(env: Mapping[str, str] | None = None, **overrides: Any) -> Confi
             values[name] = _convert(name, value, name)
             origins[name] = name
     config = Config(**values)
+    if config.admin_token_file:
+        # A token file that cannot be read at start is a mistake (a wrong path, a Secret not
+        # mounted), not a rotation in progress: fail now instead of serving with admin off.
+        # An empty one can be a rotation; it keeps the admin API off until it is written.
+        try:
+            read_token_file(config.admin_token_file)
+        except ConfigError as exc:
+            raise ConfigError(f"{origins['admin_token_file']}: {exc}") from None
     if config.snapshot_dir:
         try:
             _ = config.snapshot_directory  # a configured folder that is not private fails now

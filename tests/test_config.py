@@ -71,6 +71,39 @@ def test_token_file_is_read_and_stripped_and_never_shown(tmp_path):
         missing.resolved_admin_token()
 
 
+def test_a_token_file_that_cannot_be_read_at_start_is_an_error(tmp_path):
+    """A wrong path or a Secret that is not mounted must not start with the admin API off."""
+    with pytest.raises(ConfigError) as error:
+        load_config(env={"GPUMEM_ADMIN_TOKEN_FILE": str(tmp_path / "nope")})
+    message = str(error.value)
+    assert message.startswith("GPUMEM_ADMIN_TOKEN_FILE: cannot read admin token file ")
+    assert "No such file" in message and "\n" not in message
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="cannot read admin token file"):
+        load_config(env={}, admin_token_file=str(folder))
+    empty = tmp_path / "empty"
+    empty.write_text("")  # a rotation may leave it empty: admin off until it is written
+    assert load_config(env={}, admin_token_file=str(empty)).resolved_admin_token() is None
+
+
+def test_token_whitespace_is_stripped_and_never_half_kept(tmp_path):
+    """A token with a trailing newline (`echo x > file`, a Secret from a file) or spaces
+    around it works; one with whitespace inside can never match a bearer header."""
+    assert load_config(env={"GPUMEM_ADMIN_TOKEN": "  Zq9kret\n"}).admin_token == "Zq9kret"
+    token_file = tmp_path / "token"
+    token_file.write_text(" Zq9kret \n")
+    assert load_config(env={}, admin_token_file=str(token_file)).resolved_admin_token() == "Zq9kret"
+    for bad in ("Zq9 kret", "Zq9kret\nsecond", "Zq9\tkret"):
+        with pytest.raises(ConfigError, match="whitespace or control characters") as error:
+            load_config(env={"GPUMEM_ADMIN_TOKEN": bad})
+        assert "Zq9" not in str(error.value)  # the token is never shown
+        token_file.write_text(bad)
+        with pytest.raises(ConfigError, match="whitespace or control characters") as error:
+            load_config(env={}, admin_token_file=str(token_file))
+        assert "Zq9" not in str(error.value)
+
+
 def test_the_process_list_cadence_reaches_the_nvml_source():
     from exporter.runtime import live_sources
     from exporter.sources.nvml import NvmlSource

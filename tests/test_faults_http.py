@@ -96,12 +96,17 @@ def admin_errors(caplog) -> list[str]:
 
 
 @pytest.mark.parametrize("content", [None, ""])
-def test_a_missing_or_empty_token_file_is_logged_once_not_per_request(tmp_path, caplog, content):
+def test_a_token_file_gone_or_emptied_is_logged_once_not_per_request(tmp_path, caplog, content):
+    """After start (a rotation in progress, a Secret being updated): admin stays off, and the
+    log says so once. At start a missing file is an error (test_config)."""
     token_file = tmp_path / "token"
-    if content is not None:
-        token_file.write_text(content)
-        token_file.chmod(0o600)
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
     app, _ = make_app(tmp_path, admin_token=None, admin_token_file=str(token_file))
+    if content is None:
+        token_file.unlink()
+    else:
+        token_file.write_text(content)
     client = TestClient(app)
     caplog.set_level(logging.INFO)
     for i in range(500):

@@ -248,12 +248,28 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace, **more: Any) -> Config:
+    from exporter.detectors import load_thresholds
+
     try:
-        return load_config(
+        config = load_config(
             host=args.host, port=args.port, interval_s=args.interval_s, labels=args.labels, **more
         )
+        load_thresholds()  # GPUMEM_DETECT_*: checked before anything starts
     except ConfigError as exc:
         raise CliError(str(exc)) from None
+    return config
+
+
+def _writable(path: Path, flag: str, *, folder_ok: bool = False) -> None:
+    """Check a file the command will write before the exporter is asked for anything: an
+    answer (a snapshot taken) must never be lost to a path that cannot be written."""
+    if path.is_dir() and not folder_ok:
+        raise CliError(f"{flag} {path} is a directory; name a file")
+    folder = path if path.is_dir() else path.parent
+    if not folder.is_dir():
+        raise CliError(f"output directory does not exist: {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise CliError(f"cannot write in {folder}: permission denied or a read-only disk")
 
 
 def _serve(config: Config, sources: Sequence[Source], mode: str) -> int:
@@ -349,14 +365,16 @@ def cmd_record(args: argparse.Namespace) -> int:
         raise CliError("--duration-s must be positive")
     if not 0.05 <= args.interval_s <= 3600:
         raise CliError("--interval-s must be between 0.05 and 3600")
-    if not args.output.parent.is_dir():
-        raise CliError(f"output directory does not exist: {args.output.parent}")
-    writer = TraceWriter(
-        args.output,
-        meta={"recorded_by": "gpumem-exporter record", "source_url": url},
-        live=True,
-        private=False,  # the user's own file, named by them: their umask, like `> FILE`
-    )
+    _writable(args.output, "-o")
+    try:
+        writer = TraceWriter(
+            args.output,
+            meta={"recorded_by": "gpumem-exporter record", "source_url": url},
+            live=True,
+            private=False,  # the user's own file, named by them: their umask, like `> FILE`
+        )
+    except OSError as exc:
+        raise CliError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     stopped = error = None
     try:
         record_url(url, writer, duration_s=args.duration_s, interval_s=args.interval_s)
@@ -388,8 +406,8 @@ def _client(args: argparse.Namespace) -> AdminClient:
     parsed = urlparse(args.url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise CliError(f"--url must be an http(s) URL, got {args.url!r}")
-    if not args.timeout_s > 0:
-        raise CliError("--timeout-s must be positive")
+    if not 0 < args.timeout_s <= 86400:  # also refuses nan and inf
+        raise CliError("--timeout-s must be a number of seconds between 0 and 86400")
     return AdminClient(args.url, token, timeout_s=args.timeout_s)
 
 
@@ -464,8 +482,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
     if args.record_s is not None and not 0 < args.record_s <= MAX_RECORD_S:
         raise CliError(f"--record-s must be between 0 and {MAX_RECORD_S}")
-    if not args.output.is_dir() and not args.output.parent.is_dir():
-        raise CliError(f"output directory does not exist: {args.output.parent}")
+    _writable(args.output, "-o", folder_ok=True)
     client = _client(args)
     if args.stop:
         answer = _call(args, "stop_capture", client)
@@ -482,6 +499,11 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
             size = client.download(info["id"], path)
         except ClientError as exc:
             raise CliError(str(exc)) from None
+        except OSError as exc:
+            raise CliError(
+                f"cannot write {path}: {exc.strerror or exc} (snapshot {info['id']} is kept "
+                "by the exporter: GET /snapshots to fetch it)"
+            ) from None
         print(
             f"snapshot {info['id']} of {describe_process(entry['process'])}{replay}: "
             f"{size} bytes written to {path}"
@@ -524,8 +546,7 @@ def cmd_view(args: argparse.Namespace) -> int:
         snapshot = load_snapshot(args.snapshot)
     except SnapshotError as exc:
         raise CliError(str(exc)) from None
-    if not args.output.parent.is_dir():
-        raise CliError(f"output directory does not exist: {args.output.parent}")
+    _writable(args.output, "-o")
     try:
         html = render_html(
             snapshot,
@@ -535,7 +556,10 @@ def cmd_view(args: argparse.Namespace) -> int:
     except SnapshotError as exc:  # over the viewer's limits: too large to draw
         raise CliError(f"{args.snapshot}: {exc}") from None
     # The user's own file, named by them: their umask, like `> FILE` (snapshots stay 0600).
-    atomic.write_bytes(args.output, html.encode("utf-8"), private=False)
+    try:
+        atomic.write_bytes(args.output, html.encode("utf-8"), private=False)
+    except OSError as exc:
+        raise CliError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     print(f"wrote {args.output}")
     return 0
 
@@ -563,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return handlers[args.command](args)
-    except CliError as exc:
+    except (CliError, ConfigError) as exc:
         print(f"gpumem-exporter {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

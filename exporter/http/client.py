@@ -17,12 +17,63 @@ from typing import Any
 
 from exporter import atomic
 from exporter.actions.base import Target
+from exporter.actions.snapshots import ID_PATTERN
 
 EVERY_PROCESS = Target()
 
 
 class ClientError(RuntimeError):
     """The exporter refused or could not be reached; str() is one line."""
+
+
+def _checked(answer: dict[str, Any], what: str) -> dict[str, Any]:
+    """An action's answer as exporter.http.admin sends it: {"processes": [{"process": {...},
+    "ok": bool, "result": {...} or null, "error": ...}], ...}. The CLI acts on these answers
+    (it names files after them), so anything else is a one-line ClientError, not a guess."""
+
+    def bad(why: str) -> ClientError:
+        return ClientError(f"{what}: unexpected answer from the exporter: {why}")
+
+    entries = answer.get("processes")
+    if not isinstance(entries, list):
+        raise bad("no list of processes")
+    for entry in entries:
+        if not isinstance(entry, dict) or not isinstance(entry.get("ok"), bool):
+            raise bad("a process entry without ok")
+        process = entry.get("process")
+        if not isinstance(process, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in process.items()
+        ):
+            raise bad("a process entry without its labels")
+        pid = process.get("pid") or "0"
+        if not pid.isdigit():
+            raise bad(f"pid {pid[:32]!r}")
+        if entry["ok"] and not isinstance(entry.get("result"), (dict, type(None))):
+            raise bad("a result that is not an object")
+    return answer
+
+
+def _snapshot_info(info: Any, what: str) -> dict[str, Any]:
+    """A snapshot entry whose id and file name are safe to use: the id goes into a URL, the
+    file name into the user's folder, so only a plain name is taken (never a path)."""
+    if not isinstance(info, dict):
+        raise ClientError(f"{what}: unexpected answer from the exporter: a snapshot entry")
+    snapshot_id, name = info.get("id"), info.get("filename")
+    if not isinstance(snapshot_id, str) or not ID_PATTERN.fullmatch(snapshot_id):
+        raise ClientError(f"{what}: the exporter answered an invalid snapshot id")
+    if (
+        not isinstance(name, str)
+        or name != Path(name).name
+        or name in ("", ".", "..")
+        or len(name) > 255
+        or any(c in name for c in "\\\x00")
+    ):
+        raise ClientError(
+            f"{what}: the exporter answered a file name that is not a plain name: {name!r:.80}"
+        )
+    if info.get("status") not in ("ready", "recording", "failed"):
+        raise ClientError(f"{what}: unexpected answer from the exporter: snapshot status")
+    return info
 
 
 def _selector(target: Target, **fields: Any) -> dict[str, Any]:
@@ -64,9 +115,11 @@ class AdminClient:
     def _json(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         _, payload = self._request(method, path, body)
         try:
-            result: dict[str, Any] = json.loads(payload)
+            result = json.loads(payload)
         except ValueError:
             raise ClientError(f"{method} {path}: the answer is not JSON") from None
+        if not isinstance(result, dict):
+            raise ClientError(f"{method} {path}: the answer is not a JSON object")
         return result
 
     def _get(self, path: str, target: Target) -> dict[str, Any]:
@@ -83,15 +136,18 @@ class AdminClient:
         """Take a snapshot in each selected process; with record_s, wait until every windowed
         capture is ready. Returns the response, each process's result its final entry."""
         body = _selector(target, stacks=stacks, record_s=record_s)
-        answer = self._json("POST", "/snapshot", body)
+        answer = _checked(self._json("POST", "/snapshot", body), "POST /snapshot")
         deadline = time.monotonic() + (record_s or 0) + self.timeout_s
-        for entry in answer.get("processes", []):
-            info = entry.get("result") or {}
-            while entry["ok"] and info.get("status") == "recording":
+        for entry in answer["processes"]:
+            if not entry["ok"]:
+                continue
+            info = _snapshot_info(entry.get("result"), "POST /snapshot")
+            while info["status"] == "recording":
                 if time.monotonic() > deadline:
                     raise ClientError(f"snapshot {info['id']} still recording after the timeout")
                 time.sleep(min(1.0, max(record_s or 0, 0.1)))
-                info = self._json("GET", f"/snapshots/{info['id']}/info")
+                path = f"/snapshots/{info['id']}/info"
+                info = _snapshot_info(self._json("GET", path), f"GET {path}")
                 if info["status"] == "failed":
                     entry["ok"] = False
                     entry["error"] = f"snapshot {info['id']} failed: " + str(
@@ -104,10 +160,12 @@ class AdminClient:
     def stop_capture(self, target: Target = EVERY_PROCESS) -> dict[str, Any]:
         """End the windowed capture of each selected process now; each process's result is
         the entry it wrote (None where none was recording)."""
-        answer = self._json("POST", "/snapshot/stop", _selector(target))
-        for entry in answer.get("processes", []):
+        what = "POST /snapshot/stop"
+        answer = _checked(self._json("POST", "/snapshot/stop", _selector(target)), what)
+        for entry in answer["processes"]:
             if entry["ok"]:
-                entry["result"] = (entry.get("result") or {}).get("stopped")
+                stopped = (entry.get("result") or {}).get("stopped")
+                entry["result"] = None if stopped is None else _snapshot_info(stopped, what)
         return answer
 
     def download(self, snapshot_id: str, output: Path) -> int:
@@ -119,10 +177,11 @@ class AdminClient:
     def empty_cache(
         self, target: Target = EVERY_PROCESS, device: int | None = None
     ) -> dict[str, Any]:
-        return self._json("POST", "/empty-cache", _selector(target, device=device))
+        answer = self._json("POST", "/empty-cache", _selector(target, device=device))
+        return _checked(answer, "POST /empty-cache")
 
     def history(self, target: Target = EVERY_PROCESS) -> dict[str, Any]:
-        return self._get("/history", target)
+        return _checked(self._get("/history", target), "GET /history")
 
     def set_history(
         self,
@@ -133,12 +192,13 @@ class AdminClient:
         stacks: str = "python",
     ) -> dict[str, Any]:
         body = _selector(target, enabled=enabled, stacks=stacks, max_entries=max_entries)
-        return self._json("POST", "/history", body)
+        return _checked(self._json("POST", "/history", body), "POST /history")
 
     def reset_peak(
         self, target: Target = EVERY_PROCESS, device: int | None = None
     ) -> dict[str, Any]:
-        return self._json("POST", "/reset-peak", _selector(target, device=device))
+        answer = self._json("POST", "/reset-peak", _selector(target, device=device))
+        return _checked(answer, "POST /reset-peak")
 
     def stats(self, target: Target = EVERY_PROCESS) -> dict[str, Any]:
         return self._get("/stats", target)

@@ -35,7 +35,7 @@ from exporter import atomic
 from exporter.actions.fanout import FanOutActions
 from exporter.actions.snapshots import SnapshotStore
 from exporter.config import Config
-from exporter.http.server import HttpServer, create_app
+from exporter.http.server import HttpServer, ServerStartError, create_app
 from exporter.run import reaper
 from exporter.run.agent import CONFIG_NAME, RUN_DIR_ENV, SOCKET_NAME
 from exporter.run.aggregator import Aggregator
@@ -91,15 +91,18 @@ def _run(command: Sequence[str], config: Config, supervisor: Supervisor) -> int:
     sweep_run_folders()
     with contextlib.ExitStack() as cleanup:  # whatever was set up is undone, on any exit
         # 0700: only this user reaches the socket.
-        run_dir = tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-", dir=run_base())
-        cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
-        cleanup.callback(os.close, hold_lock(run_dir))  # the folder's proof of life
-        keeper = reaper.start(run_dir)  # stops the command if this process is killed
-        supervisor.spared.add(keeper.pid)
-        cleanup.callback(reaper.release, keeper)
-        write_agent_config(config, run_dir)
-        aggregator = Aggregator(run_dir)
-        cleanup.callback(aggregator.close)
+        try:
+            run_dir = tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-", dir=run_base())
+            cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
+            cleanup.callback(os.close, hold_lock(run_dir))  # the folder's proof of life
+            keeper = reaper.start(run_dir)  # stops the command if this process is killed
+            supervisor.spared.add(keeper.pid)
+            cleanup.callback(reaper.release, keeper)
+            write_agent_config(config, run_dir)
+            aggregator = Aggregator(run_dir)
+            cleanup.callback(aggregator.close)
+        except OSError as exc:  # no process or file to spare, a full or read-only /tmp
+            raise ServerStartError(f"cannot set up the run: {exc.strerror or exc}") from None
 
         def agent_labels() -> dict[int, dict[str, str]]:
             return {int(p["pid"]): p for p in aggregator.processes() if p.get("pid")}

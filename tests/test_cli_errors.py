@@ -1,0 +1,192 @@
+"""Every error a user can make, and every answer a hostile exporter can give, ends in one line
+on stderr and exit status 2: never a traceback, never a file written outside `-o`, never a
+snapshot taken and then lost (docs/reliability.md, "Errors and hostile answers")."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import threading
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from exporter import cli
+from tests.test_cli import run_cli, running
+from tests.test_snapshot_faults import _mount, small_disk  # noqa: F401 - a fixture
+
+TOKEN = "cli-errors-token"
+
+
+def one_error_line(result: Any, command: str) -> str:
+    """The run failed with exit 2 and exactly one line on stderr, which is returned."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith(f"gpumem-exporter {command}: error: "), lines[0]
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["demo", "serve", "run"])
+def test_a_bad_detector_threshold_is_one_line(command):
+    args = [command, "--port", "0"] + (["--", "true"] if command == "run" else [])
+    env = {**os.environ, "GPUMEM_DETECT_FRAGMENTATION_RATIO": "lots"}
+    line = one_error_line(run_cli(*args, env=env), command)
+    assert "GPUMEM_DETECT_FRAGMENTATION_RATIO" in line and "'lots'" in line
+
+
+def test_a_missing_token_file_stops_the_start(tmp_path):
+    env = {**os.environ, "GPUMEM_ADMIN_TOKEN_FILE": str(tmp_path / "not-mounted")}
+    line = one_error_line(run_cli("demo", "--port", "0", env=env), "demo")
+    assert "cannot read admin token file" in line and "not-mounted" in line
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1", "0"])
+def test_a_timeout_that_is_not_a_number_of_seconds_is_one_line(tmp_path, value):
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    result = run_cli(
+        "stats", "--url", "http://127.0.0.1:9", "--token-file", str(token), "--timeout-s", value
+    )
+    assert "--timeout-s" in one_error_line(result, "stats")
+
+
+def test_a_directory_as_the_output_file_is_one_line(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    record = ("record", "--url", "http://127.0.0.1:9", "--duration-s", "1")
+    assert "is a directory" in one_error_line(run_cli(*record, "-o", str(folder)), "record")
+    snapshot = tmp_path / "snap.pickle"
+    snapshot.write_bytes(pickle.dumps({"segments": [], "device_traces": []}))
+    line = one_error_line(run_cli("view", str(snapshot), "-o", str(folder)), "view")
+    assert "is a directory" in line
+
+
+def test_an_unwritable_output_is_refused_before_the_exporter_is_asked(tmp_path, small_disk):  # noqa: F811
+    """Before: the snapshot was taken, then lost to a path that could not be written."""
+    disk = small_disk("1m")
+    _mount("-o", "remount,ro", str(disk))
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    env = {**os.environ, "GPUMEM_ADMIN_TOKEN_FILE": str(token)}
+    with running("demo", env=env) as url:
+        flags = ("--url", url, "--token-file", str(token))
+        for output in (disk, disk / "snap.pickle"):
+            line = one_error_line(run_cli("snapshot", *flags, "-o", str(output)), "snapshot")
+            assert "read-only" in line
+        listed = run_cli("stats", *flags)
+        assert listed.returncode == 0
+        with urllib.request.urlopen(url + "/metrics") as response:
+            metrics = response.read().decode()
+        assert 'action="snapshot"' not in metrics  # the exporter was never asked
+    record = ("record", "--url", "http://127.0.0.1:9", "--duration-s", "1")
+    line = one_error_line(run_cli(*record, "-o", str(disk / "t.gz")), "record")
+    assert "read-only" in line
+
+
+# -- a hostile exporter -------------------------------------------------------------------
+
+SNAPSHOT_ID = "20260101T000000Z-0000abcd"
+
+
+def _entry(**result: Any) -> dict[str, Any]:
+    info = {"id": SNAPSHOT_ID, "filename": "x.pickle", "status": "ready", **result}
+    return {"process": {"pid": "4242"}, "ok": True, "result": info}
+
+
+HOSTILE = {
+    "absolute file name": {"processes": [_entry(filename="/tmp/gpumem-owned.pickle")]},
+    "parent file name": {"processes": [_entry(filename="../gpumem-owned.pickle")]},
+    "nested file name": {"processes": [_entry(filename="sub/gpumem-owned.pickle")]},
+    "dot dot": {"processes": [_entry(filename="..")]},
+    "id with a path": {"processes": [_entry(id="../../admin")]},
+    "pid with a path": {
+        "processes": [{**_entry(), "process": {"pid": "../x"}}, _entry(filename="y.pickle")]
+    },
+    "processes not a list": {"processes": "all of them"},
+    "entry not an object": {"processes": [1]},
+    "result not an object": {"processes": [{"process": {}, "ok": True, "result": [1]}]},
+    "no file name": {"processes": [_entry(filename=None)]},
+    "not an object": [1, 2, 3],
+    "not JSON": "<html>",
+}
+
+
+@contextmanager
+def hostile_exporter(answer: Any) -> Iterator[str]:
+    """A real HTTP server that answers every admin call with `answer` and every download
+    with a few bytes."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, body: bytes, kind: str = "application/json") -> None:
+            self.send_response(200 if self.command == "GET" else 201)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            text = answer if isinstance(answer, str) else json.dumps(answer)
+            self._send(text.encode())
+
+        def do_GET(self) -> None:
+            self._send(b"\x80\x04N.", "application/octet-stream")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_answer_writes_nothing_outside_the_output_folder(tmp_path, case):
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    out = tmp_path / "out" / "inner"
+    out.mkdir(parents=True)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with hostile_exporter(HOSTILE[case]) as url:
+        result = run_cli("snapshot", "--url", url, "--token-file", str(token), "-o", str(out))
+    one_error_line(result, "snapshot")
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert not Path("/tmp/gpumem-owned.pickle").exists()
+
+
+def test_a_plain_answer_is_written_inside_the_output_folder(tmp_path):
+    """The same server, answering as the exporter does: the file lands in -o."""
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    with hostile_exporter({"processes": [_entry(filename="plain.pickle")]}) as url:
+        result = run_cli("snapshot", "--url", url, "--token-file", str(token), "-o", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "plain.pickle").read_bytes() == b"\x80\x04N."
+
+
+def test_a_run_that_cannot_start_its_reaper_is_one_line(monkeypatch, capsys):
+    from exporter.run import reaper
+
+    def refuse(run_dir: str) -> Any:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(reaper, "start", refuse)
+    assert cli.main(["run", "--port", "0", "--", "true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "gpumem-exporter run: error: cannot set up the run: Resource temporarily unavailable"
+    ]

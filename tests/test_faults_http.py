@@ -143,7 +143,7 @@ def test_a_client_that_leaves_mid_body_is_not_a_server_error(tmp_path, caplog):
     with served(tmp_path) as (server, runtime):
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
             sock.sendall(
-                b"POST /snapshot HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                b"POST /snapshot HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
                 + TOKEN.encode()
                 + b'\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"reco'
             )
@@ -160,13 +160,13 @@ def test_a_half_sent_request_is_dropped_after_the_read_deadline(tmp_path, monkey
     monkeypatch.setattr(guard, "READ_TIMEOUT_S", 0.5)
     with served(tmp_path) as (server, _):
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")
             began = time.monotonic()
             assert sock.recv(1024) == b""  # closed by the server, not by the 10 s timeout
             assert time.monotonic() - began < 5
         # A kept-alive connection that starts its next request and stalls is dropped too.
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             answer = sock.recv(65536)
             head, _, body = answer.partition(b"\r\n\r\n")
             length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
@@ -188,7 +188,7 @@ def test_slow_connections_are_capped_and_scrapes_still_answer(tmp_path):
         slow = []
         for _ in range(3 * guard.MAX_CONNECTIONS):
             sock = socket.create_connection(address, timeout=10)
-            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the rest
             slow.append(sock)
         try:
             # Closing is asynchronous: let the loop finish what it started. At most the cap

@@ -36,7 +36,8 @@ def status_line(address: tuple[str, int], path: str) -> bytes:
     an answer."""
     try:
         with socket.create_connection(address, timeout=20) as sock:
-            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+            head = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+            sock.sendall(head.encode())
             data = b""
             while b"\r\n" not in data:
                 chunk = sock.recv(4096)
@@ -53,7 +54,7 @@ def slow_reader(address: tuple[str, int], requests: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(address)
-    sock.sendall(b"GET /static/page.js HTTP/1.1\r\nHost: x\r\n\r\n" * requests)
+    sock.sendall(b"GET /static/page.js HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * requests)
     return sock
 
 
@@ -155,7 +156,7 @@ def test_beyond_the_cap_only_probes_get_the_reserve_and_others_503(tmp_path, mon
             time.sleep(0.3)
             assert status_line(address, "/healthz") == b"HTTP/1.1 200 OK"
             with socket.create_connection(address, timeout=10) as sock:
-                sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                sock.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                 answer = sock.recv(65536)
             assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), answer
             assert b"\r\nRetry-After: 1\r\n" in answer and answer.endswith(b"retry shortly\n")

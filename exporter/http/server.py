@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import choose_encoder
 
 from exporter.http.admin import add_admin_routes
+from exporter.http.browser import CrossOriginGuard, LoopbackHostGuard, is_loopback
 from exporter.http.guard import GuardedH11Protocol
 from exporter.http.page import add_page_routes
 from exporter.runtime import Runtime
@@ -107,6 +108,7 @@ def create_app(runtime: Runtime) -> FastAPI:
     )
     add_routes(app, runtime)
     add_page_routes(app, runtime)  # here, not in add_routes: attach() must not take the host's `/`
+    app.add_middleware(CrossOriginGuard)  # a web page must not act through the user's browser
     return app
 
 
@@ -140,8 +142,10 @@ class HttpServer:
         self.sock = bind_socket(host, port)
         self.host = host
         self.port = self.sock.getsockname()[1]
+        # On loopback only: every Host must be a loopback name (exporter.http.browser).
+        served = LoopbackHostGuard(app) if is_loopback(host) else app
         config = uvicorn.Config(
-            app,
+            served,
             http=GuardedH11Protocol,  # slow or hostile clients cannot hold connections
             log_config=None,  # never reconfigure the host process's logging
             access_log=False,

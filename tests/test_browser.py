@@ -1,0 +1,101 @@
+"""A web page in the user's browser cannot drive the exporter: cross-site state changes are
+refused (the demo's token-free admin actions included), and on a loopback-only server a
+rebound Host name is refused (exporter/http/browser.py)."""
+
+from __future__ import annotations
+
+import http.client
+
+import pytest
+from fastapi.testclient import TestClient
+
+from exporter.http.browser import is_loopback
+from exporter.http.server import HttpServer
+from tests.test_admin import make_app
+from tests.test_faults_http import served
+
+
+@pytest.fixture
+def open_demo(tmp_path):
+    """The demo as it ships: admin actions need no token."""
+    app, _ = make_app(tmp_path, admin_token=None)
+    return TestClient(app)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Origin": "http://evil.example"},
+        {"Origin": "http://testserver.evil.example"},
+        {"Origin": "null"},  # a sandboxed frame or a file:// page
+        {"Sec-Fetch-Site": "cross-site"},
+    ],
+)
+def test_a_cross_site_page_cannot_act(open_demo, headers):
+    for method, path in (("POST", "/snapshot"), ("POST", "/empty-cache"), ("POST", "/history")):
+        response = open_demo.request(
+            method, path, headers={**headers, "Content-Type": "text/plain"}, content=b"{}"
+        )
+        assert response.status_code == 403, (method, path, response.text)
+        assert "cross-origin" in response.json()["detail"]
+    assert open_demo.get("/snapshots").json()["snapshots"] == []
+
+
+def test_the_page_itself_and_non_browser_clients_still_act(open_demo):
+    same = open_demo.post("/snapshot", headers={"Origin": "http://testserver"})
+    assert same.status_code == 201, same.text
+    assert open_demo.post("/snapshot").status_code == 201  # curl, the CLI: no Origin
+    # Reading is not a state change: a cross-site GET passes here (the browser itself keeps
+    # the page from reading the answer; rebinding is the Host check's).
+    assert (
+        open_demo.get("/api/window", headers={"Origin": "http://evil.example"}).status_code == 200
+    )
+
+
+def _get(port: int, host: str) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    connection.putrequest("GET", "/metrics", skip_host=True)
+    connection.putheader("Host", host)
+    connection.endheaders()
+    response = connection.getresponse()
+    response.read()
+    return response.status
+
+
+def test_a_loopback_server_refuses_a_rebound_host_name(tmp_path):
+    with served(tmp_path) as (server, _):
+        port = server.port
+        for host in ("evil.example", f"evil.example:{port}", f"10.0.0.1:{port}", ""):
+            assert _get(port, host) == 403, host
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "127.0.0.2"):
+            assert _get(port, host) == 200, host
+
+
+def test_a_server_on_every_address_serves_any_host_name(tmp_path):
+    app, _ = make_app(tmp_path)
+    server = HttpServer(app, "0.0.0.0", 0)
+    server.start()
+    try:
+        assert _get(server.port, "gpumem-exporter.monitoring.svc:9445") == 200
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("localhost", True),
+        ("LOCALHOST:9445", True),
+        ("app.localhost", True),
+        ("127.0.0.1", True),
+        ("127.1.2.3:80", True),
+        ("[::1]:9445", True),
+        ("::1", True),
+        ("0.0.0.0", False),
+        ("localhost.evil.example", False),
+        ("evil.example", False),
+        ("", False),
+    ],
+)
+def test_loopback_names(host, loopback):
+    assert is_loopback(host) is loopback

@@ -1,11 +1,23 @@
 """Slow and hostile clients against the scrape path (docs/reliability.md).
 
-Starts the demo exporter, keeps one kept-alive scraper going (as Prometheus does) at 10 Hz,
-and meanwhile opens SLOW connections that send half a request head and never the rest. It
-reports how many scrapes answered, their latency, and how many connections the server held
-(from its file descriptors), during and after the flood.
+Starts the demo exporter and one kept-alive client that alternates /metrics and /healthz at
+10 Hz (reconnecting after a failure, as Prometheus does; /healthz on a new connection each
+time, as the kubelet does), and meanwhile:
 
-    python -m bench.slow_clients [--slow 1100] [--seconds 20]
+- half-sent: opens --count connections that send half a request head and never the rest;
+- slow-readers: opens --count connections that pipeline 400 requests for the page's 35 KB
+  script and never read an answer;
+- burst: --tries times, --count connections at once, each asking for /metrics; every
+  connection's status line is kept (none: reset or closed without an answer).
+
+It reports the probes answered and failed (and the first ten after the attack began), their
+latency, and how many connections the server held (from its file descriptors).
+
+    python -m bench.slow_clients half-sent [--count 1100] [--seconds 20]
+    python -m bench.slow_clients slow-readers [--count 70]
+    python -m bench.slow_clients burst [--count 300] [--tries 5]
+
+--root DIR runs the exporter package found in DIR (an older version, for before/after).
 """
 
 from __future__ import annotations
@@ -13,14 +25,17 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
+from typing import Any
 
 import psutil
+
+HOST = b"Host: 127.0.0.1\r\n"
 
 
 def free_port() -> int:
@@ -37,21 +52,84 @@ def held(server: psutil.Process, port: int) -> int:
     )
 
 
+class Prober:
+    """Prometheus and the kubelet, alternating at 10 Hz: /metrics on one kept-alive
+    connection (reconnecting after a failure), /healthz on a new connection each time."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.results: list[tuple[float, str, float]] = []  # (time, outcome, latency)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        scraper = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        while not self.stop.is_set():
+            health = len(self.results) % 2 == 1
+            connection = (
+                http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+                if health
+                else scraper
+            )
+            began = time.perf_counter()
+            try:
+                connection.request("GET", "/healthz" if health else "/metrics")
+                response = connection.getresponse()
+                response.read()
+                outcome = f"HTTP {response.status}"
+            except (OSError, http.client.HTTPException) as exc:
+                outcome = type(exc).__name__
+                connection.close()  # the scraper reconnects on its next request
+            if health:
+                connection.close()
+            self.results.append((time.monotonic(), outcome, time.perf_counter() - began))
+            time.sleep(0.1)
+
+    def summary(self, since: float) -> dict[str, Any]:
+        after = [r for r in self.results if r[0] >= since]
+        latencies = sorted(r[2] for r in after if r[1] == "HTTP 200")
+        return {
+            "probes": len(after),
+            "probes_answered_200": len(latencies),
+            "first_ten_answered_200": sum(r[1] == "HTTP 200" for r in after[:10]),
+            "outcomes": dict(Counter(r[1] for r in after)),
+            "p50_ms": round(latencies[len(latencies) // 2] * 1e3, 2) if latencies else None,
+            "max_ms": round(latencies[-1] * 1e3, 2) if latencies else None,
+        }
+
+
+def status_line(port: int) -> str:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\n" + HOST + b"Connection: close\r\n\r\n")
+            data = b""
+            while b"\r\n" not in data:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+        return data.partition(b"\r\n")[0].decode(errors="replace") or "closed, no answer"
+    except OSError as exc:
+        return type(exc).__name__
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--slow", type=int, default=1100, help="slow connections to open")
-    parser.add_argument("--seconds", type=float, default=20.0, help="how long to scrape")
+    parser.add_argument("mode", choices=["half-sent", "slow-readers", "burst"])
+    parser.add_argument("--count", type=int, help="connections (1100, 70, 300 by mode)")
+    parser.add_argument("--seconds", type=float, default=15.0, help="how long to probe")
+    parser.add_argument("--tries", type=int, default=5, help="bursts")
+    parser.add_argument("--root", help="run the exporter package in this folder")
     args = parser.parse_args()
+    count = args.count or {"half-sent": 1100, "slow-readers": 70, "burst": 300}[args.mode]
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "exporter.cli", "demo", "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={**os.environ},
+        cwd=args.root or None,
     )
-    latencies: list[float] = []
-    failures: list[str] = []
-    stop = threading.Event()
+    result: dict[str, Any] = {"mode": args.mode, "count": count, "root": args.root or "."}
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -62,65 +140,65 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise SystemExit("the demo did not start") from None
                 time.sleep(0.1)
-
-        def scrape() -> None:
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-            while not stop.is_set():
-                began = time.perf_counter()
-                try:
-                    connection.request("GET", "/metrics")
-                    response = connection.getresponse()
-                    response.read()
-                    if response.status != 200:
-                        failures.append(f"HTTP {response.status}")
-                    latencies.append(time.perf_counter() - began)
-                except (OSError, http.client.HTTPException) as exc:
-                    failures.append(type(exc).__name__)
-                    connection.close()  # reconnect, as Prometheus does
-                    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-                time.sleep(0.1)
-
-        scraper = threading.Thread(target=scrape)
-        scraper.start()
-        slow, refused = [], 0
-        for _ in range(args.slow):
-            try:
-                sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-                sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
-                slow.append(sock)
-            except OSError:
-                refused += 1
-        time.sleep(1.0)
         process = psutil.Process(server.pid)
-        held_during = held(process, port)
-        time.sleep(max(args.seconds - 1.0, 0))
-        stop.set()
-        scraper.join()
-        held_after = held(process, port)
-        for sock in slow:
-            sock.close()
-        latencies.sort()
-        print(
-            json.dumps(
-                {
-                    "slow_connections_opened": len(slow),
-                    "slow_connections_refused": refused,
-                    "server_connections_held_1s_after_flood": held_during,
-                    "server_connections_held_at_end": held_after,
-                    "scrapes": len(latencies) + len(failures),
-                    "scrapes_failed": len(failures),
-                    "failure_kinds": sorted(set(failures)),
-                    "scrape_p50_ms": round(latencies[len(latencies) // 2] * 1e3, 2),
-                    "scrape_p99_ms": round(latencies[int(len(latencies) * 0.99)] * 1e3, 2),
-                    "scrape_max_ms": round(latencies[-1] * 1e3, 2),
-                },
-                indent=2,
+        prober = Prober(port)
+        prober.thread.start()
+        time.sleep(1.0)
+        attack_began = time.monotonic()
+        held_open: list[socket.socket] = []
+        if args.mode == "burst":
+            answers: Counter[str] = Counter()
+            for _ in range(args.tries):
+                lines: list[str] = []
+                barrier = threading.Barrier(count)
+
+                def client(lines: list[str] = lines, barrier: threading.Barrier = barrier) -> None:
+                    barrier.wait()
+                    lines.append(status_line(port))
+
+                threads = [threading.Thread(target=client) for _ in range(count)]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+                answers.update(lines)
+                time.sleep(1.0)
+            result["burst_answers"] = dict(answers)
+        else:
+            request = (
+                b"GET /metrics HTTP/1.1\r\n" + HOST
+                if args.mode == "half-sent"
+                else (b"GET /static/page.js HTTP/1.1\r\n" + HOST + b"\r\n") * 400
             )
-        )
+            refused = 0
+            for _ in range(count):
+                try:
+                    sock = socket.socket()
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                    sock.settimeout(5)
+                    sock.connect(("127.0.0.1", port))
+                    sock.sendall(request)
+                    held_open.append(sock)
+                except OSError:
+                    refused += 1
+            result["connections_opened"] = len(held_open)
+            result["connections_refused"] = refused
+            time.sleep(1.0)
+            result["server_held_1s_after"] = held(process, port)
+            time.sleep(max(args.seconds - 1.0, 0))
+            result["server_held_at_end"] = held(process, port)
+        prober.stop.set()
+        prober.thread.join()
+        result.update(prober.summary(attack_began))
+        for sock in held_open:
+            sock.close()
+        print(json.dumps(result, indent=2))
     finally:
-        stop.set()
         server.terminate()
-        server.wait(10)
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 if __name__ == "__main__":

@@ -15,11 +15,11 @@ adds:
   connection. uvicorn answers pipelined requests one at a time and stops reading while one is
   answered, so a client that never reads holds at most one answer and the buffer's 64 KiB;
 - at most MAX_CONNECTIONS are open. A new connection beyond that closes, oldest first, one
-  whose answer is stalled, else one that has been reading a request for READ_GRACE_S, else an
-  idle kept-alive one (a scraper reconnects at no cost). If none can go, its request line
-  decides: /metrics, /healthz and /readyz are served in PROBE_RESERVE more slots; anything
-  else, or beyond those, gets 503 with Retry-After and the connection is closed after it. A
-  request being answered is never cut to make room.
+  whose answer is stalled, else one that has been reading a request for READ_GRACE_S. If none
+  can go, its request line decides: /metrics, /healthz and /readyz are served in
+  PROBE_RESERVE more slots; anything else, or beyond those, gets 503 with Retry-After and the
+  connection is closed after it. A request being answered, and a kept-alive connection
+  between two requests (Prometheus between scrapes), are never cut to make room.
 """
 
 from __future__ import annotations
@@ -81,11 +81,6 @@ class GuardedH11Protocol(H11Protocol):
     def stalled(self) -> bool:
         """An answer waits for the client to read (the transport paused writing)."""
         return self._write_deadline is not None
-
-    @property
-    def idle(self) -> bool:
-        """Kept alive between requests: nothing read, nothing being answered."""
-        return not self.reading and (self.cycle is None or self.cycle.response_complete)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -198,10 +193,10 @@ class GuardedH11Protocol(H11Protocol):
             key=lambda c: c.opened,
         )
         slow_since = time.monotonic() - READ_GRACE_S
-        victim = (
-            next((c for c in others if c.stalled), None)
-            or next((c for c in others if c.reading and c._reading_since <= slow_since), None)
-            or next((c for c in others if c.idle and c._waiting is None), None)
+        # Not an idle kept-alive connection: that is Prometheus between two scrapes, and
+        # closing it as it sends the next one resets that scrape (seen in bench/slow_clients).
+        victim = next((c for c in others if c.stalled), None) or next(
+            (c for c in others if c.reading and c._reading_since <= slow_since), None
         )
         if victim is None:
             return False

@@ -12,7 +12,6 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -103,7 +102,8 @@ def _entry(**result: Any) -> dict[str, Any]:
 
 
 HOSTILE = {
-    "absolute file name": {"processes": [_entry(filename="/tmp/gpumem-owned.pickle")]},
+    # ABSOLUTE becomes a path in the test's folder, outside -o (tmp_path is checked whole).
+    "absolute file name": {"processes": [_entry(filename="ABSOLUTE")]},
     "parent file name": {"processes": [_entry(filename="../gpumem-owned.pickle")]},
     "nested file name": {"processes": [_entry(filename="sub/gpumem-owned.pickle")]},
     "dot dot": {"processes": [_entry(filename="..")]},
@@ -161,11 +161,11 @@ def test_a_hostile_answer_writes_nothing_outside_the_output_folder(tmp_path, cas
     out = tmp_path / "out" / "inner"
     out.mkdir(parents=True)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    with hostile_exporter(HOSTILE[case]) as url:
+    answer = json.loads(json.dumps(HOSTILE[case]).replace("ABSOLUTE", str(tmp_path / "owned")))
+    with hostile_exporter(answer) as url:
         result = run_cli("snapshot", "--url", url, "--token-file", str(token), "-o", str(out))
     one_error_line(result, "snapshot")
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
-    assert not Path("/tmp/gpumem-owned.pickle").exists()
 
 
 def test_a_plain_answer_is_written_inside_the_output_folder(tmp_path):

@@ -72,7 +72,7 @@ def live_sources(
         allocator = TorchAllocatorSource(
             layout_interval_s=config.layout_interval_s,
             layout_max_blocks=config.layout_max_blocks,
-            non_allocator=non_allocator_probe(config),
+            non_allocator=NonAllocatorProbe.for_config(config),
         )
         sources.append(allocator)
     if config.nvml:
@@ -92,13 +92,6 @@ def live_sources(
 
         sources.append(HostMemorySource())
     return sources
-
-
-def non_allocator_probe(config: Config) -> NonAllocatorProbe | None:
-    """What takes a process's bytes outside its allocator, where NVML may be read."""
-    if not config.nvml:
-        return None
-    return NonAllocatorProbe(refresh_s=config.process_interval_s)
 
 
 def kubelet_source(

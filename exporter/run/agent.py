@@ -68,11 +68,7 @@ class Agent:
         self.source = TorchAllocatorSource(
             layout_interval_s=self.config.layout_interval_s,
             layout_max_blocks=self.config.layout_max_blocks,
-            non_allocator=(
-                NonAllocatorProbe(refresh_s=self.config.process_interval_s)
-                if self.config.nvml
-                else None
-            ),
+            non_allocator=NonAllocatorProbe.for_config(self.config),
         )
         self.actions: LocalActions | None = None
         self._listeners: list[Listener] = []

@@ -23,10 +23,13 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from exporter.sample import AllocatorReading
 from exporter.sources.nvml import CHANGE_BYTES, INIT_RETRY_S
+
+if TYPE_CHECKING:
+    from exporter.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,11 @@ class NonAllocatorProbe:
         self._ready = False
         self._next_init = 0.0
         self._taken: dict[str, _Taken] = {}
+
+    @classmethod
+    def for_config(cls, config: Config) -> NonAllocatorProbe | None:
+        """The probe a process runs with these settings; None where NVML is turned off."""
+        return cls(refresh_s=config.process_interval_s) if config.nvml else None
 
     def _init(self) -> bool:
         if self._ready:

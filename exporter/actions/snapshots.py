@@ -434,18 +434,18 @@ class SnapshotStore:
             info = self._index.get(snapshot_id) if ID_PATTERN.fullmatch(snapshot_id) else None
             if info is None or info.status != "ready":
                 return False
-            (self.directory / info.filename).unlink(missing_ok=True)  # OSError: nothing changed
-            del self._index[snapshot_id]
-        # The data is gone: a sidecar left behind (it too may fail) is dropped at the next start.
-        with contextlib.suppress(OSError):
-            (self.directory / (info.filename + ".json")).unlink(missing_ok=True)
+            self._remove(info)
         return True
 
-    def _remove_files(self, info: SnapshotInfo) -> None:
-        # The data first: a crash in between leaves a sidecar without data, which a restart
-        # drops, rather than data without a sidecar, which it would adopt again.
-        for name in (info.filename, info.filename + ".json"):
-            (self.directory / name).unlink(missing_ok=True)
+    def _remove(self, info: SnapshotInfo) -> None:
+        """Remove an entry, with self._lock held. The data first: OSError there (a read-only
+        folder) leaves everything as it was. Then the entry, then its sidecar: a sidecar left
+        without data (a crash, or that unlink failing too) is dropped at the next start,
+        whereas data without a sidecar would be adopted again."""
+        (self.directory / info.filename).unlink(missing_ok=True)
+        self._index.pop(info.id, None)
+        with contextlib.suppress(OSError):
+            (self.directory / (info.filename + ".json")).unlink(missing_ok=True)
 
     def _retain(self) -> None:
         """Drop the oldest entries beyond max_count or max_bytes (the newest stays). Every
@@ -470,6 +470,4 @@ class SnapshotStore:
                 keep.append(info)
                 total += info.size_bytes
             for info in dropped:
-                del self._index[info.id]
-        for info in dropped:
-            self._remove_files(info)
+                self._remove(info)

@@ -17,7 +17,7 @@ from typing import Any
 
 from exporter import atomic
 from exporter.actions.base import Target
-from exporter.actions.snapshots import ID_PATTERN
+from exporter.actions.snapshots import ID_PATTERN, STATUSES
 
 EVERY_PROCESS = Target()
 
@@ -71,7 +71,7 @@ def _snapshot_info(info: Any, what: str) -> dict[str, Any]:
         raise ClientError(
             f"{what}: the exporter answered a file name that is not a plain name: {name!r:.80}"
         )
-    if info.get("status") not in ("ready", "recording", "failed"):
+    if info.get("status") not in STATUSES:
         raise ClientError(f"{what}: unexpected answer from the exporter: snapshot status")
     return info
 
@@ -122,9 +122,14 @@ class AdminClient:
             raise ClientError(f"{method} {path}: the answer is not a JSON object")
         return result
 
-    def _get(self, path: str, target: Target) -> dict[str, Any]:
+    def _action(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """An admin action's answer, its shape checked (_checked)."""
+        return _checked(self._json(method, path, body), f"{method} {path}")
+
+    @staticmethod
+    def _query(path: str, target: Target) -> str:
         query = urllib.parse.urlencode(_selector(target))
-        return self._json("GET", path + (f"?{query}" if query else ""))
+        return path + (f"?{query}" if query else "")
 
     def snapshot(
         self,
@@ -136,7 +141,7 @@ class AdminClient:
         """Take a snapshot in each selected process; with record_s, wait until every windowed
         capture is ready. Returns the response, each process's result its final entry."""
         body = _selector(target, stacks=stacks, record_s=record_s)
-        answer = _checked(self._json("POST", "/snapshot", body), "POST /snapshot")
+        answer = self._action("POST", "/snapshot", body)
         deadline = time.monotonic() + (record_s or 0) + self.timeout_s
         for entry in answer["processes"]:
             if not entry["ok"]:
@@ -154,18 +159,19 @@ class AdminClient:
                         info.get("meta", {}).get("error", "unknown error")
                     )
                 entry["result"] = info
-        answer["ok"] = all(e["ok"] for e in answer.get("processes", []))
+        answer["ok"] = all(e["ok"] for e in answer["processes"])
         return answer
 
     def stop_capture(self, target: Target = EVERY_PROCESS) -> dict[str, Any]:
         """End the windowed capture of each selected process now; each process's result is
         the entry it wrote (None where none was recording)."""
-        what = "POST /snapshot/stop"
-        answer = _checked(self._json("POST", "/snapshot/stop", _selector(target)), what)
+        answer = self._action("POST", "/snapshot/stop", _selector(target))
         for entry in answer["processes"]:
             if entry["ok"]:
                 stopped = (entry.get("result") or {}).get("stopped")
-                entry["result"] = None if stopped is None else _snapshot_info(stopped, what)
+                entry["result"] = (
+                    None if stopped is None else _snapshot_info(stopped, "POST /snapshot/stop")
+                )
         return answer
 
     def download(self, snapshot_id: str, output: Path) -> int:
@@ -177,11 +183,10 @@ class AdminClient:
     def empty_cache(
         self, target: Target = EVERY_PROCESS, device: int | None = None
     ) -> dict[str, Any]:
-        answer = self._json("POST", "/empty-cache", _selector(target, device=device))
-        return _checked(answer, "POST /empty-cache")
+        return self._action("POST", "/empty-cache", _selector(target, device=device))
 
     def history(self, target: Target = EVERY_PROCESS) -> dict[str, Any]:
-        return _checked(self._get("/history", target), "GET /history")
+        return self._action("GET", self._query("/history", target))
 
     def set_history(
         self,
@@ -192,13 +197,12 @@ class AdminClient:
         stacks: str = "python",
     ) -> dict[str, Any]:
         body = _selector(target, enabled=enabled, stacks=stacks, max_entries=max_entries)
-        return _checked(self._json("POST", "/history", body), "POST /history")
+        return self._action("POST", "/history", body)
 
     def reset_peak(
         self, target: Target = EVERY_PROCESS, device: int | None = None
     ) -> dict[str, Any]:
-        answer = self._json("POST", "/reset-peak", _selector(target, device=device))
-        return _checked(answer, "POST /reset-peak")
+        return self._action("POST", "/reset-peak", _selector(target, device=device))
 
     def stats(self, target: Target = EVERY_PROCESS) -> dict[str, Any]:
-        return self._get("/stats", target)
+        return self._json("GET", self._query("/stats", target))

@@ -28,7 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO_ROOT
-from tests.test_cli import free_port
+from tests.test_cli import CLI, free_port
 
 torch = pytest.importorskip("torch")
 pynvml = pytest.importorskip("pynvml")
@@ -106,22 +106,13 @@ def run_workload(tmp_path: Path, under_run: bool) -> dict[str, Any]:
         str(events_path),
     ]
     if under_run:
-        command = [
-            sys.executable,
-            "-m",
-            "exporter.cli",
-            "run",
-            "--port",
-            str(port),
-            "--",
-            *workload,
-        ]
+        command = [*CLI, "run", "--port", str(port), "--", *workload]
     else:
         command = [*workload, str(port)]
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     node = subprocess.Popen(
-        [sys.executable, "-m", "exporter.cli", "serve", "--port", str(node_port)],
+        [*CLI, "serve", "--port", str(node_port)],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -165,6 +165,31 @@ def test_beyond_the_cap_only_probes_get_the_reserve_and_others_503(tmp_path, mon
                 sock.close()
 
 
+def test_a_kept_alive_scraper_keeps_its_connection_when_the_server_fills(tmp_path, monkeypatch):
+    """Prometheus between two scrapes is idle: newcomers never close its connection to make
+    room (closing it as it sends the next scrape resets that scrape)."""
+    monkeypatch.setattr(guard, "READ_GRACE_S", 60.0)
+    with served(tmp_path) as (server, _):
+        address = ("127.0.0.1", server.port)
+        scraper = http.client.HTTPConnection(*address, timeout=10)
+        scraper.request("GET", "/metrics")
+        assert scraper.getresponse().read()
+        local_port = scraper.sock.getsockname()[1]
+        held = []
+        for _ in range(guard.MAX_CONNECTIONS + 5):
+            sock = socket.create_connection(address, timeout=10)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+            held.append(sock)
+        try:
+            time.sleep(0.3)
+            scraper.request("GET", "/metrics")  # on the same connection, not a new one
+            assert scraper.getresponse().status == 200
+            assert scraper.sock.getsockname()[1] == local_port
+        finally:
+            for sock in held:
+                sock.close()
+
+
 @pytest.fixture
 def run_dir():
     folder = Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))  # a socket path under 107 bytes

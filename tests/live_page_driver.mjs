@@ -4,14 +4,12 @@
 // with every console error, exception, CSP violation and failed load the browser saw.
 //
 // Usage: node live_page_driver.mjs '{"chromium": ..., "url": ...}'
+//
+// It speaks the DevTools protocol over --remote-debugging-pipe (messages on fds 3 and 4, each
+// ended by a NUL byte), so it needs nothing but Node: no WebSocket package to install.
 import { spawn } from "node:child_process";
 import { writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { createRequire } from "node:module";
-
-// A WebSocket client that works on every Node the CI may install (Debian's Node 18 has no
-// global WebSocket): the `ws` package from tests/js (npm ci installs it).
-const WebSocket = createRequire(new URL("./js/package.json", import.meta.url))("ws");
 
 const options = JSON.parse(process.argv[2]);
 const timeoutMs = options.timeout_ms ?? 60000;
@@ -33,42 +31,55 @@ const browser = spawn(
     "--disable-sync",
     "--no-first-run",
     "--hide-scrollbars",
-    "--remote-debugging-port=0",
+    "--remote-debugging-pipe",
     `--user-data-dir=${options.profile}`,
     "about:blank",
   ],
-  { stdio: ["ignore", "ignore", "pipe"] },
+  // fd 3: what Chromium reads (our commands); fd 4: what it writes (answers and events).
+  { stdio: ["ignore", "ignore", "pipe", "pipe", "pipe"] },
 );
 const result = { errors: [], dialogs: [], screenshots: [], widths: {}, actions: {} };
 
 try {
-  const port = await new Promise((resolve, reject) => {
-    let text = "";
-    browser.stderr.on("data", (chunk) => {
-      text += chunk;
-      const match = text.match(/DevTools listening on ws:\/\/[^:]+:(\d+)\//);
-      if (match) resolve(match[1]);
-    });
-    browser.on("exit", (code) => reject(new Error(`chromium exited (${code}): ${text}`)));
-  });
-  const targets = await (await fetch(`http://127.0.0.1:${port}/json/list`)).json();
-  const page = targets.find((t) => t.type === "page");
-  const socket = new WebSocket(page.webSocketDebuggerUrl);
-  await new Promise((resolve, reject) => {
-    socket.onopen = resolve;
-    socket.onerror = reject;
-  });
+  let stderr = "";
+  browser.stderr.on("data", (chunk) => (stderr += chunk));
+  const exited = new Promise((_, reject) =>
+    browser.on("exit", (code) => reject(new Error(`chromium exited (${code}): ${stderr}`))),
+  );
   let nextId = 1;
   const pending = new Map();
-  socket.onmessage = (event) => {
-    const message = JSON.parse(event.data);
-    if (message.id && pending.has(message.id)) {
-      const { resolve, reject } = pending.get(message.id);
-      pending.delete(message.id);
-      if (message.error) reject(new Error(JSON.stringify(message.error)));
-      else resolve(message.result);
-      return;
+  const listeners = [];
+  let buffered = "";
+  browser.stdio[4].on("data", (chunk) => {
+    buffered += chunk;
+    for (let end = buffered.indexOf("\0"); end >= 0; end = buffered.indexOf("\0")) {
+      const message = JSON.parse(buffered.slice(0, end));
+      buffered = buffered.slice(end + 1);
+      if (message.id && pending.has(message.id)) {
+        const { resolve, reject } = pending.get(message.id);
+        pending.delete(message.id);
+        if (message.error) reject(new Error(JSON.stringify(message.error)));
+        else resolve(message.result);
+      } else {
+        for (const listener of listeners) listener(message);
+      }
     }
+  });
+  // A command to the browser, or to one tab (its sessionId from Target.attachToTarget).
+  function command(method, params = {}, sessionId = undefined) {
+    const id = nextId++;
+    browser.stdio[3].write(JSON.stringify({ id, method, params, sessionId }) + "\0");
+    return Promise.race([new Promise((resolve, reject) => pending.set(id, { resolve, reject })), exited]);
+  }
+  const targets = async () => (await command("Target.getTargets")).targetInfos;
+  let page = (await targets()).find((t) => t.type === "page");
+  for (; !page; page = (await targets()).find((t) => t.type === "page")) {
+    deadline("the first tab");
+    await sleep(100);
+  }
+  const { sessionId } = await command("Target.attachToTarget", { targetId: page.targetId, flatten: true });
+  listeners.push((message) => {
+    if (message.sessionId !== sessionId) return;
     const p = message.params;
     if (message.method === "Runtime.exceptionThrown") {
       result.errors.push(`exception: ${p.exceptionDetails.exception?.description ?? p.exceptionDetails.text}`);
@@ -80,12 +91,8 @@ try {
       result.dialogs.push(p.message);
       send("Page.handleJavaScriptDialog", { accept: true });
     }
-  };
-  function send(method, params = {}) {
-    const id = nextId++;
-    socket.send(JSON.stringify({ id, method, params }));
-    return new Promise((resolve, reject) => pending.set(id, { resolve, reject }));
-  }
+  });
+  const send = (method, params = {}) => command(method, params, sessionId);
   async function evaluate(expression) {
     // userGesture: a click from here opens a tab as a user's click would (no popup blocking).
     const answer = await send("Runtime.evaluate", {
@@ -122,11 +129,20 @@ try {
       points: Number(card.dataset.points || 0),
       drawn: [...card.querySelectorAll(".chart")].filter((c) => !c.hidden).map((c) => Number(c.dataset.seriesDrawn || 0)),
       legend: card.querySelector(".legend").textContent,
+      // What drawMarkers drew (labels and merged markers), and legend rows whose text does
+      // not fit their box.
+      markers: JSON.parse(card.querySelector(".chart.mem").dataset.markers || "null"),
+      legendOverflow: [...card.querySelectorAll(".legend .row")]
+        .filter((row) => row.scrollWidth > row.clientWidth + 1 || [...row.children].some(
+          (c) => c.getBoundingClientRect().right > row.getBoundingClientRect().right + 1))
+        .map((row) => row.textContent),
     })),
     pageErrors: Number(document.getElementById("page-errors").dataset.count),
     pageErrorText: document.getElementById("page-errors").textContent,
     alerts: [...document.querySelectorAll("#alert-list li")].map((li) => ({
-      text: li.textContent, href: li.querySelector("a").getAttribute("href") })),
+      text: li.textContent, href: li.querySelector("a").getAttribute("href"),
+      severity: li.className, name: li.querySelector(".name").textContent,
+      value: li.querySelector(".value").textContent, since: li.querySelector(".since").textContent })),
     processes: document.getElementById("process-rows").children.length,
     adminState: document.getElementById("admin-state").textContent,
     tokenFormShown: !document.getElementById("token-form").hidden,
@@ -171,27 +187,18 @@ try {
     // page had to fetch it with the token). Wait for that tab to have the viewer's title.
     await evaluate(`document.querySelector("#snapshot-rows a").click(), true`);
     for (;;) {
-      const pages = (await (await fetch(`http://127.0.0.1:${port}/json/list`)).json()).filter(
-        (t) => t.type === "page" && t.id !== page.id,
-      );
+      const pages = (await targets()).filter((t) => t.type === "page" && t.targetId !== page.targetId);
       // By its loaded title: while it loads, a tab's title is its URL (which says "snapshots").
       const viewer = pages.find((t) => t.title.startsWith("GPU memory snapshot"));
       if (viewer) {
         // Whether its inline styles applied: a page opened from memory inherits this page's
         // Content-Security-Policy, which would block them if it did not allow them.
-        const tab = new WebSocket(viewer.webSocketDebuggerUrl);
-        await new Promise((resolve, reject) => {
-          tab.onopen = resolve;
-          tab.onerror = reject;
-        });
-        const styled = await new Promise((resolve) => {
-          tab.onmessage = (event) => resolve(JSON.parse(event.data).result.result.value);
-          tab.send(JSON.stringify({ id: 1, method: "Runtime.evaluate", params: {
-            expression: `document.styleSheets.length > 0 && [...document.styleSheets].every((s) => s.cssRules.length > 0)`,
-            returnByValue: true } }));
-        });
-        tab.close();
-        actions.viewed = { url: viewer.url, title: viewer.title, styled };
+        const tab = await command("Target.attachToTarget", { targetId: viewer.targetId, flatten: true });
+        const answer = await command("Runtime.evaluate", {
+          expression: `document.styleSheets.length > 0 && [...document.styleSheets].every((s) => s.cssRules.length > 0)`,
+          returnByValue: true,
+        }, tab.sessionId);
+        actions.viewed = { url: viewer.url, title: viewer.title, styled: answer.result.value };
         break;
       }
       deadline(`the snapshot view tab (tabs: ${JSON.stringify(pages.map((t) => [t.url, t.title]))})`);
@@ -204,7 +211,6 @@ try {
     actions.sessionToken = await evaluate(`sessionStorage.getItem("gpumem-admin-token")`);
     await screenshot(`live-page-actions-${options.widths[0]}.png`, options.widths[0]);
   }
-  socket.close();
 } catch (error) {
   result.failure = String(error.stack || error);
 } finally {

@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 
 from exporter import __version__, atomic
 from exporter.actions.base import MAX_RECORD_S, Target
+from exporter.answers import human_answer
 from exporter.config import Config, ConfigError, load_config, read_token_file
 from exporter.http.server import HttpServer, ServerStartError, create_app
 from exporter.identity import describe_process
@@ -58,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="least severe log messages printed on stderr (default INFO)",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -159,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--stacks",
         choices=["python", "all"],
         default="python",
-        help="stack frames to record with --record-s (default python)",
+        help="stack frames recorded with each allocation during --record-s: python, or all "
+        "(Python, C++ and CUDA; slower to record) (default python)",
     )
 
     empty_cache = commands.add_parser(
@@ -187,12 +192,22 @@ def build_parser() -> argparse.ArgumentParser:
         "snapshots show what allocated what. Stopping takes a snapshot first (PyTorch "
         "clears the buffer when recording stops).",
     )
-    history.add_argument("state", choices=["start", "stop", "status"])
+    history.add_argument(
+        "state",
+        choices=["start", "stop", "status"],
+        help="start recording, stop it (a snapshot is taken first), or show whether it records",
+    )
     _add_client_flags(history)
     history.add_argument(
         "--max-entries", type=int, help="history ring buffer size (default 100000)"
     )
-    history.add_argument("--stacks", choices=["python", "all"], default="python")
+    history.add_argument(
+        "--stacks",
+        choices=["python", "all"],
+        default="python",
+        help="stack frames recorded with each allocation: python, or all (Python, C++ and "
+        "CUDA; slower to record) (default python)",
+    )
 
     reset_peak = commands.add_parser(
         "reset-peak",
@@ -223,7 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--url", required=True, help="exporter base URL, e.g. http://127.0.0.1:9445"
+        "--url",
+        required=True,
+        help="the exporter, as for `record`: its base URL or its /metrics URL, e.g. "
+        "http://127.0.0.1:9445",
     )
     parser.add_argument(
         "--token-file",
@@ -231,7 +249,13 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
         help="file holding the admin bearer token [GPUMEM_ADMIN_TOKEN_FILE]. The token comes "
         "from --token-file, else from the file named by GPUMEM_ADMIN_TOKEN_FILE, else from "
         "GPUMEM_ADMIN_TOKEN (the token itself): a token file wins over a token, as on the "
-        "server",
+        "server. With none, requests go without a token (the demo and servers with admin "
+        "open to loopback need none)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the exporter's answer as JSON (for scripts) instead of lines for people",
     )
     parser.add_argument(
         "--timeout-s",
@@ -406,12 +430,15 @@ def _client(args: argparse.Namespace) -> AdminClient:
     parsed = urlparse(args.url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise CliError(f"--url must be an http(s) URL, got {args.url!r}")
+    if parsed.query or parsed.fragment or parsed.path.rstrip("/") not in ("", "/metrics"):
+        raise CliError(f"--url must be the exporter's base or /metrics URL, got {args.url!r}")
+    base = parsed._replace(path="").geturl()
     if not 0 < args.timeout_s <= 86400:  # also refuses nan and inf
         raise CliError("--timeout-s must be a number of seconds between 0 and 86400")
-    return AdminClient(args.url, token, timeout_s=args.timeout_s)
+    return AdminClient(base, token, timeout_s=args.timeout_s)
 
 
-def _admin_token(token_file: Path | None, env: Mapping[str, str]) -> str:
+def _admin_token(token_file: Path | None, env: Mapping[str, str]) -> str | None:
     """The client's token, by the server's precedence (exporter.config): a token file over a
     token, the command line over the environment. A named file that is unreadable or empty
     is an error, never a silent fall back to the next source."""
@@ -422,10 +449,7 @@ def _admin_token(token_file: Path | None, env: Mapping[str, str]) -> str:
     elif env.get("GPUMEM_ADMIN_TOKEN"):
         return env["GPUMEM_ADMIN_TOKEN"]  # as the server takes it (exporter.config)
     else:
-        raise CliError(
-            "no admin token: pass --token-file, or set GPUMEM_ADMIN_TOKEN_FILE or "
-            "GPUMEM_ADMIN_TOKEN"
-        )
+        return None  # none configured: asked without one; a server that wants one says so
     try:
         token = read_token_file(name, server=False)
     except ConfigError as exc:
@@ -451,9 +475,13 @@ def _failures(answer: dict[str, Any]) -> int:
     return 2 if failed else 0
 
 
-def _report(answer: dict[str, Any]) -> int:
-    """Print an action's answer as JSON, then its failures."""
-    print(json.dumps(answer, indent=2))
+def _report(args: argparse.Namespace, answer: dict[str, Any]) -> int:
+    """Print an action's answer (as JSON with --json, else one line per process and
+    value), then its failures."""
+    if args.json:
+        print(json.dumps(answer, indent=2))
+    else:
+        print(human_answer(answer), end="")
     return _failures(answer)
 
 
@@ -490,6 +518,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         answer = _call(args, "snapshot", client, record_s=args.record_s, stacks=args.stacks)
     entries = answer.get("processes", [])
     replay = " (replay of recorded data)" if answer.get("replay") else ""
+    written = []
     for entry in entries:
         if not entry["ok"] or entry["result"] is None:  # failed, or was not recording
             continue
@@ -504,39 +533,45 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
                 f"cannot write {path}: {exc.strerror or exc} (snapshot {info['id']} is kept "
                 "by the exporter: GET /snapshots to fetch it)"
             ) from None
-        print(
-            f"snapshot {info['id']} of {describe_process(entry['process'])}{replay}: "
-            f"{size} bytes written to {path}"
-        )
+        written.append({**info, "process": entry["process"], "path": str(path), "bytes": size})
+        if not args.json:
+            print(
+                f"snapshot {info['id']} of {describe_process(entry['process'])}{replay}: "
+                f"{size} bytes written to {path}"
+            )
+    if args.json:
+        print(json.dumps({"replay": bool(answer.get("replay")), "written": written}, indent=2))
     return _failures(answer)
 
 
 def cmd_empty_cache(args: argparse.Namespace) -> int:
-    return _report(_call(args, "empty_cache", device=args.device))
+    return _report(args, _call(args, "empty_cache", device=args.device))
 
 
 def cmd_history(args: argparse.Namespace) -> int:
     if args.state == "status":
-        return _report(_call(args, "history"))
+        return _report(args, _call(args, "history"))
     if args.max_entries is not None and not 1 <= args.max_entries <= 1_000_000:
         raise CliError("--max-entries must be between 1 and 1000000")
     return _report(
+        args,
         _call(
             args,
             "set_history",
             enabled=args.state == "start",
             max_entries=args.max_entries,
             stacks=args.stacks,
-        )
+        ),
     )
 
 
 def cmd_reset_peak(args: argparse.Namespace) -> int:
-    return _report(_call(args, "reset_peak", device=args.device))
+    return _report(args, _call(args, "reset_peak", device=args.device))
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    return _report(_call(args, "stats"))
+    print(json.dumps(_call(args, "stats"), indent=2))  # a sample is data: JSON either way
+    return 0
 
 
 def cmd_view(args: argparse.Namespace) -> int:

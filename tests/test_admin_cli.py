@@ -55,13 +55,15 @@ def test_snapshot_view_and_empty_cache_clients(demo_env, tmp_path):
         )
         assert proc.returncode == 0, proc.stderr
         assert windowed.stat().st_size > 0
-        proc = run_cli("empty-cache", "--url", url, "--token-file", str(token_file))
+        proc = run_cli("empty-cache", "--url", url, "--token-file", str(token_file), "--json")
         assert proc.returncode == 0, proc.stderr
         result = json.loads(proc.stdout)
         assert result["replay"] is True and len(result["processes"]) == 1
         assert result["processes"][0]["result"]["released_bytes"] > 0
         again = run_cli("empty-cache", "--url", url, "--token-file", str(token_file))
+        # Within the cooldown: 429, and when to try again (its Retry-After).
         assert again.returncode == 2 and "HTTP 429" in again.stderr
+        assert re.search(r"\(retry in \d+ s\)", again.stderr), again.stderr
     html = tmp_path / "snap.html"
     proc = run_cli("view", str(out), "-o", str(html))
     assert proc.returncode == 0, proc.stderr
@@ -79,14 +81,41 @@ def test_client_errors_are_one_line(demo_env, tmp_path):
         )
         assert proc.returncode == 2 and "HTTP 401" in proc.stderr
         assert proc.stderr.count("\n") == 1
-    no_token = run_cli("empty-cache", "--url", url)
-    assert no_token.returncode == 2 and "no admin token" in no_token.stderr
+        # No token on this side, one configured on the server's: it says what to pass.
+        no_token = run_cli("empty-cache", "--url", url, env={"GPUMEM_ADMIN_TOKEN_FILE": ""})
+        assert no_token.returncode == 2 and no_token.stderr.count("\n") == 1
+        assert "asks for an admin token: pass --token-file" in no_token.stderr
     missing = run_cli("view", str(tmp_path / "nope.pickle"), "-o", str(tmp_path / "x.html"))
     assert missing.returncode == 2 and "nope.pickle" in missing.stderr
     not_pickle = tmp_path / "bad.pickle"
     not_pickle.write_text("hello")
     bad = run_cli("view", str(not_pickle), "-o", str(tmp_path / "x.html"))
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_the_cli_works_with_the_demo_without_a_token(tmp_path):
+    """The demo asks for no token (its page buttons need none), and neither does the CLI;
+    `snapshot` takes the same URL forms as `record`; lines for people unless --json."""
+    env = {"GPUMEM_SNAPSHOT_DIR": str(tmp_path / "snaps")}
+    with running("demo", env=env) as url:
+        out = tmp_path / "snap.pickle"
+        proc = run_cli("snapshot", "--url", url + "/metrics", "-o", str(out), env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert pickle.loads(out.read_bytes())["segments"]
+        proc = run_cli("empty-cache", "--url", url + "/", env=env)
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.splitlines()
+        assert lines[0] == "replay of recorded data: nothing in a real process was changed"
+        assert re.match(r"pid \d+.*: devices 0; .*released [\d.]+ [MG]iB", lines[1]), lines
+        as_json = run_cli(
+            "snapshot", "--url", url, "-o", str(tmp_path / "j.pickle"), "--json", env=env
+        )
+        (written,) = json.loads(as_json.stdout)["written"]
+        assert Path(written["path"]).stat().st_size == written["bytes"] > 0
+        history = run_cli("history", "status", "--url", url, "--json", env=env)
+        assert history.returncode == 0 and json.loads(history.stdout)["replay"] is True
+        bad = run_cli("reset-peak", "--url", url + "/snapshots", env=env)
+        assert bad.returncode == 2 and "base or /metrics URL" in bad.stderr
 
 
 def test_no_request_gets_a_server_error(demo_env, tmp_path):

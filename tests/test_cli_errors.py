@@ -4,6 +4,7 @@ snapshot taken and then lost (docs/reliability.md, "Errors and hostile answers")
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pickle
@@ -190,3 +191,18 @@ def test_a_run_that_cannot_start_its_reaper_is_one_line(monkeypatch, capsys):
     assert err == [
         "gpumem-exporter run: error: cannot set up the run: Resource temporarily unavailable"
     ]
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    from exporter.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    silent = []
+    for name, command in [("", parser), *commands.choices.items()]:
+        for action in command._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                continue
+            if not action.help or action.help == argparse.SUPPRESS:
+                silent.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    assert silent == []

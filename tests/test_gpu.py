@@ -450,7 +450,11 @@ def test_torchrun_under_run_actions_oom_alerts_and_host_memory(tmp_path):
 
     def cli(*args: str) -> tuple[int, dict | str, str]:
         done = subprocess.run(
-            [sys.executable, "-m", "exporter.cli", *args, "--url", url, "--token-file", str(token)],
+            [
+                *(sys.executable, "-m", "exporter.cli", *args, "--url", url),
+                *(("--json",) if args[0] != "snapshot" else ()),
+                *("--token-file", str(token)),
+            ],
             env=env,
             capture_output=True,
             text=True,

@@ -295,8 +295,10 @@ def get(url: str) -> dict:
 
 
 def client(*args: str, token_file: Path) -> subprocess.CompletedProcess:
+    """The CLI; an action's answer as JSON (--json), snapshot's as its lines."""
+    answer = [] if args[0] == "snapshot" else ["--json"]
     return subprocess.run(
-        [sys.executable, "-m", "exporter.cli", *args, "--token-file", str(token_file)],
+        [sys.executable, "-m", "exporter.cli", *args, *answer, "--token-file", str(token_file)],
         capture_output=True,
         text=True,
         timeout=120,

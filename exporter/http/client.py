@@ -84,7 +84,8 @@ def _selector(target: Target, **fields: Any) -> dict[str, Any]:
 
 
 class AdminClient:
-    def __init__(self, base_url: str, token: str, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 60.0) -> None:
+        """`token`: the admin bearer token; None sends none (the demo, loopback admin)."""
         self.base_url = base_url.rstrip("/")
         self._token = token
         self.timeout_s = timeout_s
@@ -97,8 +98,10 @@ class AdminClient:
             self.base_url + path,
             data=data,
             method=method,
-            headers={"Authorization": f"Bearer {self._token}", "Content-Type": "application/json"},
+            headers={"Content-Type": "application/json"},
         )
+        if self._token is not None:
+            request.add_header("Authorization", f"Bearer {self._token}")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 return response.status, response.read()
@@ -106,6 +109,14 @@ class AdminClient:
             detail = exc.read().decode(errors="replace")
             with contextlib.suppress(ValueError, AttributeError):
                 detail = json.loads(detail).get("detail", detail)
+            if exc.code == 401 and self._token is None:
+                detail = (
+                    "the exporter asks for an admin token: pass --token-file, or set "
+                    "GPUMEM_ADMIN_TOKEN_FILE or GPUMEM_ADMIN_TOKEN"
+                )
+            retry_after = exc.headers.get("Retry-After") if exc.headers else None
+            if retry_after:
+                detail = f"{detail} (retry in {retry_after} s)"
             raise ClientError(f"{method} {path}: HTTP {exc.code}: {detail}") from None
         except (urllib.error.URLError, OSError) as exc:
             raise ClientError(

@@ -1,0 +1,65 @@
+"""The admin API's answers as lines for people: the CLI's output unless --json asks for JSON.
+
+An answer holds one entry per process of the server (exporter.actions.base.ProcessResult);
+each successful one becomes a line naming the process, then its result's values, with bytes
+and seconds in units a person reads. Failures are printed apart, on stderr, by the CLI.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from exporter.identity import describe_process
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def human_bytes(value: float) -> str:
+    size, unit = float(value), 0
+    while abs(size) >= 1024 and unit < len(_UNITS) - 1:
+        size, unit = size / 1024, unit + 1
+    return f"{size:.0f} {_UNITS[unit]}" if unit == 0 else f"{size:.1f} {_UNITS[unit]}"
+
+
+def _value(key: str, value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return {True: "yes", False: "no", None: "none"}[value]
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_value(key, v)}" for k, v in value.items()) or "none"
+    if isinstance(value, list):
+        return ", ".join(_value(key, v) for v in value) or "none"
+    if isinstance(value, (int, float)) and key.endswith("_bytes"):
+        return human_bytes(value)
+    if isinstance(value, (int, float)) and key.endswith("_s"):
+        return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.1f} s"
+    return str(value)
+
+
+def _label(key: str) -> str:
+    for suffix in ("_bytes", "_s"):
+        if key.endswith(suffix):
+            key = key[: -len(suffix)]
+    return key.replace("_", " ")
+
+
+def describe_result(result: Any) -> str:
+    """One process's result on one line: "released 1.2 GiB; duration 12 ms; ..."."""
+    if not isinstance(result, dict):
+        return "done" if result is None else _value("", result)
+    return "; ".join(f"{_label(k)} {_value(k, v)}" for k, v in result.items()) or "done"
+
+
+def human_answer(answer: dict[str, Any]) -> str:
+    """The lines for an answer (empty when no process succeeded: failures go to stderr)."""
+    lines = []
+    if answer.get("replay"):
+        lines.append("replay of recorded data: nothing in a real process was changed")
+    for entry in answer.get("processes", []):
+        if entry.get("ok"):
+            lines.append(
+                f"{describe_process(entry.get('process') or {})}: "
+                f"{describe_result(entry.get('result'))}"
+            )
+    if not answer.get("processes"):
+        lines.append("no process of the server uses CUDA yet")
+    return "".join(line + "\n" for line in lines)

@@ -2,10 +2,11 @@
 `runbook_url_base` is configured, so that they work on a cluster without internet.
 
 The package carries a copy of docs/runbooks.md (exporter/data/runbooks.md; a test keeps the two
-equal). No Markdown library is a dependency, so the page is the Markdown text itself, escaped
-and preformatted, cut into one section per `## ` heading with the anchor GitHub gives it (the
-alert name in lower case), so `/runbooks#gpumemoutofmemory` lands where the link on GitHub
-would.
+equal), rendered to HTML by markdown-it-py (CommonMark, with tables; raw HTML in the text is
+escaped, never passed through). Every heading gets the anchor GitHub gives it (an alert's is its
+name in lower case), so `/runbooks#gpumemoutofmemory` lands where the link on GitHub would.
+Links to other files of the repository, which the exporter does not serve, become their path
+as text.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import html
 import re
 from functools import lru_cache
 from importlib import resources
+from typing import Any
+
+from markdown_it import MarkdownIt
+from markdown_it.token import Token
 
 from exporter.config import Config
 
@@ -40,29 +45,52 @@ def runbooks_html() -> str:
     return render(runbooks_markdown())
 
 
+def _served(href: str) -> bool:
+    return href.startswith(("#", "http://", "https://", "mailto:"))
+
+
+def _link_open(self: Any, tokens: list[Token], idx: int, options: Any, env: Any) -> str:
+    href = str(tokens[idx].attrGet("href") or "")
+    if _served(href):
+        return str(self.renderToken(tokens, idx, options, env))
+    return f'<span class="repo-path" title="{html.escape(href)} in the repository">'
+
+
+def _link_close(self: Any, tokens: list[Token], idx: int, options: Any, env: Any) -> str:
+    opening = next(t for t in reversed(tokens[:idx]) if t.type == "link_open")
+    if _served(str(opening.attrGet("href") or "")):
+        return str(self.renderToken(tokens, idx, options, env))
+    return "</span>"
+
+
+def _markdown() -> MarkdownIt:
+    md = MarkdownIt("commonmark", {"html": False}).enable("table")
+    md.add_render_rule("link_open", _link_open)
+    md.add_render_rule("link_close", _link_close)
+    return md
+
+
 def render(markdown: str) -> str:
-    """The page: a table of contents, then each `## ` section as escaped preformatted text,
-    with `### ` headings as anchors of their own (the document links to them too)."""
-    sections: list[tuple[str, list[str]]] = [("", [])]
-    in_code = False
-    for line in markdown.splitlines():
-        if line.startswith("```"):
-            in_code = not in_code  # a `## ` inside a code block is a shell comment
-        if line.startswith("## ") and not in_code:
-            sections.append((line[3:].strip(), []))
-        else:
-            sections[-1][1].append(line)
-    esc = html.escape
-    toc = "".join(
-        f'<li><a href="#{esc(slug(title))}">{esc(title)}</a></li>' for title, _ in sections[1:]
+    """The page: a table of contents of the `## ` sections, then the document, each heading
+    with its GitHub anchor (and a link to itself)."""
+    md = _markdown()
+    tokens = md.parse(markdown)
+    sections: list[tuple[str, list[Token]]] = [("top", [])]
+    toc = []
+    for i, token in enumerate(tokens):
+        if token.type == "heading_open":
+            title = tokens[i + 1].content
+            anchor = slug(title)
+            if token.tag == "h2":  # a section of its own, at the anchor: the alert's
+                sections.append((anchor, []))
+                toc.append(f'<li><a href="#{html.escape(anchor)}">{html.escape(title)}</a></li>')
+            else:
+                token.attrSet("id", anchor)
+        sections[-1][1].append(token)
+    body = "".join(
+        f'<section id="{html.escape(anchor)}">{md.renderer.render(part, md.options, {})}</section>'
+        for anchor, part in sections
     )
-    body = [f'<section id="top">{_blocks(sections[0][1])}</section>']
-    for title, lines in sections[1:]:
-        anchor = esc(slug(title))
-        body.append(
-            f'<section id="{anchor}"><h2><a href="#{anchor}">{esc(title)}</a></h2>'
-            f"{_blocks(lines)}</section>"
-        )
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
@@ -70,30 +98,5 @@ def render(markdown: str) -> str:
         '<link rel="stylesheet" href="static/page.css"></head>'
         '<body class="runbooks"><header><h1>Runbooks</h1>'
         '<a href="./">live page</a></header>'
-        f'<nav><ul class="toc">{toc}</ul></nav><main>{"".join(body)}</main></body></html>'
+        f'<nav><ul class="toc">{"".join(toc)}</ul></nav><main>{body}</main></body></html>'
     )
-
-
-def _blocks(lines: list[str]) -> str:
-    """Escaped preformatted text, cut at each `### ` heading (outside code) into an anchor."""
-    parts: list[str] = []
-    chunk: list[str] = []
-    in_code = False
-
-    def flush() -> None:
-        text = "\n".join(chunk).strip("\n")
-        if text.strip():
-            parts.append(f"<pre>{html.escape(text)}</pre>")
-        chunk.clear()
-
-    for line in lines:
-        if line.startswith("```"):
-            in_code = not in_code
-        if line.startswith("### ") and not in_code:
-            flush()
-            title = line[4:].strip()
-            parts.append(f'<h3 id="{html.escape(slug(title))}">{html.escape(title)}</h3>')
-        else:
-            chunk.append(line)
-    flush()
-    return "".join(parts)

@@ -161,6 +161,20 @@ def test_only_devices_with_a_context_are_read_with_explicit_indices():
     assert {call[1] for call in cuda.calls} == {1}
 
 
+def test_the_memory_cap_is_read_as_the_allocator_computes_it_only_where_torch_has_it():
+    cuda = FakeCuda(capture("native")["memory_stats_as_nested_dict"], True, {0, 1})
+    cuda.get_device_properties = lambda i: SimpleNamespace(uuid=f"0000-{i}", total_memory=80 << 30)
+    torch = fake_torch(cuda)
+    torch._C._cuda_getMemoryFraction = lambda i: {0: 0.25, 1: 1.0}[i]
+    source = TorchAllocatorSource(torch, env={})
+    limits = {a.device: a.gauges["memory_limit_bytes"] for a in source.read().allocators}
+    assert limits == {0: 20 << 30, 1: 80 << 30}
+    torch._C._cuda_getMemoryFraction = lambda i: 0.5  # set again while serving: seen
+    assert {a.gauges["memory_limit_bytes"] for a in source.read().allocators} == {40 << 30}
+    del torch._C._cuda_getMemoryFraction  # torch before 2.8: no getter, no series
+    assert all("memory_limit_bytes" not in a.gauges for a in source.read().allocators)
+
+
 def test_expandable_setting_comes_from_the_environment():
     cuda = FakeCuda(capture("expandable")["memory_stats_as_nested_dict"], True, {0}, count=1)
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}

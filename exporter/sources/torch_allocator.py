@@ -217,6 +217,7 @@ class TorchAllocatorSource:
         self._backend: str | None = None
         self._expandable: bool | None = None
         self._uuids: dict[int, str] = {}
+        self._totals: dict[int, int] = {}
         self._with_context: set[int] = set()
         self._read_stats: Any = None
         # UUIDs of the GPUs read last time: the ones this process uses (the NVML source of
@@ -294,6 +295,9 @@ class TorchAllocatorSource:
             )
             if index not in self._with_context and not reading.gauges.get("reserved_peak_bytes"):
                 continue  # fallback path: a device this process never used
+            limit = self._memory_limit(torch, index)
+            if limit is not None:
+                reading.gauges["memory_limit_bytes"] = limit
             readings.append(reading)
         self.uuids_in_use = frozenset(reading.gpu_uuid for reading in readings)
         if self._non_allocator is not None:
@@ -303,6 +307,17 @@ class TorchAllocatorSource:
         for reading in readings:
             reading.settings = dict(self._setting_labels)
         return SourceReading(allocators=readings, pinned_host=self._pinned_host(torch))
+
+    def _memory_limit(self, torch: Any, index: int) -> int | None:
+        """The allocator's cap on this device, as it computes it (fraction x total memory).
+        Read every tick: a server may set the fraction at any time. None where torch has no
+        getter (before 2.8)."""
+        fraction = getattr(torch._C, "_cuda_getMemoryFraction", None)
+        if fraction is None:
+            return None
+        if index not in self._totals:
+            self._totals[index] = int(torch.cuda.get_device_properties(index).total_memory)
+        return int(fraction(index) * self._totals[index])
 
     def _reserved_now(self, index: int) -> int | None:
         """Reserved bytes of device `index` read again (the probe's second reading)."""

@@ -38,23 +38,49 @@ TORCH_PREFIX = "torch_cuda_"
 ALLOCATOR_LABELS = ("device", "gpu_uuid")
 GPU_LABELS = ("gpu", "gpu_uuid")
 
-# GpuReading field -> metric name
+# GpuReading field -> (metric name, help)
 GPU_MEMORY_GAUGES = {
-    "total_bytes": "gpu_memory_total_bytes",
-    "used_bytes": "gpu_memory_used_bytes",
-    "free_bytes": "gpu_memory_free_bytes",
-    "driver_reserved_bytes": "gpu_memory_driver_reserved_bytes",
+    "total_bytes": ("gpu_memory_total_bytes", "Memory of the GPU that processes can use (NVML)."),
+    "used_bytes": (
+        "gpu_memory_used_bytes",
+        "GPU memory in use by every process on the GPU, CUDA contexts included (NVML).",
+    ),
+    "free_bytes": ("gpu_memory_free_bytes", "GPU memory no process holds (NVML)."),
+    "driver_reserved_bytes": (
+        "gpu_memory_driver_reserved_bytes",
+        "GPU memory the driver and firmware keep for themselves: never available to "
+        "processes (NVML memory info v2).",
+    ),
 }
-# HostReading field -> metric name. Current RSS comes from client_python's process collector
-# in live modes; a replay exports the recorded one under the same name (REPLAY_HOST_GAUGES).
+# HostReading field -> (metric name, help). The machine's memory, in every mode.
+MACHINE_HOST_GAUGES = {
+    "total_bytes": (
+        "host_memory_total_bytes",
+        "Physical memory of the host (MemTotal in /proc/meminfo).",
+    ),
+    "available_bytes": (
+        "host_memory_available_bytes",
+        "Memory the host can give to new work without swapping (MemAvailable): what is left "
+        "for pinned buffers, data loaders and the next process.",
+    ),
+    "swap_total_bytes": ("host_swap_total_bytes", "Swap space configured on the host."),
+    "swap_used_bytes": (
+        "host_swap_used_bytes",
+        "Swap space in use on the host; pages of a serving process swapped out make its "
+        "requests slow.",
+    ),
+}
+# Live modes also serve the peak of the exporter's own process, beside client_python's
+# process_resident_memory_bytes. A replay never does: `process_` names belong to the
+# process that serves them, and the recorded process is served as host_process_*.
 HOST_GAUGES = {
-    "total_bytes": "host_memory_total_bytes",
-    "available_bytes": "host_memory_available_bytes",
-    "swap_total_bytes": "host_swap_total_bytes",
-    "swap_used_bytes": "host_swap_used_bytes",
-    "process_resident_peak_bytes": "process_resident_memory_peak_bytes",
+    **MACHINE_HOST_GAUGES,
+    "process_resident_peak_bytes": (
+        "process_resident_memory_peak_bytes",
+        "Peak resident memory of this process (ru_maxrss), never below its current "
+        "process_resident_memory_bytes.",
+    ),
 }
-REPLAY_HOST_GAUGES = {**HOST_GAUGES, "process_resident_bytes": "process_resident_memory_bytes"}
 
 _LAYOUT_HELP = {
     "largest_free_block_bytes": "Biggest free block in the default pool's cache: the biggest "
@@ -99,6 +125,9 @@ _HELP = {
     "reserved_peak_bytes": "Peak reserved bytes since the process last reset peaks.",
     "segments": "Segments (cudaMalloc'd regions) the allocator holds.",
     "allocations": "Live allocations.",
+    "memory_limit_bytes": "Most bytes the caching allocator may reserve on the device: "
+    "torch.cuda.set_per_process_memory_fraction times the device's memory (the device's "
+    "memory when no fraction is set). Requests past it raise out-of-memory errors.",
     "alloc_retries": "Allocations that failed, flushed the cache and were retried.",
     "ooms": "Out-of-memory errors raised by the allocator.",
     "device_malloc": "Device allocations (cudaMalloc, or cuMemMap with expandable segments).",
@@ -107,11 +136,21 @@ _HELP = {
 }
 
 
-# HostProcessReading field -> metric name (labels pid, role, rank).
+# HostProcessReading field -> (metric name, help) (labels pid, role, rank).
 HOST_PROCESS_GAUGES = {
-    "resident_bytes": "host_process_resident_memory_bytes",
-    "resident_peak_bytes": "host_process_resident_memory_peak_bytes",
-    "swap_bytes": "host_process_swap_bytes",
+    "resident_bytes": (
+        "host_process_resident_memory_bytes",
+        "Resident host memory of one process of the server (VmRSS), pinned buffers included.",
+    ),
+    "resident_peak_bytes": (
+        "host_process_resident_memory_peak_bytes",
+        "Peak resident host memory of one process of the server (VmHWM), never below its "
+        "current resident memory.",
+    ),
+    "swap_bytes": (
+        "host_process_swap_bytes",
+        "Host memory of one process of the server swapped out (VmSwap).",
+    ),
 }
 HOST_PROCESS_LABELS = ("pid", "role", "rank")
 # gpumem_exporter_alert_firing: one meaning per label, whatever the alert is about.
@@ -135,7 +174,7 @@ class SampleCollector(Collector):
         version: str,
         mode: str,
         torch_version: str = "",
-        host_gauges: Mapping[str, str] = HOST_GAUGES,
+        host_gauges: Mapping[str, tuple[str, str]] = HOST_GAUGES,
         alerts: Callable[[], Iterable[tuple[str, dict[str, str], bool]]] | None = None,
         actions: Callable[[], ActionStats] | None = None,
         alerts_version: Callable[[], object] | None = None,
@@ -423,10 +462,8 @@ class SampleCollector(Collector):
         if not sample.gpus:
             return
         memory = {
-            field_name: self._gauge(
-                name, f"GPU memory as NVML reports it ({field_name}).", GPU_LABELS
-            )
-            for field_name, name in GPU_MEMORY_GAUGES.items()
+            field_name: self._gauge(name, doc, GPU_LABELS)
+            for field_name, (name, doc) in GPU_MEMORY_GAUGES.items()
         }
         up = self._gauge(
             "gpu_up", "1 while NVML answers for the GPU; 0 when lost or refused.", GPU_LABELS
@@ -573,10 +610,8 @@ class SampleCollector(Collector):
     def _host_families(self, sample: Sample) -> Iterator[Metric]:
         if sample.host_processes:
             names = self._own(HOST_PROCESS_LABELS)
-            for field_name, name in HOST_PROCESS_GAUGES.items():
-                family = self._gauge(
-                    name, f"Host memory of one process of the server ({field_name}).", names
-                )
+            for field_name, (name, doc) in HOST_PROCESS_GAUGES.items():
+                family = self._gauge(name, doc, names)
                 for process in sample.host_processes:
                     value = getattr(process, field_name)
                     if value is not None:
@@ -587,9 +622,9 @@ class SampleCollector(Collector):
         host = sample.host
         if host is None:
             return
-        for field_name, name in self._host_gauges.items():
+        for field_name, (name, doc) in self._host_gauges.items():
             value = getattr(host, field_name)
             if value is not None:
-                family = self._gauge(name, f"Host memory ({field_name}).")
+                family = self._gauge(name, doc)
                 family.add_metric(self._values(), value)
                 yield family

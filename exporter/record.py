@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.metrics import (
     GPU_MEMORY_GAUGES,
+    HOST_GAUGES,
     PINNED_HOST_GAUGES,
-    REPLAY_HOST_GAUGES,
     TORCH_PREFIX,
 )
 from exporter.sample import (
@@ -44,8 +44,12 @@ from exporter.sample import (
 )
 from exporter.trace import TraceWriter
 
-_GPU_FIELDS = {name: field for field, name in GPU_MEMORY_GAUGES.items()}
-_HOST_FIELDS = {name: field for field, name in REPLAY_HOST_GAUGES.items()}
+_GPU_FIELDS = {name: field for field, (name, _) in GPU_MEMORY_GAUGES.items()}
+# A live exporter's own process is the server (embedded): client_python's RSS is its RSS.
+_HOST_FIELDS = {
+    **{name: field for field, (name, _) in HOST_GAUGES.items()},
+    "process_resident_memory_bytes": "process_resident_bytes",
+}
 # The cached bytes are held minus in use: not a field of their own.
 _PINNED_FIELDS = {
     name: field for field, (name, _) in PINNED_HOST_GAUGES.items() if field != "cached_bytes"

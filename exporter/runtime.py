@@ -20,7 +20,7 @@ from exporter.detectors import Listener as AlertListener
 from exporter.exposition import ExpositionCache
 from exporter.http.admin import Admin
 from exporter.identity import identity_labels
-from exporter.metrics import HOST_GAUGES, REPLAY_HOST_GAUGES, ActionStats, SampleCollector
+from exporter.metrics import HOST_GAUGES, MACHINE_HOST_GAUGES, ActionStats, SampleCollector
 from exporter.sampler import Listener, Sampler
 from exporter.sources import Source
 from exporter.sources.non_allocator import NonAllocatorProbe
@@ -47,14 +47,16 @@ class Runtime:
     exposition: ExpositionCache | None = None
 
 
-def default_actions(mode: str, config: Config) -> Actions:
-    """The demo answers from its recording; every other mode but `run` (which passes its
-    fan-out) acts on this process's own allocator."""
+def default_actions(mode: str, config: Config, sources: Sequence[Source] = ()) -> Actions:
+    """The demo answers from its recording, at the moment its replay source plays; every
+    other mode but `run` (which passes its fan-out) acts on this process's own allocator."""
     store = SnapshotStore.for_config(config)
     if mode == "demo":
         from exporter.actions.replay import ReplayActions
+        from exporter.sources.replay import ReplaySource
 
-        return ReplayActions(store, config=config)
+        replays = [s for s in sources if isinstance(s, ReplaySource)]
+        return ReplayActions(store, config=config, moment=replays[0].moment if replays else None)
     return LocalActions(store, config=config)
 
 
@@ -165,18 +167,17 @@ def build_runtime(
     """Create the sampler, detectors and admin state around `actions` (this process's own
     allocator unless the mode passes another implementation); register the collector.
 
-    A new registry gets client_python's process metrics, except in a replay, which serves the
-    recorded process's resident memory instead of its own.
+    A new registry gets client_python's process metrics: this process's own, in every mode
+    (a replay serves the recorded process as host_process_*, never under `process_` names).
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}")
     if actions is None:
-        actions = default_actions(mode, config)
+        actions = default_actions(mode, config, sources)
     owns_registry = registry is None
     if registry is None:
         registry = CollectorRegistry()
-        if not actions.replay:
-            ProcessCollector(registry=registry)
+        ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
     detectors = Detectors(load_thresholds(), listeners=list(on_alert))
     features = actions.sample_listeners(detectors)
@@ -198,7 +199,7 @@ def build_runtime(
         version=__version__,
         mode=mode,
         torch_version=str(getattr(torch_module, "__version__", "")),
-        host_gauges=REPLAY_HOST_GAUGES if actions.replay else HOST_GAUGES,
+        host_gauges=MACHINE_HOST_GAUGES if actions.replay else HOST_GAUGES,
         alerts=detectors.firing,
         actions=action_stats,
         alerts_version=lambda: detectors.evaluations,

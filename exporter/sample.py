@@ -23,6 +23,9 @@ ALLOCATOR_GAUGES = (
     "reserved_peak_bytes",
     "segments",
     "allocations",
+    # Most bytes the allocator may reserve: torch.cuda.set_per_process_memory_fraction times
+    # the device's memory (the device's memory when no fraction is set).
+    "memory_limit_bytes",
 )
 ALLOCATOR_COUNTERS = (
     "alloc_retries",
@@ -201,6 +204,11 @@ class HostReading:
     process_resident_bytes: int | None = None
     process_resident_peak_bytes: int | None = None
 
+    def __post_init__(self) -> None:
+        self.process_resident_peak_bytes = _peak(
+            self.process_resident_peak_bytes, self.process_resident_bytes
+        )
+
 
 @dataclass
 class HostProcessReading:
@@ -212,6 +220,18 @@ class HostProcessReading:
     resident_bytes: int
     resident_peak_bytes: int | None = None
     swap_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        self.resident_peak_bytes = _peak(self.resident_peak_bytes, self.resident_bytes)
+
+
+def _peak(peak: int | None, current: int | None) -> int | None:
+    """A peak never below the current value it is served beside. The kernel's high-water
+    mark (ru_maxrss) lags the RSS that /proc reads (its per-thread counters fold in every
+    64 page faults), so a peak read right after can be a few MB below it."""
+    if peak is None or current is None:
+        return peak
+    return max(peak, current)
 
 
 @dataclass

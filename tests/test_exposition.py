@@ -38,11 +38,11 @@ def demo() -> Iterator[Runtime]:
 
 
 def without_process_metrics(text: str) -> str:
-    """client_python's process/platform lines: they read /proc at render time."""
+    """Without client_python's process lines: they read /proc at render time."""
     return "".join(
         line
         for line in text.splitlines(keepends=True)
-        if not line.startswith(("process_cpu", "process_open_fds", "# HELP process_cpu"))
+        if not line.startswith(("process_", "# HELP process_", "# TYPE process_"))
     )
 
 
@@ -50,10 +50,16 @@ def test_cached_bytes_equal_prometheus_clients_rendering_in_every_format(demo: R
     client = TestClient(create_app(demo))
     plain = client.get("/metrics")
     assert plain.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
-    assert plain.text == generate_latest(demo.registry).decode()
+    # client_python's process lines read /proc when rendered: equal but for their values.
+    assert without_process_metrics(plain.text) == without_process_metrics(
+        generate_latest(demo.registry).decode()
+    )
+    assert "process_resident_memory_bytes" in plain.text
     om = client.get("/metrics", headers={"Accept": OPENMETRICS})
     assert om.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
-    assert om.text == openmetrics_latest(demo.registry).decode()
+    assert without_process_metrics(om.text) == without_process_metrics(
+        openmetrics_latest(demo.registry).decode()
+    )
     # gzip as Prometheus asks for it: the same bytes once decompressed.
     raw = client.get("/metrics", headers={"Accept-Encoding": "gzip"})
     assert raw.headers["content-encoding"] == "gzip"
@@ -159,3 +165,51 @@ def test_a_scrape_over_a_kept_alive_connection_is_not_slower_than_over_a_new_one
         server.stop()
     # Generous against a loaded CI machine, far below the 40 ms of a delayed ACK.
     assert reused <= max(2 * fresh, 0.010), (reused, fresh)
+
+
+def test_the_demo_serves_the_recorded_process_as_host_process_never_as_its_own(demo: Runtime):
+    """`process_` names belong to the process that serves them (client_python's process
+    collector): the demo's are its own; the recorded server's RSS is a host_process series
+    with the recorded pid, its peak never below its current value."""
+    import os
+
+    import psutil
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = generate_latest(demo.registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    (own,) = families["process_resident_memory_bytes"].samples
+    assert abs(own.value - psutil.Process(os.getpid()).memory_info().rss) < 512 << 20
+    assert "process_resident_memory_peak_bytes" not in families
+    recorded = {
+        s.labels["pid"]: s.value for s in families["host_process_resident_memory_bytes"].samples
+    }
+    peak = {
+        s.labels["pid"]: s.value
+        for s in families["host_process_resident_memory_peak_bytes"].samples
+    }
+    assert str(os.getpid()) not in recorded and recorded
+    assert all(peak[pid] >= recorded[pid] for pid in recorded)
+
+
+def test_every_help_text_is_written_for_people(demo: Runtime):
+    """No HELP is generated from a field name ("Host memory (total_bytes)."), and no two
+    families share one."""
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ours = [
+        f
+        for f in text_string_to_metric_families(generate_latest(demo.registry).decode())
+        if not f.name.startswith(("process_", "python_"))
+    ]
+    generated = [
+        # "X (field_name).": a field name where a sentence should be (a series named there is fine)
+        f.name
+        for f in ours
+        if re.search(r"\((?!torch_|gpu_|host_)[a-z]+_[a-z_]+\)\.$", f.documentation)
+    ]
+    assert generated == []
+    docs = [f.documentation for f in ours]
+    assert len(set(docs)) == len(docs), sorted(d for d in docs if docs.count(d) > 1)

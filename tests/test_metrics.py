@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.identity import identity_labels
-from exporter.metrics import HOST_GAUGES, REPLAY_HOST_GAUGES, SampleCollector
+from exporter.metrics import HOST_GAUGES, MACHINE_HOST_GAUGES, SampleCollector
 from exporter.sample import (
     AllocatorReading,
     ExporterState,
@@ -54,7 +54,7 @@ def render(sample: Sample | None, labels: dict | None = None, replay: bool = Fal
             version="0.1.0",
             mode="demo" if replay else "embedded",
             torch_version="2.11.0",
-            host_gauges=REPLAY_HOST_GAUGES if replay else HOST_GAUGES,
+            host_gauges=MACHINE_HOST_GAUGES if replay else HOST_GAUGES,
         )
     )
     return generate_latest(registry).decode()
@@ -220,3 +220,17 @@ def test_a_skipped_layout_says_why_and_pinned_memory_is_per_process_under_run():
     assert held.labels == {"pid": "7", "rank": "0", "local_rank": "0", "role": "worker"}
     (cached,) = metrics["torch_cuda_pinned_host_cached_bytes"]
     assert cached.value == 6
+
+
+def test_a_peak_is_never_below_the_current_value_it_is_served_beside():
+    """ru_maxrss lags the RSS /proc reads (the demo's trace has it 1.4 MB below): clamped."""
+    from exporter.sample import HostProcessReading, HostReading
+
+    host = HostReading(
+        100, 50, 0, 0, process_resident_bytes=656441344, process_resident_peak_bytes=654983168
+    )
+    assert host.process_resident_peak_bytes == 656441344
+    assert HostReading(100, 50, 0, 0, 10, 12).process_resident_peak_bytes == 12
+    assert HostReading(100, 50, 0, 0, None, 12).process_resident_peak_bytes == 12
+    process = HostProcessReading(1, "server", "", resident_bytes=9, resident_peak_bytes=7)
+    assert process.resident_peak_bytes == 9

@@ -121,7 +121,49 @@ class AlertEvent:
 class _State:
     pending_since: float | None = None
     firing: bool = False
+    firing_since: float | None = None  # the sample time it started firing at
     value: float = 0.0
+
+
+# Each in-process alert's severity: the `severity` label of its rule in
+# deploy/prometheus/alerts.yaml (tests/test_detectors.py keeps the two equal).
+SEVERITY = {
+    "GpuMemFragmentationHigh": "warning",
+    "GpuMemAllocRetries": "warning",
+    "GpuMemOutOfMemory": "critical",
+    "GpuMemCacheGapHigh": "warning",
+    "GpuMemFreeCacheShattered": "warning",
+    "GpuMemHeadroomLow": "warning",
+    "GpuMemExhaustionPredicted": "warning",
+    "HostMemoryPressure": "critical",
+    "HostSwapGrowing": "warning",
+    "HostMemoryHeldByProcess": "warning",
+}
+
+
+# What each alert's value is (AlertEvent.value, FiringAlert.value), for the live page:
+# (what it measures, unit: ratio, count, bytes or bytes_per_s).
+VALUE_OF = {
+    "GpuMemFragmentationHigh": ("fragmentation", "ratio"),
+    "GpuMemAllocRetries": ("new retries", "count"),
+    "GpuMemOutOfMemory": ("new OOMs", "count"),
+    "GpuMemCacheGapHigh": ("cached, not allocated", "bytes"),
+    "GpuMemFreeCacheShattered": ("largest free block", "bytes"),
+    "GpuMemHeadroomLow": ("GPU free", "ratio"),
+    "GpuMemExhaustionPredicted": ("free in an hour at this rate", "bytes"),
+    "HostMemoryPressure": ("host memory available", "ratio"),
+    "HostSwapGrowing": ("swap growth", "bytes_per_s"),
+    "HostMemoryHeldByProcess": ("resident", "bytes"),
+}
+
+
+@dataclass
+class FiringAlert:
+    alert: str
+    labels: dict[str, str]
+    severity: str  # as the shipped Prometheus rule labels it (SEVERITY)
+    since: float | None  # when it started firing (sample time, Unix seconds)
+    value: float  # the value of the latest evaluation (a ratio, bytes, a count of rises)
 
 
 @dataclass
@@ -294,6 +336,15 @@ class Detectors:
         for (alert, key), state in sorted(self._states.items()):
             yield alert, dict(key), state.firing
 
+    def firing_now(self) -> list[FiringAlert]:
+        """The alerts firing now, critical first, then the longest firing."""
+        alerts = [
+            FiringAlert(alert, dict(key), SEVERITY[alert], state.firing_since, state.value)
+            for (alert, key), state in self._states.items()
+            if state.firing
+        ]
+        return sorted(alerts, key=lambda a: (a.severity != "critical", a.since or 0.0, a.alert))
+
     def is_firing(self, alert: str, labels: Mapping[str, str] | None = None) -> bool:
         state = self._states.get((alert, subject(labels or {})))
         return bool(state and state.firing)
@@ -335,15 +386,23 @@ class Detectors:
 
     def _shattered(self, reading: AllocatorReading, gpu_free: int | None) -> _Check | None:
         """The free cache is in pieces (its largest block is a small share of it) and the GPU
-        has less free memory than that share of it too: a request the free cache could hold
-        in total fits neither a free block nor a new cudaMalloc. While the device has room, a
-        shattered cache does no harm. Reports the largest free block in bytes, as the
-        Prometheus alert does."""
+        (or the process's memory cap) has less room than that share of it too: a request the
+        free cache could hold in total fits neither a free block nor a new cudaMalloc. While
+        the device has room, a shattered cache does no harm. Reports the largest free block in
+        bytes, as the Prometheus alert does."""
         share = reading.largest_free_block_share
         if share is None:  # no layout (cudaMallocAsync, skipped, not read yet): unknown
             return None
-        if gpu_free is None:  # no NVML reading for this GPU: the device side is unknown
+        # Room for a new cudaMalloc: the GPU's free memory, and under a per-process cap
+        # (set_per_process_memory_fraction) no more than the cap leaves.
+        rooms = [gpu_free] if gpu_free is not None else []
+        limit = reading.gauges.get("memory_limit_bytes")
+        reserved = reading.gauges.get("reserved_bytes")
+        if limit is not None and reserved is not None:
+            rooms.append(max(limit - reserved, 0))
+        if not rooms:  # neither NVML nor a cap for this GPU: the device side is unknown
             return None
+        room = min(rooms)
         th = self.thresholds
         free = reading.layout["default_pool_free_bytes"]
         largest = reading.layout["largest_free_block_bytes"]
@@ -351,10 +410,10 @@ class Detectors:
         return _Check(
             share < th.shattered_block_share
             and free > th.shattered_min_free_bytes
-            and gpu_free < device_limit,
+            and room < device_limit,
             share >= th.shattered_block_share * (1 + th.clear_margin)
             or free <= th.shattered_min_free_bytes * (1 - th.clear_margin)
-            or gpu_free >= device_limit * (1 + th.clear_margin),
+            or room >= device_limit * (1 + th.clear_margin),
             largest,
         )
 
@@ -432,6 +491,7 @@ class Detectors:
             state.pending_since = t
         if t - state.pending_since >= for_s:
             state.firing = True
+            state.firing_since = t
             self._emit(AlertEvent(alert, "firing", check.value, t, dict(key)))
 
     def _emit(self, event: AlertEvent) -> None:

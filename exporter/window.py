@@ -40,6 +40,9 @@ FIELDS = (
     "cached_free_ratio",  # worst allocator's
     "alloc_retries",  # counters, summed over the GPU's allocators
     "ooms",
+    # The tightest per-process cap (torch.cuda.set_per_process_memory_fraction) below the
+    # GPU's memory; NaN where no process is capped (an uncapped limit is the whole device).
+    "memory_limit_bytes",
 )
 _RATIOS = frozenset({"fragmentation_ratio", "cached_free_ratio"})
 _NAN = math.nan
@@ -172,6 +175,7 @@ def gpu_points(sample: Sample) -> tuple[tuple[GpuInfo, ...], array[float]]:
             _add(point, counter, reading.counters.get(counter))
         _worst(point, "fragmentation_ratio", reading.fragmentation_ratio)
         _worst(point, "cached_free_ratio", reading.cached_free_ratio)
+        _cap(point, reading.gauges.get("memory_limit_bytes"))
     values: array[float] = array("d")
     for key in infos:
         point = points[key]
@@ -192,6 +196,12 @@ def _add(point: dict[str, float], name: str, value: float | None) -> None:
 def _worst(point: dict[str, float], name: str, value: float | None) -> None:
     if value is not None:
         point[name] = max(point.get(name, value), value)
+
+
+def _cap(point: dict[str, float], limit: int | None) -> None:
+    total = point.get("total_bytes", _NAN)
+    if limit is not None and (math.isnan(total) or limit < total):
+        point["memory_limit_bytes"] = min(point.get("memory_limit_bytes", limit), limit)
 
 
 def _other(point: dict[str, float]) -> float:

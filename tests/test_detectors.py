@@ -11,7 +11,14 @@ import pytest
 import yaml
 
 from exporter.config import ConfigError
-from exporter.detectors import AlertEvent, Detectors, Thresholds, load_thresholds
+from exporter.detectors import (
+    SEVERITY,
+    VALUE_OF,
+    AlertEvent,
+    Detectors,
+    Thresholds,
+    load_thresholds,
+)
 from exporter.sample import (
     AllocatorReading,
     GpuReading,
@@ -197,6 +204,23 @@ def test_shattered_free_cache_with_plenty_free_on_the_gpu_stays_quiet():
         run(detectors, [layout_reading(400_000_000, 8 * GiB)] * 30, gpus=[gpu_a(free_on_gpu)])
         assert not any(e.alert == "GpuMemFreeCacheShattered" for e in events), free_on_gpu
         assert not detectors.is_firing("GpuMemFreeCacheShattered", DEVICE0)
+
+
+def test_shattered_free_cache_fires_under_a_memory_cap_although_the_gpu_has_room():
+    """The demo's H100: 60 GB free on the device, but the process may reserve only 22 GiB
+    (set_per_process_memory_fraction): its room is what the cap leaves."""
+    capped = layout_reading(768 << 20, 8 * GiB)  # reserved: 18 GiB
+    capped.gauges["memory_limit_bytes"] = 19 * GiB  # 1 GiB of room, under a quarter of 8
+    roomy = layout_reading(768 << 20, 8 * GiB)
+    roomy.gauges["memory_limit_bytes"] = 80 * GiB
+    for reading, gpus, fires in (
+        (capped, [gpu_a(60 * GiB)], True),
+        (capped, [], True),  # no NVML: the cap alone says the room
+        (roomy, [gpu_a(60 * GiB)], False),
+    ):
+        detectors, _ = collect()
+        run(detectors, [reading] * 16, gpus=gpus)
+        assert detectors.is_firing("GpuMemFreeCacheShattered", DEVICE0) is fires, (gpus, fires)
 
 
 def test_shattered_free_cache_never_fires_without_an_nvml_reading_of_its_gpu():
@@ -420,9 +444,10 @@ def test_detectors_mirror_the_prometheus_rules():
         "HostSwapGrowing": th.swap_for_s,
         "HostMemoryHeldByProcess": th.host_process_for_s,
     }
-    assert set(durations) == set(Detectors.ALERTS) <= set(alerts)
+    assert set(durations) == set(Detectors.ALERTS) == set(SEVERITY) == set(VALUE_OF) <= set(alerts)
     for name, seconds in durations.items():
         assert _duration_s(alerts[name].get("for", "0s")) == seconds, name
+        assert alerts[name]["labels"]["severity"] == SEVERITY[name], name
     expr = " ".join(a["expr"] for a in alerts.values())
     for value in (
         th.fragmentation_ratio,
@@ -445,8 +470,11 @@ def test_detectors_mirror_the_prometheus_rules():
         assert str(int(value)) in expr
 
 
-def test_the_recorded_incident_fires_fragmentation_retries_and_oom():
-    """The real H200 trace, with durations shortened to fit its 150 s."""
+def test_the_recorded_incident_fires_retries_and_oom_under_its_cap():
+    """The real H100 trace (a decoder serving under a 22 GiB cap), with durations shortened
+    to fit its 220 s: its batches retry allocations and run out of memory; its fragmentation
+    (inactive_split up to a fifth of reserved) stays under the 0.3 threshold, as a real
+    server's usually does, and the host is never short."""
     _, samples = read_trace(demo_trace_path())
     short = dataclasses.replace(Thresholds(), fragmentation_for_s=5, counter_window_s=30)
     events: list[AlertEvent] = []
@@ -454,8 +482,10 @@ def test_the_recorded_incident_fires_fragmentation_retries_and_oom():
     for sample in samples:
         detectors(sample)
     fired = {e.alert for e in events if e.state == "firing"}
-    assert {"GpuMemFragmentationHigh", "GpuMemAllocRetries", "GpuMemOutOfMemory"} <= fired
+    assert {"GpuMemAllocRetries", "GpuMemOutOfMemory"} <= fired
     assert not {"HostMemoryPressure", "HostSwapGrowing", "GpuMemHeadroomLow"} & fired
+    limits = {r.gauges.get("memory_limit_bytes") for s in samples for r in s.allocators}
+    assert limits == {22 * GiB}  # the cap the OOMs come from, read from torch
 
 
 def test_slope_matches_least_squares_over_the_window():
@@ -486,3 +516,18 @@ def test_quiet_detectors_call_listeners_without_logging(caplog):
         run(detectors, [allocator(GiB, GiB, 0, ooms=1)])
     assert [e.alert for e in events] == ["GpuMemOutOfMemory"]
     assert "gpumem_alert" not in caplog.text
+
+
+def test_firing_alerts_come_critical_first_with_their_start_and_value():
+    detectors, _ = collect()
+    readings = [
+        allocator(GiB, GiB, 0),
+        allocator(GiB, GiB, 0, retries=3),  # t=1060: retries start firing
+        allocator(GiB, GiB, 0, retries=3, ooms=2),  # t=1120: OOMs, later but critical
+    ]
+    run(detectors, readings, step_s=60)
+    firing = detectors.firing_now()
+    assert [(a.alert, a.severity, a.since, a.value) for a in firing] == [
+        ("GpuMemOutOfMemory", "critical", 1120.0, 2.0),
+        ("GpuMemAllocRetries", "warning", 1060.0, 3.0),
+    ]

@@ -127,9 +127,24 @@ def test_allocator_mode_stacks_allocated_cache_non_allocator_other_and_free():
         "cached_free_ratio": round(8 / 28, 4),
         "alloc_retries": 0,
         "ooms": 0,
+        "memory_limit_bytes": None,  # no cap: the page draws none
     }
     (info,) = window.to_dict()["gpus"]
     assert (info["index"], info["device"], info["name"]) == (0, 0, "NVIDIA H100")
+
+
+def test_the_cap_is_the_tightest_below_the_gpus_memory():
+    """A process's limit under the GPU's memory is a cap (the chart draws it); the limit of
+    an uncapped process is the whole device, which is no cap."""
+    window = SampleWindow(1.0)
+    capped = allocator(UUID0, allocated=GiB, reserved=2 * GiB, inactive=0, outside=GiB)
+    capped.gauges["memory_limit_bytes"] = 22 * GiB
+    uncapped = allocator(UUID0, allocated=GiB, reserved=2 * GiB, inactive=0, outside=GiB)
+    uncapped.gauges["memory_limit_bytes"] = 80 * GiB
+    gpus = [gpu(0, UUID0, used=30 * GiB, free=49 * GiB, total=80 * GiB)]
+    window(Sample(timestamp=1.0, gpus=gpus, allocators=[uncapped, capped]))
+    window(Sample(timestamp=2.0, gpus=gpus, allocators=[uncapped]))
+    assert series(window, UUID0)["memory_limit_bytes"] == [22 * GiB, None]
 
 
 def test_undefined_fragmentation_and_missing_non_allocator_are_null_never_zero():

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from exporter import __version__
+from exporter.detectors import VALUE_OF
 from exporter.http.runbooks import runbook_url, runbooks_html
 from exporter.identity import identity_labels
 from exporter.runtime import Runtime
@@ -114,9 +115,17 @@ def window_payload(runtime: Runtime, since: float | None) -> dict[str, Any]:
         "host": _host(sample),
         "processes": process_rows(sample) if sample else [],
         "alerts": [
-            {"alert": alert, "labels": labels, "runbook_url": runbook_url(config, alert)}
-            for alert, labels, firing in runtime.detectors.firing()
-            if firing
+            {
+                "alert": firing.alert,
+                "labels": firing.labels,
+                "severity": firing.severity,
+                "since": firing.since,
+                "value": firing.value,
+                "value_label": VALUE_OF[firing.alert][0],
+                "value_unit": VALUE_OF[firing.alert][1],
+                "runbook_url": runbook_url(config, firing.alert),
+            }
+            for firing in runtime.detectors.firing_now()
         ],
     }
 

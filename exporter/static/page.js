@@ -98,7 +98,9 @@
   const ALLOCATOR_NOTE =
     "allocated: live tensors · cached free: reserved by PyTorch, not allocated · " +
     "non-allocator: CUDA context, NCCL, other libraries · other: other processes, driver " +
-    "reserve · free: NVML. Markers: allocation retries (dashed), OOMs (solid).";
+    "reserve · free: NVML · cap: the most PyTorch may reserve (a per-process memory fraction), " +
+    "where one is set. Markers: allocation retries (dashed, counted at the bottom), OOMs " +
+    "(solid, counted at the top); close ones merge into one, shaded over the time they span.";
   const NODE_STACK = [
     { field: "used_bytes", label: "used", color: "#4f79b7" },
     { field: "free_bytes", label: "free", color: "#cdebd2", stroke: "#47a05a" },
@@ -111,6 +113,8 @@
   const RATIO_NOTE =
     "fragmentation: inactive split / reserved (n/a with expandable segments or " +
     "cudaMallocAsync) · cached free ratio: (reserved − allocated) / reserved. Worst process.";
+  const CAP_COLOR = "#6a3d9a";
+  const CAP = { field: "memory_limit_bytes", label: "cap", color: CAP_COLOR };
   const MARKERS = [
     { field: "alloc_retries", kind: "retry", label: "alloc retries", color: "#e07b00" },
     { field: "ooms", kind: "OOM", label: "OOMs", color: "#c1121f" },
@@ -199,17 +203,18 @@
     return [store.t, ...sums.reverse()];
   }
 
-  function markerIndexes(entry, field) {
+  // Where a counter rose: {i: sample index, count: by how much}.
+  function markerEvents(entry, field) {
     const values = entry.cols[field];
-    const rises = [];
+    const events = [];
     let previous = null;
     for (let i = 0; i < values.length; i++) {
       const v = values[i];
       if (v === null) continue;
-      if (previous !== null && v > previous) rises.push(i);
+      if (previous !== null && v > previous) events.push({ i, count: v - previous });
       previous = v;
     }
-    return rises;
+    return events;
   }
 
   function axisColors() {
@@ -248,34 +253,106 @@
     u.root.parentElement.dataset.seriesDrawn = String(drawn);
   }
 
+  // The cap (dashed, where a process has one) and the counter markers. Events closer than a
+  // label's width merge into one marker carrying their total, shaded over the time it spans,
+  // so that an OOM storm reads as "OOM ×40", not as a solid red bar; labels never overlap
+  // each other (OOMs at the top, retries at the bottom) nor leave the plot. What was drawn is
+  // left in data-markers for the browser tests.
   function drawMarkers(entry) {
     return (u) => {
       const ctx = u.ctx;
       const { left, top, width, height } = u.bbox;
       const ratio = window.devicePixelRatio || 1;
+      const drawn = { labels: [], markers: [] };
       ctx.save();
+      drawCap(u, entry, ratio);
       ctx.font = `bold ${Math.round(11 * ratio)}px system-ui, sans-serif`;
-      let labelEnd = -Infinity; // OOM labels that would overlap are left out
+      ctx.textAlign = "left"; // uPlot leaves the alignment of its last axis label
+      const pad = 3 * ratio;
+      const background = cssVar("--card") || "#ffffff";
       for (const marker of MARKERS) {
-        for (const i of markerIndexes(entry, marker.field)) {
-          const x = Math.round(u.valToPos(store.t[i], "x", true));
+        const labelY = marker.kind === "OOM" ? top + 2 * pad : top + height - 6 * pad;
+        const spacing = ctx.measureText(`${marker.kind} ×9999`).width + 3 * pad;
+        const groups = [];
+        for (const event of markerEvents(entry, marker.field)) {
+          const x = Math.round(u.valToPos(store.t[event.i], "x", true));
           if (x < left || x > left + width) continue;
-          ctx.strokeStyle = marker.color;
-          ctx.fillStyle = marker.color;
+          const last = groups[groups.length - 1];
+          if (last && x - last.x1 < spacing) {
+            last.x1 = x;
+            last.count += event.count;
+          } else {
+            groups.push({ x0: x, x1: x, count: event.count });
+          }
+        }
+        let labelEnd = -Infinity;
+        for (const group of groups) {
+          ctx.strokeStyle = ctx.fillStyle = marker.color;
+          if (group.x1 > group.x0) {
+            ctx.globalAlpha = 0.18;
+            ctx.fillRect(group.x0, top, group.x1 - group.x0, height);
+            ctx.globalAlpha = 1;
+          }
           ctx.lineWidth = (marker.kind === "OOM" ? 2 : 1.5) * ratio;
           ctx.setLineDash(marker.kind === "OOM" ? [] : [4 * ratio, 3 * ratio]);
           ctx.beginPath();
-          ctx.moveTo(x, top);
-          ctx.lineTo(x, top + height);
+          ctx.moveTo(group.x1, top);
+          ctx.lineTo(group.x1, top + height);
           ctx.stroke();
-          if (marker.kind === "OOM" && x > labelEnd) {
-            ctx.fillText("OOM", x + 3 * ratio, top + 12 * ratio);
-            labelEnd = x + 3 * ratio + ctx.measureText("OOM").width + 4 * ratio;
-          }
+          drawn.markers.push({ kind: marker.kind, x0: group.x0 / ratio, x1: group.x1 / ratio, count: group.count });
+          const text = group.count > 1 ? `${marker.kind} ×${group.count}` : marker.kind;
+          const textWidth = ctx.measureText(text).width;
+          // Right of the marker; left of it where the plot ends first.
+          let x = group.x1 + pad;
+          if (x + textWidth + pad > left + width) x = group.x0 - pad - textWidth;
+          if (x - pad < left || x - pad < labelEnd) continue; // no room: the legend has the count
+          ctx.fillStyle = background;
+          ctx.globalAlpha = 0.85;
+          ctx.fillRect(x - pad, labelY - 2 * pad, textWidth + 2 * pad, 14 * ratio);
+          ctx.globalAlpha = 1;
+          ctx.fillStyle = marker.color;
+          ctx.textBaseline = "top";
+          ctx.fillText(text, x, labelY - pad);
+          labelEnd = x + textWidth + pad;
+          drawn.labels.push({
+            kind: marker.kind, text, x0: (x - pad) / ratio, x1: labelEnd / ratio,
+            y0: (labelY - 2 * pad) / ratio, y1: (labelY - 2 * pad + 14 * ratio) / ratio,
+            plot: [left / ratio, top / ratio, (left + width) / ratio, (top + height) / ratio],
+          });
         }
       }
       ctx.restore();
+      u.root.parentElement.dataset.markers = JSON.stringify(drawn);
     };
+  }
+
+  function drawCap(u, entry, ratio) {
+    const caps = entry.cols.memory_limit_bytes;
+    if (!caps || entry.view.mode !== "allocator") return;
+    const ctx = u.ctx;
+    const { left, top, width, height } = u.bbox;
+    ctx.strokeStyle = CAP_COLOR;
+    ctx.lineWidth = 2 * ratio;
+    ctx.setLineDash([8 * ratio, 4 * ratio]);
+    ctx.beginPath();
+    let drawing = false;
+    for (let i = 0; i < caps.length; i++) {
+      if (caps[i] === null) {
+        drawing = false;
+        continue;
+      }
+      const x = Math.min(Math.max(u.valToPos(store.t[i], "x", true), left), left + width);
+      const y = u.valToPos(caps[i] / GiB, "y", true);
+      if (y < top || y > top + height) {
+        drawing = false;
+        continue;
+      }
+      if (drawing) ctx.lineTo(x, y);
+      else ctx.moveTo(x, y);
+      drawing = true;
+    }
+    ctx.stroke();
+    ctx.setLineDash([]);
   }
 
   function legendRows(container, layers, kind) {
@@ -367,7 +444,8 @@
       updateLegend(entry);
     };
     const yRange = (u, min, max) => {
-      const top = view.wholeGpu ? Math.max(yMax(entry), max || 0) : max || 0;
+      const cap = capMax(entry);
+      const top = view.wholeGpu ? Math.max(yMax(entry), max || 0) : Math.max(max || 0, cap);
       return [0, top > 0 ? top * (view.wholeGpu ? 1 : 1.05) : 1];
     };
     view.mem = new uPlot(
@@ -399,6 +477,9 @@
     view.memLegend.replaceChildren();
     view.memRows = legendRows(view.memLegend, topFirst, "area");
     if (mode === "allocator") {
+      if (entry.cols.memory_limit_bytes && entry.cols.memory_limit_bytes.some((v) => v !== null)) {
+        for (const [field, value] of legendRows(view.memLegend, [CAP], "cap")) view.memRows.set(field, value);
+      }
       for (const [field, value] of legendRows(view.memLegend, MARKERS, "marker")) view.memRows.set(field, value);
     }
     view.when = el("div", { class: "when" });
@@ -441,6 +522,12 @@
     return totals.length ? Math.max(...totals) / GiB : 0;
   }
 
+  // The highest cap in view, in GiB (0 without one): the zoomed chart shows how close it is.
+  function capMax(entry) {
+    const caps = (entry.cols.memory_limit_bytes || []).filter((v) => v !== null);
+    return caps.length ? Math.max(...caps) / GiB : 0;
+  }
+
   function ratioData(entry) {
     return [store.t, ...RATIOS.map((r) => entry.cols[r.field])];
   }
@@ -459,9 +546,12 @@
     if (view.mode === "allocator") {
       for (const marker of MARKERS) {
         const total = valueAt(entry, marker.field, latestIndex());
+        const inView = markerEvents(entry, marker.field).reduce((sum, e) => sum + e.count, 0);
         view.memRows.get(marker.field).textContent =
-          total === null ? "n/a" : `${markerIndexes(entry, marker.field).length} rises (total ${total})`;
+          total === null ? "n/a" : `${inView} in view · ${total} in all`;
       }
+      const cap = view.memRows.get(CAP.field);
+      if (cap) cap.textContent = fmtBytes(valueAt(entry, CAP.field, i));
     }
     if (view.ratioRows) {
       for (const r of RATIOS) view.ratioRows.get(r.field).textContent = fmtRatio(valueAt(entry, r.field, i));
@@ -501,8 +591,8 @@
       );
       facts.push(fact("cached free", fmtRatio(v("cached_free_ratio"))));
       const counter = (field) => (v(field) === null ? "n/a" : String(v(field)));
-      facts.push(fact("retries", counter("alloc_retries"), markerIndexes(entry, "alloc_retries").length > 0));
-      facts.push(fact("OOMs", counter("ooms"), markerIndexes(entry, "ooms").length > 0));
+      facts.push(fact("retries", counter("alloc_retries"), markerEvents(entry, "alloc_retries").length > 0));
+      facts.push(fact("OOMs", counter("ooms"), markerEvents(entry, "ooms").length > 0));
     } else {
       facts.push(fact("used", fmtBytes(v("used_bytes"))));
     }
@@ -552,7 +642,29 @@
     return entry ? gpuTitle(entry.info) : key;
   }
 
-  function renderAlerts(alerts) {
+  function fmtAlertValue(alert) {
+    const value = alert.value;
+    switch (alert.value_unit) {
+      case "ratio":
+        return fmtRatio(value);
+      case "bytes":
+        return fmtBytes(value);
+      case "bytes_per_s":
+        return fmtBytes(value) + "/s";
+      default:
+        return String(Math.round(value));
+    }
+  }
+
+  function fmtAge(seconds) {
+    if (seconds < 90) return `${Math.max(0, Math.round(seconds))} s`;
+    if (seconds < 5400) return `${Math.round(seconds / 60)} min`;
+    return `${(seconds / 3600).toFixed(1)} h`;
+  }
+
+  // Critical first, then the longest firing (the server's order); each with its severity,
+  // since when it fires, its value and its runbook.
+  function renderAlerts(alerts, now) {
     const list = document.getElementById("alert-list");
     document.getElementById("no-alerts").hidden = alerts.length > 0;
     document.getElementById("alert-count").textContent = alerts.length ? `(${alerts.length})` : "";
@@ -568,14 +680,17 @@
           .filter(([, value]) => value !== "")
           .map(([name, value]) => `${name}=${value}`);
         const link = el("a", { href: alert.runbook_url, target: "_blank", rel: "noopener" }, "runbook");
+        const since = alert.since
+          ? `since ${fmtClock(alert.since)} (${fmtAge(now - alert.since)})`
+          : "";
         return el(
           "li",
-          {},
+          { class: alert.severity === "critical" ? "critical" : "warning" },
+          el("span", { class: "severity", text: alert.severity }),
           el("span", { class: "name", text: alert.alert }),
-          " ",
-          where.length ? where.join(" ") + " " : "",
-          el("span", { class: "labels", text: pairs.join(" ") }),
-          " · ",
+          el("span", { class: "value", text: `${alert.value_label} ${fmtAlertValue(alert)}` }),
+          el("span", { class: "since", text: since }),
+          el("span", { class: "where", text: [...where, pairs.join(" ")].filter(Boolean).join(" · ") }),
           link,
         );
       }),
@@ -661,7 +776,7 @@
         try {
           merge(data);
           renderGpus();
-          renderAlerts(data.alerts);
+          renderAlerts(data.alerts, data.now);
           renderProcesses(data.processes);
           renderStatus(data);
         } catch (error) {

@@ -659,8 +659,9 @@ def _summary_html(
         ),
         (
             "OOMs recorded",
-            str(ooms),
-            "in the recorded history" if traces else "no history recorded",
+            str(ooms) if traces else "n/a",
+            # Without history a snapshot cannot tell: 0 would claim that none happened.
+            "in the recorded history" if traces else "no history recorded: unknown",
             "bad" if ooms else "",
         ),
     ]
@@ -759,13 +760,19 @@ def _settings_html(settings: Any) -> str:
     return _table(["setting", "value"], rows, "kv")
 
 
+def _meta_value(value: Any) -> str:
+    """A header value as a person reads it: a process as `pid 42 rank 0`, never a dict."""
+    if value is True or value is False:
+        return "yes" if value else "no"
+    if isinstance(value, Mapping):
+        return " ".join(f"{k} {_meta_value(v)}" for k, v in value.items() if v not in ("", None))
+    return str(value)
+
+
 def _meta_html(meta: Mapping[str, Any] | None) -> str:
     if not meta:
         return ""
-    items = "".join(
-        f"<span><b>{_e(k)}</b> {_e('yes' if v is True else 'no' if v is False else v)}</span>"
-        for k, v in meta.items()
-    )
+    items = "".join(f"<span><b>{_e(k)}</b> {_e(_meta_value(v))}</span>" for k, v in meta.items())
     return f'<div class="meta">{items}</div>'
 
 

@@ -1,341 +1,436 @@
-"""Record the demo trace on a real GPU: an inference-like workload that ends in an incident.
+"""Record the demo on a real GPU: an LLM inference server that runs out of memory under a cap.
 
 Run on a machine with a CUDA GPU, from the repository root:
 
     python3 scripts/record_demo_trace.py --out exporter/data/demo_trace.jsonl.gz \
-        --snapshot exporter/data/demo_snapshot.pickle.gz
+        --snapshots exporter/data/demo_snapshots
 
-The exporter's real sources (allocator, NVML, host) are sampled by the real sampler every
-0.5 s (the allocator's layout, from a snapshot, every 2 s) while the main thread runs, in
-phases:
+The workload is a real one, with random weights: a Llama-shaped bf16 decoder (16 layers,
+hidden 4096, SwiGLU 11008, 32 heads, vocabulary 32000: 3.5 B parameters, 6.5 GiB) serves a
+stream of generation requests, as TGI and transformers pipelines do:
 
-1. startup (0-10 s): as vLLM does before it serves, decode steps for batch sizes 1-64 are
-   captured into CUDA graphs sharing one private pool (replayed between requests from then
-   on), and a 4 GiB pinned-host "swap space" is allocated.
-2. serving (10-60 s): a bf16 decoder (12 layers, hidden 4096, ~4.8 GiB of weights) generates
-   token by token for request batches of varied batch size, prompt and output length; the KV
-   cache grows by torch.cat every 16 tokens, as naive servers do; now and then a KV block is
-   swapped out to the pinned space and back (non-blocking copies).
-3. fragmentation (60-100 s): a "prefix cache" keeps every other block of varied sizes alive,
-   so partly used segments pile up, inactive_split / reserved climbs and the largest free
-   block falls far below the free cache. History is recorded only in its last 5 s (while it
-   is on, the exporter does not take layout snapshots).
-4. pressure (100-130 s): traffic goes on under a 20 GiB cap
-   (torch.cuda.set_per_process_memory_fraction), so large KV allocations first flush the
-   cache and retry, and finally one request runs out of memory (caught, as a server would).
-5. recovery (130-145 s): the prefix cache and the swap space are dropped, empty_cache()
-   returns the cache to the driver, traffic resumes (the pinned memory stays cached).
-6. expandable (145-175 s): the allocator is switched to expandable_segments:True at run time
-   and a smaller prefix cache fragments it again: inactive_split is not tracked there, the
-   free bytes inside used segments still are.
+- waiting requests are batched first come, first served, up to a budget of cache tokens;
+- a batch is generated as transformers' generate() with its dynamic cache does it: prompts
+  padded on the left, one key and one value tensor per layer grown by torch.cat on every
+  token, so caches of many sizes are made and freed and the allocator's segments fill with
+  holes;
+- the decode step runs as piecewise CUDA graphs (vLLM's default): everything but attention
+  is captured per layer for padded batch sizes 1-32, in one private pool;
+- generated tokens leave through pinned host memory;
+- the process runs under a memory cap (torch.cuda.set_per_process_memory_fraction) and the
+  server's first token budget is too big for it: a batch of long documents makes the
+  allocator flush its cache and retry, and when that fails the server catches the OOM,
+  splits the batch, shrinks its budget and goes on.
 
-A snapshot of the allocator (with allocation history recorded at the end of the
-fragmentation phase) is also written for the incident tools' demo.
+The load has phases: light traffic, steady traffic, a burst of long-document requests
+(fragmentation, retries and OOMs), then steady traffic again.
+
+The exporter records itself, as a user would: exporter.start() with a trace writer as a
+listener (every 0.5 s, the layout every 2 s) and a snapshot on OOM (at most one per 20 s).
+Through the admin API (the admin client, from a thread of its own) a snapshot is asked for
+every 15 s, and twice a windowed capture records allocation history with Python stacks (one
+while healthy, one over the burst of long documents). The snapshots are copied next to the
+trace, named by the second of the trace they were taken at; the demo serves the one of the
+moment it replays.
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import json
 import math
-import pickle
+import queue
 import random
+import secrets
+import shutil
 import socket
+import tempfile
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from exporter.sampler import Sampler
-from exporter.sources.host import HostMemorySource
-from exporter.sources.nvml import NvmlSource
-from exporter.sources.torch_allocator import TorchAllocatorSource
+import exporter
+from exporter.http.client import AdminClient
 from exporter.trace import TraceWriter
 
 GiB = 1 << 30
-LAYERS, HIDDEN, FFN, HEADS = 12, 4096, 11008, 32
+LAYERS, HIDDEN, FFN, HEADS, VOCAB = 16, 4096, 11008, 32, 32000
 HEAD_DIM = HIDDEN // HEADS
-CAP_BYTES = 20 * GiB
-FRAG_TARGET_BYTES = 10 * GiB  # allocated during the fragmentation phase; half stays live
-FRAG_ROUND_BYTES = 340 << 20
+GRAPH_BATCHES = (1, 2, 4, 8, 16, 24, 32)
+MAX_BATCH = 32
+CAP_BYTES = 22 * GiB
+# The server's first guess of how many cache tokens (batch x longest request) fit: too
+# many for the cap, as first guesses are.
+TOKEN_BUDGET = 96 * 1024
+SNAPSHOT_EVERY_S = 15.0
+# (phase, seconds, requests per second, prompt tokens (low, high), new tokens (low, high))
 PHASES = (
-    ("startup", 10.0),
-    ("serving", 50.0),
-    ("fragmentation", 40.0),
-    ("pressure", 30.0),
-    ("recovery", 15.0),
-    ("expandable", 30.0),
+    ("light", 20.0, 0.3, (64, 1024), (32, 256)),
+    ("steady", 40.0, 0.8, (128, 2048), (64, 384)),
+    ("long documents", 50.0, 0.6, (2048, 8192), (128, 512)),
+    ("steady again", 40.0, 0.8, (128, 2048), (64, 384)),
 )
-GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-SWAP_BYTES = 4 * GiB
-HISTORY_LAST_S = 5.0
-LAYOUT_INTERVAL_S = 2.0
+# Windowed captures (POST /snapshot with record_s): allocation history with Python stacks
+# for this many seconds from this many seconds into the named phase. While history records,
+# the exporter reads no layout (docs/metrics.md), as in production.
+CAPTURES = (("steady", 12.0, 25.0), ("long documents", 0.0, 30.0))
 
 
-class Decoder:
-    """Enough of a transformer decoder to allocate like one: weights, activations, KV cache."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight)
+
+
+class Model:
+    """Random bf16 weights in the shapes of a Llama decoder."""
 
     def __init__(self, device: torch.device) -> None:
-        def w(rows: int, cols: int) -> torch.Tensor:
-            return torch.randn(rows, cols, device=device, dtype=torch.bfloat16) * 0.02
+        def w(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, device=device, dtype=torch.bfloat16) * 0.02
 
+        self.device = device
+        self.embed = w(VOCAB, HIDDEN)
+        self.head = w(HIDDEN, VOCAB)
+        self.norm = torch.ones(HIDDEN, device=device, dtype=torch.bfloat16)
         self.layers = [
             {
+                "attn_norm": torch.ones(HIDDEN, device=device, dtype=torch.bfloat16),
                 "qkv": w(HIDDEN, 3 * HIDDEN),
                 "o": w(HIDDEN, HIDDEN),
-                "up": w(HIDDEN, 2 * FFN),
+                "mlp_norm": torch.ones(HIDDEN, device=device, dtype=torch.bfloat16),
+                "gate_up": w(HIDDEN, 2 * FFN),
                 "down": w(FFN, HIDDEN),
             }
             for _ in range(LAYERS)
         ]
-        self.device = device
 
-    def generate(self, batch: int, prompt: int, new_tokens: int) -> None:
-        x = torch.randn(batch, prompt, HIDDEN, device=self.device, dtype=torch.bfloat16)
-        kv = []
-        for layer in self.layers:  # prefill
-            qkv = x @ layer["qkv"]
-            k, v = qkv[..., HIDDEN : 2 * HIDDEN], qkv[..., 2 * HIDDEN :]
-            kv.append([k.contiguous(), v.contiguous()])
-            x = torch.nn.functional.silu((x @ layer["o"]) @ layer["up"][:, :FFN]) @ layer["down"]
-        step = x[:, -1:, :]
-        pending: list[list[torch.Tensor]] = [[] for _ in self.layers]
-        for t in range(new_tokens):
-            for i, layer in enumerate(self.layers):
-                qkv = step @ layer["qkv"]
-                pending[i].append(qkv[..., HIDDEN:])
-                step = torch.nn.functional.silu((step @ layer["o"]) @ layer["up"][:, :FFN])
-                step = step @ layer["down"]
-                if (t + 1) % 16 == 0:  # grow the cache in chunks, as naive servers do
-                    new = torch.cat(pending[i], dim=1)
-                    kv[i][0] = torch.cat([kv[i][0], new[..., :HIDDEN]], dim=1)
-                    kv[i][1] = torch.cat([kv[i][1], new[..., HIDDEN:]], dim=1)
-                    pending[i] = []
-            step = step / (step.norm() + 1)
+    def pre_attention(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[i]
+        return rms_norm(x, layer["attn_norm"]) @ layer["qkv"]
+
+    def post_attention(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[i]
+        x = x + attn @ layer["o"]
+        gate, up = (rms_norm(x, layer["mlp_norm"]) @ layer["gate_up"]).chunk(2, dim=-1)
+        return x + (F.silu(gate) * up) @ layer["down"]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.norm) @ self.head
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: int
+    new_tokens: int
+    arrived: float
+
+
+class Engine:
+    """Generation for a batch of requests, as transformers' generate() with its dynamic
+    cache does it: prompts padded on the left, one key and one value tensor per layer for
+    the whole batch, grown by torch.cat on every token; piecewise CUDA graphs (vLLM's
+    default) run everything but attention, per padded batch size, in one private pool."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.device = model.device
+        self.graphs: dict[int, list[tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]]] = {}
+        self.static: dict[int, dict[str, torch.Tensor]] = {}
+        self.pool: object = None
+        # Generated tokens leave the GPU through pinned host memory (the caching host
+        # allocator keeps those pages), as servers stream tokens to clients.
+        self.tokens_out = torch.empty(MAX_BATCH, dtype=torch.int64, pin_memory=True)
+
+    def capture(self) -> None:
+        side = torch.cuda.Stream(self.device)
+        for batch in GRAPH_BATCHES:
+            static = {
+                "x": torch.zeros(batch, 1, HIDDEN, device=self.device, dtype=torch.bfloat16),
+                "qkv": torch.zeros(batch, 1, 3 * HIDDEN, device=self.device, dtype=torch.bfloat16),
+                "attn": torch.zeros(batch, 1, HIDDEN, device=self.device, dtype=torch.bfloat16),
+            }
+            pieces = []
+            for i in range(LAYERS):
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):  # warm-up outside the capture
+                    self.model.pre_attention(i, static["x"])
+                    self.model.post_attention(i, static["x"], static["attn"])
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                pre, post = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+                with torch.cuda.graph(pre, pool=self.pool):
+                    static["qkv"].copy_(self.model.pre_attention(i, static["x"]))
+                self.pool = pre.pool()
+                with torch.cuda.graph(post, pool=self.pool):
+                    static["x"].copy_(self.model.post_attention(i, static["x"], static["attn"]))
+                pieces.append((pre, post))
+            self.graphs[batch] = pieces
+            self.static[batch] = static
+
+    def generate(self, batch: list[Request], rng: random.Random) -> None:
+        n = len(batch)
+        width = max(r.prompt for r in batch)
+        steps = max(r.new_tokens for r in batch)
+        tokens = torch.randint(0, VOCAB, (n, width), device=self.device)
+        # Left padding: position j of row r is padding when j < width - prompt(r).
+        pad = torch.tensor([width - r.prompt for r in batch], device=self.device)
+        keep = torch.arange(width, device=self.device)[None, :] >= pad[:, None]  # (n, width)
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+        mask = (causal[None, None] & keep[:, None, None, :]) | ~keep[:, None, :, None]
+        x = self.model.embed[tokens]  # (n, width, HIDDEN)
+        keys, values = [], []
+        for i in range(LAYERS):
+            q, k, v = heads_of(self.model.pre_attention(i, x))  # (n, HEADS, width, D)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            keys.append(k)
+            values.append(v)
+            x = self.model.post_attention(i, x, attn.transpose(1, 2).reshape(n, width, HIDDEN))
+        del mask, causal
+        token = self.model.logits(x[:, -1:]).argmax(dim=-1)  # (n, 1)
+        del x
+        size = next(b for b in GRAPH_BATCHES if b >= n)
+        static, pieces = self.static[size], self.graphs[size]
+        for _ in range(steps):
+            static["x"][:n].copy_(self.model.embed[token])
+            keep = torch.cat([keep, keep.new_ones(n, 1)], dim=1)
+            for i, (pre, post) in enumerate(pieces):
+                pre.replay()
+                q, k, v = heads_of(static["qkv"][:n])
+                keys[i] = torch.cat([keys[i], k], dim=2)  # the cache grows by one token
+                values[i] = torch.cat([values[i], v], dim=2)
+                attn = F.scaled_dot_product_attention(
+                    q, keys[i], values[i], attn_mask=keep[:, None, None, :]
+                )
+                static["attn"][:n].copy_(attn.transpose(1, 2).reshape(n, 1, HIDDEN))
+                post.replay()
+            token = self.model.logits(static["x"][:n]).argmax(dim=-1)
+            self.tokens_out[:n].copy_(token[:, 0], non_blocking=True)
         torch.cuda.synchronize(self.device)
 
 
-class GraphedSteps:
-    """Decode steps captured as CUDA graphs per batch size, all in one private pool."""
-
-    def __init__(self, decoder: Decoder) -> None:
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.decoder = decoder
-        pool = None
-        side = torch.cuda.Stream(device=decoder.device)
-        for batch in GRAPH_BATCHES:
-            static = torch.zeros(batch, 1, HIDDEN, device=decoder.device, dtype=torch.bfloat16)
-            side.wait_stream(torch.cuda.current_stream(decoder.device))
-            with torch.cuda.stream(side):
-                self._step(static)  # warm-up outside the capture, as CUDA graphs require
-            torch.cuda.current_stream(decoder.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._step(static)
-            pool = graph.pool()
-            self.graphs[batch] = (graph, static)
-        self.pool_id = pool
-
-    def _step(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.decoder.layers:
-            x = torch.nn.functional.silu((x @ layer["o"]) @ layer["up"][:, :FFN]) @ layer["down"]
-        return x
-
-    def replay(self, rng: random.Random) -> str:
-        batch = rng.choice(GRAPH_BATCHES)
-        graph, _ = self.graphs[batch]
-        for _ in range(8):
-            graph.replay()
-        torch.cuda.synchronize(self.decoder.device)
-        return f"graph replay batch={batch}"
+def heads_of(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(n, tokens, 3 HIDDEN) -> q, k, v as (n, HEADS, tokens, HEAD_DIM)."""
+    n, tokens, _ = qkv.shape
+    q, k, v = qkv.view(n, tokens, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4).unbind(0)
+    return q, k, v
 
 
-def fragment(
-    device: torch.device, cache: list[torch.Tensor], state: dict[str, float], target: float
-) -> None:
-    """Rounds of blocks, each round's blocks 7% larger than the last round's. Every other
-    block stays alive, so each round leaves holes that later, larger requests cannot use:
-    free space piles up inside partly used segments and inactive_split / reserved climbs, as
-    with a prefix cache of odd sizes."""
-    while state["bytes"] < target:
-        size = int(state["size"])
-        count = max(2, FRAG_ROUND_BYTES // size)
-        batch = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)]
-        cache.extend(batch[::2])
-        state["bytes"] += size * count
-        state["size"] *= 1.07
-        del batch
+class Server:
+    """Dynamic batching, as TGI and transformers pipelines serve: the waiting requests are
+    batched first come, first served, up to a budget of cache tokens (batch x longest
+    prompt and output); a batch that runs out of memory is split in two and retried, and
+    the budget shrinks (the server learns its limit the hard way)."""
 
+    def __init__(self, engine: Engine, rng: random.Random, log: Callable[[str], None]) -> None:
+        self.engine = engine
+        self.rng = rng
+        self.log = log
+        self.waiting: list[Request] = []
+        self.finished = 0
+        self.ooms = 0
+        self.budget = TOKEN_BUDGET
+        self.next_id = 0
 
-def serve_one(decoder: Decoder, rng: random.Random, scale: float = 1.0) -> str:
-    batch = rng.choice([1, 2, 4, 8, 16, 24, 32])
-    prompt = rng.choice([128, 256, 512, 768, 1024, 1536, 2048])
-    while batch * prompt > 16384 * scale and batch > 1:
-        batch //= 2
-    new_tokens = rng.choice([16, 32, 48, 64, 96])
-    try:
-        decoder.generate(batch, prompt, new_tokens)
-    except torch.cuda.OutOfMemoryError:
-        return f"OOM batch={batch} prompt={prompt}"
-    return f"ok batch={batch} prompt={prompt} new={new_tokens}"
+    def arrive(self, prompt: tuple[int, int], new: tuple[int, int]) -> None:
+        request = Request(
+            self.next_id, self.rng.randint(*prompt), self.rng.randint(*new), time.monotonic()
+        )
+        self.waiting.append(request)
+        self.next_id += 1
+
+    def step(self) -> None:
+        batch: list[Request] = []
+        for request in self.waiting:
+            widest = max(
+                [r.prompt + r.new_tokens for r in batch] + [request.prompt + request.new_tokens]
+            )
+            if batch and (len(batch) == MAX_BATCH or (len(batch) + 1) * widest > self.budget):
+                break
+            batch.append(request)
+        if not batch:
+            return
+        del self.waiting[: len(batch)]
+        try:
+            self.engine.generate(batch, self.rng)
+            self.finished += len(batch)
+        except torch.cuda.OutOfMemoryError:
+            self.ooms += 1
+            tokens = len(batch) * max(r.prompt + r.new_tokens for r in batch)
+            self.budget = max(int(min(self.budget, tokens) * 0.8), 4096)
+            half = max(len(batch) // 2, 1)
+            self.waiting[:0] = batch  # retried first, in two batches
+            if len(batch) == 1:
+                self.waiting.pop(0)  # a single request that cannot fit is refused
+            self.log(
+                f"OOM: batch of {len(batch)} ({tokens} cache tokens) split in {half}s; "
+                f"budget now {self.budget} tokens"
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("exporter/data/demo_trace.jsonl.gz"))
-    parser.add_argument("--snapshot", type=Path, help="also write an allocator snapshot here")
+    parser.add_argument("--snapshots", type=Path, default=Path("exporter/data/demo_snapshots"))
     parser.add_argument("--interval-s", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--scale", type=float, default=1.0, help="phase durations times this")
     args = parser.parse_args()
 
     rng = random.Random(args.seed)
+    torch.manual_seed(args.seed)
     device = torch.device("cuda:0")
     torch.cuda.set_device(device)
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(CAP_BYTES / total, device)
-
+    name = torch.cuda.get_device_name(device)
+    phases = [(p, d * args.scale, *rest) for p, d, *rest in PHASES]
     meta = {
-        "description": f"{torch.cuda.get_device_name(device)}: bf16 decoder serving varied "
-        "batches with CUDA graphs and pinned swap space, then fragmentation, allocation "
-        f"retries, an OOM, recovery under a {CAP_BYTES // GiB} GiB cap, and expandable "
-        "segments switched on at run time",
-        "device_name": torch.cuda.get_device_name(device),
+        "description": f"{name}: a Llama-shaped bf16 decoder (3.5 B parameters, random weights) "
+        "serving generation requests with continuous batching, piecewise CUDA graphs and a "
+        f"pinned swap space under a {CAP_BYTES // GiB} GiB memory cap; a burst of long "
+        "documents fragments its cache, makes it retry allocations and run out of memory, and "
+        "it preempts requests to go on",
+        "device_name": name,
         "torch_version": torch.__version__,
         "host": socket.gethostname(),
         "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "cap_bytes": CAP_BYTES,
         "interval_s": args.interval_s,
-        "layout_interval_s": LAYOUT_INTERVAL_S,
-        "phases": [{"name": n, "duration_s": d} for n, d in PHASES],
+        "layout_interval_s": 2.0,
+        "phases": [{"name": p, "duration_s": d} for p, d, *_ in phases],
         "script": "scripts/record_demo_trace.py",
     }
+    snapshot_dir = Path(tempfile.mkdtemp(prefix="demo-snapshots-"))
+    token = secrets.token_hex(16)
     writer = TraceWriter(args.out, meta=meta)
-    sampler = Sampler(
-        [
-            TorchAllocatorSource(layout_interval_s=LAYOUT_INTERVAL_S),
-            NvmlSource(),
-            HostMemorySource(),
-        ],
+    handle = exporter.start(
+        port=0,
         interval_s=args.interval_s,
+        layout_interval_s=2.0,
         listeners=[writer],
+        oom_snapshot=True,
+        oom_snapshot_cooldown_s=20.0,
+        snapshot_dir=str(snapshot_dir),
+        admin_token=token,
     )
-    decoder = Decoder(device)
-    torch.cuda.synchronize()
-    sampler.start()
-    prefix_cache: list[torch.Tensor] = []
-    frag = {"bytes": 0.0, "size": float(1 << 20)}
-    frag_rounds = 0
-    switched = False
-    graphs: GraphedSteps | None = None
-    swap: list[torch.Tensor] = []
+    admin = AdminClient(handle.url, token, timeout_s=120)
     start = time.monotonic()
-    events = []
 
     def log(message: str) -> None:
-        line = f"{time.monotonic() - start:7.1f}s {message}"
-        events.append(line)
-        print(line, flush=True)
+        print(f"{time.monotonic() - start:7.1f}s {message}", flush=True)
 
-    def traffic(scale: float = 1.0) -> None:
-        log(serve_one(decoder, rng, scale))
-        if graphs is not None:
-            log(graphs.replay(rng))
-
-    for phase, duration in PHASES:
+    model = Model(device)
+    engine = Engine(model)
+    engine.capture()
+    log(f"weights and {len(GRAPH_BATCHES) * LAYERS * 2} CUDA graphs ready")
+    server = Server(engine, rng, log)
+    snapshots = Snapshots(admin, log)
+    for phase, duration, rate, prompt, new in phases:
         log(f"phase {phase}")
-        phase_start = time.monotonic()
-        phase_end = phase_start + duration
-        history = False
-        while time.monotonic() < phase_end:
-            if phase == "startup":
-                if graphs is None:
-                    graphs = GraphedSteps(decoder)
-                    log(f"captured {len(graphs.graphs)} CUDA graphs in pool {graphs.pool_id}")
-                    swap = [
-                        torch.empty(SWAP_BYTES // 4, dtype=torch.uint8, pin_memory=True)
-                        for _ in range(4)
-                    ]
-                    log(f"pinned swap space {SWAP_BYTES / GiB:.0f} GiB")
-                traffic()
-            elif phase == "serving":
-                if rng.random() < 0.2:
-                    # Swap a KV-sized block out and back in, as servers do under pressure.
-                    block = torch.empty(SWAP_BYTES // 8, dtype=torch.uint8, device=device)
-                    host = swap[rng.randrange(4)][: block.numel()]
-                    host.copy_(block, non_blocking=True)
-                    block.copy_(host, non_blocking=True)
-                    torch.cuda.synchronize(device)
-                    del block
-                    log("swapped a 512 MiB block out and in")
-                traffic()
-            elif phase in ("fragmentation", "expandable"):
-                if phase == "expandable" and not switched:
-                    # Applies to segments made from now on (the weights keep theirs).
-                    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-                    log("allocator switched to expandable_segments:True")
-                    frag = {"bytes": 0.0, "size": float(1 << 20)}
-                    switched = True
-                if (
-                    phase == "fragmentation"
-                    and not history
-                    and phase_end - time.monotonic() < HISTORY_LAST_S
-                ):
-                    torch.cuda.memory._record_memory_history(max_entries=20000, stacks="python")
-                    history = True
-                share = 0.4 if phase == "expandable" else 1.0
-                progress = min((time.monotonic() - phase_start) / duration, 1.0)
-                fragment(device, prefix_cache, frag, FRAG_TARGET_BYTES * share * progress)
-                frag_rounds += 1
-                if frag_rounds % 4 == 0:
-                    stats = torch.cuda.memory_stats_as_nested_dict(device)
-                    inactive = stats["inactive_split_bytes"]["all"]["current"]
-                    reserved = stats["reserved_bytes"]["all"]["current"]
-                    log(f"inactive_split {inactive / reserved:.2f} of {reserved / GiB:.1f} GiB")
-                    traffic(scale=0.25)
-                else:
-                    time.sleep(0.2)
-            elif phase == "pressure":
-                # Traffic goes on while the fragments pin most of the cap. A burst bigger than
-                # the cached free blocks that would cross the cap makes the allocator free its
-                # cache and retry (num_alloc_retries + 1); one that cannot fit at all is an OOM.
-                room = CAP_BYTES - torch.cuda.memory_allocated(device)
-                ask = int(room * rng.uniform(0.5, 0.95))
-                if ask > 0:
-                    try:
-                        burst = torch.empty(ask, dtype=torch.uint8, device=device)
-                        del burst
-                        log(f"burst {ask / GiB:.2f} GiB ok")
-                    except torch.cuda.OutOfMemoryError:
-                        log(f"burst {ask / GiB:.2f} GiB OOM")
-                traffic()
-                if phase_end - time.monotonic() < 8 and not any("OOM" in e for e in events):
-                    try:  # the request that no cache flush can satisfy
-                        huge = torch.empty(CAP_BYTES, dtype=torch.uint8, device=device)
-                        del huge
-                    except torch.cuda.OutOfMemoryError:
-                        log("OOM on a request for the whole cap (shed)")
-            else:  # recovery
-                if prefix_cache or swap:
-                    prefix_cache.clear()
-                    swap.clear()
-                    torch.cuda.empty_cache()
-                    log("prefix cache and swap space dropped, empty_cache()")
-                traffic()
-        if phase == "fragmentation":
-            if args.snapshot is not None:
-                snapshot = torch.cuda.memory._snapshot()
-                with gzip.open(args.snapshot, "wb") as f:
-                    pickle.dump(snapshot, f)
-                log(f"snapshot written to {args.snapshot}")
-            torch.cuda.memory._record_memory_history(enabled=None)
-    sampler.stop()
-    path = writer.close()
+        snapshots.phase(phase)
+        end = time.monotonic() + duration
+        next_arrival = time.monotonic()
+        while time.monotonic() < end:
+            while time.monotonic() >= next_arrival:
+                server.arrive(prompt, new)
+                next_arrival += rng.expovariate(rate)
+            if server.waiting:
+                server.step()
+            else:
+                time.sleep(0.01)
+        stats = torch.cuda.memory_stats(device)
+        log(
+            f"end of {phase}: {server.finished} finished, {len(server.waiting)} waiting, "
+            f"retries={stats['num_alloc_retries']} ooms={stats['num_ooms']}"
+        )
+    snapshots.stop()
+    handle.stop()
+    writer.close()
+    trace_start = _first_timestamp(args.out)
+    _copy_snapshots(snapshot_dir, args.snapshots, trace_start)
+    shutil.rmtree(snapshot_dir, ignore_errors=True)
     stats = torch.cuda.memory_stats(device)
     print(
-        f"wrote {writer.count} samples to {path}; retries={stats['num_alloc_retries']} "
-        f"ooms={stats['num_ooms']} peak_reserved={stats['reserved_bytes.all.peak'] / GiB:.1f}"
-        f" GiB; {math.ceil(time.monotonic() - start)} s"
+        f"wrote {writer.count} samples to {args.out}; retries={stats['num_alloc_retries']} "
+        f"ooms={stats['num_ooms']} budget={server.budget} "
+        f"peak_reserved={stats['reserved_bytes.all.peak'] / GiB:.1f} GiB; "
+        f"{math.ceil(time.monotonic() - start)} s"
     )
+
+
+class Snapshots:
+    """Asks the exporter for snapshots through its admin API, as an on-call would, from a
+    thread of its own (a windowed capture's answer waits for the window): every
+    SNAPSHOT_EVERY_S, and the windowed CAPTURES."""
+
+    def __init__(self, admin: AdminClient, log: Callable[[str], None]) -> None:
+        self.admin = admin
+        self.log = log
+        self.windows: queue.Queue[tuple[float, float]] = queue.Queue()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def phase(self, name: str) -> None:
+        for phase, after_s, record_s in CAPTURES:
+            if phase == name:
+                self.windows.put((time.monotonic() + after_s, record_s))
+
+    def _run(self) -> None:
+        next_plain = time.monotonic() + SNAPSHOT_EVERY_S
+        window: tuple[float, float] | None = None
+        while not self.done.wait(0.2):
+            if window is None and not self.windows.empty():
+                window = self.windows.get()
+            if window is not None and time.monotonic() >= window[0]:
+                self._take(window[1])
+                window = None
+            elif time.monotonic() >= next_plain:
+                self._take(None)
+                next_plain = time.monotonic() + SNAPSHOT_EVERY_S
+
+    def _take(self, record_s: float | None) -> None:
+        answer = self.admin.snapshot(record_s=record_s)
+        ids = [(p.get("result") or {}).get("id") for p in answer["processes"]]
+        self.log(f"snapshot{f' of a {record_s:.0f} s window' if record_s else ''}: {ids}")
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+
+def _first_timestamp(trace: Path) -> float:
+    with gzip.open(trace, "rt") as f:
+        f.readline()
+        return float(json.loads(f.readline())["timestamp"])
+
+
+def _copy_snapshots(source: Path, target: Path, trace_start: float) -> None:
+    """The store's snapshots, named by the second of the trace they were taken at, and an
+    index the demo reads (exporter/actions/replay.py)."""
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+    index = []
+    for sidecar in sorted(source.glob("*.json")):
+        info = json.loads(sidecar.read_text())
+        if info.get("status") != "ready":
+            continue
+        # The moment the snapshot shows: when it was written (a windowed capture's entry is
+        # created when its window opens).
+        offset = round((source / info["filename"]).stat().st_mtime - trace_start, 1)
+        name = f"{offset:07.1f}-{info['trigger']}.pickle.gz"
+        data = (source / info["filename"]).read_bytes()
+        compressed = data[:2] == b"\x1f\x8b"
+        (target / name).write_bytes(data if compressed else gzip.compress(data, 9))
+        index.append({"file": name, "offset_s": offset, "trigger": info["trigger"]})
+        print(f"snapshot {name}: {(target / name).stat().st_size >> 10} KiB")
+    (target / "index.json").write_text(json.dumps(index, indent=1) + "\n")
 
 
 if __name__ == "__main__":

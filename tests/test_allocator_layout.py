@@ -281,9 +281,9 @@ def test_fully_free_and_partly_used_segments_of_a_serving_process():
     import gzip
     import pickle
 
-    from exporter.sources.replay import demo_trace_path
+    from exporter.actions.replay import demo_snapshot_path
 
-    with gzip.open(demo_trace_path().with_name("demo_snapshot.pickle.gz"), "rb") as f:
+    with gzip.open(demo_snapshot_path(), "rb") as f:
         snapshot = pickle.load(f)
     segments = snapshot["segments"]
     assert any(s["active_size"] == 0 for s in segments), "no entirely free segment to check"

@@ -35,7 +35,9 @@ from tests.test_dashboards import iter_annotation_queries, iter_panel_queries, n
 pytestmark = pytest.mark.e2e
 
 TARGET_LABELS = {"cluster": "e2e", "namespace": "demo", "pod": "demo-0"}
-EXPECTED_FIRING = {"GpuMemFragmentationHigh", "GpuMemAllocRetries", "GpuMemOutOfMemory"}
+# The recorded server retries allocations and runs out of memory under its cap; its
+# fragmentation (a fifth of reserved at most) stays under GpuMemFragmentationHigh's 0.3.
+EXPECTED_FIRING = {"GpuMemAllocRetries", "GpuMemOutOfMemory"}
 EXPECTED_QUIET = {
     "GpuMemHeadroomLow",
     "HostMemoryPressure",
@@ -133,7 +135,7 @@ def _firing(stack: Stack) -> set[str]:
 def test_the_recorded_incident_fires_the_expected_alerts(stack):
     seen: set[str] = set()
     labels: dict[str, dict] = {}
-    deadline = time.monotonic() + 180  # a loop of the trace at 3x lasts ~51 s
+    deadline = time.monotonic() + 180  # a loop of the trace at 3x lasts ~74 s
     while time.monotonic() < deadline and not seen >= EXPECTED_FIRING:
         for alert in stack.api("alerts")["alerts"]:
             if alert["state"] == "firing":

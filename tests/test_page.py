@@ -4,6 +4,7 @@ screenshots."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -143,7 +144,7 @@ def test_window_route_serves_recent_samples_incrementally(tmp_path):
     assert data["capacity"] == 600 and data["interval_s"] == 1.0
     assert len(data["timestamps"]) == 3
     gpu0 = data["gpus"][0]
-    assert (gpu0["index"], gpu0["name"]) == (0, "NVIDIA H200")
+    assert (gpu0["index"], gpu0["name"]) == (0, "NVIDIA H100 80GB HBM3")
     assert len(gpu0["series"]["allocated_bytes"]) == 3
     recorded = next(s.self_pid for s in read_trace(demo_trace_path())[1] if s.self_pid)
     assert data["processes"][0]["pid"] == recorded  # the recorded process, not ours
@@ -188,13 +189,19 @@ def oom_runtime(tmp_path: Path, **settings: Any) -> Runtime:
 def test_firing_alerts_link_to_the_served_runbooks_or_the_configured_base(tmp_path):
     client = TestClient(create_app(oom_runtime(tmp_path)))
     alerts = client.get("/api/window").json()["alerts"]
+    (since,) = [a.pop("since") for a in alerts]
     assert alerts == [
         {
             "alert": "GpuMemOutOfMemory",
             "labels": {"device": "0", "gpu_uuid": "GPU-x"},
+            "severity": "critical",
+            "value": 1,
+            "value_label": "new OOMs",
+            "value_unit": "count",
             "runbook_url": "runbooks#gpumemoutofmemory",
         }
     ]
+    assert abs(since - time.time()) < 60  # the sample it started firing on
     base = "https://git.example.com/ops/gpumem/blob/main/docs/runbooks.md"
     client = TestClient(create_app(oom_runtime(tmp_path, runbook_url_base=base)))
     (alert,) = client.get("/api/window").json()["alerts"]
@@ -238,16 +245,26 @@ def test_runbooks_page_has_a_section_per_alert_at_its_github_anchor(tmp_path):
     assert "<script" not in page
 
 
-def test_runbooks_are_escaped_text_with_code_blocks_left_whole():
+def test_runbooks_are_rendered_html_with_raw_html_escaped_and_code_blocks_left_whole():
     page = render(
         "# Runbooks\nintro <b>\n## Alert<img src=x onerror=alert(1)>\n"
-        "text & <script>alert(1)</script>\n```sh\n## a shell comment\n```\n## Next one\nbody\n"
+        "text & <script>alert(1)</script>\n```sh\n## a shell comment\n```\n## Next one\n"
+        "| metric | meaning |\n| --- | --- |\n| `a_b` | [see](#next-one) |\n"
+        "### A step\nsee [the alerts](../deploy/alerts.yaml) and [docs](https://x.test/d)\n"
     )
-    assert "<script>" not in page and "<img" not in page
+    assert "<script>" not in page and "<img" not in page and "<b>" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     assert '<section id="alertimg-srcx-onerroralert1">' in page
     assert "## a shell comment" in page  # not a section: it is inside a code block
     assert page.count("<section") == 3
+    # Tables, code and links are HTML; a heading below ## is an anchor of its own.
+    assert "<table>" in page and "<td><code>a_b</code></td>" in page
+    assert '<a href="#next-one">see</a>' in page and '<h3 id="a-step">' in page
+    assert '<a href="https://x.test/d">docs</a>' in page
+    # A file of the repository, which the exporter does not serve, is named, not linked.
+    assert (
+        'href="../deploy' not in page and 'title="../deploy/alerts.yaml in the repository"' in page
+    )
     assert slug("Before you start") == "before-you-start"
 
 
@@ -454,13 +471,13 @@ CACHED_FREE = bytes.fromhex("f2a33a")
 def test_live_page_on_the_demo_draws_alerts_and_actions_without_a_token(tmp_path):
     runtime = demo_runtime(tmp_path, interval_s=0.2)  # no admin token: the demo needs none
     with serving(runtime) as url:
-        wait_for_points(runtime, 40)  # 8 s at 20x: the trace's fragmentation, retries and OOM
+        wait_for_points(runtime, 70)  # 14 s at 20x: the trace's retries and OOMs, at 61 s
         result = drive(
             url,
             tmp_path,
             "demo",
             widths=[1400, 420],
-            min_gpus=2,
+            min_gpus=1,
             min_points=len(runtime.window) + 3,
             actions=True,
         )
@@ -470,17 +487,23 @@ def test_live_page_on_the_demo_draws_alerts_and_actions_without_a_token(tmp_path
     for width in (1400, 420):
         state = result["widths"][str(width)]
         assert state["pageErrors"] == 0, state["pageErrorText"]
-        gpu0, gpu1 = state["cards"]
-        assert gpu0["title"] == "GPU 0 · NVIDIA H200"
-        # Four layers of the stack (free is left out: the demo's process uses a tenth of the
+        (gpu0,) = state["cards"]
+        assert gpu0["title"] == "GPU 0 · NVIDIA H100 80GB HBM3"
+        # Four layers of the stack (free is left out: the demo's process uses a quarter of the
         # GPU, so the chart starts zoomed in on memory in use); both ratios.
         assert gpu0["drawn"] == [4, 2]
-        assert gpu1["drawn"] == [2]  # NVML only: used and free, no ratio chart
         assert "GiB" in gpu0["facts"] and "fragmentation" in gpu0["facts"]
-        assert re.search(r"OOMs\s*[1-9]\d* rises", gpu0["legend"]), gpu0["legend"]
+        # The OOMs in view and in all; the process's 22 GiB cap, which they come from.
+        assert re.search(r"OOMs\s*[1-9]\d* in view · [1-9]\d* in all", gpu0["legend"])
+        assert re.search(r"cap\s*22\.00 GiB", gpu0["legend"]), gpu0["legend"]
+        assert gpu0["legendOverflow"] == []
         assert state["processes"] == 1
-        alerts = {a["text"].split()[0]: a["href"] for a in state["alerts"]}
-        assert alerts.get("GpuMemOutOfMemory") == "runbooks#gpumemoutofmemory", state["alerts"]
+        alerts = {a["name"]: a for a in state["alerts"]}
+        oom = alerts["GpuMemOutOfMemory"]
+        assert oom["href"] == "runbooks#gpumemoutofmemory", state["alerts"]
+        assert oom["severity"] == "critical" and state["alerts"][0] == oom  # critical first
+        assert re.fullmatch(r"new OOMs \d+", oom["value"]) and oom["since"].startswith("since ")
+        assert alerts["GpuMemAllocRetries"]["severity"] == "warning"
         assert state["adminState"].startswith("Demo:")
         colours, total = colours_of(tmp_path / "demo-shots" / f"live-page-{width}.png", width)
         background, _ = colours.most_common(1)[0]
@@ -497,6 +520,51 @@ def test_live_page_on_the_demo_draws_alerts_and_actions_without_a_token(tmp_path
     assert actions["viewed"]["url"].endswith("/view")
     assert actions["viewed"]["title"].startswith("GPU memory snapshot")
     assert actions["sessionToken"] is None
+
+
+STORM_TRACE = REPO_ROOT / "tests" / "data" / "h200_oom_storm_trace.jsonl.gz"
+
+
+def _storm_in_window(runtime: Runtime) -> bool:
+    sample = runtime.sampler.state().sample
+    ooms = [r.counters.get("ooms", 0) for r in sample.allocators] if sample else [0]
+    return max(ooms) >= 200 and len(runtime.window) > 60
+
+
+def test_live_page_stays_readable_in_an_oom_storm(tmp_path):
+    """A real H200 trace with 307 OOMs and as many retries in 30 s (a scripted fragmenter
+    under a cap): markers merge and carry their counts, labels neither overlap nor leave the
+    plot, legend rows fit, and the critical alert comes first with its value and start."""
+    runtime = runtime_for(tmp_path, "demo", [ReplaySource(STORM_TRACE, speed=10)], interval_s=0.2)
+    with serving(runtime) as url:
+        deadline = time.monotonic() + 60
+        while not _storm_in_window(runtime):
+            assert time.monotonic() < deadline, "the storm never reached the window"
+            time.sleep(0.2)
+        result = drive(url, tmp_path, "storm", widths=[1400, 420], min_points=60)
+    assert result["errors"] == []
+    for width in (1400, 420):
+        state = result["widths"][str(width)]
+        card = state["cards"][0]
+        markers, labels = card["markers"]["markers"], card["markers"]["labels"]
+        ooms = [m for m in markers if m["kind"] == "OOM"]
+        in_view = int(re.search(r"OOMs\s*(\d+) in view", card["legend"])[1])
+        assert in_view >= 100 and sum(m["count"] for m in ooms) == in_view
+        # Merged: far fewer markers than rises, at least one carrying many OOMs.
+        assert len(ooms) < 10 and max(m["count"] for m in ooms) >= 20, ooms
+        for label in labels:
+            left, top, right, bottom = label["plot"]
+            assert left <= label["x0"] and label["x1"] <= right, label
+            assert top <= label["y0"] and label["y1"] <= bottom, label
+        for kind in ("OOM", "retry"):
+            row = sorted((lb for lb in labels if lb["kind"] == kind), key=lambda lb: lb["x0"])
+            assert row, kind
+            assert all(a["x1"] <= b["x0"] for a, b in itertools.pairwise(row)), row
+        assert any("×" in lb["text"] for lb in labels)
+        assert card["legendOverflow"] == []
+        names = [a["name"] for a in state["alerts"]]
+        assert names[0] == "GpuMemOutOfMemory" and state["alerts"][0]["severity"] == "critical"
+        assert all(a["severity"] == "warning" for a in state["alerts"][1:]), state["alerts"]
 
 
 def test_live_page_asks_for_the_token_and_keeps_it_out_of_urls(tmp_path):
@@ -556,5 +624,5 @@ def test_live_page_under_run_stacks_the_processes_of_each_gpu(tmp_path):
     assert re.search(r"fragmentation \d+\.\d %", state["cards"][0]["facts"])
     assert "fragmentation n/a" in state["cards"][1]["facts"]
     assert re.search(r"retries \d+", state["cards"][1]["facts"])
-    assert re.search(r"alloc retries\s*[1-9]\d* rises", state["cards"][1]["legend"])
+    assert re.search(r"alloc retries\s*[1-9]\d* in view", state["cards"][1]["legend"])
     assert state["processes"] == 5

@@ -10,6 +10,7 @@ import pytest
 from exporter.sample import Sample
 from exporter.sources.replay import ReplaySource, demo_trace_path, derive_recorded_non_allocator
 from exporter.trace import TraceError, TraceWriter, read_trace
+from tests.conftest import REPO_ROOT
 
 
 def demo_samples() -> list[Sample]:
@@ -20,9 +21,10 @@ def demo_samples() -> list[Sample]:
 
 
 def test_a_recorded_trace_gets_non_allocator_bytes_from_its_own_fresh_lists_only():
-    """The demo was recorded before processes took the value themselves: it is derived where
-    the recorded tick read NVML's process list, and kept, aging, on the ticks between."""
-    samples = read_trace(demo_trace_path())[1]
+    """The H200 trace (the demo until the H100 one) was recorded before processes took the
+    value themselves: it is derived where the recorded tick read NVML's process list, and
+    kept, aging, on the ticks between."""
+    samples = read_trace(REPO_ROOT / "tests" / "data" / "h200_oom_storm_trace.jsonl.gz")[1]
     derive_recorded_non_allocator(samples)
     fresh = cached = 0
     last: tuple[int, float] | None = None
@@ -53,9 +55,16 @@ def test_the_shipped_demo_trace_was_recorded_on_a_gpu_and_holds_an_incident():
     first, last = samples[0].allocators[0], samples[-1].allocators[0]
     assert last.counters["alloc_retries"] > first.counters["alloc_retries"]
     assert last.counters["ooms"] > first.counters["ooms"]
+    # Its cache fragments: a fifth of reserved in split blocks, and before the OOM a free
+    # cache of gigabytes whose largest block is under a tenth of it.
     ratios = [s.allocators[0].fragmentation_ratio for s in samples]
-    assert max(r for r in ratios if r is not None) > 0.3
-    assert all(s.gpus and s.host and s.processes for s in samples)
+    assert max(r for r in ratios if r is not None) > 0.15
+    shares = [s.allocators[0].largest_free_block_share for s in samples]
+    assert min(r for r in shares if r is not None) < 0.1
+    # The cap the OOMs come from, and the values the process took itself.
+    assert {s.allocators[0].gauges.get("memory_limit_bytes") for s in samples[1:]} == {22 << 30}
+    assert all(s.allocators[0].non_allocator_bytes is not None for s in samples[20:])
+    assert all(s.gpus and s.host and s.processes for s in samples[1:])
 
 
 def test_writer_publishes_the_file_only_on_close(tmp_path):

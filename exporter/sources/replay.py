@@ -77,6 +77,10 @@ class ReplaySource:
         index = max(bisect.bisect_right(self._offsets, offset) - 1, 0)
         return int(loop), index
 
+    def moment(self) -> float:
+        """The second of the trace being replayed now (from its first sample)."""
+        return self._offsets[self.position()[1]]
+
     def read(self) -> SourceReading:
         loop, index = self.position()
         recorded = self._samples[index]

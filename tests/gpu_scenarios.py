@@ -195,6 +195,39 @@ def oom() -> dict[str, Any]:
     }
 
 
+def memory_limit() -> dict[str, Any]:
+    """The cap series against the allocator itself: a request that ends 64 MiB under
+    torch_cuda_memory_limit_bytes is served, one that ends 64 MiB past it is refused."""
+    import torch
+
+    from exporter.sources.torch_allocator import TorchAllocatorSource
+
+    torch.empty(1, device="cuda:0")  # a context on cuda:0 only
+    source = TorchAllocatorSource()
+    uncapped = source.read().allocators[0].gauges["memory_limit_bytes"]
+    torch.cuda.set_per_process_memory_fraction(0.25, 0)
+    torch.cuda.empty_cache()
+    gauges = source.read().allocators[0].gauges
+    limit, reserved = gauges["memory_limit_bytes"], gauges["reserved_bytes"]
+    under = torch.empty(limit - reserved - 64 * MiB, dtype=torch.uint8, device="cuda:0")
+    served = True
+    del under
+    torch.cuda.empty_cache()
+    try:
+        torch.empty(limit - reserved + 64 * MiB, dtype=torch.uint8, device="cuda:0")
+        refused = False
+    except torch.cuda.OutOfMemoryError:
+        refused = True
+    return {
+        "uncapped": uncapped,
+        "total_memory": torch.cuda.get_device_properties(0).total_memory,
+        "limit": limit,
+        "fraction": torch.cuda.get_per_process_memory_fraction(0),
+        "served_under": served,
+        "refused_past": refused,
+    }
+
+
 def http() -> dict[str, Any]:
     import torch
 

@@ -67,3 +67,32 @@ def test_every_other_mode_keeps_admin_actions_off_without_a_token(tmp_path, mode
         response = client.request(method, path)
         assert response.status_code == 403, (mode, method, path)
         assert "GPUMEM_ADMIN_TOKEN" in response.json()["detail"]
+
+
+def test_a_demo_snapshot_is_the_recorded_one_of_the_moment_it_replays(tmp_path):
+    """The recording asked its exporter for snapshots as it ran: at second 67 of the trace
+    (just after the OOMs) the demo answers with the one taken at the OOM, which holds it; at
+    second 200 with a later one; each names its moment in the viewer's header."""
+    from exporter.actions.replay import demo_snapshots
+    from exporter.viewer import load_snapshot
+
+    now = [0.0]
+    replay = ReplaySource(clock=lambda: now[0])
+    replay.position()  # the replay starts at 0 on this clock
+    config = load_config(env={}, snapshot_dir=str(tmp_path / "snaps"))
+    runtime = build_runtime(config, mode="demo", sources=[replay])
+    client = TestClient(create_app(runtime))
+    taken = {}
+    for second in (67.0, 200.0):
+        now[0] = second
+        runtime.sampler.tick()
+        answer = client.post("/snapshot").json()["processes"][0]["result"]
+        taken[second] = answer
+        page = client.get(f"/snapshots/{answer['id']}/view").text
+        recorded = max(at for at, _ in demo_snapshots() if at <= replay.moment())
+        assert f"second {recorded:.0f} of the demo trace" in page
+        assert "{&#x27;" not in page and "{'" not in page  # no dict in the header
+    at_oom = load_snapshot(runtime.actions.store.path(runtime.actions.store.get(taken[67.0]["id"])))
+    assert any(e["action"] == "oom" for e in at_oom["device_traces"][0])
+    assert "oom snapshot" in client.get(f"/snapshots/{taken[67.0]['id']}/view").text
+    assert "api snapshot" in client.get(f"/snapshots/{taken[200.0]['id']}/view").text

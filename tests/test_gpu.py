@@ -138,6 +138,7 @@ def test_cuda_malloc_async_exports_only_what_it_tracks():
         "active_bytes",
         "allocated_peak_bytes",
         "reserved_peak_bytes",
+        "memory_limit_bytes",  # the fraction applies to cudaMallocAsync too
     }
     assert reading["counters"] == {} and reading["pools"] == {}
     assert reading["gauges"]["allocated_bytes"] == r["truth_allocated"] > 0
@@ -151,6 +152,13 @@ def test_retries_and_ooms_are_counted():
     assert r["after"]["ooms"] == r["before"]["ooms"] + 1 == r["truth"]["num_ooms"]
     assert r["after"]["alloc_retries"] > r["before"]["alloc_retries"]
     assert r["after"]["alloc_retries"] == r["truth"]["num_alloc_retries"]
+
+
+def test_the_memory_limit_is_where_the_allocator_refuses():
+    r = run_scenario("memory_limit")
+    assert r["uncapped"] == r["total_memory"]  # no fraction set: the whole device
+    assert r["limit"] == int(r["fraction"] * r["total_memory"]) and r["fraction"] == 0.25
+    assert r["served_under"] and r["refused_past"], r
 
 
 def test_embedded_http_serves_the_allocator():

@@ -78,9 +78,13 @@ def test_the_view_page_allows_no_script(tmp_path):
 
 @contextlib.contextmanager
 def served(tmp_path, **settings):
-    """The demo's app on a real uvicorn server in this process (sockets, not a test client)."""
+    """The demo's app on a real uvicorn server in this process (sockets, not a test client),
+    with its sampler running as in production: a sample ticked once by hand goes stale after
+    5 s, and /healthz then answers 503 (which, on a busy machine, a test setting up 70
+    clients took for the guard's)."""
     app, runtime = make_app(tmp_path, **settings)
     server = HttpServer(app, "127.0.0.1", 0)
+    runtime.sampler.start()
     server.start()
     try:
         deadline = time.monotonic() + 10
@@ -89,6 +93,7 @@ def served(tmp_path, **settings):
         yield server, runtime
     finally:
         server.stop()
+        runtime.sampler.stop()
 
 
 def admin_errors(caplog) -> list[str]:

@@ -24,15 +24,21 @@ def human_bytes(value: float) -> str:
 def _value(key: str, value: Any) -> str:
     if isinstance(value, bool) or value is None:
         return {True: "yes", False: "no", None: "none"}[value]
-    if isinstance(value, dict):
-        return ", ".join(f"{k} {_value(key, v)}" for k, v in value.items()) or "none"
+    if isinstance(value, dict):  # per device: {"0": bytes} -> "cuda:0 7.0 GiB"
+        return ", ".join(f"{_device(k)} {_value(key, v)}" for k, v in value.items()) or "none"
     if isinstance(value, list):
-        return ", ".join(_value(key, v) for v in value) or "none"
+        items = (_device(v) if key == "devices" else _value(key, v) for v in value)
+        return ", ".join(items) or "none"
     if isinstance(value, (int, float)) and key.endswith("_bytes"):
         return human_bytes(value)
     if isinstance(value, (int, float)) and key.endswith("_s"):
         return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.1f} s"
     return str(value)
+
+
+def _device(key: Any) -> str:
+    """A CUDA device number as the server's process names it."""
+    return f"cuda:{key}" if str(key).isdigit() else str(key)
 
 
 def _label(key: str) -> str:

@@ -106,7 +106,8 @@ def test_the_cli_works_with_the_demo_without_a_token(tmp_path):
         assert proc.returncode == 0, proc.stderr
         lines = proc.stdout.splitlines()
         assert lines[0] == "replay of recorded data: nothing in a real process was changed"
-        assert re.match(r"pid \d+.*: devices 0; .*released [\d.]+ [MG]iB", lines[1]), lines
+        assert re.match(r"pid \d+.*: devices cuda:0; reserved before cuda:0 [\d.]+ GiB; ", lines[1])
+        assert re.search(r"; released [\d.]+ [MG]iB;", lines[1]), lines
         as_json = run_cli(
             "snapshot", "--url", url, "-o", str(tmp_path / "j.pickle"), "--json", env=env
         )

@@ -1,6 +1,6 @@
 """A real multi-process inference server for GPU tests: LitServe with 2 workers on one GPU,
 each holding 1 GiB of model weights on it. LitServe has no SIGTERM handler of its own: a
-SIGTERM to its main process alone orphans its workers (FACTS.md).
+SIGTERM to its main process alone orphans its workers (docs/facts.md).
 
     python tests/litserve_app.py PORT
 """

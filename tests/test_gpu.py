@@ -58,7 +58,7 @@ def test_non_allocator_bytes_is_nvml_used_minus_reserved():
     assert list(non_allocator) == ["0"], r
     outside = non_allocator["0"]
     assert outside == r["raw_nvml_used"] - r["torch_reserved"]
-    # A CUDA context plus cuBLAS/kernels is hundreds of MB (FACTS.md: ~520-545 MB).
+    # A CUDA context plus cuBLAS/kernels is hundreds of MB (docs/facts.md: ~520-545 MB).
     assert 100 * MiB < outside < 4096 * MiB
     gpu = next(
         g for g in r["sample"]["gpus"] if g["uuid"] == r["sample"]["allocators"][0]["gpu_uuid"]

@@ -108,7 +108,7 @@ def test_non_allocator_bytes_is_this_processes_nvml_use_minus_reserved():
     (outside,) = samples_by_name(render(sample))["torch_cuda_non_allocator_bytes"]
     mine = next(p for p in sample.processes if p.pid == sample.self_pid)
     assert outside.value == mine.used_bytes - sample.allocators[0].gauges["reserved_bytes"]
-    # A CUDA context on an H200 is ~540 MB (FACTS.md); the capture also ran a matmul (for
+    # A CUDA context on an H200 is ~540 MB (docs/facts.md); the capture also ran a matmul (for
     # its CUDA graph), which loads cuBLAS's kernels outside the allocator: 782 MB there.
     assert 400e6 < outside.value < 1e9
     (age,) = samples_by_name(render(sample))["torch_cuda_non_allocator_age_seconds"]

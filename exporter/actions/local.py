@@ -1,6 +1,6 @@
 """This process's allocator: empty_cache, snapshots, history recording, peak reset.
 
-Guards come from shared/FACTS.md: act only on devices this process already initialized, call
+Guards come from docs/facts.md: act only on devices this process already initialized, call
 empty_cache under `torch.cuda.device(i)` (from a new thread the current device is 0, and an
 empty_cache there would create a context on GPU 0), pass explicit indices to
 reset_peak_memory_stats, and never snapshot on cudaMallocAsync, where `_snapshot` raises.
@@ -430,7 +430,7 @@ class LocalActions:
             state = self.history_state
             if state.enabled and state.owner not in (owner, "api", "startup"):
                 raise ActionConflict("a windowed snapshot is recording history right now")
-            # Always bounded: the default max_entries is unbounded (FACTS.md).
+            # Always bounded: the default max_entries is unbounded (docs/facts.md).
             record(
                 enabled="all",
                 context=params.context,

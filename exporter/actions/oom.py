@@ -1,7 +1,7 @@
 """Opt-in OOM capture: an allocator snapshot taken at the moment PyTorch runs out of memory.
 
 PyTorch calls the observer on the OOM-ing thread, with the GIL held, after flushing its cache
-and before raising OutOfMemoryError (FACTS.md). So the observer only takes the snapshot (and
+and before raising OutOfMemoryError (docs/facts.md). So the observer only takes the snapshot (and
 only if the cooldown allows: a server can OOM hundreds of times a minute) and hands it to a
 writer thread. The writer is not a daemon thread: if the OOM kills the process, the
 interpreter still waits for the file to be written before it exits.

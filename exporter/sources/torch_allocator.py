@@ -1,6 +1,6 @@
 """PyTorch's CUDA caching allocator, read from inside the process that uses it.
 
-The rules that keep this safe for the host process come from measurements (shared/FACTS.md):
+The rules that keep this safe for the host process come from measurements (docs/facts.md):
 - touch device i only when CUDA is initialized and device i already has a primary context,
   because several "read-only" calls create a ~520 MB context on a device that had none;
 - always pass an explicit device index: a new thread's current device is 0;
@@ -375,7 +375,7 @@ class TorchAllocatorSource:
 
     def _pinned_host(self, torch: Any) -> list[PinnedHostReading]:
         """Pinned host memory of PyTorch's caching host allocator: one C call (5-8 us on an
-        H200 host), which creates no CUDA context (measured, shared/FACTS.md)."""
+        H200 host), which creates no CUDA context (measured, docs/facts.md)."""
         if self._read_pinned is None:
             self._read_pinned = getattr(torch._C, "_cuda_hostMemoryStats", False)
         if not self._read_pinned:

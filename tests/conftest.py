@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -27,3 +28,33 @@ def require_tool(name: str) -> str:
         pytest.fail(message + " (GPUMEM_REQUIRE_TOOLS=1)")
     pytest.skip(message)
     raise AssertionError("unreachable")
+
+
+def mount_tmpfs(*args: str) -> None:
+    if shutil.which("mount") is None:
+        result = None
+    else:
+        result = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if result is None or result.returncode != 0:
+        why = result.stderr.strip() if result is not None else "no mount command"
+        message = f"cannot mount a tmpfs here ({why}); these tests need root"
+        if os.environ.get("GPUMEM_REQUIRE_TOOLS") == "1":
+            pytest.fail(message + " (GPUMEM_REQUIRE_TOOLS=1)")
+        pytest.skip(message)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(size) -> a fresh tmpfs of that size, unmounted after the test."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        where = tmp_path / f"disk{len(mounted)}"
+        where.mkdir()
+        mount_tmpfs("-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where))
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)

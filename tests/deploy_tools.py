@@ -11,10 +11,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 
@@ -84,3 +87,74 @@ def run_tsc(workdir: Path, sources: dict[str, str]) -> str:
     if result.returncode == 0:
         return ""
     return (result.stdout + result.stderr).strip() or f"tsc exited {result.returncode}"
+
+
+def github_anchor(heading: str) -> str:
+    """The id GitHub gives a Markdown heading (before de-duplication)."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # links keep their text
+    text = text.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)  # drops punctuation, backticks included
+    return text.replace(" ", "-")
+
+
+def markdown_anchors(markdown: str) -> set[str]:
+    """Anchors of all headings, skipping fenced code blocks; repeats get -1, -2, ..."""
+    anchors: set[str] = set()
+    seen: Counter[str] = Counter()
+    in_fence = False
+    for line in markdown.splitlines():
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+            continue
+        match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if in_fence or not match:
+            continue
+        anchor = github_anchor(match.group(1))
+        anchors.add(anchor if seen[anchor] == 0 else f"{anchor}-{seen[anchor]}")
+        seen[anchor] += 1
+    return anchors
+
+
+def load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def iter_panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every panel, rows' nested panels included, rows themselves left out."""
+    for panel in dashboard.get("panels", []):
+        if panel.get("type") == "row":
+            yield from panel.get("panels", [])
+        else:
+            yield panel
+
+
+# Series only the node daemon serves in a cluster (Kubernetes attribution through the kubelet).
+# The demo replay has no kubelet, so queries on them have no data there: the end-to-end test
+# with a stand-in kubelet (tests/test_e2e_kubernetes.py) checks that each of them has data.
+ATTRIBUTION_SERIES = re.compile(
+    r"\b(gpu_pod_info|gpu_process_pod_info|gpu_process_container_info"
+    r"|gpu_memory_unattributed_bytes|gpu_process_memory_unattributed_bytes)\b"
+)
+
+
+def needs_kubelet(expr: str) -> bool:
+    return bool(ATTRIBUTION_SERIES.search(expr))
+
+
+def iter_panel_queries(path: Path) -> Iterator[tuple[str, str]]:
+    """(panel title, PromQL) for every query of every panel of the dashboard at PATH.
+
+    Template variables ($cluster, $__rate_interval, ...) are left as they are; substitute
+    them before sending a query to Prometheus.
+    """
+    for panel in iter_panels(load(path)):
+        for target in panel.get("targets", []):
+            yield panel.get("title", ""), target.get("expr", "")
+
+
+def iter_annotation_queries(path: Path) -> Iterator[tuple[str, str]]:
+    """(annotation name, PromQL) for every Prometheus annotation of the dashboard."""
+    for annotation in load(path)["annotations"]["list"]:
+        if annotation.get("builtIn"):
+            continue
+        yield annotation["name"], annotation.get("target", {}).get("expr", "")

@@ -12,6 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from tests.conftest import REPO_ROOT
+
 
 def wait_http(url: str, proc: subprocess.Popen[str], timeout_s: float = 60) -> None:
     """Until `url` answers; fail with the process's output if it exits or time runs out."""
@@ -63,3 +67,18 @@ def stop(procs: Sequence[subprocess.Popen[str]]) -> None:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def short_rules(tmp: Path) -> list[str]:
+    files = []
+    for source in sorted((REPO_ROOT / "deploy" / "prometheus").glob("*.yaml")):
+        rules = yaml.safe_load(source.read_text())
+        for group in rules["groups"]:
+            group["interval"] = "1s"
+            for rule in group["rules"]:
+                if "for" in rule:
+                    rule["for"] = "3s"
+        target = tmp / source.name
+        target.write_text(yaml.safe_dump(rules, sort_keys=False))
+        files.append(str(target))
+    return files

@@ -13,31 +13,7 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
 from exporter.actions.snapshots import SnapshotStore
-from exporter.config import load_config
-from exporter.http.server import create_app
-from exporter.runtime import build_runtime
-from exporter.sources.replay import ReplaySource
-
-TOKEN = "s3cret-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def make_app(tmp_path, mode="demo", **settings):
-    settings.setdefault("admin_token", TOKEN)
-    config = load_config(env={}, snapshot_dir=str(tmp_path / "snaps"), **settings)
-    sources = [ReplaySource()] if mode == "demo" else []
-    runtime = build_runtime(config, mode=mode, sources=sources)
-    runtime.sampler.tick()
-    return create_app(runtime), runtime
-
-
-def only(response) -> dict:
-    """The one process's result: every action answers a list, one entry outside `run`."""
-    body = response.json()
-    assert len(body["processes"]) == 1, body
-    entry = body["processes"][0]
-    assert entry["process"]["pid"] == str(os.getpid())
-    return entry["result"] if entry["ok"] else entry
+from tests.helpers import AUTH, TOKEN, make_app, only
 
 
 @pytest.fixture

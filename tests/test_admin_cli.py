@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import require_tool
-from tests.test_cli import run_cli, running
+from tests.helpers import run_cli, running
 
 TOKEN = "cli-test-token"
 

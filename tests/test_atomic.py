@@ -11,7 +11,7 @@ import pytest
 
 from exporter import atomic
 from exporter.trace import TraceWriter
-from tests.test_metrics import captured_sample
+from tests.helpers import captured_sample
 
 
 @pytest.fixture

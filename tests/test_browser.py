@@ -11,8 +11,7 @@ from fastapi.testclient import TestClient
 
 from exporter.http.browser import is_loopback
 from exporter.http.server import HttpServer
-from tests.test_admin import make_app
-from tests.test_faults_http import served
+from tests.helpers import make_app, served
 
 
 @pytest.fixture

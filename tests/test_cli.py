@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import stat
 import subprocess
@@ -12,8 +11,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,58 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.trace import read_trace
 from tests.conftest import require_tool
-
-CLI = [sys.executable, "-m", "exporter.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_cli(
-    *args: str, timeout: float = 60, env: dict[str, str] | None = None, umask: int = -1
-) -> subprocess.CompletedProcess:
-    """Run the CLI; `env` replaces the environment, `umask` is the user's (-1: inherited)."""
-    return subprocess.run(
-        [*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env, umask=umask
-    )
-
-
-@contextmanager
-def running(
-    *args: str, env: dict[str, str] | None = None, wait_for: str = "/readyz"
-) -> Iterator[str]:
-    """Start `gpumem-exporter ARGS --port P`, wait for `wait_for` to answer 200, yield the
-    base URL."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [*CLI, *args, "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(url + wait_for, timeout=1):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"exporter did not start: {proc.stdout.read()}") from None
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            # uvicorn re-raises the SIGTERM it handled once it has shut down cleanly.
-            assert proc.wait(timeout=15) in (0, -signal.SIGTERM)
-        finally:
-            proc.kill()
+from tests.helpers import CLI, run_cli, running
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:

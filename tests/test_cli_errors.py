@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from exporter import cli
-from tests.test_cli import run_cli, running
-from tests.test_snapshot_faults import _mount, small_disk  # noqa: F401 - a fixture
+from tests.conftest import mount_tmpfs
+from tests.helpers import run_cli, running
 
 TOKEN = "cli-errors-token"
 
@@ -69,10 +69,10 @@ def test_a_directory_as_the_output_file_is_one_line(tmp_path):
     assert "is a directory" in line
 
 
-def test_an_unwritable_output_is_refused_before_the_exporter_is_asked(tmp_path, small_disk):  # noqa: F811
+def test_an_unwritable_output_is_refused_before_the_exporter_is_asked(tmp_path, small_disk):
     """Before: the snapshot was taken, then lost to a path that could not be written."""
     disk = small_disk("1m")
-    _mount("-o", "remount,ro", str(disk))
+    mount_tmpfs("-o", "remount,ro", str(disk))
     token = tmp_path / "token"
     token.write_text(TOKEN)
     token.chmod(0o600)

@@ -30,11 +30,18 @@ import pytest
 import yaml
 
 from tests.conftest import REPO_ROOT, require_tool
-from tests.deploy_tools import run_tsc
+from tests.deploy_tools import (
+    iter_annotation_queries,
+    iter_panel_queries,
+    iter_panels,
+    load,
+    markdown_anchors,
+    needs_kubelet,
+    run_tsc,
+)
+from tests.helpers import free_port
 from tests.prometheus_server import api as prometheus_get
 from tests.prometheus_server import start_prometheus, stop, wait_http
-from tests.test_cli import free_port
-from tests.test_prometheus_rules import markdown_anchors
 
 DASHBOARDS_DIR = REPO_ROOT / "dashboards"
 DASHBOARDS = sorted(DASHBOARDS_DIR.glob("*.json"))
@@ -113,51 +120,6 @@ PROMQL_KEYWORDS = {
 
 
 # --- walking a dashboard --------------------------------------------------------------------
-
-
-def load(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
-
-
-def iter_panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Every panel, rows' nested panels included, rows themselves left out."""
-    for panel in dashboard.get("panels", []):
-        if panel.get("type") == "row":
-            yield from panel.get("panels", [])
-        else:
-            yield panel
-
-
-# Series only the node daemon serves in a cluster (Kubernetes attribution through the kubelet).
-# The demo replay has no kubelet, so queries on them have no data there: the end-to-end test
-# with a stand-in kubelet (tests/test_e2e_kubernetes.py) checks that each of them has data.
-ATTRIBUTION_SERIES = re.compile(
-    r"\b(gpu_pod_info|gpu_process_pod_info|gpu_process_container_info"
-    r"|gpu_memory_unattributed_bytes|gpu_process_memory_unattributed_bytes)\b"
-)
-
-
-def needs_kubelet(expr: str) -> bool:
-    return bool(ATTRIBUTION_SERIES.search(expr))
-
-
-def iter_panel_queries(path: Path) -> Iterator[tuple[str, str]]:
-    """(panel title, PromQL) for every query of every panel of the dashboard at PATH.
-
-    Template variables ($cluster, $__rate_interval, ...) are left as they are; substitute
-    them before sending a query to Prometheus.
-    """
-    for panel in iter_panels(load(path)):
-        for target in panel.get("targets", []):
-            yield panel.get("title", ""), target.get("expr", "")
-
-
-def iter_annotation_queries(path: Path) -> Iterator[tuple[str, str]]:
-    """(annotation name, PromQL) for every Prometheus annotation of the dashboard."""
-    for annotation in load(path)["annotations"]["list"]:
-        if annotation.get("builtIn"):
-            continue
-        yield annotation["name"], annotation.get("target", {}).get("expr", "")
 
 
 def iter_variable_queries(path: Path) -> Iterator[tuple[str, str]]:

@@ -29,12 +29,11 @@ from exporter.runtime import Runtime, build_runtime
 from exporter.sources.kubelet import KubeletSource
 from exporter.sources.nvml import NvmlSource
 from tests.conftest import DATA_DIR, REPO_ROOT, require_tool
+from tests.deploy_tools import iter_panel_queries, needs_kubelet
+from tests.helpers import free_port
 from tests.kubelet_standin import StandInKubelet, pod, write_state
 from tests.nvml_double import FakeNvml
-from tests.prometheus_server import api, start_prometheus, stop, wait_http
-from tests.test_cli import free_port
-from tests.test_dashboards import iter_panel_queries, needs_kubelet
-from tests.test_e2e_prometheus import _short_rules
+from tests.prometheus_server import api, short_rules, start_prometheus, stop, wait_http
 
 pytestmark = pytest.mark.e2e
 
@@ -92,7 +91,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     http.start()
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": _short_rules(tmp),
+        "rule_files": short_rules(tmp),
         "scrape_configs": [
             {
                 "job_name": "gpumem-node",

@@ -22,15 +22,14 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.conftest import REPO_ROOT, require_tool
-from tests.prometheus_server import api, start_prometheus, stop, wait_http
-from tests.test_cli import free_port
-from tests.test_dashboards import iter_annotation_queries, iter_panel_queries, needs_kubelet
+from tests.deploy_tools import iter_annotation_queries, iter_panel_queries, needs_kubelet
+from tests.helpers import free_port
+from tests.prometheus_server import api, short_rules, start_prometheus, stop, wait_http
 
 pytestmark = pytest.mark.e2e
 
@@ -62,21 +61,6 @@ class Stack:
         return data
 
 
-def _short_rules(tmp: Path) -> list[str]:
-    files = []
-    for source in sorted((REPO_ROOT / "deploy" / "prometheus").glob("*.yaml")):
-        rules = yaml.safe_load(source.read_text())
-        for group in rules["groups"]:
-            group["interval"] = "1s"
-            for rule in group["rules"]:
-                if "for" in rule:
-                    rule["for"] = "3s"
-        target = tmp / source.name
-        target.write_text(yaml.safe_dump(rules, sort_keys=False))
-        files.append(str(target))
-    return files
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
     prometheus = require_tool("prometheus")
@@ -105,7 +89,7 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     )
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": _short_rules(tmp),
+        "rule_files": short_rules(tmp),
         "scrape_configs": [
             {
                 "job_name": "gpumem-demo",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO_ROOT
 from tests.deploy_tools import require_module
+from tests.helpers import free_port
 
 EXAMPLE = REPO_ROOT / "examples" / "inference_server"
 MANIFEST = EXAMPLE / "deployment.yaml"
@@ -163,12 +163,6 @@ class Server:
         return self.process.wait(SHUTDOWN_TIMEOUT_S)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _wait_until_up(server: Server) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -187,7 +181,7 @@ def _wait_until_up(server: Server) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    app_port, metrics_port = _free_port(), _free_port()
+    app_port, metrics_port = free_port(), free_port()
     env = {key: value for key, value in os.environ.items() if not key.startswith("GPUMEM_")}
     env.update(
         GPUMEM_PORT=str(metrics_port),

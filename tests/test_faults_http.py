@@ -3,7 +3,6 @@ dawdle. Each test reproduces a reported failure and shows it fixed (docs/reliabi
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import logging
@@ -16,9 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from exporter.http import guard
-from exporter.http.server import HttpServer
-from tests.test_admin import AUTH, TOKEN, make_app, only
-from tests.test_cli import run_cli, running
+from tests.helpers import AUTH, TOKEN, make_app, only, run_cli, running, served
 
 
 def test_a_windowed_capture_can_be_stopped_and_keeps_what_it_recorded(tmp_path):
@@ -74,26 +71,6 @@ def test_the_view_page_allows_no_script(tmp_path):
     policy = page.headers["content-security-policy"]
     assert "default-src 'none'" in policy and "script-src" not in policy
     assert "<script" not in page.text.lower()
-
-
-@contextlib.contextmanager
-def served(tmp_path, **settings):
-    """The demo's app on a real uvicorn server in this process (sockets, not a test client),
-    with its sampler running as in production: a sample ticked once by hand goes stale after
-    5 s, and /healthz then answers 503 (which, on a busy machine, a test setting up 70
-    clients took for the guard's)."""
-    app, runtime = make_app(tmp_path, **settings)
-    server = HttpServer(app, "127.0.0.1", 0)
-    runtime.sampler.start()
-    server.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server._server.started and time.monotonic() < deadline:
-            time.sleep(0.01)
-        yield server, runtime
-    finally:
-        server.stop()
-        runtime.sampler.stop()
 
 
 def admin_errors(caplog) -> list[str]:

@@ -28,7 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO_ROOT
-from tests.test_cli import CLI, free_port
+from tests.helpers import CLI, free_port
 
 torch = pytest.importorskip("torch")
 pynvml = pytest.importorskip("pynvml")

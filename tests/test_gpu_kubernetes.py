@@ -20,8 +20,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO_ROOT
+from tests.helpers import free_port
 from tests.kubelet_standin import pod, write_state
-from tests.test_cli import free_port
 
 torch = pytest.importorskip("torch")
 

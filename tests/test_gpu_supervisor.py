@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.test_cli import free_port
+from tests.helpers import free_port
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("litserve")

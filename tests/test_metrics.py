@@ -6,58 +6,16 @@ import json
 import subprocess
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.identity import identity_labels
-from exporter.metrics import HOST_GAUGES, MACHINE_HOST_GAUGES, SampleCollector
 from exporter.sample import (
-    AllocatorReading,
-    ExporterState,
-    GpuReading,
     PinnedHostReading,
-    ProcessGpuReading,
-    Sample,
-    SourceStatus,
 )
-from exporter.sources.replay import demo_trace_path, derive_recorded_non_allocator
+from exporter.sources.replay import demo_trace_path
 from exporter.trace import read_trace
 from tests.conftest import DATA_DIR, require_tool
-
-
-def captured_sample(name: str) -> Sample:
-    """A sample as the exporter's own sources read it on the GPU machine."""
-    data = json.loads((DATA_DIR / f"allocator_{name}.json").read_text())
-    sample = Sample(
-        timestamp=1.0,
-        allocators=[AllocatorReading(**a) for a in data["exporter_allocators"]],
-        gpus=[GpuReading(**g) for g in data["exporter_gpus"]],
-        processes=[ProcessGpuReading(**p) for p in data["exporter_processes"]],
-        self_pid=data["pid"],
-    )
-    # Captured before processes took their non-allocator bytes themselves: derived from the
-    # capture's process list, read in the same tick, as a replay does.
-    derive_recorded_non_allocator([sample])
-    return sample
-
-
-def render(sample: Sample | None, labels: dict | None = None, replay: bool = False) -> str:
-    registry = CollectorRegistry()
-    state = ExporterState(
-        sample=sample,
-        sources={"torch": SourceStatus(True, 1e-5, 0), "nvml": SourceStatus(False, 2e-5, 3)},
-    )
-    registry.register(
-        SampleCollector(
-            lambda: state,
-            const_labels=labels or {},
-            version="0.1.0",
-            mode="demo" if replay else "embedded",
-            torch_version="2.11.0",
-            host_gauges=MACHINE_HOST_GAUGES if replay else HOST_GAUGES,
-        )
-    )
-    return generate_latest(registry).decode()
+from tests.helpers import captured_sample, render
 
 
 def samples_by_name(text: str) -> dict[str, list]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from exporter.runtime import build_runtime
 from exporter.sources.replay import ReplaySource, demo_trace_path
 from exporter.trace import read_trace
 from tests.conftest import REPO_ROOT, require_tool
+from tests.helpers import free_port
 
 Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -265,12 +265,6 @@ def test_the_folder_is_found_as_prometheus_client_finds_it():
 
 
 # -- a real multi-process server --------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(url: str) -> str:

@@ -13,8 +13,8 @@ from exporter.sample import AllocatorReading
 from exporter.sources.non_allocator import NonAllocatorProbe
 from exporter.sources.torch_allocator import TorchAllocatorSource
 from tests.conftest import DATA_DIR
+from tests.helpers import FakeCuda, fake_torch
 from tests.nvml_double import FakeNvml
-from tests.test_torch_allocator import FakeCuda, fake_torch
 
 MiB = 1 << 20
 

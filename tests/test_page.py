@@ -41,7 +41,7 @@ from exporter.sample import (
 from exporter.sources.replay import ReplaySource, demo_trace_path
 from exporter.trace import read_trace
 from tests.conftest import REPO_ROOT, require_tool
-from tests.test_viewer import _decode_png
+from tests.helpers import decode_png
 
 GiB = 1 << 30
 TOKEN = "page-test-token"
@@ -449,7 +449,7 @@ def drive(url: str, tmp_path: Path, name: str, **options: Any) -> dict[str, Any]
 
 
 def colours_of(png: Path, width: int) -> tuple[Counter[bytes], int]:
-    w, _, bpp, rows = _decode_png(png.read_bytes())
+    w, _, bpp, rows = decode_png(png.read_bytes())
     assert w == width
     colours: Counter[bytes] = Counter()
     for row in rows[::2]:

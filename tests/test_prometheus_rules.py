@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO_ROOT, require_tool
+from tests.deploy_tools import github_anchor, markdown_anchors
 
 RULES_DIR = REPO_ROOT / "deploy" / "prometheus"
 ALERTS_FILE = RULES_DIR / "alerts.yaml"
@@ -100,32 +101,6 @@ def runbook_anchor(alert: dict[str, Any]) -> str:
     match = RUNBOOK.match(alert["annotations"]["runbook"])
     assert match, f"{alert['alert']}: runbook is not docs/runbooks.md#<anchor>"
     return match.group(1)
-
-
-def github_anchor(heading: str) -> str:
-    """The id GitHub gives a Markdown heading (before de-duplication)."""
-    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # links keep their text
-    text = text.strip().lower()
-    text = re.sub(r"[^\w\- ]", "", text)  # drops punctuation, backticks included
-    return text.replace(" ", "-")
-
-
-def markdown_anchors(markdown: str) -> set[str]:
-    """Anchors of all headings, skipping fenced code blocks; repeats get -1, -2, ..."""
-    anchors: set[str] = set()
-    seen: Counter[str] = Counter()
-    in_fence = False
-    for line in markdown.splitlines():
-        if line.lstrip().startswith("```"):
-            in_fence = not in_fence
-            continue
-        match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
-        if in_fence or not match:
-            continue
-        anchor = github_anchor(match.group(1))
-        anchors.add(anchor if seen[anchor] == 0 else f"{anchor}-{seen[anchor]}")
-        seen[anchor] += 1
-    return anchors
 
 
 def test_github_anchor() -> None:

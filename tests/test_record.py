@@ -9,7 +9,7 @@ import pytest
 from exporter.record import RecordError, record_url, sample_from_exposition, scrape
 from exporter.sources.replay import demo_trace_path, derive_recorded_non_allocator
 from exporter.trace import TraceWriter, read_trace
-from tests.test_metrics import captured_sample, render
+from tests.helpers import captured_sample, render
 
 
 @pytest.mark.parametrize("which", ["native", "expandable", "async"])

@@ -27,7 +27,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO_ROOT
-from tests.test_cli import free_port
+from tests.helpers import free_port
 
 FAKE_TORCH = REPO_ROOT / "tests" / "fake_torch"
 TOKEN = "run-token"
@@ -198,7 +198,8 @@ def _roles(url: str) -> set[str]:
         return set()
 
 
-def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_launcher(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`gpumem-exporter run ARGS` on a free port, NVML off."""
     return subprocess.run(
         [sys.executable, "-m", "exporter.cli", "run", "--port", str(free_port()), *args],
         capture_output=True,
@@ -218,11 +219,11 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     ],
 )
 def test_exit_status_passes_through(command, status):
-    assert run_cli("--", *command).returncode == status
+    assert run_launcher("--", *command).returncode == status
 
 
 def test_a_command_is_required():
-    proc = run_cli()
+    proc = run_launcher()
     assert proc.returncode == 2 and "no command to run" in proc.stderr
 
 
@@ -235,7 +236,7 @@ def test_children_get_the_agent_and_keep_their_own_sitecustomize(tmp_path):
         "print(os.environ.get('OWN_SITECUSTOMIZE'), a._agent is not None, "
         "'fastapi' in sys.modules, 'torch' in sys.modules)"
     )
-    proc = run_cli("--", sys.executable, "-c", probe, env={"PYTHONPATH": str(own)})
+    proc = run_launcher("--", sys.executable, "-c", probe, env={"PYTHONPATH": str(own)})
     assert proc.returncode == 0, proc.stderr
     # Our agent started, the user's sitecustomize still ran, and start-up stayed light.
     assert proc.stdout.split() == ["ran", "True", "False", "False"]
@@ -758,20 +759,20 @@ def test_folders_of_launchers_that_are_gone_are_swept_at_start(short_tmp):
         # Just made by a launcher that has not locked it yet: spared.
         new = temp / "gpumem-run-4194001-abcd1234"
         new.mkdir()
-        done = run_cli("--", "true", env={"TMPDIR": str(temp)})
+        done = run_launcher("--", "true", env={"TMPDIR": str(temp)})
         assert done.returncode == 0, done.stderr
         assert sorted(temp.glob("gpumem-run-*")) == sorted([running, new])
     finally:
         holder.kill()
         holder.wait()
     # Its holder gone, the folder is swept by the next launcher.
-    done = run_cli("--", "true", env={"TMPDIR": str(temp)})
+    done = run_launcher("--", "true", env={"TMPDIR": str(temp)})
     assert sorted(temp.glob("gpumem-run-*")) == [new]
 
 
 def test_a_temp_dir_too_deep_for_a_socket_path_falls_back_to_tmp(tmp_path):
     deep = tmp_path / ("d" * 100)
     deep.mkdir()
-    done = run_cli("--", "true", env={"TMPDIR": str(deep)})
+    done = run_launcher("--", "true", env={"TMPDIR": str(deep)})
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr

@@ -27,8 +27,7 @@ from exporter.http.server import HttpServer, create_app
 from exporter.run.aggregator import Aggregator
 from exporter.runtime import build_runtime
 from tests.conftest import REPO_ROOT
-from tests.test_admin import AUTH, TOKEN
-from tests.test_faults_http import served
+from tests.helpers import AUTH, TOKEN, served
 
 
 def status_line(address: tuple[str, int], path: str) -> bytes:

@@ -14,7 +14,6 @@ import math
 import os
 import pickle
 import random
-import shutil
 import signal
 import stat
 import subprocess
@@ -32,7 +31,7 @@ from exporter.config import ConfigError, load_config
 from exporter.http.server import create_app
 from exporter.runtime import build_runtime
 from exporter.sources.replay import ReplaySource
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, mount_tmpfs
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -245,36 +244,6 @@ def test_a_store_reads_and_writes_nothing_once_its_folder_is_not_private(tmp_pat
 # -- 5. a full or read-only disk is a 507 that leaves nothing behind ------------------------
 
 
-def _mount(*args: str) -> None:
-    if shutil.which("mount") is None:
-        result = None
-    else:
-        result = subprocess.run(["mount", *args], capture_output=True, text=True)
-    if result is None or result.returncode != 0:
-        why = result.stderr.strip() if result is not None else "no mount command"
-        message = f"cannot mount a tmpfs here ({why}); these tests need root"
-        if os.environ.get("GPUMEM_REQUIRE_TOOLS") == "1":
-            pytest.fail(message + " (GPUMEM_REQUIRE_TOOLS=1)")
-        pytest.skip(message)
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """mount(size) -> a fresh tmpfs of that size, unmounted after the test."""
-    mounted: list[Path] = []
-
-    def mount(size: str) -> Path:
-        where = tmp_path / f"disk{len(mounted)}"
-        where.mkdir()
-        _mount("-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where))
-        mounted.append(where)
-        return where
-
-    yield mount
-    for where in mounted:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
 def fill(path: Path, size: int | None = None) -> None:
     """Write `size` bytes to `path`, or as many as the disk takes."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
@@ -330,7 +299,7 @@ def test_a_read_only_disk_answers_507_with_the_reason(small_disk):
     disk = small_disk("8m")
     folder = private_folder(disk / "snaps")
     client, _ = demo_app(folder)
-    _mount("-o", "remount,ro", str(disk))
+    mount_tmpfs("-o", "remount,ro", str(disk))
     assert_507(client.post("/snapshot", headers=AUTH), "Read-only file system")
     assert_507(client.post("/snapshot", json={"record_s": 1}, headers=AUTH), "Read-only")
     assert os.listdir(folder) == []
@@ -344,7 +313,7 @@ def test_deleting_on_a_read_only_disk_answers_507_and_keeps_the_snapshot_listed(
     assert created.status_code == 201, created.text
     snapshot_id = created.json()["processes"][0]["result"]["id"]
     files = sorted(os.listdir(folder))
-    _mount("-o", "remount,ro", str(disk))
+    mount_tmpfs("-o", "remount,ro", str(disk))
     deleted = client.delete(f"/snapshots/{snapshot_id}", headers=AUTH)
     assert deleted.status_code == 507, deleted.text
     assert "Read-only file system" in deleted.json()["detail"]
@@ -352,7 +321,7 @@ def test_deleting_on_a_read_only_disk_answers_507_and_keeps_the_snapshot_listed(
     assert listed_ids(client) == [snapshot_id]
     assert sorted(os.listdir(folder)) == files
     assert client.get(f"/snapshots/{snapshot_id}", headers=AUTH).status_code == 200
-    _mount("-o", "remount,rw", str(disk))
+    mount_tmpfs("-o", "remount,rw", str(disk))
     assert client.delete(f"/snapshots/{snapshot_id}", headers=AUTH).status_code == 204
     assert listed_ids(client) == [] and os.listdir(folder) == []
 

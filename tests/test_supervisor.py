@@ -27,7 +27,7 @@ import pytest
 
 from exporter.run.supervisor import Supervisor
 from tests.conftest import REPO_ROOT, require_tool
-from tests.test_cli import free_port
+from tests.helpers import free_port
 
 GRACE_S = 2.0
 PY = sys.executable

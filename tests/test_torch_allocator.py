@@ -14,6 +14,7 @@ from exporter.sources.torch_allocator import (
     parse_alloc_conf,
 )
 from tests.conftest import DATA_DIR
+from tests.helpers import FakeCuda, fake_torch
 
 
 def capture(name: str) -> dict:
@@ -108,42 +109,6 @@ def test_parse_alloc_conf_reads_both_variable_names():
         "backend": "cudaMallocAsync"
     }
     assert parse_alloc_conf({}) == {}
-
-
-class FakeCuda:
-    """Records every call so tests can prove which devices were touched."""
-
-    def __init__(self, stats: dict, initialized: bool, contexts: set[int], count: int = 2):
-        self.stats = stats
-        self.initialized = initialized
-        self.contexts = contexts
-        self.count = count
-        self.calls: list[tuple] = []
-
-    def is_initialized(self):
-        return self.initialized
-
-    def device_count(self):
-        return self.count
-
-    def memory_stats_as_nested_dict(self, device=None):
-        self.calls.append(("memory_stats_as_nested_dict", device))
-        assert isinstance(device, int), "device index must always be explicit"
-        return self.stats
-
-    def get_allocator_backend(self):
-        return "native"
-
-    def get_device_properties(self, index):
-        self.calls.append(("get_device_properties", index))
-        return SimpleNamespace(uuid=f"0000-{index}")
-
-
-def fake_torch(cuda: FakeCuda, with_context_api: bool = True):
-    c = SimpleNamespace()
-    if with_context_api:
-        c._cuda_hasPrimaryContext = lambda i: i in cuda.contexts
-    return SimpleNamespace(cuda=cuda, _C=c)
 
 
 def test_nothing_is_touched_before_cuda_is_initialized():

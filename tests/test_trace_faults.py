@@ -28,7 +28,7 @@ from exporter.sampler import Sampler
 from exporter.sources.replay import ReplaySource, demo_trace_path
 from exporter.trace import TraceError, TraceWriter, read_trace
 from tests.conftest import REPO_ROOT
-from tests.test_metrics import captured_sample, render
+from tests.helpers import captured_sample, render
 
 CLI = [sys.executable, "-m", "exporter.cli"]
 EXPOSITION = render(captured_sample("native")).encode()

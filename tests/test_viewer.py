@@ -7,10 +7,8 @@ import gzip
 import os
 import pickle
 import re
-import struct
 import subprocess
 import time
-import zlib
 from collections import Counter
 from html.parser import HTMLParser
 from pathlib import Path
@@ -29,6 +27,7 @@ from exporter.viewer import (
     render_html,
 )
 from tests.conftest import require_tool
+from tests.helpers import decode_png
 
 DEMO = demo_snapshot_path()
 
@@ -389,58 +388,6 @@ def test_tiny_blocks_are_merged() -> None:
 # -- the page in a real browser --------------------------------------------------------------
 
 
-def _decode_png(data: bytes) -> tuple[int, int, int, list[bytes]]:
-    """(width, height, bytes per pixel, rows) of an 8-bit non-interlaced PNG, using zlib only."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
-    pos, idat, header = 8, [], None
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
-        if kind == b"IHDR":
-            header = struct.unpack(">IIBBBBB", body)
-        elif kind == b"IDAT":
-            idat.append(body)
-        pos += 12 + length
-    assert header is not None
-    width, height, depth, color, _, _, interlace = header
-    assert depth == 8 and interlace == 0, header
-    bpp = {0: 1, 2: 3, 4: 2, 6: 4}[color]
-    stride = width * bpp
-    raw = zlib.decompress(b"".join(idat))
-    low7 = int.from_bytes(b"\x7f" * stride, "big")
-    high1 = int.from_bytes(b"\x80" * stride, "big")
-    rows: list[bytes] = []
-    prev = bytes(stride)
-    for y in range(height):
-        start = y * (stride + 1)
-        kind_, line = raw[start], raw[start + 1 : start + 1 + stride]
-        if kind_ == 0:
-            cur = line
-        elif kind_ == 2:
-            # "Up", the commonest filter: byte-wise addition mod 256 of whole rows at once.
-            a, b = int.from_bytes(line, "big"), int.from_bytes(prev, "big")
-            cur = (((a & low7) + (b & low7)) ^ ((a ^ b) & high1)).to_bytes(stride, "big")
-        else:
-            out = bytearray(line)
-            for i in range(stride):
-                left = out[i - bpp] if i >= bpp else 0
-                up = prev[i]
-                if kind_ == 1:
-                    pred = left
-                elif kind_ == 3:
-                    pred = (left + up) >> 1
-                else:  # Paeth
-                    up_left = prev[i - bpp] if i >= bpp else 0
-                    p = left + up - up_left
-                    pa, pb, pc = abs(p - left), abs(p - up), abs(p - up_left)
-                    pred = left if pa <= pb and pa <= pc else up if pb <= pc else up_left
-                out[i] = (out[i] + pred) & 0xFF
-            cur = bytes(out)
-        rows.append(cur)
-        prev = cur
-    return width, height, bpp, rows
-
-
 def test_screenshot_in_headless_chromium(demo_html: str, tmp_path: Path) -> None:
     chromium = require_tool("chromium")
     page = tmp_path / "snapshot.html"
@@ -465,7 +412,7 @@ def test_screenshot_in_headless_chromium(demo_html: str, tmp_path: Path) -> None
         capture_output=True,
         timeout=90,
     )
-    width, height, bpp, rows = _decode_png(png.read_bytes())
+    width, height, bpp, rows = decode_png(png.read_bytes())
     assert (width, height) == (1400, 2000)
     colours: Counter[bytes] = Counter()
     for row in rows[::2]:  # every other pixel of every other row is plenty

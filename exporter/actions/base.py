@@ -12,6 +12,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from exporter.actions.errors import (  # noqa: F401 - where callers have always found them
+    OUTCOME_STATUS,
+    ActionConflict,
+    ActionCooldown,
+    ActionFailed,
+    ActionInsufficientStorage,
+    ActionUnavailable,
+)
 from exporter.sample import ActionCounts
 
 if TYPE_CHECKING:
@@ -23,54 +31,6 @@ DEFAULT_HISTORY_ENTRIES = 100_000
 # A windowed capture blocks every other snapshot of its process until it ends: long enough for
 # a few minutes of serving steps; stop_capture ends it early.
 MAX_RECORD_S = 300
-
-# Outcomes of one process's action, and the HTTP status each stands for when every selected
-# process ended the same way.
-OUTCOME_STATUS = {
-    "ok": 200,
-    "unavailable": 409,  # not now: CUDA not initialized yet, device not in use
-    "conflict": 409,  # another capture is recording
-    "cooldown": 429,
-    "unsupported": 501,  # never here: cudaMallocAsync has no snapshots
-    "error": 500,
-    # The snapshot folder cannot take the file: full, over quota, read-only, or not ours.
-    "insufficient_storage": 507,
-    "unreachable": 502,  # the process's agent could not be reached
-    "timeout": 504,
-}
-
-
-class ActionFailed(RuntimeError):
-    """An action that cannot run here; `outcome` says why (a key of OUTCOME_STATUS)."""
-
-    outcome = "error"
-
-    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class ActionUnavailable(ActionFailed):
-    """Not possible now (409), or never with this allocator (501 when `unsupported`)."""
-
-    def __init__(self, message: str, *, unsupported: bool = False) -> None:
-        super().__init__(message)
-        self.unsupported = unsupported
-        self.outcome = "unsupported" if unsupported else "unavailable"
-
-
-class ActionConflict(ActionFailed):
-    outcome = "conflict"
-
-
-class ActionCooldown(ActionFailed):
-    outcome = "cooldown"
-
-
-class ActionInsufficientStorage(ActionFailed):
-    """The result could not be stored (507); the message says why (the errno's text)."""
-
-    outcome = "insufficient_storage"
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from exporter.actions.local import LocalActions
+if TYPE_CHECKING:
+    from exporter.actions.snapshots import SnapshotStore
 
 log = logging.getLogger("exporter.oom")
 
@@ -27,12 +28,23 @@ _attached_lock = threading.Lock()
 _attached = False
 
 
+class OomActions(Protocol):
+    """What the observer needs of the process's actions (LocalActions has it)."""
+
+    process: dict[str, str]
+    store: SnapshotStore
+
+    def capture(self) -> Any: ...
+
+    def count_snapshot(self, trigger: str) -> None: ...
+
+
 class OomCapture:
     """The OOM observer; `attach()` once CUDA is initialized (actions.local.when_cuda_ready)."""
 
     def __init__(
         self,
-        actions: LocalActions,
+        actions: OomActions,
         *,
         cooldown_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,

@@ -17,12 +17,20 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any, Protocol
 
-from exporter.actions.base import ActionFailed
-from exporter.actions.local import LocalActions
+from exporter.actions.errors import ActionFailed
 from exporter.detectors import AlertEvent, Detectors
 
 log = logging.getLogger("exporter.remediation")
+
+
+class RemediationActions(Protocol):
+    """What remediation needs of the process's actions (LocalActions has it)."""
+
+    def empty_cache_now(self, device: int | None = None, trigger: str = "api") -> Any: ...
+
+    def write_snapshot(self, trigger: str = "api") -> Any: ...
 
 
 class Remediation:
@@ -30,7 +38,7 @@ class Remediation:
 
     def __init__(
         self,
-        actions: LocalActions,
+        actions: RemediationActions,
         detectors: Detectors,
         *,
         cooldown_s: float = 300.0,

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from exporter import atomic
-from exporter.actions.base import ActionInsufficientStorage
+from exporter.actions.errors import ActionInsufficientStorage
 from exporter.config import ConfigError, make_private_folder, private_folder_problem
 
 if TYPE_CHECKING:

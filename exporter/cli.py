@@ -65,7 +65,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="least severe log messages printed on stderr (default INFO)",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in (
+        _add_serve_command,
+        _add_demo_command,
+        _add_record_command,
+        _add_run_command,
+        _add_snapshot_command,
+        _add_empty_cache_command,
+        _add_history_command,
+        _add_reset_peak_command,
+        _add_stats_command,
+        _add_view_command,
+    ):
+        add(commands)
+    return parser
 
+
+def _add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = commands.add_parser(
         "serve",
         help="node daemon: NVML device and per-process memory, host memory",
@@ -80,13 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
         "socket exists) [GPUMEM_KUBELET_SOCKET]",
     )
 
+
+def _add_demo_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo = commands.add_parser(
         "demo",
         help="replay a trace recorded on a real GPU, no GPU needed",
         description="Serve the metrics of a recorded trace at the pace it was recorded, "
         "looping. Without --trace, plays the trace shipped with the package "
-        "(an H200 serving inference-like traffic, then fragmenting, retrying and "
-        "running out of memory).",
+        "(an H100 serving a decoder with dynamic batching under a 22 GiB memory cap: it "
+        "fragments its cache, retries allocations and runs out of memory).",
     )
     _add_server_flags(demo)
     demo.add_argument(
@@ -99,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--speed", type=float, default=1.0, help="playback speed (default 1: the recorded pace)"
     )
 
+
+def _add_record_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     record = commands.add_parser(
         "record",
         help="record a running exporter's metrics into a trace file",
@@ -116,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     record.add_argument(
         "--interval-s", type=float, default=1.0, help="seconds between scrapes (default 1)"
     )
+
+
+def _add_run_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run = commands.add_parser(
         "run",
         help="run a server with every Python process it starts instrumented",
@@ -135,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command to run, after --")
 
+
+def _add_snapshot_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     snapshot = commands.add_parser(
         "snapshot",
         help="capture an allocator snapshot from a running exporter",
@@ -167,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(Python, C++ and CUDA; slower to record) (default python)",
     )
 
+
+def _add_empty_cache_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     empty_cache = commands.add_parser(
         "empty-cache",
         help="ask a running exporter to release cached GPU memory",
@@ -185,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Default: the first GPU the process uses",
     )
 
+
+def _add_history_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     history = commands.add_parser(
         "history",
         help="start, stop or show allocation history recording",
@@ -209,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
         "CUDA; slower to record) (default python)",
     )
 
+
+def _add_reset_peak_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     reset_peak = commands.add_parser(
         "reset-peak",
         help="reset the allocator's peak statistics",
@@ -218,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_flags(reset_peak)
     reset_peak.add_argument("--device", type=int, help="only this CUDA device")
 
+
+def _add_stats_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     stats = commands.add_parser(
         "stats",
         help="print the latest sample and firing alerts as JSON",
@@ -225,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_client_flags(stats)
 
+
+def _add_view_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     view = commands.add_parser(
         "view",
         help="render a snapshot as a self-contained HTML page (works offline)",
@@ -233,7 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     view.add_argument("snapshot", type=Path, help="snapshot pickle")
     view.add_argument("-o", "--output", required=True, type=Path, help="HTML file to write")
-    return parser
 
 
 def _add_client_flags(parser: argparse.ArgumentParser) -> None:

@@ -23,7 +23,7 @@ import os
 import pickle
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import IO, Any, ClassVar, NamedTuple
@@ -630,6 +630,15 @@ def _summary_html(
 ) -> str:
     devices = sorted(by_device.keys() | traces.keys())
     total = _totals(segments)
+    return (
+        _summary_cards(total, traces)
+        + _device_table(devices, by_device, traces)
+        + _summary_notes(total, devices, snapshot)
+    )
+
+
+def _summary_cards(total: Totals, traces: dict[int, list[TraceEntry]]) -> str:
+    """The headline numbers of the whole snapshot, one card each."""
     ooms = sum(1 for entries in traces.values() for e in entries if e.action == "oom")
     cards = [
         ("Reserved", _fmt_bytes(total.reserved), f"{total.segments} segments", ""),
@@ -671,6 +680,13 @@ def _summary_html(
         for label, value, sub, cls in cards
     )
 
+    return f'<div class="cards">{cards_html}</div>'
+
+
+def _device_table(
+    devices: list[int], by_device: dict[int, list[Segment]], traces: dict[int, list[TraceEntry]]
+) -> str:
+    """One row per device: its totals and counts."""
     rows = []
     for d in devices:
         t = _totals(by_device.get(d, ()))
@@ -712,6 +728,11 @@ def _summary_html(
         rows,
         "num",
     )
+    return device_table
+
+
+def _summary_notes(total: Totals, devices: list[int], snapshot: Mapping[str, Any]) -> str:
+    """What the numbers mean, and what the page leaves out."""
     notes = [
         "Active = allocated + pending free (freed by the program, waiting on a stream event). "
         "Fragmentation = free bytes in segments that still hold an active block, over reserved: "
@@ -731,7 +752,7 @@ def _summary_html(
             "are not shown."
         )
     notes_html = "".join(f'<p class="note">{n}</p>' for n in notes)
-    return f'<div class="cards">{cards_html}</div>{device_table}{notes_html}'
+    return notes_html
 
 
 MAX_SETTINGS = 100
@@ -1136,8 +1157,22 @@ def _timeline_svg(entries: Sequence[TraceEntry], replay: Replay) -> str:
     out.append(f'<polyline class="reserved" points="{res_pts}"/>')
     out.append(f'<polyline class="allocated" points="{alloc_pts}"/>')
 
-    # Event markers: one per pixel column and kind, with a count, so that thousands of
-    # segment events do not make thousands of elements.
+    out.extend(_timeline_markers(entries, replay, x_of, plot_h))
+    out.append(
+        f'<rect class="frame" x="{PAD_L}" y="{PAD_T}" width="{plot_w}" height="{plot_h}"/></svg>'
+    )
+    return "".join(out)
+
+
+def _timeline_markers(
+    entries: Sequence[TraceEntry],
+    replay: Replay,
+    x_of: Callable[[float], float],
+    plot_h: float,
+) -> list[str]:
+    """Event markers: one per pixel column and kind, with a count, so that thousands of
+    segment events do not make thousands of elements."""
+    out: list[str] = []
     buckets: dict[tuple[str, int], list[tuple[float, TraceEntry]]] = {}
     for e, ts in zip(entries, replay.times_s, strict=True):
         if e.action in _MARKERS or e.action == "oom":
@@ -1174,10 +1209,7 @@ def _timeline_svg(entries: Sequence[TraceEntry], replay: Replay) -> str:
             f'<polygon class="marker" fill="{color}" points="{shape}">'
             f"<title>{_e(tip)}</title></polygon>"
         )
-    out.append(
-        f'<rect class="frame" x="{PAD_L}" y="{PAD_T}" width="{plot_w}" height="{plot_h}"/></svg>'
-    )
-    return "".join(out)
+    return out
 
 
 MAX_ACTIONS_SHOWN = 20

@@ -19,7 +19,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from exporter.attribution import attribute
+from exporter.attribution import Attribution, attribute
 from exporter.sample import (
     ALLOCATOR_COUNTERS,
     ALLOCATOR_GAUGES,
@@ -27,6 +27,7 @@ from exporter.sample import (
     POOL_GAUGES,
     PRIVATE_POOL_GAUGES,
     PROCESS_LABELS,
+    AllocatorReading,
     ExporterState,
     Sample,
 )
@@ -163,6 +164,41 @@ class ActionStats:
 
     processes: list[ProcessCounts] = field(default_factory=list)
     admin_requests: dict[tuple[str, str], int] = field(default_factory=dict)  # (action, outcome)
+
+
+@dataclass
+class _AllocatorFamilies:
+    """The allocator's families of one collection, filled reading by reading."""
+
+    gauges: dict[str, GaugeMetricFamily]
+    counters: dict[str, CounterMetricFamily]
+    pools: dict[str, GaugeMetricFamily]
+    fragmentation: GaugeMetricFamily
+    cached_free: GaugeMetricFamily
+    non_allocator: GaugeMetricFamily
+    non_allocator_age: GaugeMetricFamily
+    layout: dict[str, GaugeMetricFamily]
+    layout_age: GaugeMetricFamily
+    layout_skipped: InfoMetricFamily
+    private_pools: dict[str, GaugeMetricFamily]
+    info: InfoMetricFamily
+
+    def in_order(self) -> list[Metric]:
+        """Every family, in the order /metrics has always listed them."""
+        return [
+            *self.gauges.values(),
+            *self.counters.values(),
+            *self.pools.values(),
+            self.fragmentation,
+            self.cached_free,
+            self.non_allocator,
+            self.non_allocator_age,
+            *self.layout.values(),
+            self.layout_age,
+            self.layout_skipped,
+            *self.private_pools.values(),
+            self.info,
+        ]
 
 
 class SampleCollector(Collector):
@@ -332,6 +368,16 @@ class SampleCollector(Collector):
         # One endpoint for several processes (gpumem-exporter run): label each by process.
         per_process = any(reading.process for reading in sample.allocators)
         labels = ALLOCATOR_LABELS + (PROCESS_LABELS if per_process else ())
+        families = self._new_allocator_families(labels)
+        for reading in sample.allocators:
+            ids: tuple[object, ...] = (reading.device, reading.gpu_uuid)
+            if per_process:
+                ids += tuple(reading.process.get(name, "") for name in PROCESS_LABELS)
+            self._add_allocator_reading(families, reading, ids)
+        yield from (f for f in families.in_order() if f.samples)
+        yield from self._pinned_host_families(sample)
+
+    def _new_allocator_families(self, labels: tuple[str, ...]) -> _AllocatorFamilies:
         gauges = {k: self._gauge(TORCH_PREFIX + k, _HELP[k], labels) for k in ALLOCATOR_GAUGES}
         counters = {
             k: self._counter(TORCH_PREFIX + k, _HELP[k], labels) for k in ALLOCATOR_COUNTERS
@@ -387,64 +433,62 @@ class SampleCollector(Collector):
             "reported them, else environment).",
             labels=self._const_names + labels,
         )
-        for reading in sample.allocators:
-            ids: tuple[object, ...] = (reading.device, reading.gpu_uuid)
-            if per_process:
-                ids += tuple(reading.process.get(name, "") for name in PROCESS_LABELS)
-            for key, value in reading.gauges.items():
-                gauges[key].add_metric(self._values(*ids), value)
-            for key, value in reading.counters.items():
-                counters[key].add_metric(self._values(*ids), value)
-            for pool, pool_gauges in sorted(reading.pools.items()):
-                for key, value in pool_gauges.items():
-                    pools[key].add_metric(self._values(*ids, pool), value)
-            if (ratio := reading.fragmentation_ratio) is not None:
-                fragmentation.add_metric(self._values(*ids), ratio)
-            if (ratio := reading.cached_free_ratio) is not None:
-                cached_free.add_metric(self._values(*ids), ratio)
-            if reading.non_allocator_bytes is not None:
-                non_allocator.add_metric(self._values(*ids), reading.non_allocator_bytes)
-            if reading.non_allocator_age_s is not None:
-                non_allocator_age.add_metric(self._values(*ids), reading.non_allocator_age_s)
-            for key, value in reading.layout.items():
-                layout[key].add_metric(self._values(*ids), value)
-            if reading.layout_age_s is not None:
-                layout_age.add_metric(self._values(*ids), reading.layout_age_s)
-            if reading.layout_skipped:
-                layout_skipped.add_metric(self._values(*ids), {"reason": reading.layout_skipped})
-            for pool_id, pool_gauges in sorted(reading.private_pools.items()):
-                for key, value in pool_gauges.items():
-                    private_pools[key].add_metric(self._values(*ids, pool_id), value)
-            max_split = reading.max_split_size_bytes
-            info.add_metric(
-                self._values(*ids),
-                {
-                    "backend": reading.backend,
-                    "expandable_segments": str(reading.expandable_segments).lower(),
-                    "max_split_size_bytes": "" if max_split is None else str(max_split),
-                    "garbage_collection_threshold": reading.settings.get(
-                        "garbage_collection_threshold", ""
-                    ),
-                    "settings_source": reading.settings.get("source", "environment"),
-                    "torch_version": self._torch_version,
-                },
-            )
-        families: list[Metric] = [
-            *gauges.values(),
-            *counters.values(),
-            *pools.values(),
+        return _AllocatorFamilies(
+            gauges,
+            counters,
+            pools,
             fragmentation,
             cached_free,
             non_allocator,
             non_allocator_age,
-            *layout.values(),
+            layout,
             layout_age,
             layout_skipped,
-            *private_pools.values(),
+            private_pools,
             info,
-        ]
-        yield from (f for f in families if f.samples)
-        yield from self._pinned_host_families(sample)
+        )
+
+    def _add_allocator_reading(
+        self, f: _AllocatorFamilies, reading: AllocatorReading, ids: tuple[object, ...]
+    ) -> None:
+        for key, value in reading.gauges.items():
+            f.gauges[key].add_metric(self._values(*ids), value)
+        for key, value in reading.counters.items():
+            f.counters[key].add_metric(self._values(*ids), value)
+        for pool, pool_gauges in sorted(reading.pools.items()):
+            for key, value in pool_gauges.items():
+                f.pools[key].add_metric(self._values(*ids, pool), value)
+        if (ratio := reading.fragmentation_ratio) is not None:
+            f.fragmentation.add_metric(self._values(*ids), ratio)
+        if (ratio := reading.cached_free_ratio) is not None:
+            f.cached_free.add_metric(self._values(*ids), ratio)
+        if reading.non_allocator_bytes is not None:
+            f.non_allocator.add_metric(self._values(*ids), reading.non_allocator_bytes)
+        if reading.non_allocator_age_s is not None:
+            f.non_allocator_age.add_metric(self._values(*ids), reading.non_allocator_age_s)
+        for key, value in reading.layout.items():
+            f.layout[key].add_metric(self._values(*ids), value)
+        if reading.layout_age_s is not None:
+            f.layout_age.add_metric(self._values(*ids), reading.layout_age_s)
+        if reading.layout_skipped:
+            f.layout_skipped.add_metric(self._values(*ids), {"reason": reading.layout_skipped})
+        for pool_id, pool_gauges in sorted(reading.private_pools.items()):
+            for key, value in pool_gauges.items():
+                f.private_pools[key].add_metric(self._values(*ids, pool_id), value)
+        max_split = reading.max_split_size_bytes
+        f.info.add_metric(
+            self._values(*ids),
+            {
+                "backend": reading.backend,
+                "expandable_segments": str(reading.expandable_segments).lower(),
+                "max_split_size_bytes": "" if max_split is None else str(max_split),
+                "garbage_collection_threshold": reading.settings.get(
+                    "garbage_collection_threshold", ""
+                ),
+                "settings_source": reading.settings.get("source", "environment"),
+                "torch_version": self._torch_version,
+            },
+        )
 
     def _pinned_host_families(self, sample: Sample) -> Iterator[Metric]:
         if not sample.pinned_host:
@@ -549,8 +593,11 @@ class SampleCollector(Collector):
                 pods_error.add_metric(self._values(), {"error": kubelet.pods_error})
                 yield pods_error
         attribution = attribute(sample)
-        if attribution is None:
-            return
+        if attribution is not None:
+            yield from self._attribution_families(attribution)
+
+    def _attribution_families(self, attribution: Attribution) -> Iterator[Metric]:
+        """Which pod holds each GPU and process, and the memory no pod owns."""
         gpu_pods = self._gauge(
             "gpu_pod_info",
             "1 for each container the kubelet assigned a GPU to (gpu_uuid: the NVML GPU the "

@@ -425,3 +425,12 @@ def test_screenshot_in_headless_chromium(demo_html: str, tmp_path: Path) -> None
     # The segment map is drawn: allocated blocks (#2f6fdf) and fragmentation (#f3a5a5).
     assert colours[bytes.fromhex("2f6fdf")] > 0.02 * total
     assert colours[bytes.fromhex("f3a5a5")] > 0.005 * total
+
+
+def test_the_header_names_a_process_in_words_and_no_history_counts_no_ooms() -> None:
+    snap = {"segments": [segment(0, [block(4096)])], "device_traces": []}
+    page = render_html(snap, meta={"process": {"pid": "42", "rank": "0", "role": ""}})
+    assert "<b>process</b> pid 42 rank 0</span>" in page and "{&#x27;pid" not in page
+    # Without history a snapshot cannot tell how many OOMs there were: not 0, unknown.
+    cards = re.findall(r'<div class="label">OOMs recorded</div><div class="value">([^<]*)<', page)
+    assert cards == ["n/a"]

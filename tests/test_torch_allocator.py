@@ -130,13 +130,15 @@ def test_the_memory_cap_is_read_as_the_allocator_computes_it_only_where_torch_ha
     cuda = FakeCuda(capture("native")["memory_stats_as_nested_dict"], True, {0, 1})
     cuda.get_device_properties = lambda i: SimpleNamespace(uuid=f"0000-{i}", total_memory=80 << 30)
     torch = fake_torch(cuda)
-    torch._C._cuda_getMemoryFraction = lambda i: {0: 0.25, 1: 1.0}[i]
+    fractions = {0: 0.25, 1: 1.0}  # what set_per_process_memory_fraction left
+    torch._C._cuda_getMemoryFraction = lambda i: fractions[i]
     source = TorchAllocatorSource(torch, env={})
     limits = {a.device: a.gauges["memory_limit_bytes"] for a in source.read().allocators}
     assert limits == {0: 20 << 30, 1: 80 << 30}
-    torch._C._cuda_getMemoryFraction = lambda i: 0.5  # set again while serving: seen
+    fractions.update({0: 0.5, 1: 0.5})  # set again while serving: seen
     assert {a.gauges["memory_limit_bytes"] for a in source.read().allocators} == {40 << 30}
     del torch._C._cuda_getMemoryFraction  # torch before 2.8: no getter, no series
+    source = TorchAllocatorSource(torch, env={})
     assert all("memory_limit_bytes" not in a.gauges for a in source.read().allocators)
 
 

@@ -218,6 +218,7 @@ class TorchAllocatorSource:
         self._expandable: bool | None = None
         self._uuids: dict[int, str] = {}
         self._totals: dict[int, int] = {}
+        self._read_fraction: Any = None  # torch's getter, False where it has none
         self._with_context: set[int] = set()
         self._read_stats: Any = None
         # UUIDs of the GPUs read last time: the ones this process uses (the NVML source of
@@ -312,8 +313,10 @@ class TorchAllocatorSource:
         """The allocator's cap on this device, as it computes it (fraction x total memory).
         Read every tick: a server may set the fraction at any time. None where torch has no
         getter (before 2.8)."""
-        fraction = getattr(torch._C, "_cuda_getMemoryFraction", None)
-        if fraction is None:
+        if self._read_fraction is None:  # looked up once: this runs every tick
+            self._read_fraction = getattr(torch._C, "_cuda_getMemoryFraction", False)
+        fraction = self._read_fraction
+        if not fraction:
             return None
         if index not in self._totals:
             self._totals[index] = int(torch.cuda.get_device_properties(index).total_memory)

@@ -10,15 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from exporter.identity import describe_process
-
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
-
-
-def human_bytes(value: float) -> str:
-    size, unit = float(value), 0
-    while abs(size) >= 1024 and unit < len(_UNITS) - 1:
-        size, unit = size / 1024, unit + 1
-    return f"{size:.0f} {_UNITS[unit]}" if unit == 0 else f"{size:.1f} {_UNITS[unit]}"
+from exporter.units import fmt_bytes
 
 
 def _value(key: str, value: Any) -> str:
@@ -30,7 +22,7 @@ def _value(key: str, value: Any) -> str:
         items = (_device(v) if key == "devices" else _value(key, v) for v in value)
         return ", ".join(items) or "none"
     if isinstance(value, (int, float)) and key.endswith("_bytes"):
-        return human_bytes(value)
+        return fmt_bytes(value)
     if isinstance(value, (int, float)) and key.endswith("_s"):
         return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.1f} s"
     return str(value)

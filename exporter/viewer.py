@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import IO, Any, ClassVar, NamedTuple
 
+from exporter.units import fmt_bytes as _fmt_bytes
+
 __all__ = ["SnapshotError", "load_snapshot", "render_html"]
 
 NO_HISTORY_MESSAGE = (
@@ -503,19 +505,6 @@ def _traces(snapshot: Mapping[str, Any]) -> dict[int, list[TraceEntry]]:
 
 def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
-
-
-def _fmt_bytes(n: float) -> str:
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            if unit == "B":
-                return f"{sign}{int(n)} B"
-            digits = 2 if n < 10 else 1 if n < 100 else 0
-            return f"{sign}{n:.{digits}f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _pct(part: float, whole: float) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -29,11 +28,9 @@ from exporter.sample import (
     PROCESS_LABELS,
     AllocatorReading,
     ExporterState,
+    ProcessCounts,
     Sample,
 )
-
-if TYPE_CHECKING:
-    from exporter.actions.base import ProcessCounts
 
 TORCH_PREFIX = "torch_cuda_"
 ALLOCATOR_LABELS = ("device", "gpu_uuid")

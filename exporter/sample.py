@@ -260,6 +260,14 @@ class ActionCounts:
 
 
 @dataclass
+class ProcessCounts:
+    """One process's action counts, with its labels (empty for an embedded exporter)."""
+
+    process: dict[str, str] = field(default_factory=dict)
+    counts: ActionCounts = field(default_factory=ActionCounts)
+
+
+@dataclass
 class SourceReading:
     """What one source returns from one read: any subset of the parts of a sample."""
 

@@ -9,7 +9,7 @@ implementation (the fan-out's is one line) and one route.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from exporter.actions.errors import (  # noqa: F401 - where callers have always found them
@@ -20,7 +20,7 @@ from exporter.actions.errors import (  # noqa: F401 - where callers have always 
     ActionInsufficientStorage,
     ActionUnavailable,
 )
-from exporter.sample import ActionCounts
+from exporter.sample import ProcessCounts
 
 if TYPE_CHECKING:
     from exporter.actions.snapshots import SnapshotStore
@@ -75,14 +75,6 @@ class HistoryParams:
     max_entries: int = DEFAULT_HISTORY_ENTRIES
     stacks: str = "python"
     context: str = "all"
-
-
-@dataclass
-class ProcessCounts:
-    """One process's action counts, with its labels (empty for an embedded exporter)."""
-
-    process: dict[str, str] = field(default_factory=dict)
-    counts: ActionCounts = field(default_factory=ActionCounts)
 
 
 class Actions(Protocol):

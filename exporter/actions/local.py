@@ -29,13 +29,12 @@ from exporter.actions.base import (
     ActionFailed,
     ActionUnavailable,
     HistoryParams,
-    ProcessCounts,
     ProcessResult,
     Target,
 )
 from exporter.actions.snapshots import SnapshotInfo, SnapshotStore
 from exporter.identity import process_labels
-from exporter.sample import ActionCounts
+from exporter.sample import ActionCounts, ProcessCounts
 
 if TYPE_CHECKING:
     from exporter.actions.remediation import Remediation

@@ -26,8 +26,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from exporter import __version__
 from exporter.detectors import VALUE_OF
 from exporter.http.runbooks import runbook_url, runbooks_html
+from exporter.http.served import Served
 from exporter.identity import identity_labels
-from exporter.runtime import Runtime
 from exporter.sample import Sample
 
 # Styles may be inline because a snapshot view that the page opens with the admin token (a
@@ -60,7 +60,7 @@ def static_file(name: str) -> bytes:
     return (resources.files("exporter") / "static" / name).read_bytes()
 
 
-def add_page_routes(app: FastAPI, runtime: Runtime) -> None:
+def add_page_routes(app: FastAPI, runtime: Served) -> None:
     tags: list[Any] = ["page"]
 
     @app.get("/", include_in_schema=False)
@@ -95,7 +95,7 @@ def add_page_routes(app: FastAPI, runtime: Runtime) -> None:
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
 
-def window_payload(runtime: Runtime, since: float | None) -> dict[str, Any]:
+def window_payload(runtime: Served, since: float | None) -> dict[str, Any]:
     window, sampler, config = runtime.window, runtime.sampler, runtime.config
     state = sampler.state()
     sample = state.sample

@@ -22,7 +22,7 @@ from exporter.http.admin import add_admin_routes
 from exporter.http.browser import CrossOriginGuard, LoopbackHostGuard, is_loopback
 from exporter.http.guard import GuardedH11Protocol
 from exporter.http.page import add_page_routes
-from exporter.runtime import Runtime
+from exporter.http.served import Served
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class ServerStartError(RuntimeError):
     """The HTTP server could not start (e.g. port in use); str() says why in one line."""
 
 
-def add_routes(app: FastAPI, runtime: Runtime, *, include_metrics: bool = True) -> None:
+def add_routes(app: FastAPI, runtime: Served, *, include_metrics: bool = True) -> None:
     """The open routes, and the token-protected admin API (exporter.http.admin)."""
     sampler, registry, mode = runtime.sampler, runtime.registry, runtime.mode
     exposition = runtime.exposition
@@ -99,7 +99,7 @@ def add_routes(app: FastAPI, runtime: Runtime, *, include_metrics: bool = True) 
         return JSONResponse(body, status_code=200 if reason is None else 503)
 
 
-def create_app(runtime: Runtime) -> FastAPI:
+def create_app(runtime: Served) -> FastAPI:
     app = FastAPI(
         title="gpumem-exporter",
         description="PyTorch CUDA allocator, NVML and host memory metrics for Prometheus.",

@@ -36,11 +36,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from exporter.actions.base import ProcessCounts, ProcessResult, Target
+from exporter.actions.base import ProcessResult, Target
 from exporter.ratelimit import RateLimitedLog
 from exporter.run import protocol
 from exporter.run.agent import SOCKET_NAME
-from exporter.sample import ActionCounts, AllocatorReading, PinnedHostReading, SourceReading
+from exporter.sample import (
+    ActionCounts,
+    AllocatorReading,
+    PinnedHostReading,
+    ProcessCounts,
+    SourceReading,
+)
 from exporter.sources.process_memory import read_environ
 
 log = logging.getLogger("exporter.aggregator")

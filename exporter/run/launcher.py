@@ -32,13 +32,13 @@ from pathlib import Path
 import psutil
 
 from exporter import atomic
-from exporter.actions.fanout import FanOutActions
 from exporter.actions.snapshots import SnapshotStore
 from exporter.config import Config
 from exporter.http.server import HttpServer, ServerStartError, create_app
 from exporter.run import reaper
 from exporter.run.agent import CONFIG_NAME, RUN_DIR_ENV, SOCKET_NAME
 from exporter.run.aggregator import Aggregator
+from exporter.run.fanout import FanOutActions
 from exporter.run.supervisor import PR_SET_DUMPABLE, Supervisor, prctl
 from exporter.runtime import build_runtime, live_sources
 from exporter.sources import Source

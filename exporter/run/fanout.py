@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from exporter.actions.base import HistoryParams, ProcessCounts, ProcessResult, Target
+from exporter.actions.base import HistoryParams, ProcessResult, Target
 from exporter.actions.snapshots import SnapshotStore
+from exporter.sample import ProcessCounts
 
 if TYPE_CHECKING:
     from exporter.detectors import Detectors

@@ -1,0 +1,36 @@
+"""What the HTTP layer reads from a running exporter, and nothing more.
+
+The assembly of a mode (exporter.runtime.Runtime) satisfies this; `http/` never imports the
+assembly, so the arrows run one way: the runtime builds the endpoint, the endpoint serves it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from exporter.actions.base import Actions
+    from exporter.config import Config
+    from exporter.detectors import Detectors
+    from exporter.exposition import ExpositionCache
+    from exporter.http.admin import Admin
+    from exporter.sampler import Sampler
+    from exporter.window import SampleWindow
+
+
+class Served(Protocol):
+    config: Config
+    mode: str
+    sampler: Sampler
+    registry: CollectorRegistry
+    detectors: Detectors
+    actions: Actions
+    admin: Admin
+    window: SampleWindow  # recent samples, for the live page
+    exposition: ExpositionCache | None  # /metrics bytes rendered once per tick, where ours
+
+    def not_ready(self) -> str | None:
+        """Why /readyz answers 503, or None when ready."""
+        ...

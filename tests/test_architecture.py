@@ -1,0 +1,145 @@
+"""The package's shape, read from its source: imports run one way (docs/architecture.md).
+
+Every import counts, at module level, inside functions and under TYPE_CHECKING: a lazy import
+is still a dependency a reader has to follow.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "exporter"
+
+# Bottom to top. A module may import from its own layer or any below, never from above.
+LAYERS: list[tuple[str, ...]] = [
+    # plain values and helpers every part uses
+    ("units", "atomic", "ratelimit", "catalog", "sample", "config", "identity", "settings"),
+    # reading, keeping and rendering: sources and what turns samples into output
+    (
+        "sources",
+        "kubernetes",
+        "trace",
+        "attribution",
+        "detectors",
+        "window",
+        "metrics",
+        "exposition",
+        "viewer",
+        "sampler",
+        "multiprocess",
+        "record",
+        "answers",
+    ),
+    ("actions",),  # what the admin API can do, one implementation per mode
+    ("http",),  # the endpoint: /metrics, the admin API, the live page, the client
+    ("runtime", "modes"),  # assembly: one declaration per way of running
+    ("run", "embedded", "cli", "__init__"),  # entry points
+]
+
+
+def _unit(module: str) -> str:
+    """exporter.http.admin -> http; exporter -> __init__."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        if "podresources_v1" in path.parts:  # generated gRPC code
+            continue
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    return modules
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The exporter modules `name` imports, anywhere in its text."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and target != "exporter":
+                found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph.get(node, ()):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                other = stack.pop()
+                on_stack.discard(other)
+                component.append(other)
+                if other == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_every_module_and_package_sits_in_a_layer() -> None:
+    placed = {unit for layer in LAYERS for unit in layer}
+    units = {_unit(name) for name in _graph()}
+    assert units <= placed, f"place these in LAYERS: {sorted(units - placed)}"
+
+
+def test_no_module_imports_from_a_layer_above_it() -> None:
+    layer_of = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+    upward = [
+        f"{name} -> {target}"
+        for name, targets in _graph().items()
+        for target in sorted(targets)
+        if layer_of[_unit(target)] > layer_of[_unit(name)]
+    ]
+    assert not upward, "imports running up:\n" + "\n".join(upward)
+
+
+def test_no_import_circles_between_modules_or_between_packages() -> None:
+    graph = _graph()
+    assert _cycles(graph) == []
+    packages: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        unit = _unit(name)
+        packages.setdefault(unit, set()).update(_unit(t) for t in targets if _unit(t) != unit)
+    assert _cycles(packages) == []

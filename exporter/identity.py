@@ -48,7 +48,7 @@ def process_role() -> str:
 
 
 def process_labels() -> dict[str, str]:
-    """pid, rank, local_rank and role of this process (sample.PROCESS_LABELS)."""
+    """pid, rank, local_rank and role of this process (catalog.PROCESS_LABELS)."""
     return {
         "pid": str(os.getpid()),
         "rank": os.environ.get("RANK", ""),

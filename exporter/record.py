@@ -22,19 +22,9 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.metrics import (
-    GPU_MEMORY_GAUGES,
-    HOST_GAUGES,
-    PINNED_HOST_GAUGES,
-    TORCH_PREFIX,
-)
+from exporter import catalog
+from exporter.catalog import PROCESS_LABELS
 from exporter.sample import (
-    ALLOCATOR_COUNTERS,
-    ALLOCATOR_GAUGES,
-    LAYOUT_GAUGES,
-    POOL_GAUGES,
-    PRIVATE_POOL_GAUGES,
-    PROCESS_LABELS,
     AllocatorReading,
     GpuReading,
     HostReading,
@@ -44,16 +34,17 @@ from exporter.sample import (
 )
 from exporter.trace import TraceWriter
 
-_GPU_FIELDS = {name: field for field, (name, _) in GPU_MEMORY_GAUGES.items()}
+# Exposed name -> the catalog's family, for those with the allocator's labels.
+_ALLOCATOR = {f.exposed: f for f in catalog.FAMILIES if f.labels[:2] == catalog.ALLOCATOR_LABELS}
+_GPU_FIELDS = {f.exposed: f.key for f in catalog.group("gpu_memory")}
 # A live exporter's own process is the server (embedded): client_python's RSS is its RSS.
 _HOST_FIELDS = {
-    **{name: field for field, (name, _) in HOST_GAUGES.items()},
+    **{f.exposed: f.key for f in catalog.group("machine_host")},
+    **{f.exposed: f.key for f in catalog.group("own_process_host")},
     "process_resident_memory_bytes": "process_resident_bytes",
 }
 # The cached bytes are held minus in use: not a field of their own.
-_PINNED_FIELDS = {
-    name: field for field, (name, _) in PINNED_HOST_GAUGES.items() if field != "cached_bytes"
-}
+_PINNED_FIELDS = {f.exposed: f.key for f in catalog.group("pinned_host") if f.key != "cached_bytes"}
 
 
 # Scrapes that may fail in a row before a recording stops: one slow or refused scrape (a pod
@@ -121,37 +112,8 @@ def _sample_from_exposition(text: str, timestamp: float) -> Sample:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             name, labels, value = s.name, s.labels, s.value
-            if name.startswith(TORCH_PREFIX) and "device" in labels:
-                key = name[len(TORCH_PREFIX) :]
-                if key in ALLOCATOR_GAUGES:
-                    allocator(labels).gauges[key] = _count(name, value)
-                elif key.endswith("_total") and key[: -len("_total")] in ALLOCATOR_COUNTERS:
-                    allocator(labels).counters[key[: -len("_total")]] = _count(name, value)
-                elif key.startswith("pool_") and key[len("pool_") :] in POOL_GAUGES:
-                    pools = allocator(labels).pools.setdefault(labels["pool"], {})
-                    pools[key[len("pool_") :]] = _count(name, value)
-                elif key in LAYOUT_GAUGES:
-                    allocator(labels).layout[key] = _count(name, value)
-                elif key == "layout_age_seconds":
-                    allocator(labels).layout_age_s = value
-                elif key == "layout_skipped_info":
-                    allocator(labels).layout_skipped = labels.get("reason", "")
-                elif key.startswith("private_pool_") and "pool_id" in labels:
-                    field_name = key[len("private_pool_") :]
-                    if field_name in PRIVATE_POOL_GAUGES:
-                        pool = allocator(labels).private_pools.setdefault(labels["pool_id"], {})
-                        pool[field_name] = _count(name, value)
-                elif key == "allocator_info":
-                    reading = allocator(labels)
-                    reading.backend = labels.get("backend", "native")
-                    reading.expandable_segments = labels.get("expandable_segments") == "true"
-                    split = labels.get("max_split_size_bytes", "")
-                    reading.max_split_size_bytes = int(split) if split else None
-                    reading.settings = _settings(labels)
-                elif key == "non_allocator_bytes":
-                    allocator(labels).non_allocator_bytes = _count(name, value)
-                elif key == "non_allocator_age_seconds":
-                    allocator(labels).non_allocator_age_s = value
+            if name in _ALLOCATOR and "device" in labels:
+                _allocator_value(allocator(labels), _ALLOCATOR[name], labels, value)
             elif name in _GPU_FIELDS and "gpu" in labels:
                 setattr(gpu(labels), _GPU_FIELDS[name], _count(name, value))
             elif name == "gpu_up" and "gpu" in labels:
@@ -190,6 +152,36 @@ def _sample_from_exposition(text: str, timestamp: float) -> Sample:
     )
     sample.self_pid = _self_pid(sample)
     return sample
+
+
+def _allocator_value(
+    reading: AllocatorReading, entry: catalog.Family, labels: dict[str, str], value: float
+) -> None:
+    """One scraped series of the allocator back into its reading, by its catalog group."""
+    group, key, name = entry.group, entry.key, entry.exposed
+    if group == "allocator_gauge":
+        reading.gauges[key] = _count(name, value)
+    elif group == "allocator_counter":
+        reading.counters[key] = _count(name, value)
+    elif group == "pool":
+        reading.pools.setdefault(labels["pool"], {})[key] = _count(name, value)
+    elif group == "layout":
+        reading.layout[key] = _count(name, value)
+    elif group == "private_pool" and "pool_id" in labels:
+        reading.private_pools.setdefault(labels["pool_id"], {})[key] = _count(name, value)
+    elif key in ("non_allocator_bytes",):
+        reading.non_allocator_bytes = _count(name, value)
+    elif key in ("non_allocator_age_s", "layout_age_s"):
+        setattr(reading, key, value)
+    elif key == "layout_skipped":
+        reading.layout_skipped = labels.get("reason", "")
+    elif entry.name == "torch_cuda_allocator":
+        reading.backend = labels.get("backend", "native")
+        reading.expandable_segments = labels.get("expandable_segments") == "true"
+        split = labels.get("max_split_size_bytes", "")
+        reading.max_split_size_bytes = int(split) if split else None
+        reading.settings = _settings(labels)
+    # Ratios are derived from the gauges, never read back.
 
 
 def _settings(labels: dict[str, str]) -> dict[str, str]:

@@ -20,7 +20,7 @@ from exporter.detectors import Listener as AlertListener
 from exporter.exposition import ExpositionCache
 from exporter.http.admin import Admin
 from exporter.identity import identity_labels
-from exporter.metrics import HOST_GAUGES, MACHINE_HOST_GAUGES, ActionStats, SampleCollector
+from exporter.metrics import ActionStats, SampleCollector
 from exporter.sampler import Listener, Sampler
 from exporter.sources import Source
 from exporter.sources.non_allocator import NonAllocatorProbe
@@ -199,7 +199,7 @@ def build_runtime(
         version=__version__,
         mode=mode,
         torch_version=str(getattr(torch_module, "__version__", "")),
-        host_gauges=MACHINE_HOST_GAUGES if actions.replay else HOST_GAUGES,
+        own_process=not actions.replay,
         alerts=detectors.firing,
         actions=action_stats,
         alerts_version=lambda: detectors.evaluations,

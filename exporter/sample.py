@@ -11,46 +11,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# Gauges read from the allocator's `.all.current`/`.all.peak`, keyed by the metric suffix
-# (`torch_cuda_<key>`). Counters are keyed likewise, without the `_total` suffix.
-ALLOCATOR_GAUGES = (
-    "allocated_bytes",
-    "reserved_bytes",
-    "active_bytes",
-    "inactive_split_bytes",
-    "requested_bytes",
-    "allocated_peak_bytes",
-    "reserved_peak_bytes",
-    "segments",
-    "allocations",
-    # Most bytes the allocator may reserve: torch.cuda.set_per_process_memory_fraction times
-    # the device's memory (the device's memory when no fraction is set).
-    "memory_limit_bytes",
-)
-ALLOCATOR_COUNTERS = (
-    "alloc_retries",
-    "ooms",
-    "device_malloc",
-    "device_free",
-    "sync_all_streams",
-)
-# Labels that tell the processes of one server apart when one endpoint serves them all.
-PROCESS_LABELS = ("pid", "rank", "local_rank", "role")
+from exporter import catalog
 
-POOL_GAUGES = (
-    "allocated_bytes",
-    "reserved_bytes",
-    "active_bytes",
-    "inactive_split_bytes",
-    "requested_bytes",
-)
-# From the allocator's layout (a segments-only snapshot), by metric suffix (torch_cuda_<key>).
-LAYOUT_GAUGES = (
-    "largest_free_block_bytes",
-    "default_pool_free_bytes",
-    "free_in_used_segments_bytes",
-)
-PRIVATE_POOL_GAUGES = ("reserved_bytes", "allocated_bytes")
+# The keys of the allocator's dicts below, each a metric's suffix (`torch_cuda_<key>`; counters
+# without `_total`): declared with their families in exporter.catalog.
+ALLOCATOR_GAUGES = catalog.keys("allocator_gauge")
+ALLOCATOR_COUNTERS = catalog.keys("allocator_counter")
+POOL_GAUGES = catalog.keys("pool")
+# From the allocator's layout (a segments-only snapshot).
+LAYOUT_GAUGES = catalog.keys("layout")
+PRIVATE_POOL_GAUGES = catalog.keys("private_pool")
 
 
 @dataclass
@@ -65,7 +35,7 @@ class AllocatorReading:
     counters: dict[str, int] = field(default_factory=dict)
     pools: dict[str, dict[str, int]] = field(default_factory=dict)  # pool -> gauges
     max_split_size_bytes: int | None = None
-    # Under `gpumem-exporter run`: which process of the server this is (PROCESS_LABELS).
+    # Under `gpumem-exporter run`: which process of the server this is (catalog.PROCESS_LABELS).
     process: dict[str, str] = field(default_factory=dict)
     # From the latest allocator snapshot (exporter/sources/allocator_layout.py), read at its
     # own slower cadence: LAYOUT_GAUGES by key. Empty where no snapshot exists (the
@@ -241,7 +211,7 @@ class PinnedHostReading:
 
     held_bytes: int  # blocks the allocator owns, in use or cached for reuse
     in_use_bytes: int  # blocks handed out and not yet reusable
-    # Under `gpumem-exporter run`: which process of the server this is (PROCESS_LABELS).
+    # Under `gpumem-exporter run`: which process of the server this is (catalog.PROCESS_LABELS).
     process: dict[str, str] = field(default_factory=dict)
 
     @property

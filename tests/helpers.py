@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from exporter.config import load_config
 from exporter.http.server import HttpServer, create_app
-from exporter.metrics import HOST_GAUGES, MACHINE_HOST_GAUGES, SampleCollector
+from exporter.metrics import SampleCollector
 from exporter.runtime import build_runtime
 from exporter.sample import (
     AllocatorReading,
@@ -153,7 +153,7 @@ def render(sample: Sample | None, labels: dict | None = None, replay: bool = Fal
             version="0.1.0",
             mode="demo" if replay else "embedded",
             torch_version="2.11.0",
-            host_gauges=MACHINE_HOST_GAUGES if replay else HOST_GAUGES,
+            own_process=not replay,
         )
     )
     return generate_latest(registry).decode()

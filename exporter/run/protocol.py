@@ -18,13 +18,13 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from exporter.actions.base import OUTCOME_STATUS, REMOTE_ACTIONS, ProcessResult
+from exporter.catalog import PROCESS_LABELS
 from exporter.sample import (
     ALLOCATOR_COUNTERS,
     ALLOCATOR_GAUGES,
     LAYOUT_GAUGES,
     POOL_GAUGES,
     PRIVATE_POOL_GAUGES,
-    PROCESS_LABELS,
     ActionCounts,
     AllocatorReading,
     PinnedHostReading,

@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from exporter.sample import AllocatorReading, PinnedHostReading, SourceReading
+from exporter.sample import POOL_GAUGES, AllocatorReading, PinnedHostReading, SourceReading
 from exporter.sources.allocator_layout import (
     DEFAULT_INTERVAL_S,
     DEFAULT_MAX_BLOCKS,
@@ -55,13 +55,6 @@ _COUNTERS = {
     "num_sync_all_streams": "sync_all_streams",
 }
 _POOLS = {"large_pool": "large", "small_pool": "small"}
-_POOL_FAMILIES = (
-    "allocated_bytes",
-    "reserved_bytes",
-    "active_bytes",
-    "inactive_split_bytes",
-    "requested_bytes",
-)
 # What cudaMallocAsync actually tracks (everything else reads 0 there).
 _ASYNC_DEFINED = {"allocated_bytes", "reserved_bytes", "active_bytes"}
 # Expandable segments are left out of inactive_split on purpose (pytorch/pytorch#159564) and
@@ -107,7 +100,7 @@ def _plan(backend: str, expandable_segments: bool) -> _Plan:
         pools = [
             (pool_stat, pool, family)
             for pool_stat, pool in _POOLS.items()
-            for family in _POOL_FAMILIES
+            for family in POOL_GAUGES
             if defined(family)
         ]
         counters = list(_COUNTERS.items())

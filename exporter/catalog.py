@@ -1,0 +1,775 @@
+"""Every metric family the exporter can serve, declared once.
+
+Each entry gives the family's name, type, help, labels, the modes that serve it, the source
+it comes from and, where a reading's field carries it, that field (`key`). From this list:
+
+- exporter.metrics makes every family it serves (it cannot make one not listed here);
+- the sample's key tuples (exporter.sample), the agents' protocol (exporter.run.protocol) and
+  the trace recorder (exporter.record) take their fields from the groups below;
+- docs/metrics.md's family table is written from it (`python -m exporter.catalog --write`),
+  and a test keeps the two equal.
+
+Families of client_python's own collectors (process_*, python_*) are not ours and not listed.
+Labels are the family's own: every family also carries the constant labels (GPUMEM_LABELS,
+rank), and a `per_process` family gains PROCESS_LABELS where one endpoint serves several
+processes (`gpumem-exporter run`). Standard library only: agents import this.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# Labels that tell the processes of one server apart when one endpoint serves them all.
+PROCESS_LABELS = ("pid", "rank", "local_rank", "role")
+ALLOCATOR_LABELS = ("device", "gpu_uuid")
+GPU_LABELS = ("gpu", "gpu_uuid")
+HOST_PROCESS_LABELS = ("pid", "role", "rank")
+# gpumem_exporter_alert_firing: one meaning per label, whatever the alert is about.
+ALERT_LABELS = ("alert", "device", "gpu", "gpu_uuid", *PROCESS_LABELS)
+
+MODES = ("embedded", "run", "node", "demo")
+EVERY_MODE = MODES
+IN_SERVER = ("embedded", "run", "demo")  # where a PyTorch allocator is read (or replayed)
+LIVE = ("embedded", "run", "node")  # where the exporter's own process is what it reports
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # as client_python takes it: a counter without _total, an info without _info
+    kind: str  # gauge, counter or info
+    help: str
+    labels: tuple[str, ...]
+    source: str  # what reads it: torch, nvml, host, process_memory, kubelet, agents, exporter
+    modes: tuple[str, ...]
+    group: str = ""  # the families read from one part of a reading, served alike
+    key: str = ""  # the reading's field (or dict key) that holds the value
+    per_process: bool = False  # gains PROCESS_LABELS under `gpumem-exporter run`
+    info_labels: tuple[str, ...] = ()  # the value labels of an info family
+
+    @property
+    def exposed(self) -> str:
+        """The name a scrape shows (text format)."""
+        return self.name + {"counter": "_total", "info": "_info"}.get(self.kind, "")
+
+
+def _allocator(
+    kind: str, group: str, key: str, help: str, name: str = "", labels: tuple[str, ...] = ()
+) -> Family:
+    return Family(
+        name or f"torch_cuda_{key}",
+        kind,
+        help,
+        (*ALLOCATOR_LABELS, *labels),
+        "torch",
+        IN_SERVER,
+        group,
+        key,
+        per_process=True,
+    )
+
+
+_LAYOUT = "From an allocator snapshot read every few seconds (torch_cuda_layout_age_seconds)."
+
+FAMILIES: tuple[Family, ...] = (
+    # -- the exporter itself -------------------------------------------------------------
+    Family(
+        "gpumem_exporter_build",
+        "info",
+        "gpumem-exporter version and mode.",
+        (),
+        "exporter",
+        EVERY_MODE,
+        info_labels=("version", "mode"),
+    ),
+    Family(
+        "gpumem_exporter_source_up",
+        "gauge",
+        "1 if the source's last read succeeded.",
+        ("source",),
+        "exporter",
+        EVERY_MODE,
+    ),
+    Family(
+        "gpumem_exporter_source_duration_seconds",
+        "gauge",
+        "Wall time of the source's last read.",
+        ("source",),
+        "exporter",
+        EVERY_MODE,
+    ),
+    Family(
+        "gpumem_exporter_source_errors",
+        "counter",
+        "Failed reads of the source.",
+        ("source",),
+        "exporter",
+        EVERY_MODE,
+    ),
+    Family(
+        "gpumem_exporter_source_unavailable",
+        "info",
+        "A source with nothing to read on this host, and why (no NVML library, no driver, "
+        "no GPU): no data, not a failure (its source_up stays 1).",
+        ("source",),
+        "exporter",
+        EVERY_MODE,
+        info_labels=("reason",),
+    ),
+    Family(
+        "gpumem_exporter_alert_firing",
+        "gauge",
+        "1 while the in-process detector for the alert is firing; labels name what it "
+        "is about (device: CUDA ordinal, gpu: NVML index, process labels).",
+        ALERT_LABELS,
+        "exporter",
+        EVERY_MODE,
+    ),
+    Family(
+        "gpumem_exporter_agent_messages_rejected",
+        "counter",
+        "Messages from agents of `gpumem-exporter run` dropped as malformed, by reason.",
+        ("reason",),
+        "agents",
+        ("run",),
+    ),
+    Family(
+        "gpumem_exporter_snapshots",
+        "counter",
+        "Allocator snapshots written.",
+        ("trigger",),
+        "exporter",
+        EVERY_MODE,
+        per_process=True,
+    ),
+    Family(
+        "torch_cuda_empty_cache_released_bytes",
+        "counter",
+        "Bytes returned to the driver by empty_cache calls of the exporter.",
+        (),
+        "exporter",
+        EVERY_MODE,
+        per_process=True,
+    ),
+    Family(
+        "gpumem_exporter_remediations",
+        "counter",
+        "Automatic remediation actions by outcome.",
+        ("action", "outcome"),
+        "exporter",
+        EVERY_MODE,
+        per_process=True,
+    ),
+    Family(
+        "gpumem_exporter_admin_requests",
+        "counter",
+        "Admin API requests by action and outcome.",
+        ("action", "outcome"),
+        "exporter",
+        EVERY_MODE,
+    ),
+    Family(
+        "gpumem_exporter_last_sample_timestamp_seconds",
+        "gauge",
+        "Unix time of the last completed sample.",
+        (),
+        "exporter",
+        EVERY_MODE,
+    ),
+    # -- the caching allocator: memory_stats, every tick -------------------------------------
+    _allocator(
+        "gauge",
+        "allocator_gauge",
+        "allocated_bytes",
+        "Bytes of live tensors held by the CUDA caching allocator.",
+    ),
+    _allocator(
+        "gauge",
+        "allocator_gauge",
+        "reserved_bytes",
+        "Bytes the caching allocator holds from the driver (allocated plus cache).",
+    ),
+    _allocator(
+        "gauge",
+        "allocator_gauge",
+        "active_bytes",
+        "Allocated bytes plus freed blocks still in use by a stream.",
+    ),
+    _allocator(
+        "gauge",
+        "allocator_gauge",
+        "inactive_split_bytes",
+        "Free bytes inside partly used segments (fragmentation).",
+    ),
+    _allocator(
+        "gauge",
+        "allocator_gauge",
+        "requested_bytes",
+        "Bytes callers asked for, before the allocator's rounding.",
+    ),
+    _allocator(
+        "gauge",
+        "allocator_gauge",
+        "allocated_peak_bytes",
+        "Peak allocated bytes since the process last reset peaks.",
+    ),
+    _allocator(
+        "gauge",
+        "allocator_gauge",
+        "reserved_peak_bytes",
+        "Peak reserved bytes since the process last reset peaks.",
+    ),
+    _allocator(
+        "gauge",
+        "allocator_gauge",
+        "segments",
+        "Segments (cudaMalloc'd regions) the allocator holds.",
+    ),
+    _allocator("gauge", "allocator_gauge", "allocations", "Live allocations."),
+    _allocator(
+        "gauge",
+        "allocator_gauge",
+        "memory_limit_bytes",
+        "Most bytes the caching allocator may reserve on the device: "
+        "torch.cuda.set_per_process_memory_fraction times the device's memory (the device's "
+        "memory when no fraction is set). Requests past it raise out-of-memory errors.",
+    ),
+    _allocator(
+        "counter",
+        "allocator_counter",
+        "alloc_retries",
+        "Allocations that failed, flushed the cache and were retried.",
+    ),
+    _allocator(
+        "counter",
+        "allocator_counter",
+        "ooms",
+        "Out-of-memory errors raised by the allocator.",
+    ),
+    _allocator(
+        "counter",
+        "allocator_counter",
+        "device_malloc",
+        "Device allocations (cudaMalloc, or cuMemMap with expandable segments).",
+    ),
+    _allocator(
+        "counter",
+        "allocator_counter",
+        "device_free",
+        "Device frees (cudaFree, or cuMemUnmap with expandable segments).",
+    ),
+    _allocator(
+        "counter",
+        "allocator_counter",
+        "sync_all_streams",
+        "Full stream synchronisations (each empty_cache counts one).",
+    ),
+    *(
+        _allocator(
+            "gauge",
+            "pool",
+            key,
+            f"Per pool: {help}",
+            name=f"torch_cuda_pool_{key}",
+            labels=("pool",),
+        )
+        for key, help in (
+            ("allocated_bytes", "Bytes of live tensors held by the CUDA caching allocator."),
+            (
+                "reserved_bytes",
+                "Bytes the caching allocator holds from the driver (allocated plus cache).",
+            ),
+            ("active_bytes", "Allocated bytes plus freed blocks still in use by a stream."),
+            ("inactive_split_bytes", "Free bytes inside partly used segments (fragmentation)."),
+            ("requested_bytes", "Bytes callers asked for, before the allocator's rounding."),
+        )
+    ),
+    _allocator(
+        "gauge",
+        "ratio",
+        "fragmentation_ratio",
+        "inactive_split / reserved; only where the allocator tracks inactive_split.",
+    ),
+    _allocator(
+        "gauge",
+        "ratio",
+        "cached_free_ratio",
+        "(reserved - allocated) / reserved: cache held but not used by tensors.",
+    ),
+    _allocator(
+        "gauge",
+        "non_allocator",
+        "non_allocator_bytes",
+        "GPU memory of this process outside the caching allocator (NVML used - reserved): "
+        "CUDA context, NCCL, library workspaces. Taken only from readings of one moment.",
+    ),
+    _allocator(
+        "gauge",
+        "non_allocator",
+        "non_allocator_age_s",
+        "Age of torch_cuda_non_allocator_bytes at this tick: it is taken again whenever "
+        "the process's memory moves, and kept while its readings disagree.",
+        name="torch_cuda_non_allocator_age_seconds",
+    ),
+    # -- the allocator's layout: a segments-only snapshot, every few seconds ----------------
+    _allocator(
+        "gauge",
+        "layout",
+        "largest_free_block_bytes",
+        "Biggest free block in the default pool's cache: the biggest request that fits "
+        "without a new cudaMalloc (or cuMemMap with expandable segments). " + _LAYOUT,
+    ),
+    _allocator(
+        "gauge",
+        "layout",
+        "default_pool_free_bytes",
+        "Free bytes cached in the default pool: what ordinary allocations can reuse. From an "
+        "allocator snapshot.",
+    ),
+    _allocator(
+        "gauge",
+        "layout",
+        "free_in_used_segments_bytes",
+        "Free bytes inside segments that also hold live blocks, in every pool: "
+        "fragmentation, defined with expandable segments too (there inactive_split_bytes is "
+        "not tracked). From an allocator snapshot.",
+    ),
+    _allocator(
+        "gauge",
+        "layout_state",
+        "layout_age_s",
+        "Age of the allocator snapshot behind the layout families (largest free block, "
+        "private pool allocated bytes) at this tick.",
+        name="torch_cuda_layout_age_seconds",
+    ),
+    Family(
+        "torch_cuda_layout_skipped",
+        "info",
+        "Why the latest allocator snapshot was not taken (too_many_blocks: it would stall "
+        "the serving thread; history_recording: it would build every block's stack).",
+        ALLOCATOR_LABELS,
+        "torch",
+        IN_SERVER,
+        "layout_state",
+        "layout_skipped",
+        per_process=True,
+        info_labels=("reason",),
+    ),
+    _allocator(
+        "gauge",
+        "private_pool",
+        "reserved_bytes",
+        "Bytes reserved by one private pool (a CUDA graph's or a MemPool's): part of "
+        "reserved_bytes that ordinary allocations cannot reuse.",
+        name="torch_cuda_private_pool_reserved_bytes",
+        labels=("pool_id",),
+    ),
+    _allocator(
+        "gauge",
+        "private_pool",
+        "allocated_bytes",
+        "Bytes of live tensors in one private pool (from an allocator snapshot).",
+        name="torch_cuda_private_pool_allocated_bytes",
+        labels=("pool_id",),
+    ),
+    Family(
+        "torch_cuda_allocator",
+        "info",
+        "CUDA caching allocator settings (settings_source: live when the allocator "
+        "reported them, else environment).",
+        ALLOCATOR_LABELS,
+        "torch",
+        IN_SERVER,
+        per_process=True,
+        info_labels=(
+            "backend",
+            "expandable_segments",
+            "max_split_size_bytes",
+            "garbage_collection_threshold",
+            "settings_source",
+            "torch_version",
+        ),
+    ),
+    # -- PyTorch's caching host allocator (pinned memory), per process -----------------------
+    Family(
+        "torch_cuda_pinned_host_bytes",
+        "gauge",
+        "Page-locked host memory held by PyTorch's caching host allocator (in use or cached): "
+        "host RAM that cannot be swapped out.",
+        (),
+        "torch",
+        IN_SERVER,
+        "pinned_host",
+        "held_bytes",
+        per_process=True,
+    ),
+    Family(
+        "torch_cuda_pinned_host_in_use_bytes",
+        "gauge",
+        "Pinned host blocks handed out and not yet reusable (updated when the host allocator "
+        "next processes its events, so it can lag a free).",
+        (),
+        "torch",
+        IN_SERVER,
+        "pinned_host",
+        "in_use_bytes",
+        per_process=True,
+    ),
+    Family(
+        "torch_cuda_pinned_host_cached_bytes",
+        "gauge",
+        "Pinned host memory cached for reuse: held minus in use.",
+        (),
+        "torch",
+        IN_SERVER,
+        "pinned_host",
+        "cached_bytes",
+        per_process=True,
+    ),
+    # -- NVML ------------------------------------------------------------------------------
+    Family(
+        "gpu_memory_total_bytes",
+        "gauge",
+        "Memory of the GPU that processes can use (NVML).",
+        GPU_LABELS,
+        "nvml",
+        EVERY_MODE,
+        "gpu_memory",
+        "total_bytes",
+    ),
+    Family(
+        "gpu_memory_used_bytes",
+        "gauge",
+        "GPU memory in use by every process on the GPU, CUDA contexts included (NVML).",
+        GPU_LABELS,
+        "nvml",
+        EVERY_MODE,
+        "gpu_memory",
+        "used_bytes",
+    ),
+    Family(
+        "gpu_memory_free_bytes",
+        "gauge",
+        "GPU memory no process holds (NVML).",
+        GPU_LABELS,
+        "nvml",
+        EVERY_MODE,
+        "gpu_memory",
+        "free_bytes",
+    ),
+    Family(
+        "gpu_memory_driver_reserved_bytes",
+        "gauge",
+        "GPU memory the driver and firmware keep for themselves: never available to "
+        "processes (NVML memory info v2).",
+        GPU_LABELS,
+        "nvml",
+        EVERY_MODE,
+        "gpu_memory",
+        "driver_reserved_bytes",
+    ),
+    Family(
+        "gpu_process_memory_used_bytes",
+        "gauge",
+        "GPU memory used by a process (NVML; host PIDs).",
+        (*GPU_LABELS, "pid"),
+        "nvml",
+        EVERY_MODE,
+        key="used_bytes",
+    ),
+    Family(
+        "gpu_up",
+        "gauge",
+        "1 while NVML answers for the GPU; 0 when lost or refused.",
+        GPU_LABELS,
+        "nvml",
+        EVERY_MODE,
+        key="up",
+    ),
+    Family(
+        "gpu",
+        "info",
+        "GPU identity from NVML.",
+        GPU_LABELS,
+        "nvml",
+        EVERY_MODE,
+        info_labels=("name", "driver_version", "pci_bus_id"),
+    ),
+    # -- Kubernetes attribution (node daemon) ----------------------------------------------
+    Family(
+        "gpumem_exporter_kubelet_up",
+        "gauge",
+        "1 if the latest List of the kubelet's pod-resources API succeeded.",
+        (),
+        "kubelet",
+        ("node",),
+    ),
+    Family(
+        "gpumem_exporter_kubelet_refresh_errors",
+        "counter",
+        "Failed Lists of the kubelet's pod-resources API.",
+        (),
+        "kubelet",
+        ("node",),
+    ),
+    Family(
+        "gpumem_exporter_kubelet_last_success_timestamp_seconds",
+        "gauge",
+        "Unix time of the latest successful List: the age of the attribution.",
+        (),
+        "kubelet",
+        ("node",),
+    ),
+    Family(
+        "gpumem_exporter_kubelet_error",
+        "info",
+        "Why the latest List of the kubelet's pod-resources API failed.",
+        (),
+        "kubelet",
+        ("node",),
+        info_labels=("error", "socket"),
+    ),
+    Family(
+        "gpumem_exporter_pods_api_up",
+        "gauge",
+        "1 if the latest list of this node's pods from the Kubernetes API succeeded "
+        "(the pod reader names processes on shared GPUs).",
+        (),
+        "kubelet",
+        ("node",),
+    ),
+    Family(
+        "gpumem_exporter_pods_api_error",
+        "info",
+        "Why the latest list of this node's pods from the Kubernetes API failed.",
+        (),
+        "kubelet",
+        ("node",),
+        info_labels=("error",),
+    ),
+    Family(
+        "gpu_pod_info",
+        "gauge",
+        "1 for each container the kubelet assigned a GPU to (gpu_uuid: the NVML GPU the "
+        "device is on, empty where none matches), whether or not NVML sees that GPU.",
+        ("gpu_uuid", "device_id", "resource", "namespace", "pod", "container"),
+        "kubelet",
+        ("node",),
+    ),
+    Family(
+        "gpu_process_container_info",
+        "gauge",
+        "1 for each GPU process in a pod: its pod UID and container ID (from its cgroup).",
+        ("pid", "pod_uid", "container_id"),
+        "kubelet",
+        ("node",),
+    ),
+    Family(
+        "gpu_process_pod_info",
+        "gauge",
+        "1 for each GPU process whose pod is certain: named by the Kubernetes API (pod "
+        "reader), or the only pod, through one container, holding the GPUs it uses, with "
+        "no other pod's process on them.",
+        ("pid", "namespace", "pod", "container"),
+        "kubelet",
+        ("node",),
+    ),
+    Family(
+        "gpu_memory_unattributed_bytes",
+        "gauge",
+        "GPU memory that no pod holding the GPU owns: the whole GPU's used memory where no "
+        "pod holds it, else its processes in no pod.",
+        GPU_LABELS,
+        "kubelet",
+        ("node",),
+    ),
+    Family(
+        "gpu_process_memory_unattributed_bytes",
+        "gauge",
+        "GPU memory of a process outside every pod that holds its GPU (reason: no_pod, "
+        "not_assigned; unknown: its cgroup could not be read, not counted as unattributed).",
+        (*GPU_LABELS, "pid", "reason"),
+        "kubelet",
+        ("node",),
+    ),
+    # -- host memory -----------------------------------------------------------------------
+    Family(
+        "host_process_resident_memory_bytes",
+        "gauge",
+        "Resident host memory of one process of the server (VmRSS), pinned buffers included.",
+        HOST_PROCESS_LABELS,
+        "process_memory",
+        ("run", "node", "demo"),
+        "host_process",
+        "resident_bytes",
+    ),
+    Family(
+        "host_process_resident_memory_peak_bytes",
+        "gauge",
+        "Peak resident host memory of one process of the server (VmHWM), never below its "
+        "current resident memory.",
+        HOST_PROCESS_LABELS,
+        "process_memory",
+        ("run", "node", "demo"),
+        "host_process",
+        "resident_peak_bytes",
+    ),
+    Family(
+        "host_process_swap_bytes",
+        "gauge",
+        "Host memory of one process of the server swapped out (VmSwap).",
+        HOST_PROCESS_LABELS,
+        "process_memory",
+        ("run", "node", "demo"),
+        "host_process",
+        "swap_bytes",
+    ),
+    Family(
+        "host_memory_total_bytes",
+        "gauge",
+        "Physical memory of the host (MemTotal in /proc/meminfo).",
+        (),
+        "host",
+        EVERY_MODE,
+        "machine_host",
+        "total_bytes",
+    ),
+    Family(
+        "host_memory_available_bytes",
+        "gauge",
+        "Memory the host can give to new work without swapping (MemAvailable): what is left "
+        "for pinned buffers, data loaders and the next process.",
+        (),
+        "host",
+        EVERY_MODE,
+        "machine_host",
+        "available_bytes",
+    ),
+    Family(
+        "host_swap_total_bytes",
+        "gauge",
+        "Swap space configured on the host.",
+        (),
+        "host",
+        EVERY_MODE,
+        "machine_host",
+        "swap_total_bytes",
+    ),
+    Family(
+        "host_swap_used_bytes",
+        "gauge",
+        "Swap space in use on the host; pages of a serving process swapped out make its "
+        "requests slow.",
+        (),
+        "host",
+        EVERY_MODE,
+        "machine_host",
+        "swap_used_bytes",
+    ),
+    # Live modes also serve the peak of the exporter's own process, beside client_python's
+    # process_resident_memory_bytes. A replay never does: `process_` names belong to the
+    # process that serves them, and the recorded process is served as host_process_*.
+    Family(
+        "process_resident_memory_peak_bytes",
+        "gauge",
+        "Peak resident memory of this process (ru_maxrss), never below its current "
+        "process_resident_memory_bytes.",
+        (),
+        "host",
+        LIVE,
+        "own_process_host",
+        "process_resident_peak_bytes",
+    ),
+)
+
+BY_NAME = {family.name: family for family in FAMILIES}
+
+
+def family(name: str) -> Family:
+    """The declared family of this name (KeyError for one not declared)."""
+    return BY_NAME[name]
+
+
+def group(name: str) -> tuple[Family, ...]:
+    """The families of one group, in declaration order."""
+    found = tuple(f for f in FAMILIES if f.group == name)
+    if not found:
+        raise KeyError(name)
+    return found
+
+
+def keys(name: str) -> tuple[str, ...]:
+    """The reading fields of one group, in declaration order."""
+    return tuple(f.key for f in group(name))
+
+
+# -- docs/metrics.md -----------------------------------------------------------------------
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+_BEGIN = "<!-- catalog: written by `python -m exporter.catalog --write`; do not edit -->"
+_END = "<!-- catalog end -->"
+_MODE_WORDS = {
+    EVERY_MODE: "every mode",
+    IN_SERVER: "embedded, run, demo",
+    LIVE: "embedded, run, node",
+}
+
+
+def markdown_table() -> str:
+    """Every family as one row: what a scrape shows, its labels and where it is served."""
+    rows = [
+        "| family | type | labels | modes | source | help |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for entry in FAMILIES:
+        labels = [f"`{name}`" for name in entry.labels]
+        if entry.per_process:
+            labels.append("process labels under `run`")
+        labels += [f"`{name}` (value)" for name in entry.info_labels]
+        modes = _MODE_WORDS.get(entry.modes, ", ".join(entry.modes))
+        cells = (
+            f"`{entry.exposed}`",
+            entry.kind,
+            ", ".join(labels),
+            modes,
+            entry.source,
+            entry.help.replace("|", "\\|"),
+        )
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def doc_section(text: str) -> str | None:
+    """The catalog's part of docs/metrics.md, or None where its markers are missing."""
+    match = re.search(re.escape(_BEGIN) + r"\n(.*?)" + re.escape(_END), text, re.S)
+    return match.group(1) if match else None
+
+
+def write_doc(path: Path = DOC) -> bool:
+    """Rewrite the table between the markers; True if it changed."""
+    text = path.read_text()
+    if doc_section(text) is None:
+        raise SystemExit(f"{path}: the catalog markers are missing")
+    new = re.sub(
+        re.escape(_BEGIN) + r"\n.*?" + re.escape(_END),
+        lambda _: f"{_BEGIN}\n{markdown_table()}\n{_END}",
+        text,
+        flags=re.S,
+    )
+    if new == text:
+        return False
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(new)
+    tmp.replace(path)
+    return True
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write"]:
+        print(f"{DOC}: {'written' if write_doc() else 'already up to date'}")
+    elif not sys.argv[1:]:
+        print(markdown_table())
+    else:
+        raise SystemExit("usage: python -m exporter.catalog [--write]")

@@ -11,13 +11,21 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from exporter import __version__, atomic
-from exporter.actions.base import MAX_RECORD_S, Target
+from exporter.actions.base import Target
+from exporter.actions.spec import (
+    EMPTY_CACHE,
+    HISTORY_STATUS,
+    RESET_PEAK,
+    SET_HISTORY,
+    SNAPSHOT,
+    Action,
+)
 from exporter.answers import human_answer
 from exporter.config import Config, ConfigError, load_config, read_token_file
 from exporter.http.server import HttpServer, ServerStartError, create_app
@@ -174,43 +182,20 @@ def _add_snapshot_command(commands: argparse._SubParsersAction[argparse.Argument
         "-o", "--output", required=True, type=Path, help="snapshot pickle (or a directory)"
     )
     window = snapshot.add_mutually_exclusive_group()
-    window.add_argument(
-        "--record-s",
-        type=float,
-        help=f"record allocation history for this many seconds (at most {MAX_RECORD_S}), then dump",
-    )
+    _add_action_options(window, SNAPSHOT, "record_s")
     window.add_argument(
         "--stop",
         action="store_true",
         help="end the --record-s capture that is recording now and download what it recorded",
     )
-    snapshot.add_argument(
-        "--stacks",
-        choices=["python", "all"],
-        default="python",
-        help="stack frames recorded with each allocation during --record-s: python, or all "
-        "(Python, C++ and CUDA; slower to record) (default python)",
-    )
+    _add_action_options(snapshot, SNAPSHOT, "stacks", "max_entries")
 
 
 def _add_empty_cache_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    empty_cache = commands.add_parser(
-        "empty-cache",
-        help="ask a running exporter to release cached GPU memory",
-        description="POST /empty-cache: returns fully free cached segments to the driver. It "
-        "waits for the process's queued GPU work and blocks its allocations "
-        "meanwhile.",
+    empty_cache = _add_action_command(
+        commands, EMPTY_CACHE, "ask a running exporter to release cached GPU memory"
     )
-    _add_client_flags(empty_cache)
-    empty_cache.add_argument(
-        "--device",
-        type=int,
-        metavar="N",
-        help="which GPU the call runs on, by its number inside the server process (the CUDA "
-        "device number after CUDA_VISIBLE_DEVICES, not nvidia-smi's index); it must be one "
-        "the process uses. PyTorch empties the cache of every GPU of the process either way. "
-        "Default: the first GPU the process uses",
-    )
+    _add_action_options(empty_cache, EMPTY_CACHE)
 
 
 def _add_history_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -227,27 +212,47 @@ def _add_history_command(commands: argparse._SubParsersAction[argparse.ArgumentP
         help="start recording, stop it (a snapshot is taken first), or show whether it records",
     )
     _add_client_flags(history)
-    history.add_argument(
-        "--max-entries", type=int, help="history ring buffer size (default 100000)"
-    )
-    history.add_argument(
-        "--stacks",
-        choices=["python", "all"],
-        default="python",
-        help="stack frames recorded with each allocation: python, or all (Python, C++ and "
-        "CUDA; slower to record) (default python)",
-    )
+    _add_action_options(history, SET_HISTORY, "max_entries", "stacks")
 
 
 def _add_reset_peak_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    reset_peak = commands.add_parser(
-        "reset-peak",
-        help="reset the allocator's peak statistics",
-        description="POST /reset-peak: peak = current, process-wide (it also resets what the "
-        "application's own torch.cuda.max_memory_allocated() reports).",
+    reset_peak = _add_action_command(commands, RESET_PEAK, "reset the allocator's peak statistics")
+    _add_action_options(reset_peak, RESET_PEAK)
+
+
+def _add_action_command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], action: Action, summary: str
+) -> argparse.ArgumentParser:
+    """A command that runs one declared action (exporter.actions.spec): named and described
+    after it."""
+    parser = commands.add_parser(
+        action.name.replace("_", "-"),
+        help=summary,
+        description=f"{action.method} {action.path}: {action.help}",
     )
-    _add_client_flags(reset_peak)
-    reset_peak.add_argument("--device", type=int, help="only this CUDA device")
+    _add_client_flags(parser)
+    return parser
+
+
+def _add_action_options(
+    parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup,
+    action: Action,
+    *names: str,
+) -> None:
+    """The declared parameters of `action` that have a flag (all, or those named), with the
+    declaration's type, choices and help; bounds are checked after parsing (_act)."""
+    for param in action.params:
+        if not param.flag or (names and param.name not in names):
+            continue
+        default = "" if param.default is None else f" (default {param.default})"
+        parser.add_argument(
+            param.flag,
+            dest=param.name,
+            type=param.kind,
+            choices=param.choices or None,
+            metavar="N" if param.kind is int else None,
+            help=param.help[0].lower() + param.help[1:].rstrip(".") + default,
+        )
 
 
 def _add_stats_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -519,16 +524,30 @@ def _report(args: argparse.Namespace, answer: dict[str, Any]) -> int:
     return _failures(answer)
 
 
-def _call(
-    args: argparse.Namespace, action: str, client: AdminClient | None = None, **kwargs: Any
+def _act(
+    args: argparse.Namespace, action: Action, client: AdminClient | None = None, **params: Any
 ) -> dict[str, Any]:
+    """Run a declared action; a parameter out of its bounds is a one-line error naming the
+    flag it came from."""
+    from exporter.http.client import ClientError
+
+    for name, value in params.items():
+        problem = action.param(name).problem(value) if value is not None else ""
+        if problem:
+            raise CliError(f"{action.param(name).flag or name} {problem}")
+    try:
+        return (client or _client(args)).act(action, _target(args), **params)
+    except ClientError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _client_call(args: argparse.Namespace, call: Callable[[Target], dict[str, Any]]) -> Any:
     from exporter.http.client import ClientError
 
     try:
-        result: dict[str, Any] = getattr(client or _client(args), action)(_target(args), **kwargs)
+        return call(_target(args))
     except ClientError as exc:
         raise CliError(str(exc)) from None
-    return result
 
 
 def _output_path(output: Path, process: dict[str, str], filename: str, several: bool) -> Path:
@@ -542,14 +561,19 @@ def _output_path(output: Path, process: dict[str, str], filename: str, several: 
 def cmd_snapshot(args: argparse.Namespace) -> int:
     from exporter.http.client import ClientError
 
-    if args.record_s is not None and not 0 < args.record_s <= MAX_RECORD_S:
-        raise CliError(f"--record-s must be between 0 and {MAX_RECORD_S}")
+    if args.record_s is not None and (problem := SNAPSHOT.param("record_s").problem(args.record_s)):
+        raise CliError(f"--record-s {problem}")
     _writable(args.output, "-o", folder_ok=True)
     client = _client(args)
     if args.stop:
-        answer = _call(args, "stop_capture", client)
+        answer = _client_call(args, client.stop_capture)
     else:
-        answer = _call(args, "snapshot", client, record_s=args.record_s, stacks=args.stacks)
+        answer = _client_call(
+            args,
+            lambda target: client.snapshot(
+                target, record_s=args.record_s, stacks=args.stacks, max_entries=args.max_entries
+            ),
+        )
     entries = answer.get("processes", [])
     replay = " (replay of recorded data)" if answer.get("replay") else ""
     written = []
@@ -579,32 +603,26 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 def cmd_empty_cache(args: argparse.Namespace) -> int:
-    return _report(args, _call(args, "empty_cache", device=args.device))
+    return _report(args, _act(args, EMPTY_CACHE, device=args.device))
 
 
 def cmd_history(args: argparse.Namespace) -> int:
     if args.state == "status":
-        return _report(args, _call(args, "history"))
-    if args.max_entries is not None and not 1 <= args.max_entries <= 1_000_000:
-        raise CliError("--max-entries must be between 1 and 1000000")
+        return _report(args, _act(args, HISTORY_STATUS))
+    enabled = args.state == "start"
     return _report(
         args,
-        _call(
-            args,
-            "set_history",
-            enabled=args.state == "start",
-            max_entries=args.max_entries,
-            stacks=args.stacks,
-        ),
+        _act(args, SET_HISTORY, enabled=enabled, max_entries=args.max_entries, stacks=args.stacks),
     )
 
 
 def cmd_reset_peak(args: argparse.Namespace) -> int:
-    return _report(args, _call(args, "reset_peak", device=args.device))
+    return _report(args, _act(args, RESET_PEAK, device=args.device))
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    print(json.dumps(_call(args, "stats"), indent=2))  # a sample is data: JSON either way
+    stats = _client_call(args, _client(args).stats)
+    print(json.dumps(stats, indent=2))  # a sample is data: JSON either way
     return 0
 
 

@@ -2,8 +2,9 @@
 
 Every action answers a list of `ProcessResult`s, one per process it ran in: one entry for an
 embedded exporter or the demo, one per selected process under `gpumem-exporter run`. So one
-client reads every mode the same way. Adding an action means one method here, one in each
-implementation (the fan-out's is one line) and one route.
+client reads every mode the same way. The actions themselves are declared in
+exporter.actions.spec; adding one means its declaration there and one method in
+`ActionMethods` and each implementation of it.
 """
 
 from __future__ import annotations
@@ -77,12 +78,10 @@ class HistoryParams:
     context: str = "all"
 
 
-class Actions(Protocol):
-    """The allocator actions of a mode. Every method returns one result per process it ran
+class ActionMethods(Protocol):
+    """The actions, as methods of an implementation that runs them itself (this process's
+    allocator, or the demo's recording). Every method returns one result per process it ran
     in; an empty list means no process matched `target` (or none uses CUDA yet)."""
-
-    replay: bool
-    store: SnapshotStore
 
     def snapshot(
         self, target: Target, *, record_s: float | None = None, history: HistoryParams
@@ -110,6 +109,20 @@ class Actions(Protocol):
 
     def reset_peak(self, target: Target, *, device: int | None = None) -> list[ProcessResult]: ...
 
+
+class Actions(Protocol):
+    """The allocator actions of a mode, as the admin API calls them."""
+
+    replay: bool
+    store: SnapshotStore
+
+    def perform(
+        self, action: str, target: Target, params: Mapping[str, Any]
+    ) -> list[ProcessResult]:
+        """Run the action of this name (exporter.actions.spec) with its checked parameters:
+        in this process, or in each selected process of a `run` server."""
+        ...
+
     def counts(self) -> list[ProcessCounts]:
         """Counts of actions done so far, per process (for /metrics)."""
         ...
@@ -118,7 +131,3 @@ class Actions(Protocol):
         """Features that run in the process owning the allocator (OOM capture, history from
         start-up, remediation): this mode's listeners for the sampler."""
         ...
-
-
-# The actions an agent accepts from the aggregator: the interface's methods, by name.
-REMOTE_ACTIONS = ("snapshot", "stop_capture", "empty_cache", "history", "set_history", "reset_peak")

@@ -13,6 +13,7 @@ OUTCOME_STATUS = {
     "unavailable": 409,  # not now: CUDA not initialized yet, device not in use
     "conflict": 409,  # another capture is recording
     "cooldown": 429,
+    "invalid": 422,  # parameters the action does not take (a launcher of another version)
     "unsupported": 501,  # never here: cudaMallocAsync has no snapshots
     "error": 500,
     # The snapshot folder cannot take the file: full, over quota, read-only, or not ours.

@@ -19,7 +19,7 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -195,6 +195,13 @@ class LocalActions:
         return self._here(
             target, lambda: {"devices": self.reset_peak_now(device), "scope": "process"}
         )
+
+    def perform(
+        self, action: str, target: Target, params: Mapping[str, Any]
+    ) -> list[ProcessResult]:
+        from exporter.actions.spec import BY_NAME
+
+        return BY_NAME[action].call(self, target, dict(params))
 
     def counts(self) -> list[ProcessCounts]:
         remediations = self.remediation.counts if self.remediation is not None else {}

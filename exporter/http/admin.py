@@ -19,31 +19,23 @@ with `"ok": false`. Slow work runs in worker threads, off the event loop.
 from __future__ import annotations
 
 import hmac
-import inspect
 import logging
 import math
 import threading
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from enum import Enum
+from collections.abc import Callable, Coroutine
 from typing import Any, Literal, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from exporter.actions.base import (
-    DEFAULT_HISTORY_ENTRIES,
-    MAX_RECORD_S,
-    OUTCOME_STATUS,
-    Actions,
-    HistoryParams,
-    ProcessResult,
-    Target,
-)
+from exporter.actions.base import OUTCOME_STATUS, Actions, ProcessResult, Target
 from exporter.actions.snapshots import SnapshotInfo
+from exporter.actions.spec import ACTIONS, Action, ParamError
 from exporter.config import Config, ConfigError
 from exporter.detectors import Detectors
 from exporter.identity import describe_process, process_labels
@@ -71,49 +63,32 @@ class _Body(BaseModel):
         return Target(self.pid, self.rank)
 
 
-class _HistoryFields(_Body):
-    max_entries: int = Field(
-        DEFAULT_HISTORY_ENTRIES, ge=1, le=1_000_000, description="History ring buffer size."
-    )
-    stacks: Literal["python", "all"] = Field(
-        "python", description="Stack frames to record: python only, or python and C++."
-    )
-    context: Literal["all", "alloc", "state"] = "all"
-
-    @property
-    def history(self) -> HistoryParams:
-        return HistoryParams(self.max_entries, self.stacks, self.context)
-
-
-class SnapshotRequest(_HistoryFields):
-    record_s: float | None = Field(
-        None,
-        gt=0,
-        le=MAX_RECORD_S,
-        description="Record allocation history for this many seconds, then dump (202); "
-        "POST /snapshot/stop ends it sooner.",
-    )
-
-
-class EmptyCacheRequest(_Body):
-    device: int | None = Field(
-        None,
-        ge=0,
-        le=1023,
-        description="Device guard to use; PyTorch "
-        "releases cached blocks on every device of the process.",
-    )
+def request_model(action: Action) -> type[_Body]:
+    """The body an action's route takes: pid/rank and the action's declared parameters,
+    with the same bounds (exporter.actions.spec), for validation and the OpenAPI schema."""
+    fields: dict[str, Any] = {}
+    for param in action.params:
+        kind: Any = Literal[param.choices] if param.choices else param.kind
+        if param.default is None and not param.required:
+            kind = kind | None
+        default = ... if param.required else param.default
+        # Strict: "0" is not a device and 1 is not true (pydantic's lax mode would take
+        # both), as the declaration, and each agent checking it, would refuse them.
+        field: Any = Field(
+            default,
+            description=param.help,
+            ge=param.minimum,
+            gt=param.above,
+            le=param.maximum,
+            strict=None if param.choices else True,  # a choice is exact already
+        )
+        fields[param.name] = (kind, field)
+    name = "".join(part.title() for part in action.name.split("_")) + "Request"
+    model: type[_Body] = create_model(name, __base__=_Body, **fields)
+    return model
 
 
-class HistoryRequest(_HistoryFields):
-    enabled: bool
-    snapshot_before_stop: bool = Field(
-        True, description="Stopping clears the history buffer: dump it first."
-    )
-
-
-class ResetPeakRequest(_Body):
-    device: int | None = Field(None, ge=0, le=1023)
+REQUEST_MODELS = {action.name: request_model(action) for action in ACTIONS}
 
 
 class Selector(_Body):
@@ -265,6 +240,40 @@ class Admin:
             response.headers.update(headers)
         return response
 
+    # -- the snapshot store ----------------------------------------------------------------
+
+    def entry(self, snapshot_id: str) -> SnapshotInfo:
+        info = self.actions.store.get(snapshot_id)
+        if info is None:
+            raise AdminError(404, f"no snapshot {snapshot_id!r}", "not_found")
+        return info
+
+    def ready(self, snapshot_id: str) -> SnapshotInfo:
+        """A snapshot that can be read: 409 while it records, or if it failed."""
+        info = self.entry(snapshot_id)
+        if info.status != "ready":
+            detail = info.meta.get("error", "") if info.status == "failed" else ""
+            raise AdminError(
+                409,
+                f"snapshot {info.id} is {info.status}" + (f": {detail}" if detail else ""),
+                "conflict",
+            )
+        return info
+
+    def delete(self, info: SnapshotInfo) -> None:
+        if info.status == "recording":
+            raise AdminError(409, f"snapshot {info.id} is still recording", "conflict")
+        try:
+            if info.status == "failed":
+                self.actions.store.discard(info)
+            else:
+                self.actions.store.delete(info.id)
+        except OSError as exc:  # a read-only or foreign folder: still listed, still there
+            reason = exc.strerror or type(exc).__name__
+            raise AdminError(
+                507, f"cannot delete snapshot {info.id}: {reason}", "insufficient_storage"
+            ) from None
+
     # -- pages and stats -----------------------------------------------------------------
 
     def render(self, info: SnapshotInfo) -> str:
@@ -367,203 +376,141 @@ SELECTOR_QUERY = {
 
 
 def add_admin_routes(app: FastAPI, admin: Admin) -> None:
-    Handler = Callable[..., Awaitable[Response]]
-    actions = admin.actions
+    """Every admin route: one per declared action, and the snapshot store's and /stats.
+    Each is authorized first (a dependency) and counted under its name (_route_class)."""
+    router = APIRouter(
+        tags=["admin"],
+        route_class=_route_class(admin),
+        dependencies=[Depends(admin.authorize)],
+    )
+    for action in ACTIONS:
+        _add_action_route(router, admin, action)
+    _add_store_routes(router, admin)
 
-    def guarded(action: str) -> Callable[[Handler], Handler]:
-        """Authorize, map errors to status codes, count every outcome."""
+    @router.get("/stats", name="stats", openapi_extra=SELECTOR_QUERY)
+    async def stats(request: Request) -> Response:
+        """The latest sample as JSON, with firing in-process alerts (pid/rank: one process)."""
+        return admin.respond(admin.stats(admin.query(request)))
 
-        def wrap(handler: Handler) -> Handler:
-            async def route(request: Request, **kwargs: Any) -> Response:
+    # The routes themselves, not include_router's lazily included router: the app lists
+    # every route it serves (OpenAPI, tests, an embedding host).
+    app.router.routes.extend(router.routes)
+
+
+def _route_class(admin: Admin) -> type[APIRoute]:
+    class AdminRoute(APIRoute):
+        """Answers an AdminError with its status and any other failure with a 500 that
+        names only its type, and counts every outcome under the route's name."""
+
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+            label = self.name
+
+            async def counted(request: Request) -> Response:
                 try:
-                    admin.authorize(request)
-                    response = await handler(request, **kwargs)
+                    response = await handler(request)
                 except AdminError as exc:
-                    admin.requests[(action, exc.outcome)] += 1
+                    admin.requests[(label, exc.outcome)] += 1
                     return JSONResponse(
                         {"detail": exc.detail}, status_code=exc.status, headers=exc.headers
                     )
                 except Exception as exc:
-                    admin.requests[(action, "error")] += 1
-                    log.exception("admin %s failed", action)
+                    admin.requests[(label, "error")] += 1
+                    log.exception("admin %s failed", label)
                     return JSONResponse(
-                        {"detail": f"{action} failed: {type(exc).__name__}"}, status_code=500
+                        {"detail": f"{label} failed: {type(exc).__name__}"}, status_code=500
                     )
-                admin.requests[(action, getattr(response, "outcome", "ok"))] += 1
+                admin.requests[(label, getattr(response, "outcome", "ok"))] += 1
                 return response
 
-            route.__name__ = handler.__name__
-            route.__doc__ = handler.__doc__
-            route.__signature__ = inspect.signature(handler)  # type: ignore[attr-defined]
-            return route
+            return counted
 
-        return wrap
+    return AdminRoute
 
-    tags: list[str | Enum] = ["admin"]
 
-    @app.post(
-        "/snapshot",
-        tags=tags,
-        status_code=201,
-        openapi_extra=_schema(SnapshotRequest),
-        responses={202: {"description": "recording; poll GET /snapshots/{id} of each process"}},
+def _add_action_route(router: APIRouter, admin: Admin, action: Action) -> None:
+    model = REQUEST_MODELS[action.name]
+
+    async def endpoint(request: Request) -> Response:
+        if action.method == "GET":
+            target, given = admin.query(request), {}
+        else:
+            body = await admin.body(request, model)
+            target, given = body.target, body.model_dump(exclude={"pid", "rank"})
+        try:
+            params = action.check(given)
+        except ParamError as exc:
+            raise AdminError(422, f"invalid request: {exc}", "invalid") from None
+        results = await run_in_threadpool(admin.actions.perform, action.name, target, params)
+        if (conflict := action.conflict(results)) is not None:
+            raise AdminError(409, conflict, "unavailable")
+        return admin.answer(target, results, action.ok_status(results))
+
+    endpoint.__name__ = action.name
+    if action.method == "GET":
+        extra = SELECTOR_QUERY
+    else:
+        extra = _schema(model, required=any(p.required for p in action.params))
+    router.add_api_route(
+        action.path,
+        endpoint,
+        methods=[action.method],
+        name=action.label,
+        description=action.help,
+        status_code=action.ok_status([]),
+        responses={status: {"description": text} for status, text in action.other_statuses},
+        openapi_extra=extra,
     )
-    @guarded("snapshot")
-    async def snapshot(request: Request) -> Response:
-        """Capture an allocator snapshot in each selected process now, or record history for
-        `record_s` and then dump (202, each entry `recording`). Holds the GIL while it builds
-        stack frames: ~2 ms without history, seconds with 50k live blocks with stacks
-        (docs/performance.md)."""
-        params = await admin.body(request, SnapshotRequest)
-        results = await run_in_threadpool(
-            actions.snapshot, params.target, record_s=params.record_s, history=params.history
-        )
-        recording = any(r.ok and (r.result or {}).get("status") == "recording" for r in results)
-        return admin.answer(params.target, results, 202 if recording else 201)
 
-    @app.post("/snapshot/stop", tags=tags, openapi_extra=_schema(_Body))
-    @guarded("snapshot_stop")
-    async def stop_snapshot(request: Request) -> Response:
-        """End the windowed capture (`record_s`) of each selected process now and write what
-        it recorded so far; 409 when no selected process is recording."""
-        params = await admin.body(request, _Body)
-        results = await run_in_threadpool(actions.stop_capture, params.target)
-        if results and all(r.ok and (r.result or {}).get("stopped") is None for r in results):
-            raise AdminError(409, "no capture is recording", "unavailable")
-        return admin.answer(params.target, results)
 
-    @app.get("/snapshots", tags=tags)
-    @guarded("list")
+def _add_store_routes(router: APIRouter, admin: Admin) -> None:
+    """The snapshots kept by this server: list, fetch, view and delete them."""
+    store = admin.actions.store
+
+    @router.get("/snapshots", name="list")
     async def list_snapshots(request: Request) -> Response:
         """Snapshots kept by this server (every process of it), newest first."""
         target = admin.query(request)
         listed = [
             i.public()
-            for i in actions.store.list()
+            for i in store.list()
             if not target.selective or target.matches(_snapshot_process(i))
         ]
         return admin.respond({"snapshots": listed})
 
-    def _ready(snapshot_id: str) -> SnapshotInfo:
-        info = actions.store.get(snapshot_id)
-        if info is None:
-            raise AdminError(404, f"no snapshot {snapshot_id!r}", "not_found")
-        if info.status != "ready":
-            detail = info.meta.get("error", "") if info.status == "failed" else ""
-            raise AdminError(
-                409,
-                f"snapshot {info.id} is {info.status}" + (f": {detail}" if detail else ""),
-                "conflict",
-            )
-        return info
-
-    @app.get(
+    @router.get(
         "/snapshots/{snapshot_id}",
-        tags=tags,
+        name="download",
         responses={200: {"content": {"application/octet-stream": {}}}},
     )
-    @guarded("download")
-    async def download_snapshot(request: Request, snapshot_id: str) -> Response:
+    async def download_snapshot(snapshot_id: str) -> Response:
         """The snapshot pickle (open it with torch.cuda._memory_viz or pytorch.org/memory_viz,
         or `gpumem-exporter view`). 409 while it is still recording, or if it failed."""
-        info = _ready(snapshot_id)
+        info = admin.ready(snapshot_id)
         return FileResponse(
-            actions.store.path(info),
-            filename=info.filename,
-            media_type="application/octet-stream",
+            store.path(info), filename=info.filename, media_type="application/octet-stream"
         )
 
-    @app.get("/snapshots/{snapshot_id}/info", tags=tags)
-    @guarded("list")
-    async def snapshot_info(request: Request, snapshot_id: str) -> Response:
+    @router.get("/snapshots/{snapshot_id}/info", name="list")
+    async def snapshot_info(snapshot_id: str) -> Response:
         """One snapshot's entry: poll it while a windowed capture is `recording`."""
-        info = actions.store.get(snapshot_id)
-        if info is None:
-            raise AdminError(404, f"no snapshot {snapshot_id!r}", "not_found")
-        return admin.respond(info.public())
+        return admin.respond(admin.entry(snapshot_id).public())
 
-    @app.get("/snapshots/{snapshot_id}/view", tags=tags, response_class=HTMLResponse)
-    @guarded("view")
-    async def view_snapshot(request: Request, snapshot_id: str) -> Response:
+    @router.get("/snapshots/{snapshot_id}/view", name="view", response_class=HTMLResponse)
+    async def view_snapshot(snapshot_id: str) -> Response:
         """A self-contained HTML page (no external resource) of the snapshot."""
         from exporter.viewer import PAGE_CSP
 
-        info = _ready(snapshot_id)
-        html = await run_in_threadpool(admin.render, info)
+        html = await run_in_threadpool(admin.render, admin.ready(snapshot_id))
         return HTMLResponse(
             html, headers={"Content-Security-Policy": PAGE_CSP, "X-Content-Type-Options": "nosniff"}
         )
 
-    @app.delete("/snapshots/{snapshot_id}", tags=tags, status_code=204)
-    @guarded("delete")
-    async def delete_snapshot(request: Request, snapshot_id: str) -> Response:
+    @router.delete("/snapshots/{snapshot_id}", name="delete", status_code=204)
+    async def delete_snapshot(snapshot_id: str) -> Response:
         """Remove a snapshot."""
-        info = actions.store.get(snapshot_id)
-        if info is None:
-            raise AdminError(404, f"no snapshot {snapshot_id!r}", "not_found")
-        if info.status == "recording":
-            raise AdminError(409, f"snapshot {info.id} is still recording", "conflict")
-        try:
-            if info.status == "failed":
-                actions.store.discard(info)
-            else:
-                actions.store.delete(info.id)
-        except OSError as exc:  # a read-only or foreign folder: still listed, still there
-            reason = exc.strerror or type(exc).__name__
-            raise AdminError(
-                507, f"cannot delete snapshot {info.id}: {reason}", "insufficient_storage"
-            ) from None
+        admin.delete(admin.entry(snapshot_id))
         return Response(status_code=204)
-
-    @app.post("/empty-cache", tags=tags, openapi_extra=_schema(EmptyCacheRequest))
-    @guarded("empty_cache")
-    async def empty_cache(request: Request) -> Response:
-        """Return fully free cached segments to the driver, in each selected process. It waits
-        for all GPU work queued on the process's streams and blocks its allocations meanwhile
-        (measured at 3 s with 3 s of work queued): rate-limited per process, 429 with
-        Retry-After within the cooldown."""
-        params = await admin.body(request, EmptyCacheRequest)
-        results = await run_in_threadpool(actions.empty_cache, params.target, device=params.device)
-        return admin.answer(params.target, results)
-
-    @app.get("/history", tags=tags, openapi_extra=SELECTOR_QUERY)
-    @guarded("history")
-    async def get_history(request: Request) -> Response:
-        """Whether each process records allocation history, and with what limits."""
-        target = admin.query(request)
-        results = await run_in_threadpool(actions.history, target)
-        return admin.answer(target, results)
-
-    @app.post("/history", tags=tags, openapi_extra=_schema(HistoryRequest, required=True))
-    @guarded("history")
-    async def set_history(request: Request) -> Response:
-        """Start or stop recording allocation history (always bounded by max_entries) in each
-        selected process. Stopping clears PyTorch's buffer, so by default a snapshot is taken
-        first."""
-        params = await admin.body(request, HistoryRequest)
-        results = await run_in_threadpool(
-            actions.set_history,
-            params.target,
-            enabled=params.enabled,
-            history=params.history,
-            snapshot_before_stop=params.snapshot_before_stop,
-        )
-        return admin.answer(params.target, results)
-
-    @app.post("/reset-peak", tags=tags, openapi_extra=_schema(ResetPeakRequest))
-    @guarded("reset_peak")
-    async def reset_peak(request: Request) -> Response:
-        """Set peak = current. Global to each process: it also resets what the application's
-        own torch.cuda.max_memory_allocated() reports."""
-        params = await admin.body(request, ResetPeakRequest)
-        results = await run_in_threadpool(actions.reset_peak, params.target, device=params.device)
-        return admin.answer(params.target, results)
-
-    @app.get("/stats", tags=tags, openapi_extra=SELECTOR_QUERY)
-    @guarded("stats")
-    async def stats(request: Request) -> Response:
-        """The latest sample as JSON, with firing in-process alerts (pid/rank: one process)."""
-        return admin.respond(admin.stats(admin.query(request)))
 
 
 def _snapshot_process(info: SnapshotInfo) -> dict[str, str]:

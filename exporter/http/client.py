@@ -18,6 +18,7 @@ from typing import Any
 from exporter import atomic
 from exporter.actions.base import Target
 from exporter.actions.snapshots import ID_PATTERN, STATUSES
+from exporter.actions.spec import SNAPSHOT, STOP_CAPTURE, Action, ParamError
 
 EVERY_PROCESS = Target()
 
@@ -142,17 +143,30 @@ class AdminClient:
         query = urllib.parse.urlencode(_selector(target))
         return path + (f"?{query}" if query else "")
 
+    def act(self, action: Action, target: Target = EVERY_PROCESS, **params: Any) -> dict[str, Any]:
+        """Run a declared action (exporter.actions.spec) in each selected process: the given
+        parameters are checked here as the exporter checks them, and only those are sent
+        (the exporter fills in the defaults)."""
+        given = {k: v for k, v in params.items() if v is not None}
+        try:
+            action.check(given)
+        except ParamError as exc:
+            raise ClientError(str(exc)) from None
+        if action.method == "GET":
+            query = urllib.parse.urlencode(_selector(target, **given))
+            return self._action("GET", action.path + (f"?{query}" if query else ""))
+        return self._action(action.method, action.path, _selector(target, **given))
+
     def snapshot(
         self,
         target: Target = EVERY_PROCESS,
         *,
         record_s: float | None = None,
-        stacks: str = "python",
+        **params: Any,
     ) -> dict[str, Any]:
         """Take a snapshot in each selected process; with record_s, wait until every windowed
         capture is ready. Returns the response, each process's result its final entry."""
-        body = _selector(target, stacks=stacks, record_s=record_s)
-        answer = self._action("POST", "/snapshot", body)
+        answer = self.act(SNAPSHOT, target, record_s=record_s, **params)
         deadline = time.monotonic() + (record_s or 0) + self.timeout_s
         for entry in answer["processes"]:
             if not entry["ok"]:
@@ -176,7 +190,7 @@ class AdminClient:
     def stop_capture(self, target: Target = EVERY_PROCESS) -> dict[str, Any]:
         """End the windowed capture of each selected process now; each process's result is
         the entry it wrote (None where none was recording)."""
-        answer = self._action("POST", "/snapshot/stop", _selector(target))
+        answer = self.act(STOP_CAPTURE, target)
         for entry in answer["processes"]:
             if entry["ok"]:
                 stopped = (entry.get("result") or {}).get("stopped")
@@ -190,30 +204,6 @@ class AdminClient:
         _, payload = self._request("GET", f"/snapshots/{snapshot_id}")
         atomic.write_bytes(output, payload)
         return len(payload)
-
-    def empty_cache(
-        self, target: Target = EVERY_PROCESS, device: int | None = None
-    ) -> dict[str, Any]:
-        return self._action("POST", "/empty-cache", _selector(target, device=device))
-
-    def history(self, target: Target = EVERY_PROCESS) -> dict[str, Any]:
-        return self._action("GET", self._query("/history", target))
-
-    def set_history(
-        self,
-        target: Target = EVERY_PROCESS,
-        *,
-        enabled: bool,
-        max_entries: int | None = None,
-        stacks: str = "python",
-    ) -> dict[str, Any]:
-        body = _selector(target, enabled=enabled, stacks=stacks, max_entries=max_entries)
-        return self._action("POST", "/history", body)
-
-    def reset_peak(
-        self, target: Target = EVERY_PROCESS, device: int | None = None
-    ) -> dict[str, Any]:
-        return self._action("POST", "/reset-peak", _selector(target, device=device))
 
     def stats(self, target: Target = EVERY_PROCESS) -> dict[str, Any]:
         return self._json("GET", self._query("/stats", target))

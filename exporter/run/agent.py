@@ -22,7 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from exporter.actions.base import HistoryParams, ProcessResult, Target
+from exporter.actions.base import ProcessResult, Target
+from exporter.actions.spec import BY_NAME, ParamError
 from exporter.identity import process_labels
 from exporter.run import protocol
 from exporter.sample import ActionCounts, Sample
@@ -193,11 +194,12 @@ class Agent:
             log.debug("bad command: %s", exc)
             return
         try:
-            if "history" in params:
-                params["history"] = HistoryParams(**params["history"])
-            results = getattr(self._arm(), action)(Target(), **params)
-            result = results[0]
-        except Exception as exc:  # bad params from a mismatched launcher, or a bug
+            # Checked again here: the launcher may be another version than this agent.
+            checked = BY_NAME[action].check(params)
+            result = self._arm().perform(action, Target(), checked)[0]
+        except ParamError as exc:
+            result = ProcessResult(process_labels(), False, error=str(exc), outcome="invalid")
+        except Exception as exc:  # a bug: answer it rather than leave the launcher waiting
             result = ProcessResult(
                 process_labels(), False, error=f"{type(exc).__name__}: {exc}", outcome="error"
             )

@@ -6,7 +6,7 @@ it comes from and, where a reading's field carries it, that field (`key`). From 
 - exporter.metrics makes every family it serves (it cannot make one not listed here);
 - the sample's key tuples (exporter.sample), the agents' protocol (exporter.run.protocol) and
   the trace recorder (exporter.record) take their fields from the groups below;
-- docs/metrics.md's family table is written from it (`python -m exporter.catalog --write`),
+- docs/metrics.md's family table is written from it (`python -m exporter.reference --write`),
   and a test keeps the two equal.
 
 Families of client_python's own collectors (process_*, python_*) are not ours and not listed.
@@ -17,10 +17,7 @@ processes (`gpumem-exporter run`). Standard library only: agents import this.
 
 from __future__ import annotations
 
-import re
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 # Labels that tell the processes of one server apart when one endpoint serves them all.
 PROCESS_LABELS = ("pid", "rank", "local_rank", "role")
@@ -705,11 +702,8 @@ def keys(name: str) -> tuple[str, ...]:
     return tuple(f.key for f in group(name))
 
 
-# -- docs/metrics.md -----------------------------------------------------------------------
+# -- docs/metrics.md (written by exporter.reference) ----------------------------------------
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
-_BEGIN = "<!-- catalog: written by `python -m exporter.catalog --write`; do not edit -->"
-_END = "<!-- catalog end -->"
 _MODE_WORDS = {
     EVERY_MODE: "every mode",
     IN_SERVER: "embedded, run, demo",
@@ -739,37 +733,3 @@ def markdown_table() -> str:
         )
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
-
-
-def doc_section(text: str) -> str | None:
-    """The catalog's part of docs/metrics.md, or None where its markers are missing."""
-    match = re.search(re.escape(_BEGIN) + r"\n(.*?)" + re.escape(_END), text, re.S)
-    return match.group(1) if match else None
-
-
-def write_doc(path: Path = DOC) -> bool:
-    """Rewrite the table between the markers; True if it changed."""
-    text = path.read_text()
-    if doc_section(text) is None:
-        raise SystemExit(f"{path}: the catalog markers are missing")
-    new = re.sub(
-        re.escape(_BEGIN) + r"\n.*?" + re.escape(_END),
-        lambda _: f"{_BEGIN}\n{markdown_table()}\n{_END}",
-        text,
-        flags=re.S,
-    )
-    if new == text:
-        return False
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(new)
-    tmp.replace(path)
-    return True
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--write"]:
-        print(f"{DOC}: {'written' if write_doc() else 'already up to date'}")
-    elif not sys.argv[1:]:
-        print(markdown_table())
-    else:
-        raise SystemExit("usage: python -m exporter.catalog [--write]")

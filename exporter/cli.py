@@ -27,7 +27,14 @@ from exporter.actions.spec import (
     Action,
 )
 from exporter.answers import human_answer
-from exporter.config import Config, ConfigError, load_config, read_token_file
+from exporter.config import (
+    SETTINGS,
+    Config,
+    ConfigError,
+    default_text,
+    load_config,
+    read_token_file,
+)
 from exporter.http.server import HttpServer, ServerStartError, create_app
 from exporter.identity import describe_process
 from exporter.runtime import build_runtime, kubelet_source, live_sources
@@ -45,17 +52,36 @@ class CliError(Exception):
 
 
 def _add_server_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--host",
-        help="address to listen on (default 127.0.0.1; 0.0.0.0 in containers) [GPUMEM_HOST]",
+    """Every setting but secrets, as declared (exporter.config.Config): --<name> TEXT, checked
+    as its variable is, and winning over it."""
+    group = parser.add_argument_group(
+        "settings", "each also read from its GPUMEM_ variable; a flag wins over the variable"
     )
-    parser.add_argument("--port", help="port to listen on (default 9445) [GPUMEM_PORT]")
-    parser.add_argument(
-        "--interval-s", help="seconds between samples (default 1) [GPUMEM_INTERVAL_S]"
-    )
-    parser.add_argument(
-        "--labels", help="constant labels, e.g. model=llama3,tier=prod [GPUMEM_LABELS]"
-    )
+    for name, declared in SETTINGS.items():
+        if declared.flag:
+            group.add_argument(
+                "--" + name.replace("_", "-"),
+                dest=name,
+                metavar=_METAVARS.get(name, _metavar(name)),
+                help=f"{declared.help} (default {default_text(name)}) [{declared.env(name)}]",
+            )
+
+
+def _metavar(name: str) -> str:
+    kind = type(getattr(Config(), name))
+    return "SECONDS" if name.endswith("_s") else {bool: "on|off", int: "N"}.get(kind, "VALUE")
+
+
+_METAVARS = {
+    "host": "ADDRESS",
+    "port": "PORT",
+    "labels": "NAME=VALUE,...",
+    "snapshot_dir": "DIR",
+    "admin_token_file": "FILE",
+    "kubelet_socket": "PATH",
+    "kubelet_resources": "NAMES",
+    "runbook_url_base": "URL",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,12 +123,6 @@ def _add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentPar
         "/metrics. Needs no torch; for unmodified or non-Python servers.",
     )
     _add_server_flags(serve)
-    serve.add_argument(
-        "--kubelet-socket",
-        help="the kubelet's pod-resources socket for pod attribution, or off (default: "
-        "/var/lib/kubelet/pod-resources/kubelet.sock where this runs in Kubernetes or that "
-        "socket exists) [GPUMEM_KUBELET_SOCKET]",
-    )
 
 
 def _add_demo_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -159,11 +179,6 @@ def _add_run_command(commands: argparse._SubParsersAction[argparse.ArgumentParse
         usage="gpumem-exporter run [options] -- CMD [ARGS...]",
     )
     _add_server_flags(run)
-    run.add_argument(
-        "--stop-grace-s",
-        help="seconds between SIGTERM and SIGKILL for what is left of the command's process "
-        "tree when it ends or the launcher is stopped (default 10) [GPUMEM_STOP_GRACE_S]",
-    )
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command to run, after --")
 
 
@@ -314,9 +329,8 @@ def _config(args: argparse.Namespace, **more: Any) -> Config:
     from exporter.detectors import load_thresholds
 
     try:
-        config = load_config(
-            host=args.host, port=args.port, interval_s=args.interval_s, labels=args.labels, **more
-        )
+        flags = {name: getattr(args, name) for name, d in SETTINGS.items() if d.flag}
+        config = load_config(flags=flags, **more)
         load_thresholds()  # GPUMEM_DETECT_*: checked before anything starts
     except ConfigError as exc:
         raise CliError(str(exc)) from None
@@ -361,7 +375,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from exporter.sources.nvml import NvmlSource
     from exporter.sources.process_memory import ProcessMemorySource
 
-    config = _config(args, kubelet_socket=args.kubelet_socket)
+    config = _config(args)
     sources = live_sources(config, torch=False)
     nvml = next((s for s in sources if isinstance(s, NvmlSource)), None)
     if nvml is not None and config.host_memory:
@@ -409,7 +423,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not command:
         raise CliError("no command to run: gpumem-exporter run [options] -- CMD [ARGS...]")
-    config = _config(args, stop_grace_s=args.stop_grace_s)
+    config = _config(args)
     try:
         return run(command, config)
     except ServerStartError as exc:

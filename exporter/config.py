@@ -12,7 +12,7 @@ import os
 import stat
 import tempfile
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
@@ -30,63 +30,293 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class Setting:
+    """What a Config field is to its users: its help, how its text or value is checked, and
+    where it goes. Its name, type and default are the field's own; its variable is
+    GPUMEM_<NAME> and its flag --<name-with-dashes> (exporter.cli)."""
+
+    help: str
+    # (value, origin) -> the value; ConfigError in one line naming the origin
+    parse: Callable[[Any, str], Any]
+    flag: bool = True  # offered by the commands that serve (never for a secret)
+    agents: bool = True  # handed to the agents of `gpumem-exporter run` (agent.json)
+    default_text: str = ""  # the default in words, where the value alone says too little
+
+    def env(self, name: str) -> str:
+        return ENV_PREFIX + name.upper()
+
+
+def setting(
+    default: Any,
+    help: str,
+    parse: Callable[[Any, str], Any],
+    *,
+    flag: bool = True,
+    agents: bool = True,
+    secret: bool = False,
+    default_text: str = "",
+) -> Any:
+    """A Config field declared with everything its users need (Setting)."""
+    declared = Setting(help, parse, flag and not secret, agents and not secret, default_text)
+    metadata = {"setting": declared}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata, repr=not secret)
+
+
+# -- checks: each takes the value (text from the environment or a flag, or a Python value)
+# and where it came from, and says what it expected in one line.
+
+
+def _expected(what: str) -> Callable[[Callable[[Any], Any]], Callable[[Any, str], Any]]:
+    """Turn a conversion that raises TypeError/ValueError into a check with this message."""
+
+    def wrap(convert: Callable[[Any], Any]) -> Callable[[Any, str], Any]:
+        def check(value: Any, origin: str) -> Any:
+            try:
+                return convert(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{origin}: expected {what}, got {value!r}") from None
+
+        return check
+
+    return wrap
+
+
+def _seconds(low: float, high: float, note: str = "") -> Callable[[Any, str], Any]:
+    @_expected(f"seconds between {low:g} and {high:g}{note}")
+    def convert(value: Any) -> float:
+        number = float(value)
+        if not low <= number <= high:  # also refuses nan
+            raise ValueError
+        return number
+
+    return convert
+
+
+def _whole(minimum: int, what: str) -> Callable[[Any, str], Any]:
+    @_expected(what)
+    def convert(value: Any) -> int:
+        number = int(value)
+        if number < minimum:
+            raise ValueError
+        return number
+
+    return convert
+
+
+@_expected("true or false")
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError
+
+
+@_expected("an integer 0-65535")
+def _port(value: Any) -> int:
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise ValueError
+    return port
+
+
+@_expected("an IP address or localhost")
+def _host(value: Any) -> str:
+    host = str(value).strip()
+    if host not in ("localhost", "") and not _is_ip(host):
+        raise ValueError
+    return host or DEFAULT_HOST
+
+
+def _text(value: Any, origin: str) -> str | None:
+    return None if value in (None, "") else str(value)
+
+
+def _admin_token(value: Any, origin: str) -> str | None:
+    return _token(str(value), origin) or None
+
+
+def _labels(value: Any, origin: str) -> dict[str, str]:
+    if isinstance(value, str):
+        return parse_labels(value, origin)
+    labels = {str(k): str(v) for k, v in dict(value).items()}
+    for label in labels:
+        if not _valid_label_name(label):
+            raise ConfigError(f"{origin}: invalid or reserved label name {label!r}")
+    return labels
+
+
+def _kubelet_socket(value: Any, origin: str) -> str:
+    text = str(value or "").strip()
+    if text and text != "off" and not text.startswith("/"):
+        raise ConfigError(f"{origin}: expected an absolute socket path or off, got {value!r}")
+    return text
+
+
+def _resources(value: Any, origin: str) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    names = tuple(str(item).strip() for item in items if str(item).strip())
+    for item in names:
+        if "/" not in item or any(c.isspace() for c in item):
+            raise ConfigError(
+                f"{origin}: expected device-plugin resource names like example.com/gpu "
+                f"(comma-separated), got {item!r}"
+            )
+    return names
+
+
+def _http_url(value: Any, origin: str) -> str | None:
+    if value in (None, ""):
+        return None
+    # The page puts it in links: only http(s), never javascript: or a relative path.
+    url = str(value).strip()
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.fragment:
+        raise ConfigError(f"{origin}: expected an http(s) URL without #fragment, got {value!r}")
+    return url
+
+
+_COOLDOWN = _seconds(0.0, 86400.0)
+
+
+@dataclass(frozen=True)
 class Config:
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT
-    interval_s: float = 1.0
-    # Constant labels on every series, e.g. {"model": "llama3-70b"}.
-    labels: dict[str, str] = field(default_factory=dict)
-    # Sample considered stale (and /healthz unhealthy) after this many seconds;
-    # 0 means max(3 intervals, 5 s).
-    stale_after_s: float = 0.0
-    # One exporter per rank without `gpumem-exporter run`: listen on port + LOCAL_RANK.
-    port_per_local_rank: bool = False
-    # Which sources run: torch (allocator), nvml, host.
-    torch: bool = True
-    nvml: bool = True
-    host_memory: bool = True
-    # NVML's per-process GPU memory (its costliest read) is read at this pace, not every tick.
-    process_interval_s: float = 10.0
-    # The allocator's layout (largest free block, private pools) comes from a snapshot, which
-    # stalls the serving thread ~0.7 us per block (docs/performance.md): read every this many
-    # seconds (0 = never), and not at all above this many blocks.
-    layout_interval_s: float = 10.0
-    layout_max_blocks: int = 10_000
-    # Kubernetes attribution in the node daemon: the kubelet's pod-resources socket ("" = the
-    # kubelet's default path where this runs in Kubernetes or that socket exists; "off"),
-    # how often it is asked (and at once when GPU processes change), each call's deadline,
-    # and device-plugin resource names besides nvidia.com/gpu and nvidia.com/mig-* (a
-    # trailing * matches a prefix).
-    kubelet_socket: str = ""
-    kubelet_refresh_s: float = 10.0
-    kubelet_timeout_s: float = 5.0
-    kubelet_resources: tuple[str, ...] = ()
-    # Read this node's pods from the Kubernetes API (needs RBAC: the chart's podReader), so
-    # that processes on shared GPUs are named, not only their pod UID.
-    kubelet_pod_reader: bool = False
-    # `run`: how long what is left of the command's process tree gets between SIGTERM and
-    # SIGKILL when the launcher stops (shorter than Kubernetes' 30 s termination grace).
-    stop_grace_s: float = 10.0
-    # Automatic remediation (off by default): empty_cache on retries with high fragmentation,
-    # a snapshot on the first OOM.
-    remediate: bool = False
-    remediate_cooldown_s: float = 300.0
-    # Snapshots: where they are kept (default: <tmp>/gpumem-snapshots-<uid>) and how many.
-    snapshot_dir: str | None = None
-    snapshot_max_count: int = 20
-    snapshot_max_bytes: int = 2 << 30
-    # Allocation history recorded from start-up (0 = off), bounded to this many entries.
-    history_max_entries: int = 0
-    # On an OOM, capture a snapshot from the OOM observer (at most one per cooldown).
-    oom_snapshot: bool = False
-    oom_snapshot_cooldown_s: float = 60.0
-    # Minimum seconds between two POST /empty-cache calls.
-    empty_cache_cooldown_s: float = 10.0
-    admin_token: str | None = field(default=None, repr=False)
-    admin_token_file: str | None = None
-    # Where the live page's alert links point (+ "#<alert in lower case>"), e.g. the
-    # docs/runbooks.md of your fork; unset: the copy the exporter serves at /runbooks.
-    runbook_url_base: str | None = None
+    """Every setting, declared once: name, type and default here, the rest in its Setting
+    (help, check, flag, whether agents get it). Environment, flags, exporter.start()'s
+    keywords, the agents' settings file and docs/settings.md all come from these fields."""
+
+    host: str = setting(
+        DEFAULT_HOST,
+        "address to listen on (0.0.0.0 in containers)",
+        _host,
+        agents=False,
+    )
+    port: int = setting(DEFAULT_PORT, "port to listen on", _port, agents=False)
+    interval_s: float = setting(1.0, "seconds between samples", _seconds(0.01, 3600.0))
+    labels: dict[str, str] = setting(  # noqa: RUF009 - a field with a default_factory
+        {}, "constant labels on every series, e.g. model=llama3,tier=prod", _labels
+    )
+    stale_after_s: float = setting(
+        0.0,
+        "seconds after which a sample is stale and /healthz answers 503",
+        _seconds(0.0, 3600.0),
+        default_text="0: max(3 intervals, 5 s)",
+    )
+    port_per_local_rank: bool = setting(
+        False,
+        "one exporter per rank without `gpumem-exporter run`: listen on port + LOCAL_RANK",
+        _boolean,
+    )
+    torch: bool = setting(True, "read PyTorch's caching allocator", _boolean)
+    nvml: bool = setting(True, "read NVML (device and per-process GPU memory)", _boolean)
+    host_memory: bool = setting(True, "read host memory (/proc/meminfo)", _boolean)
+    process_interval_s: float = setting(
+        10.0,
+        "seconds between reads of NVML's per-process list, its costliest read (device memory "
+        "is read every tick)",
+        _COOLDOWN,
+    )
+    # The layout comes from a snapshot, which stalls the serving thread ~0.7 us per block
+    # (docs/performance.md).
+    layout_interval_s: float = setting(
+        10.0,
+        "seconds between allocator snapshots behind the largest free block and private pools",
+        _seconds(0.0, 86400.0, " (0 = off)"),
+    )
+    layout_max_blocks: int = setting(
+        10_000,
+        "no allocator snapshot above this many blocks (it would stall the serving thread)",
+        _whole(0, "a whole number of blocks"),
+    )
+    kubelet_socket: str = setting(
+        "",
+        "the kubelet's pod-resources socket for pod attribution (node daemon), or off",
+        _kubelet_socket,
+        default_text="/var/lib/kubelet/pod-resources/kubelet.sock where this runs in "
+        "Kubernetes or that socket exists",
+    )
+    kubelet_refresh_s: float = setting(
+        10.0,
+        "seconds between Lists of the kubelet's pod-resources API (and at once when GPU "
+        "processes change)",
+        _seconds(0.1, 3600.0),
+    )
+    kubelet_timeout_s: float = setting(
+        5.0, "deadline of each call to the kubelet", _seconds(0.1, 3600.0)
+    )
+    kubelet_resources: tuple[str, ...] = setting(
+        (),
+        "device-plugin resource names besides nvidia.com/gpu and nvidia.com/mig-* "
+        "(comma-separated; a trailing * matches a prefix)",
+        _resources,
+    )
+    kubelet_pod_reader: bool = setting(
+        False,
+        "read this node's pods from the Kubernetes API (needs RBAC: the chart's podReader), "
+        "so that processes on shared GPUs are named",
+        _boolean,
+    )
+    stop_grace_s: float = setting(
+        10.0,
+        "`run`: seconds between SIGTERM and SIGKILL for what is left of the command's process "
+        "tree when it ends or the launcher is stopped",
+        _seconds(0.0, 3600.0),
+    )
+    remediate: bool = setting(
+        False,
+        "automatic remediation: empty_cache on retries with high fragmentation, a snapshot on "
+        "the first OOM",
+        _boolean,
+    )
+    remediate_cooldown_s: float = setting(
+        300.0, "least seconds between two automatic remediations", _COOLDOWN
+    )
+    snapshot_dir: str | None = setting(
+        None,
+        "folder of the snapshots, this user's alone",
+        _text,
+        default_text="<tmp>/gpumem-snapshots-<uid>",
+    )
+    snapshot_max_count: int = setting(
+        20, "snapshots kept, oldest removed first", _whole(1, "a whole number of at least 1")
+    )
+    snapshot_max_bytes: int = setting(
+        2 << 30, "bytes of snapshots kept", _whole(0, "a whole number of bytes")
+    )
+    history_max_entries: int = setting(
+        0,
+        "record allocation history from start-up, bounded to this many entries (0 = off)",
+        _whole(0, "a whole number (0 = off)"),
+    )
+    oom_snapshot: bool = setting(
+        False, "capture a snapshot from PyTorch's OOM observer on an OOM", _boolean
+    )
+    oom_snapshot_cooldown_s: float = setting(
+        60.0, "least seconds between two OOM snapshots", _COOLDOWN
+    )
+    empty_cache_cooldown_s: float = setting(
+        10.0, "least seconds between two POST /empty-cache calls", _COOLDOWN
+    )
+    admin_token: str | None = setting(
+        None, "the admin API's bearer token (prefer a token file)", _admin_token, secret=True
+    )
+    admin_token_file: str | None = setting(
+        None,
+        "file holding the admin API's bearer token, read again on every request",
+        _text,
+        agents=False,
+    )
+    runbook_url_base: str | None = setting(
+        None,
+        "where the live page's alert links point (+ #<alert>), e.g. your fork's docs/runbooks.md",
+        _http_url,
+        default_text="the copy served at /runbooks",
+    )
 
     @cached_property
     def snapshot_directory(self) -> Path:
@@ -248,19 +478,6 @@ def _valid_label_name(name: str) -> bool:
     )
 
 
-# Settings in seconds, with the range each accepts.
-_SECONDS = {
-    "remediate_cooldown_s": (0.0, 86400.0),
-    "oom_snapshot_cooldown_s": (0.0, 86400.0),
-    "empty_cache_cooldown_s": (0.0, 86400.0),
-    "process_interval_s": (0.0, 86400.0),
-    "layout_interval_s": (0.0, 86400.0),
-    "stop_grace_s": (0.0, 3600.0),
-    "kubelet_refresh_s": (0.1, 3600.0),
-    "kubelet_timeout_s": (0.1, 3600.0),
-}
-
-
 def _token(text: str, origin: str) -> str:
     """A bearer token as the header carries it: surrounding whitespace (a trailing newline
     from `echo`) is dropped; whitespace or control characters inside could never match what
@@ -271,117 +488,6 @@ def _token(text: str, origin: str) -> str:
     return token
 
 
-def _convert(name: str, value: Any, origin: str) -> Any:
-    try:
-        if name == "admin_token":
-            return _token(str(value), origin) or None
-        if name == "port":
-            port = int(value)
-            if not 0 <= port <= 65535:
-                raise ValueError
-            return port
-        if name in ("interval_s", "stale_after_s"):
-            number = float(value)
-            if not number >= 0 or number > 3600 or (name == "interval_s" and number < 0.01):
-                raise ValueError
-            return number
-        if name in _SECONDS:
-            low, high = _SECONDS[name]
-            number = float(value)
-            if not low <= number <= high:
-                raise ValueError
-            return number
-        if name == "kubelet_resources":
-            items = value.split(",") if isinstance(value, str) else list(value)
-            names = tuple(str(item).strip() for item in items if str(item).strip())
-            for item in names:
-                if "/" not in item or any(c.isspace() for c in item):
-                    raise ConfigError(
-                        f"{origin}: expected device-plugin resource names like "
-                        f"example.com/gpu (comma-separated), got {item!r}"
-                    )
-            return names
-        if name == "kubelet_socket":
-            text = str(value or "").strip()
-            if text and text != "off" and not text.startswith("/"):
-                raise ConfigError(
-                    f"{origin}: expected an absolute socket path or off, got {value!r}"
-                )
-            return text
-        if name in (
-            "snapshot_max_count",
-            "snapshot_max_bytes",
-            "history_max_entries",
-            "layout_max_blocks",
-        ):
-            number = int(value)
-            if number < 0 or (name == "snapshot_max_count" and number < 1):
-                raise ValueError
-            return number
-        if name in (
-            "torch",
-            "nvml",
-            "host_memory",
-            "remediate",
-            "oom_snapshot",
-            "port_per_local_rank",
-            "kubelet_pod_reader",
-        ):
-            if isinstance(value, bool):
-                return value
-            text = str(value).strip().lower()
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if name == "labels":
-            if isinstance(value, str):
-                return parse_labels(value, origin)
-            labels = {str(k): str(v) for k, v in dict(value).items()}
-            for label in labels:
-                if not _valid_label_name(label):
-                    raise ConfigError(f"{origin}: invalid or reserved label name {label!r}")
-            return labels
-        if name == "host":
-            host = str(value).strip()
-            if host not in ("localhost", "") and not _is_ip(host):
-                raise ValueError
-            return host or DEFAULT_HOST
-        if name == "runbook_url_base" and value not in (None, ""):
-            # The page puts it in links: only http(s), never javascript: or a relative path.
-            url = str(value).strip()
-            parts = urllib.parse.urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.netloc or parts.fragment:
-                raise ConfigError(
-                    f"{origin}: expected an http(s) URL without #fragment, got {value!r}"
-                )
-            return url
-        return None if value in (None, "") else str(value)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError):
-        expected = {
-            "port": "an integer 0-65535",
-            "interval_s": "seconds between 0.01 and 3600",
-            "stale_after_s": "seconds between 0 and 3600",
-            "remediate_cooldown_s": "seconds between 0 and 86400",
-            "oom_snapshot_cooldown_s": "seconds between 0 and 86400",
-            "empty_cache_cooldown_s": "seconds between 0 and 86400",
-            "process_interval_s": "seconds between 0 and 86400",
-            "layout_interval_s": "seconds between 0 and 86400 (0 = off)",
-            "layout_max_blocks": "a whole number of blocks",
-            "snapshot_max_count": "a whole number of at least 1",
-            "snapshot_max_bytes": "a whole number of bytes",
-            "history_max_entries": "a whole number (0 = off)",
-            "kubelet_refresh_s": "seconds between 0.1 and 3600",
-            "stop_grace_s": "seconds between 0 and 3600",
-            "kubelet_timeout_s": "seconds between 0.1 and 3600",
-            "host": "an IP address or localhost",
-        }.get(name, "true or false")
-        raise ConfigError(f"{origin}: expected {expected}, got {value!r}") from None
-
-
 def _is_ip(text: str) -> bool:
     try:
         ipaddress.ip_address(text)
@@ -390,23 +496,47 @@ def _is_ip(text: str) -> bool:
     return True
 
 
-def load_config(env: Mapping[str, str] | None = None, **overrides: Any) -> Config:
-    """Defaults, then GPUMEM_* from `env` (os.environ by default), then non-None overrides."""
+SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in fields(Config)}
+
+
+def default_text(name: str) -> str:
+    """A setting's default in words, for help and docs."""
+    declared, value = SETTINGS[name], _DEFAULTS[name]
+    if declared.default_text:
+        return declared.default_text
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value in (None, (), {}):
+        return "none"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+_DEFAULTS = {f.name: getattr(Config(), f.name) for f in fields(Config)}
+
+
+def load_config(
+    env: Mapping[str, str] | None = None,
+    *,
+    flags: Mapping[str, Any] | None = None,
+    **overrides: Any,
+) -> Config:
+    """Defaults, then GPUMEM_* from `env` (os.environ by default: the one place the settings'
+    variables are read), then non-None `overrides` (exporter.start()'s keywords, the agents'
+    file), then non-None command-line `flags`, each by its name."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
     origins: dict[str, str] = {}
-    names = {f.name for f in fields(Config)}
-    for name in names:
-        key = ENV_PREFIX + name.upper()
-        if key in env and env[key] != "":
-            values[name] = _convert(name, env[key], key)
-            origins[name] = key
-    for name, value in overrides.items():
-        if name not in names:
+    given = [(name, value, name) for name, value in overrides.items()]
+    given += [(name, value, "--" + name.replace("_", "-")) for name, value in (flags or {}).items()]
+    for name, declared in SETTINGS.items():
+        key = declared.env(name)
+        if env.get(key, "") != "":
+            values[name], origins[name] = declared.parse(env[key], key), key
+    for name, value, origin in given:
+        if name not in SETTINGS:
             raise ConfigError(f"unknown setting {name!r}")
         if value is not None:
-            values[name] = _convert(name, value, name)
-            origins[name] = name
+            values[name], origins[name] = SETTINGS[name].parse(value, origin), origin
     config = Config(**values)
     if config.admin_token_file:
         # A token file that cannot be read at start is a mistake (a wrong path, a Secret not
@@ -422,3 +552,23 @@ def load_config(env: Mapping[str, str] | None = None, **overrides: Any) -> Confi
         except ConfigError as exc:
             raise ConfigError(f"{origins['snapshot_dir']}: {exc}") from None
     return config
+
+
+def markdown_table() -> str:
+    """Every setting as one row, for docs/settings.md (written by exporter.reference)."""
+    rows = [
+        "| setting | variable | flag | default | agents of `run` | what it does |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, declared in SETTINGS.items():
+        flag = f"`--{name.replace('_', '-')}`" if declared.flag else "none (a secret)"
+        cells = (
+            f"`{name}`",
+            f"`{declared.env(name)}`",
+            flag,
+            default_text(name),
+            "yes" if declared.agents else "no",
+            declared.help.replace("|", "\\|"),
+        )
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)

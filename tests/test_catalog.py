@@ -10,7 +10,7 @@ import re
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter import catalog
+from exporter import catalog, reference
 from exporter.catalog import PROCESS_LABELS
 from exporter.metrics import ActionStats, SampleCollector
 from exporter.sample import (
@@ -139,12 +139,10 @@ def test_every_family_served_is_declared_with_its_type_and_labels() -> None:
     assert never == [], f"declared but never served: {never}"
 
 
-def test_docs_metrics_table_is_the_catalog() -> None:
-    section = catalog.doc_section(catalog.DOC.read_text())
-    assert section is not None, "docs/metrics.md lost the catalog markers"
-    assert section.strip() == catalog.markdown_table(), (
-        "docs/metrics.md is out of date: run `python -m exporter.catalog --write`"
-    )
+def test_docs_tables_are_the_code() -> None:
+    """docs/metrics.md's families and docs/settings.md's settings are written from the
+    declarations; an edit to either side alone fails here."""
+    assert reference.stale() == [], "run `python -m exporter.reference --write`"
 
 
 def _expand(name: str) -> list[str]:
@@ -163,7 +161,7 @@ def test_every_family_the_docs_name_is_declared() -> None:
     """A family renamed or removed in the catalog cannot live on in the docs' prose."""
     exposed = {f.exposed for f in catalog.FAMILIES} | {f.name for f in catalog.FAMILIES}
     exposed |= {label for f in catalog.FAMILIES for label in f.labels}  # gpu_uuid
-    text = catalog.DOC.read_text()
+    text = (reference.DOCS / "metrics.md").read_text()
     named = re.findall(r"`((?:torch_cuda|gpumem_exporter|gpu|host)_[a-z_{},]+)`", text)
     # A trailing {...} lists labels; one inside the name lists variants.
     names = [re.sub(r"\{[^}]*\}$", "", name) for name in named]

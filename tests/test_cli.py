@@ -48,7 +48,7 @@ def test_help_everywhere(command):
     ("args", "message"),
     [
         (["demo", "--port", "http"], "port: expected an integer"),
-        (["demo", "--interval-s", "-1"], "interval_s: expected seconds"),
+        (["demo", "--interval-s", "-1"], "--interval-s: expected seconds"),
         (["demo", "--trace", "/nonexistent.gz"], "trace file not found: /nonexistent.gz"),
         (["serve", "--labels", "pod=x"], "unreserved label name"),
         (["record", "--url", "ftp://x", "-o", "t.gz", "--duration-s", "1"], "http(s) URL"),

@@ -54,16 +54,17 @@ def load_agent_config(run_dir: str) -> Config:
 
 
 class Agent:
-    def __init__(self, run_dir: str, interval_s: float = 1.0) -> None:
+    def __init__(self, run_dir: str, interval_s: float | None = None) -> None:
+        """`interval_s`: the launcher's (its settings file) unless a test asks for another."""
         self.run_dir = run_dir
         self.socket_path = str(Path(run_dir) / SOCKET_NAME)
-        self.interval_s = interval_s
         try:
             self.config = load_agent_config(run_dir)
         except Exception:  # the launcher checked them; never fail the host process here
             from exporter.config import Config
 
             self.config = Config()
+        self.interval_s = self.config.interval_s if interval_s is None else interval_s
         # The agent takes its process's non-allocator bytes itself: the launcher reads NVML
         # at other moments than this process reads its allocator.
         self.source = TorchAllocatorSource(
@@ -218,11 +219,7 @@ def start_agent() -> Agent | None:
     run_dir = os.environ.get(RUN_DIR_ENV)
     if not run_dir or _agent is not None:
         return _agent
-    try:
-        interval = float(os.environ.get("GPUMEM_INTERVAL_S", "1") or 1)
-    except ValueError:
-        interval = 1.0
-    _agent = Agent(run_dir, interval_s=max(interval, 0.01))
+    _agent = Agent(run_dir)
     _agent.start()
     return _agent
 

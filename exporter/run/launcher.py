@@ -16,7 +16,6 @@ itself is killed, its keeper (exporter.run.reaper) stops CMD and removes the run
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import json
 import logging
@@ -33,7 +32,7 @@ import psutil
 
 from exporter import atomic
 from exporter.actions.snapshots import SnapshotStore
-from exporter.config import Config
+from exporter.config import SETTINGS, Config
 from exporter.http.server import HttpServer, ServerStartError, create_app
 from exporter.run import reaper
 from exporter.run.agent import CONFIG_NAME, RUN_DIR_ENV, SOCKET_NAME
@@ -60,15 +59,15 @@ def child_environment(config: Config, run_dir: str, base: dict[str, str]) -> dic
     env[RUN_DIR_ENV] = run_dir
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INJECT_DIR), base.get("PYTHONPATH")]))
     env["GPUMEM_EXPORTER_PATH"] = str(Path(__file__).resolve().parents[2])
-    env["GPUMEM_INTERVAL_S"] = str(config.interval_s)
     return env
 
 
 def write_agent_config(config: Config, run_dir: str) -> None:
-    """The settings the agents run with: the launcher's, less the admin token."""
-    settings = dataclasses.asdict(config)
-    for name in ("admin_token", "admin_token_file", "host", "port"):
-        settings.pop(name)
+    """The settings the agents run with: the launcher's, those declared for agents (no admin
+    token, no listening address)."""
+    settings = {
+        name: getattr(config, name) for name, declared in SETTINGS.items() if declared.agents
+    }
     settings["snapshot_dir"] = str(config.snapshot_directory)  # one folder for the pod
     atomic.write_bytes(Path(run_dir) / CONFIG_NAME, json.dumps(settings).encode())
 

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent / "exporter"
 # Bottom to top. A module may import from its own layer or any below, never from above.
 LAYERS: list[tuple[str, ...]] = [
     # plain values and helpers every part uses
-    ("units", "atomic", "ratelimit", "catalog", "sample", "config", "identity", "settings"),
+    ("units", "atomic", "ratelimit", "catalog", "sample", "config", "identity"),
     # reading, keeping and rendering: sources and what turns samples into output
     (
         "sources",
@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
         "multiprocess",
         "record",
         "answers",
+        "reference",  # docs/ tables written from the catalog and the settings
     ),
     ("actions",),  # what the admin API can do, one implementation per mode
     ("http",),  # the endpoint: /metrics, the admin API, the live page, the client
@@ -143,3 +144,16 @@ def test_no_import_circles_between_modules_or_between_packages() -> None:
         unit = _unit(name)
         packages.setdefault(unit, set()).update(_unit(t) for t in targets if _unit(t) != unit)
     assert _cycles(packages) == []
+
+
+def test_no_function_is_longer_than_100_lines() -> None:
+    long = []
+    for path in ROOT.rglob("*.py"):
+        if "podresources_v1" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > 100:
+                    long.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}")
+    assert long == []

@@ -37,7 +37,7 @@ from exporter.config import (
 )
 from exporter.http.server import HttpServer, ServerStartError, create_app
 from exporter.identity import describe_process
-from exporter.runtime import build_runtime, kubelet_source, live_sources
+from exporter.runtime import build_runtime, node_sources
 from exporter.sources import Source
 from exporter.trace import TraceError, TraceWriter
 
@@ -372,20 +372,8 @@ def _serve(config: Config, sources: Sequence[Source], mode: str) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from exporter.sources.nvml import NvmlSource
-    from exporter.sources.process_memory import ProcessMemorySource
-
     config = _config(args)
-    sources = live_sources(config, torch=False)
-    nvml = next((s for s in sources if isinstance(s, NvmlSource)), None)
-    if nvml is not None and config.host_memory:
-        # Host memory of every process with GPU memory (host PIDs: the DaemonSet's hostPID).
-        sources.append(ProcessMemorySource(lambda: nvml.last_pids))
-    if nvml is not None:
-        kubelet = kubelet_source(config, lambda: nvml.last_pids)
-        if kubelet is not None:
-            sources.append(kubelet)
-    return _serve(config, sources, "node")
+    return _serve(config, node_sources(config), "node")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -33,6 +34,18 @@ _MACHINE_HOST = catalog.group("machine_host")
 _OWN_PROCESS_HOST = catalog.group("own_process_host")
 _PINNED_HOST = catalog.group("pinned_host")
 _HOST_PROCESS = catalog.group("host_process")
+
+
+class AlertStates(Protocol):
+    """The in-process detectors, as the collector reads them (exporter.detectors)."""
+
+    # Changes whenever firing() may answer differently (cheaper than comparing answers).
+    @property
+    def evaluations(self) -> int: ...
+
+    def firing(self) -> Iterable[tuple[str, dict[str, str], bool]]:
+        """(alert, labels, firing) for each alert state the detectors hold."""
+        ...
 
 
 class _Filling:
@@ -79,13 +92,10 @@ class SampleCollector(Collector):
         mode: str,
         torch_version: str = "",
         own_process: bool = True,
-        alerts: Callable[[], Iterable[tuple[str, dict[str, str], bool]]] | None = None,
+        alerts: AlertStates | None = None,
         actions: Callable[[], ActionStats] | None = None,
-        alerts_version: Callable[[], object] | None = None,
     ) -> None:
         self._actions = actions
-        # Changes whenever alerts() may answer differently (cheaper than comparing answers).
-        self._alerts_version = alerts_version
         self._state = state
         # A replay serves no `process_` family: those belong to the process that serves them.
         self._host = _MACHINE_HOST + (_OWN_PROCESS_HOST if own_process else ())
@@ -115,10 +125,7 @@ class SampleCollector(Collector):
         """Everything collect() reads that can change: equal fingerprints, equal output
         (exporter.exposition caches the rendered bytes on it). A tick publishes a new state
         object, so the state is compared by identity first, which is cheap."""
-        if self._alerts_version is not None:
-            alerts: object = self._alerts_version()
-        else:
-            alerts = list(self._alerts()) if self._alerts is not None else None
+        alerts = self._alerts.evaluations if self._alerts is not None else None
         actions = self._actions() if self._actions is not None else None
         return (self._state(), alerts, actions)
 
@@ -153,7 +160,7 @@ class SampleCollector(Collector):
         yield from ((up, True), (duration, True), (errors, True), (unavailable, False))
         if self._alerts is not None:
             firing = self._fill(catalog.family("gpumem_exporter_alert_firing"))
-            for alert, labels, is_firing in self._alerts():
+            for alert, labels, is_firing in self._alerts.firing():
                 firing.add({**labels, "alert": alert}, 1.0 if is_firing else 0.0)
             yield firing, False
         sample = state.sample

@@ -26,10 +26,8 @@ from exporter.sources import Source
 from exporter.sources.non_allocator import NonAllocatorProbe
 from exporter.window import SampleWindow
 
-MODES = ("embedded", "node", "demo", "run")
 
-
-@dataclass
+@dataclass(kw_only=True)
 class Runtime:
     config: Config
     mode: str
@@ -47,17 +45,19 @@ class Runtime:
     exposition: ExpositionCache | None = None
 
 
-def default_actions(mode: str, config: Config, sources: Sequence[Source] = ()) -> Actions:
-    """The demo answers from its recording, at the moment its replay source plays; every
-    other mode but `run` (which passes its fan-out) acts on this process's own allocator."""
-    store = SnapshotStore.for_config(config)
-    if mode == "demo":
-        from exporter.actions.replay import ReplayActions
-        from exporter.sources.replay import ReplaySource
+def local_actions(config: Config, sources: Sequence[Source]) -> Actions:
+    """This process's own allocator (embedded, and the node daemon's empty one)."""
+    return LocalActions(SnapshotStore.for_config(config), config=config)
 
-        replays = [s for s in sources if isinstance(s, ReplaySource)]
-        return ReplayActions(store, config=config, moment=replays[0].moment if replays else None)
-    return LocalActions(store, config=config)
+
+def replay_actions(config: Config, sources: Sequence[Source]) -> Actions:
+    """The demo answers from its recording, at the moment its replay source plays."""
+    from exporter.actions.replay import ReplayActions
+    from exporter.sources.replay import ReplaySource
+
+    replays = [s for s in sources if isinstance(s, ReplaySource)]
+    store = SnapshotStore.for_config(config)
+    return ReplayActions(store, config=config, moment=replays[0].moment if replays else None)
 
 
 def live_sources(
@@ -96,6 +96,25 @@ def live_sources(
     return sources
 
 
+def node_sources(config: Config) -> list[Source]:
+    """The node daemon's sources: NVML and host memory, the host memory of every process with
+    GPU memory (host PIDs: the DaemonSet's hostPID), and the kubelet's view of who holds which
+    GPU, where it runs in Kubernetes."""
+    from exporter.sources.nvml import NvmlSource
+    from exporter.sources.process_memory import ProcessMemorySource
+
+    sources = live_sources(config, torch=False)
+    nvml = next((s for s in sources if isinstance(s, NvmlSource)), None)
+    if nvml is None:
+        return sources
+    if config.host_memory:
+        sources.append(ProcessMemorySource(lambda: nvml.last_pids))
+    kubelet = kubelet_source(config, lambda: nvml.last_pids)
+    if kubelet is not None:
+        sources.append(kubelet)
+    return sources
+
+
 def kubelet_source(
     config: Config, pids: Callable[[], Collection[int]], env: Mapping[str, str] = os.environ
 ) -> Source | None:
@@ -127,12 +146,9 @@ def kubelet_source(
     )
 
 
-def readiness(mode: str, sampler: Sampler) -> Callable[[], str | None]:
-    """What /readyz asks: every mode needs its first sample; the node daemon, which exists to
-    read NVML, also needs a GPU that answers it (blind_reason)."""
-    if mode == "node":
-        return lambda: blind_reason(sampler)
-    return lambda: "no sample yet" if sampler.latest is None else None
+def first_sample(sampler: Sampler) -> str | None:
+    """Ready once the first sample is in."""
+    return "no sample yet" if sampler.latest is None else None
 
 
 def blind_reason(sampler: Sampler) -> str | None:
@@ -154,6 +170,59 @@ def blind_reason(sampler: Sampler) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Mode:
+    """One way of running, declared once: where it runs, what serves it, how its admin
+    actions act and when it is ready (docs/architecture.md)."""
+
+    name: str  # the `mode` label of gpumem_exporter_build_info, and the catalog's modes
+    runs: str  # where, in words
+    endpoint: str  # what serves /metrics
+    ready: Callable[[Sampler], str | None]  # why /readyz answers 503, or None
+    # The mode's actions, from its config and sources; None where the caller owns them (the
+    # launcher of `run` passes its fan-out).
+    actions: Callable[[Config, Sequence[Source]], Actions] | None
+    own_process: bool = True  # the process that serves is one it reports (process_* families)
+
+
+MODES = {
+    mode.name: mode
+    for mode in (
+        Mode(
+            "embedded",
+            "inside a PyTorch server: exporter.start(), or attach() to its own app",
+            "its own HTTP thread (start), or routes on the app and registry it has (attach)",
+            first_sample,
+            local_actions,
+        ),
+        Mode(
+            "node",
+            "the node daemon, `gpumem-exporter serve`: NVML, host memory, Kubernetes",
+            "its own HTTP server",
+            # It exists to read NVML: not ready while it sees no GPU.
+            blind_reason,
+            local_actions,
+        ),
+        Mode(
+            "demo",
+            "`gpumem-exporter demo`: a trace recorded on a real GPU, replayed",
+            "its own HTTP server",
+            first_sample,
+            replay_actions,
+            own_process=False,  # the recorded process is served as host_process_*
+        ),
+        Mode(
+            "run",
+            "`gpumem-exporter run -- CMD`: a launcher for every process of a server, an "
+            "agent in each",
+            "the launcher's HTTP server, one /metrics for every process",
+            first_sample,
+            None,
+        ),
+    )
+}
+
+
 def build_runtime(
     config: Config,
     *,
@@ -170,10 +239,13 @@ def build_runtime(
     A new registry gets client_python's process metrics: this process's own, in every mode
     (a replay serves the recorded process as host_process_*, never under `process_` names).
     """
-    if mode not in MODES:
+    declared = MODES.get(mode)
+    if declared is None:
         raise ValueError(f"unknown mode {mode!r}")
     if actions is None:
-        actions = default_actions(mode, config, sources)
+        if declared.actions is None:
+            raise ValueError(f"the {mode} mode's caller passes its actions")
+        actions = declared.actions(config, sources)
     owns_registry = registry is None
     if registry is None:
         registry = CollectorRegistry()
@@ -199,23 +271,21 @@ def build_runtime(
         version=__version__,
         mode=mode,
         torch_version=str(getattr(torch_module, "__version__", "")),
-        own_process=not actions.replay,
-        alerts=detectors.firing,
+        own_process=declared.own_process,
+        alerts=detectors,
         actions=action_stats,
-        alerts_version=lambda: detectors.evaluations,
     )
     registry.register(collector)
-    exposition = ExpositionCache(registry, collector.fingerprint) if owns_registry else None
     return Runtime(
-        config,
-        mode,
-        sampler,
-        registry,
-        collector,
-        detectors,
-        actions,
-        admin,
-        window,
-        readiness(mode, sampler),
-        exposition,
+        config=config,
+        mode=mode,
+        sampler=sampler,
+        registry=registry,
+        collector=collector,
+        detectors=detectors,
+        actions=actions,
+        admin=admin,
+        window=window,
+        not_ready=lambda: declared.ready(sampler),
+        exposition=ExpositionCache(registry, collector.fingerprint) if owns_registry else None,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import re
+from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -48,7 +49,12 @@ def _exposition(sample: Sample, mode: str, const: dict[str, str], per_process: b
     counts = ActionCounts({"manual": 2}, 4096, {"empty_cache/ok": 1})
     process = WORKER if per_process else {}
     stats = ActionStats([ProcessCounts(process, counts)], {("snapshot", "ok"): 1})
-    alerts = [("GpuMemOutOfMemory", {"device": "0", "gpu_uuid": "GPU-x", **process}, True)]
+    alerts = SimpleNamespace(
+        evaluations=1,
+        firing=lambda: [
+            ("GpuMemOutOfMemory", {"device": "0", "gpu_uuid": "GPU-x", **process}, True)
+        ],
+    )
     registry = CollectorRegistry()
     registry.register(
         SampleCollector(
@@ -57,7 +63,7 @@ def _exposition(sample: Sample, mode: str, const: dict[str, str], per_process: b
             version="0",
             mode=mode,
             own_process=mode != "demo",
-            alerts=lambda: alerts,
+            alerts=alerts,
             actions=lambda: stats,
         )
     )
@@ -175,3 +181,9 @@ def test_the_live_page_draws_declared_values() -> None:
     keys = {f.key for f in catalog.FAMILIES if f.key}
     derived = {"cached_free_bytes", "other_bytes"}
     assert [f for f in FIELDS if f not in keys | derived] == []
+
+
+def test_the_catalog_names_the_declared_modes() -> None:
+    from exporter.runtime import MODES
+
+    assert set(catalog.MODES) == set(MODES)

@@ -17,15 +17,10 @@ from typing import Any
 import pytest
 
 from exporter.actions.replay import demo_snapshot_path
-from exporter.viewer import (
-    NO_HISTORY_MESSAGE,
-    SnapshotError,
-    TraceEntry,
-    _fmt_bytes,
-    _replay,
-    load_snapshot,
-    render_html,
-)
+from exporter.units import fmt_bytes as _fmt_bytes
+from exporter.viewer import NO_HISTORY_MESSAGE, SnapshotError, load_snapshot, render_html
+from exporter.viewer.model import TraceEntry
+from exporter.viewer.model import replay_of as _replay
 from tests.conftest import require_tool
 from tests.helpers import decode_png
 

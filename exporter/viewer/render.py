@@ -1,504 +1,45 @@
-"""A self-contained, offline HTML viewer for PyTorch CUDA allocator snapshots.
-
-`torch.cuda._memory_viz` writes pages that load MemoryViz.js and d3 from public CDNs, so they
-are blank on an air-gapped cluster. This module renders the same data (the dict returned by
-`torch.cuda.memory._snapshot()`) into one HTML page that loads nothing: the SVG and HTML are
-built here in Python, the CSS is inline, there is no script, and a Content-Security-Policy meta
-tag blocks any external load that slips in.
-
-`load_snapshot` reads a snapshot file (plain or gzip-compressed pickle) with a restricted
-unpickler, because a snapshot may be an upload from an untrusted source and pickle can run
-code. `render_html` is a pure function of the snapshot dict. Both bound their work and memory
-by the limits below, not by the size of the file, and refuse what is over them with a
-SnapshotError.
+"""The page: one self-contained HTML document for a snapshot, with no script and nothing
+loaded from anywhere (a Content-Security-Policy meta tag blocks any load that slips in).
 """
 
 from __future__ import annotations
 
-import gzip
 import html
-import io
 import math
-import os
-import pickle
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from itertools import islice
-from typing import IO, Any, ClassVar, NamedTuple
+from typing import Any
 
 from exporter.units import fmt_bytes as _fmt_bytes
-
-__all__ = ["SnapshotError", "load_snapshot", "render_html"]
-
-NO_HISTORY_MESSAGE = (
-    "no allocation history was recorded: enable it with POST /history or record_s=N"
+from exporter.viewer.load import (
+    MAX_DEVICES,
+    MAX_PAGE_CHARS,
+    MAX_RENDER_FRAMES,
+    MAX_RENDER_ITEMS,
+    NO_HISTORY_MESSAGE,
+    SnapshotError,
 )
-
-# -- limits ----------------------------------------------------------------------------------
-# A pickle memoizes: an object written once can be referenced again for a few bytes, so a file
-# of a few hundred KiB can name one big segment ten thousand times, or a tuple whose hash
-# takes hours to compute. Every step below is therefore bounded by what it does, not by the
-# size of the file, and each bound is far above what a real snapshot needs (the figures are
-# from snapshots captured on an H100 with torch 2.11; docs/reliability.md has them).
-
-# Uncompressed pickle bytes. A snapshot with 50k live blocks and the default history of 100k
-# entries is 11 MB; with 1M entries and C++ stacks (stacks="all") it is 125 MB.
-MAX_SNAPSHOT_BYTES = 256 << 20
-# Containers, strings, big ints and memo entries the unpickler may create: a 16 MB file of 8M
-# memoized empty dicts (30 KB gzipped), just under this, loads in 1.2 GB. The 125 MB snapshot
-# above needs 7.6M and 1.1 GB.
-MAX_PICKLE_OBJECTS = 16_000_000
-# Segments, blocks and history entries the viewer walks, counted each time they are reached:
-# a list referenced twice costs twice. Each costs about 3 us and 170 bytes, so this bounds a
-# render at about 6 s and 350 MB. The 50k-block snapshot needs 0.16M, the 125 MB one 1.06M
-# (history is at most 1M entries: max_entries is capped there).
-MAX_RENDER_ITEMS = 2_000_000
-# Stack frames of live blocks walked, counted the same way; each costs about 0.1 us (frames
-# are shared, and parsed once). The 125 MB snapshot needs 1.65M; 50k live blocks with
-# 60-frame C++ and Python stacks would need 3M.
-MAX_RENDER_FRAMES = 10_000_000
-# Characters of the page; the biggest real snapshots make pages of about 2 MB.
-MAX_PAGE_CHARS = 32 << 20
-# Distinct devices; a process sees the GPUs of one host.
-MAX_DEVICES = 64
-# Characters kept of any one text (file name, function name, setting); demangled C++ names
-# reach about 1000.
-MAX_TEXT_CHARS = 2000
-
-
-class SnapshotError(ValueError):
-    """The file is not a readable allocator snapshot; str() is a one-line reason."""
-
-
-# -- loading ---------------------------------------------------------------------------------
-# A snapshot is built from dicts, lists, tuples, str, int, float, bool and None, which pickle
-# encodes with opcodes of its own: the demo snapshot (protocol 4) needs no global at all.
-# Older protocols encode sets and bytes through callables, and a snapshot that passed through
-# other tools may hold an OrderedDict; each is allowed through a stand-in that checks and
-# counts its argument. Everything else (os.system, builtins.eval, copyreg._reconstructor,
-# torch classes) is refused.
-
-_INT_LIMIT = 1 << 64  # addresses, sizes, streams and times all fit in 64 bits
-_KEY_TYPES = frozenset({str, bytes, int, float, bool, type(None)})
-
-
-def _check_keys(keys: Iterable[Any]) -> None:
-    """Dict keys and set items must hash in constant time and without chosen collisions.
-
-    A tuple's hash is not cached: a tuple nested 40 deep through the memo takes 2**40 steps
-    to hash, and tuples of ints can be made to collide at will. Strings and bytes hash with a
-    random seed; ints are limited to 64 bits, so that at most 16 of them share a hash.
-    """
-    kinds = set(map(type, keys))
-    if kinds <= {str}:  # every key of every dict torch writes
-        return
-    if not kinds <= _KEY_TYPES:
-        bad = sorted(k.__name__ for k in kinds - _KEY_TYPES)
-        raise SnapshotError(f"refusing a dict key or set item of type {bad[0]}")
-    if int in kinds and any(type(k) is int and not -_INT_LIMIT < k < _INT_LIMIT for k in keys):
-        raise SnapshotError("refusing a dict key or set item: an integer beyond 64 bits")
-
-
-class _SnapshotUnpickler(pickle._Unpickler):
-    """pickle's Python unpickler with hooks where work could outgrow the file.
-
-    The C unpickler is 5 to 20 times faster but offers no hook between opcodes, so nothing
-    could stop it hashing a hostile key. Here dict keys and set items are checked before they
-    are hashed, and every container, string and memo entry is counted.
-    """
-
-    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
-    stack: list[Any]  # set by load(): the items since the last MARK
-
-    def __init__(self, file: IO[bytes], max_objects: int) -> None:
-        super().__init__(file)
-        self.objects_left = max_objects
-        self.max_objects = max_objects
-
-    def spend(self, n: int) -> None:
-        self.objects_left -= n
-        if self.objects_left < 0:
-            raise SnapshotError(
-                f"more than {self.max_objects:,} containers, strings and references "
-                "to unpickle: not an allocator snapshot, or one far larger than any seen"
-            )
-
-    def find_class(self, module: str, name: str) -> Any:
-        # Protocols 0-2 name the builtins module as Python 2 did.
-        module = "builtins" if module == "__builtin__" else module
-        stand_in = _STAND_INS.get((module, name))
-        if stand_in is None:
-            raise SnapshotError(
-                f"refusing to unpickle {module}.{name}: an allocator snapshot holds only plain "
-                "dicts, lists and numbers"
-            )
-        return lambda *args: stand_in(self, *args)
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise SnapshotError("refusing a pickle with persistent ids: not an allocator snapshot")
-
-
-def _counted(load: Any) -> Any:
-    def counted(self: _SnapshotUnpickler) -> None:
-        self.spend(1)
-        load(self)
-
-    return counted
-
-
-def _keys_checked(load: Any, keys_of: Any) -> Any:
-    # In the Python unpickler MARK starts a fresh self.stack, so after a mark the items of
-    # SETITEMS, DICT, ADDITEMS and FROZENSET are all of self.stack.
-    def checked(self: _SnapshotUnpickler) -> None:
-        _check_keys(keys_of(self.stack))
-        load(self)
-
-    return checked
-
-
-def _install_hooks(dispatch: dict[int, Any]) -> None:
-    for op in (
-        pickle.EMPTY_DICT, pickle.EMPTY_LIST, pickle.EMPTY_SET, pickle.DICT, pickle.LIST,
-        pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3, pickle.FROZENSET,
-        pickle.MEMOIZE, pickle.PUT, pickle.BINPUT, pickle.LONG_BINPUT,
-        pickle.SHORT_BINUNICODE, pickle.BINUNICODE, pickle.BINUNICODE8, pickle.UNICODE,
-        pickle.STRING, pickle.BINSTRING, pickle.SHORT_BINSTRING,
-        pickle.SHORT_BINBYTES, pickle.BINBYTES, pickle.BINBYTES8, pickle.BYTEARRAY8,
-        pickle.LONG, pickle.LONG1, pickle.LONG4,
-    ):  # fmt: skip
-        dispatch[op[0]] = _counted(dispatch[op[0]])
-    keys_at = {
-        pickle.SETITEM: lambda stack: stack[-2:-1],  # ... key value SETITEM
-        pickle.SETITEMS: lambda stack: stack[0::2],  # MARK key value key value ... SETITEMS
-        pickle.DICT: lambda stack: stack[0::2],
-        pickle.ADDITEMS: lambda stack: stack,
-        pickle.FROZENSET: lambda stack: stack,
-    }
-    for op, keys_of in keys_at.items():
-        dispatch[op[0]] = _keys_checked(dispatch[op[0]], keys_of)
-
-
-_install_hooks(_SnapshotUnpickler.dispatch)
-
-
-def _items_of(u: _SnapshotUnpickler, items: Any) -> Sequence[Any]:
-    if not isinstance(items, (list, tuple)):
-        raise SnapshotError(f"refusing a set built from a {type(items).__name__}")
-    u.spend(len(items))  # a memoized list can be passed again and again: each copy counts
-    _check_keys(items)
-    return items
-
-
-def _set(u: _SnapshotUnpickler, items: Any = ()) -> set[Any]:
-    return set(_items_of(u, items))
-
-
-def _frozenset(u: _SnapshotUnpickler, items: Any = ()) -> frozenset[Any]:
-    return frozenset(_items_of(u, items))
-
-
-def _ordered_dict(u: _SnapshotUnpickler, *args: Any) -> OrderedDict[Any, Any]:
-    if args:  # pickle writes OrderedDict() and then its items with SETITEMS
-        raise SnapshotError("refusing an OrderedDict built from arguments")
-    u.spend(1)
-    return OrderedDict()
-
-
-def _encode(u: _SnapshotUnpickler, text: Any, encoding: Any = None) -> bytes:
-    # bytes pickled with protocols 0-2: _codecs.encode(str, "latin1").
-    if type(text) is not str or encoding != "latin1":
-        raise SnapshotError("refusing _codecs.encode other than of a str to latin1")
-    u.spend(1 + len(text) // 100)  # copies of one memoized str count by their size
-    return text.encode("latin-1")
-
-
-_STAND_INS: dict[tuple[str, str], Any] = {
-    ("builtins", "set"): _set,
-    ("builtins", "frozenset"): _frozenset,
-    ("collections", "OrderedDict"): _ordered_dict,
-    ("_codecs", "encode"): _encode,
-}
-
-_GZIP_MAGIC = b"\x1f\x8b"
-
-
-def load_snapshot(
-    path: str | os.PathLike[str],
-    *,
-    max_bytes: int = MAX_SNAPSHOT_BYTES,
-    max_objects: int = MAX_PICKLE_OBJECTS,
-) -> dict[str, Any]:
-    """Read a snapshot written with pickle.dump, optionally gzip-compressed.
-
-    The format is detected from the magic bytes, not the file name. `max_bytes` caps the
-    uncompressed size, so that a small gzip bomb cannot exhaust memory; `max_objects` caps
-    what the unpickler creates (see MAX_PICKLE_OBJECTS).
-    """
-    name = os.fspath(path)
-    try:
-        with open(name, "rb") as raw:
-            head = raw.read(2)
-            raw.seek(0)
-            if head == _GZIP_MAGIC:
-                with gzip.GzipFile(fileobj=raw) as unzipped:
-                    data = unzipped.read(max_bytes + 1)
-            else:
-                data = raw.read(max_bytes + 1)
-    except FileNotFoundError:
-        raise SnapshotError(f"{name}: no such file") from None
-    except IsADirectoryError:
-        raise SnapshotError(f"{name}: is a directory, not a snapshot file") from None
-    except (OSError, EOFError, gzip.BadGzipFile) as exc:
-        raise SnapshotError(f"{name}: cannot read: {exc}") from None
-    if len(data) > max_bytes:
-        raise SnapshotError(
-            f"{name}: larger than {_fmt_bytes(max_bytes)} uncompressed, the viewer's limit"
-        )
-    if not data:
-        raise SnapshotError(f"{name}: empty file, not a snapshot")
-    try:
-        obj = _SnapshotUnpickler(io.BytesIO(data), max_objects).load()
-    except SnapshotError as exc:
-        raise SnapshotError(f"{name}: {exc}") from None
-    except Exception as exc:  # any malformed byte string; pickle raises many types
-        raise SnapshotError(f"{name}: not a pickle file ({type(exc).__name__})") from None
-    if not isinstance(obj, dict) or "segments" not in obj:
-        kind = type(obj).__name__
-        raise SnapshotError(
-            f"{name}: a pickled {kind} without 'segments': not an allocator snapshot"
-        )
-    return obj
-
-
-# -- normalised model ------------------------------------------------------------------------
-# The snapshot may come from any torch version (keys appear and disappear) or from an upload,
-# so values are read defensively once here and the renderers work on typed records. No value
-# from the file is passed to str() unless it is a scalar: str() of a list that holds itself
-# through the memo would not end.
-
-ALLOCATED, PENDING, INACTIVE = "active_allocated", "active_pending_free", "inactive"
-
-
-def _int(value: Any) -> int:
-    if type(value) is int:  # the common case, first: this runs for every block and event
-        return value if -_INT_LIMIT < value < _INT_LIMIT else 0
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int):
-        return int(value) if -_INT_LIMIT < value < _INT_LIMIT else 0
-    if isinstance(value, float) and math.isfinite(value) and abs(value) < _INT_LIMIT:
-        return int(value)
-    return 0
-
-
-def _text(value: Any, default: str = "?") -> str:
-    """A scalar as text, cut to MAX_TEXT_CHARS; anything else is `default`."""
-    if isinstance(value, str):
-        return value if len(value) <= MAX_TEXT_CHARS else value[:MAX_TEXT_CHARS] + "…"
-    if isinstance(value, bool | float) or (
-        isinstance(value, int) and -_INT_LIMIT < value < _INT_LIMIT
-    ):
-        return str(value)
-    if isinstance(value, bytes):
-        return repr(value[:MAX_TEXT_CHARS])
-    return default
-
-
-def _list(value: Any) -> Sequence[Any]:
-    return value if isinstance(value, (list, tuple)) else ()
-
-
-class _Budget:
-    """The work left for one render: items walked and characters of page written."""
-
-    def __init__(self, max_items: int, max_frames: int, max_page_chars: int) -> None:
-        self.max_items, self.items_left = max_items, max_items
-        self.max_frames, self.frames_left = max_frames, max_frames
-        self.max_page_chars, self.chars_left = max_page_chars, max_page_chars
-
-    def walk(self, n: int) -> None:
-        self.items_left -= n
-        if self.items_left < 0:
-            raise SnapshotError(
-                f"too large to render: more than {self.max_items:,} segments, blocks and "
-                "history entries (each reference to a shared list counted again)"
-            )
-
-    def walk_frames(self, n: int) -> None:
-        self.frames_left -= n
-        if self.frames_left < 0:
-            raise SnapshotError(
-                f"too large to render: more than {self.max_frames:,} stack frames of live "
-                "blocks (each reference to a shared stack counted again)"
-            )
-
-    def page(self, text: str) -> str:
-        self.chars_left -= len(text)
-        if self.chars_left < 0:
-            raise SnapshotError(
-                f"too large to render: the page would pass {self.max_page_chars:,} characters"
-            )
-        return text
-
-
-class Frame(NamedTuple):  # a NamedTuple: built for every frame of every block, and hashable
-    filename: str
-    line: int
-    name: str
-
-    def text(self) -> str:
-        return f"{self.filename}:{self.line} {self.name}"
-
-
-def _frames(value: Any, cache: dict[int, Frame]) -> tuple[Frame, ...]:
-    # torch shares one dict per distinct frame between all stacks: parse each once.
-    frames = []
-    for f in _list(value):
-        frame = cache.get(id(f))
-        if frame is None:
-            if not isinstance(f, dict):
-                continue
-            frame = Frame(_text(f.get("filename")), _int(f.get("line")), _text(f.get("name")))
-            cache[id(f)] = frame
-        frames.append(frame)
-    return tuple(frames)
-
-
-@dataclass(slots=True)
-class Block:
-    address: int
-    size: int
-    requested_size: int
-    state: str
-    frames: tuple[Frame, ...]
-
-
-@dataclass(slots=True)
-class Segment:
-    device: int
-    address: int
-    total_size: int
-    stream: int
-    segment_type: str
-    pool: str
-    is_expandable: bool
-    blocks: list[Block]
-    # Used when a snapshot has no block list (very old torch): segment-level sums.
-    allocated_size: int = 0
-    active_size: int = 0
-
-    @property
-    def allocated(self) -> int:
-        if not self.blocks:
-            return self.allocated_size
-        return sum(b.size for b in self.blocks if b.state == ALLOCATED)
-
-    @property
-    def active(self) -> int:
-        if not self.blocks:
-            return self.active_size
-        return sum(b.size for b in self.blocks if b.state != INACTIVE)
-
-
-@dataclass
-class TraceEntry:
-    action: str
-    addr: int
-    size: int
-    stream: int
-    time_us: int
-    # The entries' frames are not read: the page does not show them, and parsing them was
-    # two thirds of the render time on a 100k-entry history.
-
-
-def _state(block: Mapping[str, Any]) -> str:
-    return _text(block.get("state", INACTIVE))
-
-
-def _count_work(snapshot: Mapping[str, Any], budget: _Budget) -> None:
-    """Charge the walk to `budget` before anything is built, so that a snapshot that names one
-    big segment ten thousand times is refused at once and in constant memory.
-
-    Lengths first (one step per segment and per device), then the frames of live blocks (the
-    only frames that are read), which needs a step per block.
-    """
-    segments = [s for s in _list(snapshot.get("segments")) if isinstance(s, dict)]
-    budget.walk(len(segments))
-    for s in segments:
-        budget.walk(len(_list(s.get("blocks"))))
-    for entries in _list(snapshot.get("device_traces")):
-        budget.walk(len(_list(entries)))
-    for s in segments:
-        for b in _list(s.get("blocks")):
-            if isinstance(b, dict) and _state(b) != INACTIVE:
-                budget.walk_frames(len(_list(b.get("frames"))))
-
-
-def _segments(snapshot: Mapping[str, Any]) -> list[Segment]:
-    segments = []
-    frame_cache: dict[int, Frame] = {}
-    for s in _list(snapshot.get("segments")):
-        if not isinstance(s, dict):
-            continue
-        blocks = []
-        for b in _list(s.get("blocks")):
-            if not isinstance(b, dict):
-                continue
-            state = _state(b)
-            # A free block's frames (if any) are its last user's: not shown, so not parsed.
-            frames = _frames(b.get("frames"), frame_cache) if state != INACTIVE else ()
-            blocks.append(
-                Block(
-                    _int(b.get("address")),
-                    _int(b.get("size")),
-                    _int(b.get("requested_size")),
-                    state,
-                    frames,
-                )
-            )
-        pool = s.get("segment_pool_id", (0, 0))
-        pool_text = (
-            ",".join(_text(p) for p in pool[:4]) if isinstance(pool, list | tuple) else _text(pool)
-        )
-        segments.append(
-            Segment(
-                device=_int(s.get("device")),
-                address=_int(s.get("address")),
-                total_size=_int(s.get("total_size")),
-                stream=_int(s.get("stream")),
-                segment_type=_text(s.get("segment_type")),
-                pool=pool_text,
-                is_expandable=s.get("is_expandable") is True,
-                blocks=blocks,
-                allocated_size=_int(s.get("allocated_size")),
-                active_size=_int(s.get("active_size")),
-            )
-        )
-    return segments
-
-
-def _traces(snapshot: Mapping[str, Any]) -> dict[int, list[TraceEntry]]:
-    """device -> entries in time order; device_traces holds one list per device index."""
-    traces: dict[int, list[TraceEntry]] = {}
-    for device, entries in enumerate(_list(snapshot.get("device_traces"))):
-        parsed = [
-            TraceEntry(
-                _text(e.get("action")),
-                _int(e.get("addr")),
-                _int(e.get("size")),
-                _int(e.get("stream")),
-                _int(e.get("time_us")),
-            )
-            for e in _list(entries)
-            if isinstance(e, dict)
-        ]
-        if parsed:
-            parsed.sort(key=lambda e: e.time_us)  # already in order; cheap insurance
-            traces[device] = parsed
-    return traces
-
+from exporter.viewer.model import (
+    ALLOCATED,
+    INACTIVE,
+    PENDING,
+    Block,
+    Budget,
+    Frame,
+    Replay,
+    Segment,
+    Totals,
+    TraceEntry,
+    as_list,
+    as_text,
+    count_work,
+    replay_of,
+    segments_of,
+    totals_of,
+    traces_of,
+)
 
 # -- formatting ------------------------------------------------------------------------------
 
@@ -560,57 +101,6 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[str]], cls: str = "") 
 # -- summary ---------------------------------------------------------------------------------
 
 
-@dataclass
-class Totals:
-    reserved: int = 0
-    allocated: int = 0
-    pending: int = 0
-    inactive: int = 0
-    requested: int = 0
-    fragmented: int = 0  # inactive bytes in segments that hold an active block
-    releasable: int = 0  # segments with nothing active: empty_cache frees them
-    largest_free: int = 0
-    segments: int = 0
-    blocks: int = 0
-    expandable: int = 0
-    pools: set[str] = field(default_factory=set)
-
-    @property
-    def active(self) -> int:
-        return self.allocated + self.pending
-
-    def add(self, seg: Segment) -> None:
-        self.reserved += seg.total_size
-        self.segments += 1
-        self.blocks += len(seg.blocks)
-        self.expandable += seg.is_expandable
-        self.pools.add(seg.pool)
-        active = seg.active
-        if seg.blocks:
-            self.allocated += sum(b.size for b in seg.blocks if b.state == ALLOCATED)
-            self.pending += sum(b.size for b in seg.blocks if b.state == PENDING)
-            self.requested += sum(b.requested_size for b in seg.blocks if b.state != INACTIVE)
-            free = [b.size for b in seg.blocks if b.state == INACTIVE]
-            inactive = sum(free)
-            self.largest_free = max([self.largest_free, *free])
-        else:
-            self.allocated += seg.allocated_size
-            self.pending += max(0, seg.active_size - seg.allocated_size)
-            inactive = max(0, seg.total_size - seg.active_size)
-        self.inactive += inactive
-        if active:
-            self.fragmented += inactive
-        else:
-            self.releasable += seg.total_size
-
-
-def _totals(segments: Iterable[Segment]) -> Totals:
-    t = Totals()
-    for s in segments:
-        t.add(s)
-    return t
-
-
 def _summary_html(
     segments: list[Segment],
     by_device: dict[int, list[Segment]],
@@ -618,7 +108,7 @@ def _summary_html(
     snapshot: Mapping[str, Any],
 ) -> str:
     devices = sorted(by_device.keys() | traces.keys())
-    total = _totals(segments)
+    total = totals_of(segments)
     return (
         _summary_cards(total, traces)
         + _device_table(devices, by_device, traces)
@@ -678,7 +168,7 @@ def _device_table(
     """One row per device: its totals and counts."""
     rows = []
     for d in devices:
-        t = _totals(by_device.get(d, ()))
+        t = totals_of(by_device.get(d, ()))
         rows.append(
             [
                 f"cuda:{d}",
@@ -734,7 +224,7 @@ def _summary_notes(total: Totals, devices: list[int], snapshot: Mapping[str, Any
             f"{total.expandable} expandable segment(s): sizes are mapped memory and the largest "
             "free block understates what fits, because the segment can grow."
         )
-    n_traces = len(_list(snapshot.get("device_traces")))
+    n_traces = len(as_list(snapshot.get("device_traces")))
     if n_traces > len(devices):
         notes.append(
             f"The process had {n_traces} CUDA devices; devices without segments or history "
@@ -752,12 +242,12 @@ def _settings_html(settings: Any) -> str:
         return '<p class="muted">No allocator settings in this snapshot (older torch).</p>'
     rows = []
     # torch has about ten settings; a file with thousands is not one of its snapshots.
-    for key in sorted(settings, key=_text)[:MAX_SETTINGS]:
+    for key in sorted(settings, key=as_text)[:MAX_SETTINGS]:
         value = settings[key]
         if isinstance(value, Mapping):
             # roundup_power2_divisions: 16 buckets, almost always all zero.
             nonzero = [
-                f"{_text(k)}={_text(v)}" for k, v in islice(value.items(), MAX_SETTINGS) if v
+                f"{as_text(k)}={as_text(v)}" for k, v in islice(value.items(), MAX_SETTINGS) if v
             ]
             text = ", ".join(nonzero) if nonzero else f"all {len(value)} entries 0"
         elif value == "" or value is None:
@@ -765,8 +255,8 @@ def _settings_html(settings: Any) -> str:
         elif key == "max_split_size" and value == -1:
             text = "-1 (no limit: any free block may be split)"
         else:
-            text = _text(value)
-        rows.append([f"<code>{_e(_text(key))}</code>", _e(text)])
+            text = as_text(value)
+        rows.append([f"<code>{_e(as_text(key))}</code>", _e(text)])
     return _table(["setting", "value"], rows, "kv")
 
 
@@ -872,7 +362,7 @@ def _segment_html(seg: Segment, width: float) -> str:
     )
 
 
-def _segment_map_html(segments: list[Segment], max_segments: int, budget: _Budget) -> str:
+def _segment_map_html(segments: list[Segment], max_segments: int, budget: Budget) -> str:
     """The map of one device's segments."""
     segs = [s for s in segments if s.total_size > 0]
     if not segs:
@@ -894,7 +384,7 @@ def _segment_map_html(segments: list[Segment], max_segments: int, budget: _Budge
     parts = []
     for pool in sorted(pools, key=lambda p: (p != "0,0", p)):
         members = sorted(pools[pool], key=lambda s: s.address)
-        t = _totals(members)
+        t = totals_of(members)
         label = "default pool" if pool == "0,0" else "private pool (CUDA graphs / mempool)"
         bars = "".join(
             budget.page(
@@ -1009,52 +499,6 @@ _MARKERS = {
     "segment_unmap": ("#a6a6a6", "pages unmapped (expandable segment)"),
     "snapshot": ("#8e44ad", "snapshot taken"),
 }
-
-_RESERVED_DELTA = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
-
-
-@dataclass
-class Replay:
-    times_s: list[float]  # seconds since the first entry (entry numbers when untimed)
-    allocated: list[int]
-    reserved: list[int]
-    anchored: bool  # False when the history does not match the segments (values shifted)
-    timed: bool = True
-
-
-def _replay(entries: Sequence[TraceEntry], end_allocated: int, end_reserved: int) -> Replay:
-    """Allocated and reserved bytes after each entry.
-
-    The history is a ring buffer (max_entries): when it wrapped, the state at its first entry
-    is unknown. The state at its last entry is the snapshot itself, taken at the same moment,
-    so the replay runs forward on deltas and is then anchored at the end. A block counts as
-    allocated from `alloc` until `free_completed`, as in the snapshot's active blocks.
-    """
-    t0 = entries[0].time_us
-    # Entries without time_us (older torch) are spread evenly, by entry number.
-    timed = len(entries) < 2 or entries[-1].time_us > t0
-    times, alloc_d, res_d = [], [], []
-    a = r = 0
-    for i, e in enumerate(entries):
-        if e.action == "alloc":
-            a += e.size
-        elif e.action == "free_completed":
-            a -= e.size
-        r += _RESERVED_DELTA.get(e.action, 0) * e.size
-        times.append((e.time_us - t0) / 1e6 if timed else float(i))
-        alloc_d.append(a)
-        res_d.append(r)
-    alloc = [end_allocated - a + x for x in alloc_d]
-    res = [end_reserved - r + x for x in res_d]
-    a_min, r_min = min(alloc), min(res)  # once: inside the comprehensions it was quadratic
-    anchored = a_min >= 0 and r_min >= 0
-    # When the history and the segments disagree (an edited or partial file), show the shape
-    # of the changes, shifted up so that nothing is negative.
-    if a_min < 0:
-        alloc = [x - a_min for x in alloc]
-    if r_min < 0:
-        res = [x - r_min for x in res]
-    return Replay(times, alloc, res, anchored, timed)
 
 
 def _nice_step(span: float, target_ticks: int) -> float:
@@ -1207,7 +651,7 @@ MAX_ACTIONS_SHOWN = 20
 def _timeline_html(
     device: int, entries: Sequence[TraceEntry], end_allocated: int, end_reserved: int
 ) -> str:
-    replay = _replay(entries, end_allocated, end_reserved)
+    replay = replay_of(entries, end_allocated, end_reserved)
     duration = replay.times_s[-1]
     counts: Counter[str] = Counter()
     sizes: Counter[str] = Counter()
@@ -1350,10 +794,10 @@ def render_html(
     MAX_RENDER_FRAMES), more than MAX_DEVICES devices, or a page over `max_page_chars`
     raises SnapshotError, before the work rather than after it where it can.
     """
-    budget = _Budget(max_items, max_frames, max_page_chars)
-    _count_work(snapshot, budget)
-    segments = _segments(snapshot)
-    traces = _traces(snapshot)
+    budget = Budget(max_items, max_frames, max_page_chars)
+    count_work(snapshot, budget)
+    segments = segments_of(snapshot)
+    traces = traces_of(snapshot)
     by_device: dict[int, list[Segment]] = {}
     for seg in segments:
         by_device.setdefault(seg.device, []).append(seg)
@@ -1387,16 +831,16 @@ def render_html(
     if traces:
         timeline_body = ""
         for d in sorted(traces):
-            t = _totals(by_device.get(d, ()))
+            t = totals_of(by_device.get(d, ()))
             timeline_body += budget.page(_timeline_html(d, traces[d], t.active, t.reserved))
     else:
         timeline_body = f'<p class="empty">{_e(NO_HISTORY_MESSAGE)}</p>'
     sections.append(("timeline", "Timeline of the recorded history", timeline_body))
     settings = budget.page(_settings_html(snapshot.get("allocator_settings")))
     sections.append(("settings", "Allocator settings", settings))
-    annotations = _list(snapshot.get("external_annotations"))
+    annotations = as_list(snapshot.get("external_annotations"))
     if annotations:
-        rows = [[_e(_text(a))] for a in annotations[:50]]
+        rows = [[_e(as_text(a))] for a in annotations[:50]]
         sections.append(
             (
                 "annotations",

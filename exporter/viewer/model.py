@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from exporter.viewer.load import INT_LIMIT, MAX_TEXT_CHARS, SnapshotError
 
@@ -50,6 +50,9 @@ def as_list(value: Any) -> Sequence[Any]:
     return value if isinstance(value, (list, tuple)) else ()
 
 
+PageT = TypeVar("PageT", bound=str)
+
+
 class Budget:
     """The work left for one render: items walked and characters of page written."""
 
@@ -74,7 +77,7 @@ class Budget:
                 "blocks (each reference to a shared stack counted again)"
             )
 
-    def page(self, text: str) -> str:
+    def page(self, text: PageT) -> PageT:
         self.chars_left -= len(text)
         if self.chars_left < 0:
             raise SnapshotError(

@@ -4,7 +4,6 @@ loaded from anywhere (a Content-Security-Policy meta tag blocks any load that sl
 
 from __future__ import annotations
 
-import html
 import math
 import time
 from collections import Counter
@@ -21,6 +20,7 @@ from exporter.viewer.load import (
     NO_HISTORY_MESSAGE,
     SnapshotError,
 )
+from exporter.viewer.markup import Html, escape, html, join
 from exporter.viewer.model import (
     ALLOCATED,
     INACTIVE,
@@ -42,10 +42,6 @@ from exporter.viewer.model import (
 )
 
 # -- formatting ------------------------------------------------------------------------------
-
-
-def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
 
 
 def _pct(part: float, whole: float) -> str:
@@ -74,28 +70,38 @@ def _user_frame(frames: Sequence[Frame]) -> Frame | None:
 MAX_FRAMES_SHOWN = 40
 
 
-def _stack_html(frames: Sequence[Frame]) -> str:
+def _stack_html(frames: Sequence[Frame]) -> Html:
     """A collapsible stack, innermost frame first (the order torch records them in)."""
     if not frames:
-        return '<span class="muted">no stack recorded</span>'
+        return Html('<span class="muted">no stack recorded</span>')
     top = _user_frame(frames)
-    summary = _e(top.text()) if top else ""
     shown = frames[:MAX_FRAMES_SHOWN]
-    lines = "".join(f"<li>{_e(f.text())}</li>" for f in shown)
+    lines = join(html("<li>{frame}</li>", frame=f.text()) for f in shown)
     if len(frames) > len(shown):
-        lines += f'<li class="muted">… {len(frames) - len(shown)} more frames</li>'
-    return (
-        f"<details><summary><code>{summary}</code> "
-        f'<span class="muted">({len(frames)} frames)</span></summary>'
-        f'<ol class="stack">{lines}</ol></details>'
+        more = len(frames) - len(shown)
+        lines += html('<li class="muted">… {more} more frames</li>', more=more)
+    return html(
+        "<details><summary><code>{summary}</code> "
+        '<span class="muted">({count} frames)</span></summary>'
+        '<ol class="stack">{lines}</ol></details>',
+        summary=top.text() if top else "",
+        count=len(frames),
+        lines=lines,
     )
 
 
-def _table(header: Sequence[str], rows: Iterable[Sequence[str]], cls: str = "") -> str:
-    """Cells are HTML already (callers escape); header cells are escaped here."""
-    head = "".join(f"<th>{_e(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
-    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+def _table(header: Sequence[str], rows: Iterable[Sequence[object]], cls: str = "") -> Html:
+    """Cells are escaped unless they are Html."""
+    head = join(html("<th>{h}</th>", h=h) for h in header)
+    body = join(
+        html("<tr>{cells}</tr>", cells=join(html("<td>{c}</td>", c=c) for c in row)) for row in rows
+    )
+    return html(
+        '<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>',
+        cls=cls,
+        head=head,
+        body=body,
+    )
 
 
 # -- summary ---------------------------------------------------------------------------------
@@ -106,17 +112,19 @@ def _summary_html(
     by_device: dict[int, list[Segment]],
     traces: dict[int, list[TraceEntry]],
     snapshot: Mapping[str, Any],
-) -> str:
+) -> Html:
     devices = sorted(by_device.keys() | traces.keys())
     total = totals_of(segments)
-    return (
-        _summary_cards(total, traces)
-        + _device_table(devices, by_device, traces)
-        + _summary_notes(total, devices, snapshot)
+    return join(
+        (
+            _summary_cards(total, traces),
+            _device_table(devices, by_device, traces),
+            _summary_notes(total, devices, snapshot),
+        )
     )
 
 
-def _summary_cards(total: Totals, traces: dict[int, list[TraceEntry]]) -> str:
+def _summary_cards(total: Totals, traces: dict[int, list[TraceEntry]]) -> Html:
     """The headline numbers of the whole snapshot, one card each."""
     ooms = sum(1 for entries in traces.values() for e in entries if e.action == "oom")
     cards = [
@@ -153,18 +161,23 @@ def _summary_cards(total: Totals, traces: dict[int, list[TraceEntry]]) -> str:
             "bad" if ooms else "",
         ),
     ]
-    cards_html = "".join(
-        f'<div class="card {cls}"><div class="label">{_e(label)}</div>'
-        f'<div class="value">{_e(value)}</div><div class="sub">{_e(sub)}</div></div>'
+    cards_html = join(
+        html(
+            '<div class="card {cls}"><div class="label">{label}</div>'
+            '<div class="value">{value}</div><div class="sub">{sub}</div></div>',
+            cls=cls,
+            label=label,
+            value=value,
+            sub=sub,
+        )
         for label, value, sub, cls in cards
     )
-
-    return f'<div class="cards">{cards_html}</div>'
+    return html('<div class="cards">{cards}</div>', cards=cards_html)
 
 
 def _device_table(
     devices: list[int], by_device: dict[int, list[Segment]], traces: dict[int, list[TraceEntry]]
-) -> str:
+) -> Html:
     """One row per device: its totals and counts."""
     rows = []
     for d in devices:
@@ -181,65 +194,68 @@ def _device_table(
                 _pct(t.fragmented, t.reserved),
                 _fmt_bytes(t.releasable),
                 _fmt_bytes(t.largest_free),
-                str(t.segments),
-                str(t.blocks),
-                str(len(t.pools)),
-                str(len(traces.get(d, []))),
+                t.segments,
+                t.blocks,
+                len(t.pools),
+                len(traces.get(d, [])),
             ]
         )
-    device_table = _table(
-        [
-            "device",
-            "reserved",
-            "allocated",
-            "pending free",
-            "active",
-            "inactive (free)",
-            "requested",
-            "fragmentation",
-            "in free segments",
-            "largest free block",
-            "segments",
-            "blocks",
-            "pools",
-            "history entries",
-        ],
-        rows,
-        "num",
-    )
-    return device_table
+    header = [
+        "device",
+        "reserved",
+        "allocated",
+        "pending free",
+        "active",
+        "inactive (free)",
+        "requested",
+        "fragmentation",
+        "in free segments",
+        "largest free block",
+        "segments",
+        "blocks",
+        "pools",
+        "history entries",
+    ]
+    return _table(header, rows, "num")
 
 
-def _summary_notes(total: Totals, devices: list[int], snapshot: Mapping[str, Any]) -> str:
+def _summary_notes(total: Totals, devices: list[int], snapshot: Mapping[str, Any]) -> Html:
     """What the numbers mean, and what the page leaves out."""
     notes = [
-        "Active = allocated + pending free (freed by the program, waiting on a stream event). "
-        "Fragmentation = free bytes in segments that still hold an active block, over reserved: "
-        "that memory can only be reused by allocations that fit into the holes, and "
-        "<code>empty_cache()</code> cannot release it. Bytes in fully free segments can be "
-        "released by <code>empty_cache()</code>."
+        Html(
+            "Active = allocated + pending free (freed by the program, waiting on a stream "
+            "event). Fragmentation = free bytes in segments that still hold an active block, "
+            "over reserved: that memory can only be reused by allocations that fit into the "
+            "holes, and <code>empty_cache()</code> cannot release it. Bytes in fully free "
+            "segments can be released by <code>empty_cache()</code>."
+        )
     ]
     if total.expandable:
         notes.append(
-            f"{total.expandable} expandable segment(s): sizes are mapped memory and the largest "
-            "free block understates what fits, because the segment can grow."
+            html(
+                "{n} expandable segment(s): sizes are mapped memory and the largest free block "
+                "understates what fits, because the segment can grow.",
+                n=total.expandable,
+            )
         )
     n_traces = len(as_list(snapshot.get("device_traces")))
     if n_traces > len(devices):
         notes.append(
-            f"The process had {n_traces} CUDA devices; devices without segments or history "
-            "are not shown."
+            html(
+                "The process had {n} CUDA devices; devices without segments or history are not "
+                "shown.",
+                n=n_traces,
+            )
         )
-    notes_html = "".join(f'<p class="note">{n}</p>' for n in notes)
-    return notes_html
+    return join(html('<p class="note">{note}</p>', note=note) for note in notes)
 
 
 MAX_SETTINGS = 100
 
 
-def _settings_html(settings: Any) -> str:
+def _settings_html(settings: Any) -> Html:
     if not isinstance(settings, Mapping) or not settings:
-        return '<p class="muted">No allocator settings in this snapshot (older torch).</p>'
+        return Html('<p class="muted">No allocator settings in this snapshot (older torch).</p>')
     rows = []
     # torch has about ten settings; a file with thousands is not one of its snapshots.
     for key in sorted(settings, key=as_text)[:MAX_SETTINGS]:
@@ -256,7 +272,7 @@ def _settings_html(settings: Any) -> str:
             text = "-1 (no limit: any free block may be split)"
         else:
             text = as_text(value)
-        rows.append([f"<code>{_e(as_text(key))}</code>", _e(text)])
+        rows.append([html("<code>{key}</code>", key=as_text(key)), text])
     return _table(["setting", "value"], rows, "kv")
 
 
@@ -269,11 +285,14 @@ def _meta_value(value: Any) -> str:
     return str(value)
 
 
-def _meta_html(meta: Mapping[str, Any] | None) -> str:
+def _meta_html(meta: Mapping[str, Any] | None) -> Html:
     if not meta:
-        return ""
-    items = "".join(f"<span><b>{_e(k)}</b> {_e(_meta_value(v))}</span>" for k, v in meta.items())
-    return f'<div class="meta">{items}</div>'
+        return Html("")
+    items = join(
+        html("<span><b>{key}</b> {value}</span>", key=k, value=_meta_value(v))
+        for k, v in meta.items()
+    )
+    return html('<div class="meta">{items}</div>', items=items)
 
 
 # -- segment map -----------------------------------------------------------------------------
@@ -296,7 +315,16 @@ def _block_title(b: Block, seg: Segment) -> str:
     return text
 
 
-def _segment_html(seg: Segment, width: float) -> str:
+def _piece(cls: str, share: float, title: str) -> Html:
+    return html(
+        '<i class="{cls}" style="width:{share:.3f}%" title="{title}"></i>',
+        cls=cls,
+        share=share,
+        title=title,
+    )
+
+
+def _segment_html(seg: Segment, width: float) -> Html:
     """One segment: a bar of fixed pixel width, blocks as percentages of it.
 
     Runs of blocks too narrow to see are merged into one piece coloured by the state that
@@ -311,7 +339,7 @@ def _segment_html(seg: Segment, width: float) -> str:
         f"free {_fmt_bytes(seg.total_size - active)}, {len(seg.blocks)} blocks"
     )
     total = seg.total_size or 1
-    pieces: list[str] = []
+    pieces: list[Html] = []
     run: list[Block] = []
     run_size = 0
 
@@ -324,14 +352,11 @@ def _segment_html(seg: Segment, width: float) -> str:
         for b in run:
             by_state[b.state] += b.size
         state = by_state.most_common(1)[0][0]
-        cls = _STATE_CLASS.get(state, free_cls)
         detail = ", ".join(
             f"{s.replace('active_', '')} {_fmt_bytes(n)}" for s, n in by_state.items()
         )
         t = f"{len(run)} small blocks ({_fmt_bytes(size)}): {detail}"
-        pieces.append(
-            f'<i class="{cls}" style="width:{100 * size / total:.3f}%" title="{_e(t)}"></i>'
-        )
+        pieces.append(_piece(_STATE_CLASS.get(state, free_cls), 100 * size / total, t))
         run.clear()
 
     blocks = seg.blocks or [
@@ -351,22 +376,22 @@ def _segment_html(seg: Segment, width: float) -> str:
             continue
         flush_run()
         cls = _STATE_CLASS.get(b.state, free_cls)
-        pieces.append(
-            f'<i class="{cls}" style="width:{100 * b.size / total:.3f}%" '
-            f'title="{_e(_block_title(b, seg))}"></i>'
-        )
+        pieces.append(_piece(cls, 100 * b.size / total, _block_title(b, seg)))
     flush_run()
-    return (
-        f'<div class="seg{" x" if seg.is_expandable else ""}" style="width:{width:.0f}px" '
-        f'title="{_e(title)}">{"".join(pieces)}</div>'
+    return html(
+        '<div class="seg{x}" style="width:{width:.0f}px" title="{title}">{pieces}</div>',
+        x=" x" if seg.is_expandable else "",
+        width=width,
+        title=title,
+        pieces=join(pieces),
     )
 
 
-def _segment_map_html(segments: list[Segment], max_segments: int, budget: Budget) -> str:
+def _segment_map_html(segments: list[Segment], max_segments: int, budget: Budget) -> Html:
     """The map of one device's segments."""
     segs = [s for s in segments if s.total_size > 0]
     if not segs:
-        return '<p class="muted">No segments on this device.</p>'
+        return Html('<p class="muted">No segments on this device.</p>')
     left_out: list[Segment] = []
     max_segments = max(1, max_segments)
     if len(segs) > max_segments:
@@ -385,35 +410,46 @@ def _segment_map_html(segments: list[Segment], max_segments: int, budget: Budget
     for pool in sorted(pools, key=lambda p: (p != "0,0", p)):
         members = sorted(pools[pool], key=lambda s: s.address)
         t = totals_of(members)
-        label = "default pool" if pool == "0,0" else "private pool (CUDA graphs / mempool)"
-        bars = "".join(
+        bars = join(
             budget.page(
                 _segment_html(s, min(MAP_WIDTH_PX, max(MIN_SEGMENT_PX, s.total_size * px_per_byte)))
             )
             for s in members
         )
         parts.append(
-            f"<h4>{_e(label)} <code>({_e(pool)})</code>: {t.segments} segments, "
-            f"{_fmt_bytes(t.reserved)} reserved, {_fmt_bytes(t.allocated)} allocated, "
-            f"fragmentation {_pct(t.fragmented, t.reserved)}</h4>"
-            f'<div class="map" style="width:{MAP_WIDTH_PX}px">{bars}</div>'
+            html(
+                "<h4>{label} <code>({pool})</code>: {segments} segments, {reserved} reserved, "
+                "{allocated} allocated, fragmentation {fragmentation}</h4>"
+                '<div class="map" style="width:{width}px">{bars}</div>',
+                label="default pool" if pool == "0,0" else "private pool (CUDA graphs / mempool)",
+                pool=pool,
+                segments=t.segments,
+                reserved=_fmt_bytes(t.reserved),
+                allocated=_fmt_bytes(t.allocated),
+                fragmentation=_pct(t.fragmented, t.reserved),
+                width=MAP_WIDTH_PX,
+                bars=bars,
+            )
         )
-    scale = (
-        f"Width is proportional to size ({_fmt_bytes(1 / px_per_byte)} per pixel); segments "
-        f"smaller than {_fmt_bytes(smallest_true)} are drawn {MIN_SEGMENT_PX} px wide. "
-        "Segments are in address order within each pool; hover for sizes, addresses and "
-        "the allocating frame."
+    scale = html(
+        "Width is proportional to size ({per_pixel} per pixel); segments smaller than "
+        "{smallest} are drawn {min_px} px wide. Segments are in address order within each "
+        "pool; hover for sizes, addresses and the allocating frame.",
+        per_pixel=_fmt_bytes(1 / px_per_byte),
+        smallest=_fmt_bytes(smallest_true),
+        min_px=MIN_SEGMENT_PX,
     )
     if left_out:
-        scale += (
-            f" <b>{len(left_out)} smaller segments "
-            f"({_fmt_bytes(sum(s.total_size for s in left_out))}) are not drawn</b>: only the "
-            f"{max_segments} largest are."
+        scale += html(
+            " <b>{n} smaller segments ({size}) are not drawn</b>: only the {kept} largest are.",
+            n=len(left_out),
+            size=_fmt_bytes(sum(s.total_size for s in left_out)),
+            kept=max_segments,
         )
-    return f'<p class="note">{scale}</p>{"".join(parts)}'
+    return html('<p class="note">{scale}</p>{parts}', scale=scale, parts=join(parts))
 
 
-_LEGEND = (
+_LEGEND = Html(
     '<div class="legend">'
     '<span><i class="a"></i>allocated</span>'
     '<span><i class="p"></i>pending free (freed, waiting on a stream)</span>'
@@ -426,42 +462,43 @@ _LEGEND = (
 # -- biggest allocations and allocation sites ------------------------------------------------
 
 
-def _top_blocks_html(segments: list[Segment], top_n: int) -> str:
+def _top_blocks_html(segments: list[Segment], top_n: int) -> Html:
     live = [(b, s) for s in segments for b in s.blocks if b.state != INACTIVE]
     if not live:
-        return '<p class="muted">No live allocations.</p>'
+        return Html('<p class="muted">No live allocations.</p>')
     live.sort(key=lambda bs: bs[0].size, reverse=True)
     rows = []
     for i, (b, s) in enumerate(live[:top_n], 1):
-        state = "allocated" if b.state == ALLOCATED else "pending free"
         rows.append(
             [
-                str(i),
-                f"<b>{_e(_fmt_bytes(b.size))}</b>",
-                _e(_fmt_bytes(b.requested_size)),
-                f"<code>{_hex(b.address)}</code>",
-                _e(state),
-                f"<code>{_hex(s.address)}</code> "
-                f"{_e(_fmt_bytes(s.total_size))} {_e(s.segment_type)}",
+                i,
+                html("<b>{size}</b>", size=_fmt_bytes(b.size)),
+                _fmt_bytes(b.requested_size),
+                html("<code>{address}</code>", address=_hex(b.address)),
+                "allocated" if b.state == ALLOCATED else "pending free",
+                html(
+                    "<code>{address}</code> {size} {kind}",
+                    address=_hex(s.address),
+                    size=_fmt_bytes(s.total_size),
+                    kind=s.segment_type,
+                ),
                 f"cuda:{s.device} / {s.stream}",
                 _stack_html(b.frames),
             ]
         )
-    note = (
-        f'<p class="note">{min(top_n, len(live))} of {len(live)} live blocks '
-        f"({_fmt_bytes(sum(b.size for b, _ in live))}). Stacks are innermost frame first; the "
-        "summary line is the innermost frame outside torch and site-packages. Blocks allocated "
-        "before history recording started have no stack.</p>"
+    note = html(
+        '<p class="note">{shown} of {live} live blocks ({size}). Stacks are innermost frame '
+        "first; the summary line is the innermost frame outside torch and site-packages. "
+        "Blocks allocated before history recording started have no stack.</p>",
+        shown=min(top_n, len(live)),
+        live=len(live),
+        size=_fmt_bytes(sum(b.size for b, _ in live)),
     )
-    table = _table(
-        ["#", "size", "requested", "address", "state", "segment", "device / stream", "stack"],
-        rows,
-        "top",
-    )
-    return note + table
+    header = ["#", "size", "requested", "address", "state", "segment", "device / stream", "stack"]
+    return note + _table(header, rows, "top")
 
 
-def _sites_html(segments: list[Segment], top_n: int = 15) -> str:
+def _sites_html(segments: list[Segment], top_n: int = 15) -> Html:
     """Live bytes grouped by allocating stack: where a leak or a big cache lives."""
     sites: dict[tuple[Frame, ...], list[int]] = {}
     for s in segments:
@@ -471,19 +508,23 @@ def _sites_html(segments: list[Segment], top_n: int = 15) -> str:
                 entry[0] += b.size
                 entry[1] += 1
     if not sites:
-        return '<p class="muted">No live allocations.</p>'
+        return Html('<p class="muted">No live allocations.</p>')
     total = sum(v[0] for v in sites.values())
     ranked = sorted(sites.items(), key=lambda kv: kv[1][0], reverse=True)
     rows = [
         [
-            f"<b>{_e(_fmt_bytes(size))}</b>",
-            _e(_pct(size, total)),
-            str(count),
+            html("<b>{size}</b>", size=_fmt_bytes(size)),
+            _pct(size, total),
+            count,
             _stack_html(frames),
         ]
         for frames, (size, count) in ranked[:top_n]
     ]
-    note = f'<p class="note">{len(sites)} distinct stacks; the top {len(rows)} by live bytes.</p>'
+    note = html(
+        '<p class="note">{n} distinct stacks; the top {top} by live bytes.</p>',
+        n=len(sites),
+        top=len(rows),
+    )
     return note + _table(["live bytes", "share", "blocks", "stack"], rows, "top")
 
 
@@ -530,7 +571,7 @@ def _envelope(xs: Sequence[float], ys: Sequence[int], x_of: Any, y_of: Any) -> s
     return " ".join(points)
 
 
-def _timeline_svg(entries: Sequence[TraceEntry], replay: Replay) -> str:
+def _timeline_svg(entries: Sequence[TraceEntry], replay: Replay) -> Html:
     duration = replay.times_s[-1] if replay.times_s else 0.0
     span_t = duration or 1.0
     y_max = max(max(replay.reserved), max(replay.allocated), 1)
@@ -550,17 +591,27 @@ def _timeline_svg(entries: Sequence[TraceEntry], replay: Replay) -> str:
         return PAD_T + plot_h * (1 - v / y_top)
 
     out = [
-        f'<svg class="chart" width="{CHART_W}" height="{CHART_H}" '
-        f'viewBox="0 0 {CHART_W} {CHART_H}" role="img">'
+        html(
+            '<svg class="chart" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img">',
+            w=CHART_W,
+            h=CHART_H,
+        )
     ]
     # Grid and axes.
     v = 0.0
     while v <= y_top + y_step / 2:
         y = y_of(v)
-        label = f"{v / div:g} {unit}"
         out.append(
-            f'<line class="grid" x1="{PAD_L}" x2="{CHART_W - PAD_R}" y1="{y:.1f}" y2="{y:.1f}"/>'
-            f'<text class="tick" x="{PAD_L - 6}" y="{y + 4:.1f}" text-anchor="end">{label}</text>'
+            html(
+                '<line class="grid" x1="{x1}" x2="{x2}" y1="{y:.1f}" y2="{y:.1f}"/>'
+                '<text class="tick" x="{tx}" y="{ty:.1f}" text-anchor="end">{label}</text>',
+                x1=PAD_L,
+                x2=CHART_W - PAD_R,
+                y=y,
+                tx=PAD_L - 6,
+                ty=y + 4,
+                label=f"{v / div:g} {unit}",
+            )
         )
         v += y_step
     t_step = _nice_step(span_t, 10)
@@ -568,33 +619,53 @@ def _timeline_svg(entries: Sequence[TraceEntry], replay: Replay) -> str:
     while t <= span_t + t_step / 1000:
         x = x_of(t)
         out.append(
-            f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{PAD_T}" y2="{PAD_T + plot_h}"/>'
-            f'<text class="tick" x="{x:.1f}" y="{PAD_T + plot_h + 16}" text-anchor="middle">'
-            f"{t:g}{' s' if replay.timed else ''}</text>"
+            html(
+                '<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{y1}" y2="{y2}"/>'
+                '<text class="tick" x="{x:.1f}" y="{ty}" text-anchor="middle">{t:g}{unit}</text>',
+                x=x,
+                y1=PAD_T,
+                y2=PAD_T + plot_h,
+                ty=PAD_T + plot_h + 16,
+                t=t,
+                unit=" s" if replay.timed else "",
+            )
         )
         t += t_step
     out.append(
-        f'<text class="axis" x="{PAD_L + plot_w / 2}" y="{CHART_H - 6}" text-anchor="middle">'
-        f"{'seconds since the first recorded event' if replay.timed else 'entry number'}</text>"
+        html(
+            '<text class="axis" x="{x}" y="{y}" text-anchor="middle">{axis}</text>',
+            x=PAD_L + plot_w / 2,
+            y=CHART_H - 6,
+            axis="seconds since the first recorded event" if replay.timed else "entry number",
+        )
     )
     # Series: reserved first (behind), allocated on top; the area under allocated is shaded.
     res_pts = _envelope(replay.times_s, replay.reserved, x_of, y_of)
     alloc_pts = _envelope(replay.times_s, replay.allocated, x_of, y_of)
     if alloc_pts:
-        first_x = alloc_pts.split(" ", 1)[0].split(",")[0]
-        last_x = alloc_pts.rsplit(" ", 1)[-1].split(",")[0]
-        floor = PAD_T + plot_h
         out.append(
-            f'<polygon class="area" points="{first_x},{floor} {alloc_pts} {last_x},{floor}"/>'
+            html(
+                '<polygon class="area" points="{first},{floor} {points} {last},{floor}"/>',
+                first=alloc_pts.split(" ", 1)[0].split(",")[0],
+                last=alloc_pts.rsplit(" ", 1)[-1].split(",")[0],
+                floor=PAD_T + plot_h,
+                points=alloc_pts,
+            )
         )
-    out.append(f'<polyline class="reserved" points="{res_pts}"/>')
-    out.append(f'<polyline class="allocated" points="{alloc_pts}"/>')
+    out.append(html('<polyline class="reserved" points="{points}"/>', points=res_pts))
+    out.append(html('<polyline class="allocated" points="{points}"/>', points=alloc_pts))
 
     out.extend(_timeline_markers(entries, replay, x_of, plot_h))
     out.append(
-        f'<rect class="frame" x="{PAD_L}" y="{PAD_T}" width="{plot_w}" height="{plot_h}"/></svg>'
+        html(
+            '<rect class="frame" x="{x}" y="{y}" width="{w}" height="{h}"/></svg>',
+            x=PAD_L,
+            y=PAD_T,
+            w=plot_w,
+            h=plot_h,
+        )
     )
-    return "".join(out)
+    return join(out)
 
 
 def _timeline_markers(
@@ -602,10 +673,10 @@ def _timeline_markers(
     replay: Replay,
     x_of: Callable[[float], float],
     plot_h: float,
-) -> list[str]:
+) -> list[Html]:
     """Event markers: one per pixel column and kind, with a count, so that thousands of
     segment events do not make thousands of elements."""
-    out: list[str] = []
+    out: list[Html] = []
     buckets: dict[tuple[str, int], list[tuple[float, TraceEntry]]] = {}
     for e, ts in zip(entries, replay.times_s, strict=True):
         if e.action in _MARKERS or e.action == "oom":
@@ -624,9 +695,17 @@ def _timeline_markers(
                 + (f" (+{n - 1} more OOMs here)" if n > 1 else "")
             )
             out.append(
-                f'<g class="oom"><title>{_e(tip)}</title>'
-                f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{PAD_T}" y2="{PAD_T + plot_h}"/>'
-                f'<text x="{x + 3:.1f}" y="{PAD_T + 12}">OOM</text></g>'
+                html(
+                    '<g class="oom"><title>{tip}</title>'
+                    '<line x1="{x:.1f}" x2="{x:.1f}" y1="{y1}" y2="{y2}"/>'
+                    '<text x="{tx:.1f}" y="{ty}">OOM</text></g>',
+                    tip=tip,
+                    x=x,
+                    y1=PAD_T,
+                    y2=PAD_T + plot_h,
+                    tx=x + 3,
+                    ty=PAD_T + 12,
+                )
             )
             continue
         color, label = _MARKERS[action]
@@ -637,20 +716,34 @@ def _timeline_markers(
         base, apex = PAD_T + plot_h, PAD_T + plot_h - 9
         if action not in ("segment_alloc", "segment_map"):
             base, apex = apex, base
-        shape = f"{x - 5:.1f},{base} {x + 5:.1f},{base} {x:.1f},{apex}"
         out.append(
-            f'<polygon class="marker" fill="{color}" points="{shape}">'
-            f"<title>{_e(tip)}</title></polygon>"
+            html(
+                '<polygon class="marker" fill="{color}" points="{shape}">'
+                "<title>{tip}</title></polygon>",
+                color=color,
+                shape=f"{x - 5:.1f},{base} {x + 5:.1f},{base} {x:.1f},{apex}",
+                tip=tip,
+            )
         )
     return out
 
 
 MAX_ACTIONS_SHOWN = 20
 
+_TIMELINE_LEGEND = Html(
+    '<div class="legend">'
+    '<span><i class="la"></i>allocated (alloc → free_completed)</span>'
+    '<span><i class="lr"></i>reserved (segments)</span>'
+    '<span><i class="lo"></i>OOM</span>'
+    '<span><i class="ls"></i>segment alloc / map ▲</span>'
+    '<span><i class="lf"></i>segment free / unmap ▼</span>'
+    "</div>"
+)
+
 
 def _timeline_html(
     device: int, entries: Sequence[TraceEntry], end_allocated: int, end_reserved: int
-) -> str:
+) -> Html:
     replay = replay_of(entries, end_allocated, end_reserved)
     duration = replay.times_s[-1]
     counts: Counter[str] = Counter()
@@ -667,7 +760,7 @@ def _timeline_html(
         else ""
     )
     a_lo, a_hi = min(replay.allocated), max(replay.allocated)
-    facts = (
+    facts = escape(
         f"{len(entries)} entries "
         + (f"over {duration:.3f} s{started}" if replay.timed else "without times")
         + ". Allocated in the "
@@ -676,37 +769,33 @@ def _timeline_html(
         f"{_fmt_bytes(replay.reserved[-1])}."
     )
     if not replay.anchored:
-        facts += (
+        facts += Html(
             " <b>The history does not add up to the segments in this snapshot; the lines show "
             "changes, shifted so that their minimum is 0.</b>"
         )
-    legend = (
-        '<div class="legend">'
-        '<span><i class="la"></i>allocated (alloc → free_completed)</span>'
-        '<span><i class="lr"></i>reserved (segments)</span>'
-        '<span><i class="lo"></i>OOM</span>'
-        '<span><i class="ls"></i>segment alloc / map ▲</span>'
-        '<span><i class="lf"></i>segment free / unmap ▼</span>'
-        "</div>"
-    )
-    count_rows = [
-        [f"<code>{_e(action)}</code>", str(n), _e(_fmt_bytes(sizes[action]))]
+    count_rows: list[list[object]] = [
+        [html("<code>{action}</code>", action=action), n, _fmt_bytes(sizes[action])]
         for action, n in counts.most_common(MAX_ACTIONS_SHOWN)
     ]
     if len(counts) > MAX_ACTIONS_SHOWN:  # torch has 9 actions; an edited file may have more
         rest = len(counts) - MAX_ACTIONS_SHOWN
-        count_rows.append([f'<span class="muted">{rest} more actions</span>', "", ""])
-    return (
-        f'<h3>cuda:{device}</h3><p class="note">{facts} The history keeps the last '
+        count_rows.append([html('<span class="muted">{n} more actions</span>', n=rest), "", ""])
+    return html(
+        '<h3>cuda:{device}</h3><p class="note">{facts} The history keeps the last '
         "<code>max_entries</code> events, so a busy process covers a short window.</p>"
-        f"{legend}{_timeline_svg(entries, replay)}"
-        f'<div class="side">{_table(["action", "count", "bytes"], count_rows, "num small")}</div>'
+        '{legend}{chart}<div class="side">{table}</div>',
+        device=device,
+        facts=facts,
+        legend=_TIMELINE_LEGEND,
+        chart=_timeline_svg(entries, replay),
+        table=_table(["action", "count", "bytes"], count_rows, "num small"),
     )
 
 
 # -- page ------------------------------------------------------------------------------------
 
-_CSS = """
+_CSS = Html(
+    """
 :root{--a:#2f6fdf;--p:#f0a020;--f:#f3a5a5;--r:#d5dae1;--fg:#1d2733;--muted:#667385;
 --line:#d9dee5;--bg:#f6f7f9}
 *{box-sizing:border-box}
@@ -770,6 +859,7 @@ svg .oom text{fill:#d62728;font-size:11px;font-weight:700}
 .side{margin-top:8px}
 .empty{background:#fff;border:1px dashed #b8c0cb;padding:10px 12px;color:var(--muted)}
 """
+)
 
 # The page is HTML and CSS only: no script may run in it, inline or not.
 PAGE_CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
@@ -807,20 +897,24 @@ def render_html(
             f"too large to render: {n_devices} devices, more than the {MAX_DEVICES} drawn"
         )
 
-    sections: list[tuple[str, str, str]] = []
+    sections: list[tuple[str, str, Html]] = []
     summary = _summary_html(segments, by_device, traces, snapshot)
     sections.append(("summary", "Summary", budget.page(summary)))
 
     if segments:
-        maps = "".join(
-            f"<h3>cuda:{d}</h3>{_segment_map_html(by_device[d], max_segments, budget)}"
+        maps = join(
+            html(
+                "<h3>cuda:{device}</h3>{map}",
+                device=d,
+                map=_segment_map_html(by_device[d], max_segments, budget),
+            )
             for d in sorted(by_device)
         )
         seg_body = _LEGEND + maps
         top_body = budget.page(_top_blocks_html(segments, top_n))
         sites_body = budget.page(_sites_html(segments))
     else:
-        seg_body = top_body = sites_body = (
+        seg_body = top_body = sites_body = Html(
             '<p class="muted">No segments: the allocator held no memory when the snapshot '
             "was taken.</p>"
         )
@@ -829,18 +923,19 @@ def render_html(
     sections.append(("sites", "Live memory by allocation stack", sites_body))
 
     if traces:
-        timeline_body = ""
+        timelines = []
         for d in sorted(traces):
             t = totals_of(by_device.get(d, ()))
-            timeline_body += budget.page(_timeline_html(d, traces[d], t.active, t.reserved))
+            timelines.append(budget.page(_timeline_html(d, traces[d], t.active, t.reserved)))
+        timeline_body = join(timelines)
     else:
-        timeline_body = f'<p class="empty">{_e(NO_HISTORY_MESSAGE)}</p>'
+        timeline_body = html('<p class="empty">{message}</p>', message=NO_HISTORY_MESSAGE)
     sections.append(("timeline", "Timeline of the recorded history", timeline_body))
     settings = budget.page(_settings_html(snapshot.get("allocator_settings")))
     sections.append(("settings", "Allocator settings", settings))
     annotations = as_list(snapshot.get("external_annotations"))
     if annotations:
-        rows = [[_e(as_text(a))] for a in annotations[:50]]
+        rows = [[as_text(a)] for a in annotations[:50]]
         sections.append(
             (
                 "annotations",
@@ -849,23 +944,38 @@ def render_html(
             )
         )
 
-    nav = "".join(f'<a href="#{sid}">{_e(name.split(" (")[0])}</a>' for sid, name, _ in sections)
-    body = "".join(
-        f'<section id="{sid}"><h2>{_e(name)}</h2>{content}</section>'
+    nav = join(
+        html('<a href="#{sid}">{name}</a>', sid=sid, name=name.split(" (")[0])
+        for sid, name, _ in sections
+    )
+    body = join(
+        html(
+            '<section id="{sid}"><h2>{name}</h2>{content}</section>',
+            sid=sid,
+            name=name,
+            content=content,
+        )
         for sid, name, content in sections
     )
     banner = (
-        '<div class="banner">Replay: this snapshot is a recording, not a live process.</div>'
+        Html('<div class="banner">Replay: this snapshot is a recording, not a live process.</div>')
         if meta and meta.get("replay")
-        else ""
+        else Html("")
     )
-    return (
+    return html(
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
-        f'<meta http-equiv="Content-Security-Policy" content="{PAGE_CSP}">'
+        '<meta http-equiv="Content-Security-Policy" content="{csp}">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         '<meta name="referrer" content="no-referrer">'
-        f"<title>{_e(title)}</title><style>{_CSS}</style></head>"
-        f"<body><main><h1>{_e(title)}</h1>{_meta_html(meta)}{banner}<nav>{nav}</nav>"
-        f"{body}</main></body></html>\n"
+        "<title>{title}</title><style>{css}</style></head>"
+        "<body><main><h1>{title}</h1>{meta}{banner}<nav>{nav}</nav>"
+        "{body}</main></body></html>\n",
+        csp=Html(PAGE_CSP),
+        title=title,
+        css=_CSS,
+        meta=_meta_html(meta),
+        banner=banner,
+        nav=nav,
+        body=body,
     )

@@ -23,6 +23,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from exporter.actions.local import LocalActions
+from exporter.actions.snapshots import SnapshotStore
 from exporter.config import ConfigError, load_config
 from exporter.detectors import Detectors
 from exporter.http.page import STATIC_FILES, process_rows
@@ -67,7 +69,10 @@ class StubSource:
 
 def runtime_for(tmp_path: Path, mode: str, sources: list[Any], **settings: Any) -> Runtime:
     config = load_config(env={}, snapshot_dir=str(tmp_path / "snaps"), **settings)
-    return build_runtime(config, mode=mode, sources=sources)
+    actions = None
+    if mode == "run":  # its launcher passes the fan-out; the page reads the samples only
+        actions = LocalActions(SnapshotStore.for_config(config), config=config)
+    return build_runtime(config, mode=mode, sources=sources, actions=actions)
 
 
 def demo_runtime(tmp_path: Path, **settings: Any) -> Runtime:
@@ -626,3 +631,22 @@ def test_live_page_under_run_stacks_the_processes_of_each_gpu(tmp_path):
     assert re.search(r"retries \d+", state["cards"][1]["facts"])
     assert re.search(r"alloc retries\s*[1-9]\d* in view", state["cards"][1]["legend"])
     assert state["processes"] == 5
+
+
+def test_the_page_scripts_are_modules_that_pass_eslint():
+    """exporter/static/*.js are ES modules checked by ESLint (tests/js/eslint.config.mjs): a
+    name declared twice, an undefined or unused one, loose equality."""
+    from tests.deploy_tools import JS_DIR, require_js_deps
+
+    require_js_deps()
+    eslint = JS_DIR / "node_modules" / ".bin" / "eslint"
+    scripts = sorted((REPO_ROOT / "exporter" / "static").glob("*.js"))
+    assert {p.name for p in scripts} <= set(STATIC_FILES), "a script the server does not serve"
+    proc = subprocess.run(
+        [str(eslint), "--config", str(JS_DIR / "eslint.config.mjs"), *map(str, scripts)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr

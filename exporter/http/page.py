@@ -45,7 +45,11 @@ PAGE_HEADERS = {
 }
 # The files under exporter/static/ that are served, and as what: nothing else is.
 STATIC_FILES = {
-    "page.js": "text/javascript; charset=utf-8",
+    # The page's ES modules (page.js imports the others).
+    **{
+        f"{name}.js": "text/javascript; charset=utf-8"
+        for name in ("page", "errors", "format", "state", "gpus", "status", "admin")
+    },
     "page.css": "text/css; charset=utf-8",
     "uplot/uPlot.iife.min.js": "text/javascript; charset=utf-8",
     "uplot/uPlot.min.css": "text/css; charset=utf-8",

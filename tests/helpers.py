@@ -1,10 +1,17 @@
-"""Helpers the test modules share: no test module imports another."""
+"""Helpers the test modules share (no test module imports another): apps, CLI runs, ports,
+captured samples, fake torch; the deployment checks' tools; a real Prometheus server.
+
+Tools that a deployment check needs (PyPI packages such as helm-python-sdk, or tests/js,
+installed with `npm ci --prefix tests/js`) skip on a developer's machine when missing and
+fail in CI (GPUMEM_REQUIRE_TOOLS=1), like require_tool()."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -12,12 +19,18 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import zlib
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from types import SimpleNamespace
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any, NoReturn
 
+import pytest
+import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
 from exporter.config import load_config
@@ -33,7 +46,7 @@ from exporter.sample import (
     SourceStatus,
 )
 from exporter.sources.replay import ReplaySource, derive_recorded_non_allocator
-from tests.conftest import DATA_DIR
+from tests.conftest import DATA_DIR, REPO_ROOT, require_tool
 
 
 def decode_png(data: bytes) -> tuple[int, int, int, list[bytes]]:
@@ -254,3 +267,212 @@ def running(
             assert proc.wait(timeout=15) in (0, -signal.SIGTERM)
         finally:
             proc.kill()
+
+
+# -- deployment checks' tools -------------------------------------------------------------
+
+JS_DIR = REPO_ROOT / "tests" / "js"
+TSC = JS_DIR / "node_modules" / ".bin" / "tsc"
+
+
+def _missing(message: str) -> NoReturn:
+    if os.environ.get("GPUMEM_REQUIRE_TOOLS") == "1":
+        pytest.fail(message + " (GPUMEM_REQUIRE_TOOLS=1)")
+    pytest.skip(message, allow_module_level=True)
+
+
+def require_module(name: str, pip_name: str) -> ModuleType:
+    """Import a module, skipping (or failing in CI) when its PyPI package is not installed."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        _missing(f"{name} not importable: pip install {pip_name}")
+
+
+def require_js_deps() -> str:
+    """Return the path of node, skipping (or failing in CI) when tests/js is not installed."""
+    node = require_tool("node")
+    if not TSC.exists():
+        _missing("tests/js dependencies missing: run `npm ci --prefix tests/js`")
+    return node
+
+
+def run_tsc(workdir: Path, sources: dict[str, str]) -> str:
+    """Type-check generated TypeScript SOURCES (file name -> text) against tests/js's types.
+
+    The files are written to WORKDIR next to links to tests/js/node_modules and tests/js/types,
+    so they import "@grafana/schema" or "./types/dashboard.js" as if they lived in tests/js.
+    Returns tsc's complaints, or "" when everything type-checks.
+    """
+    require_js_deps()
+    (workdir / "node_modules").symlink_to(JS_DIR / "node_modules", target_is_directory=True)
+    (workdir / "types").symlink_to(JS_DIR / "types", target_is_directory=True)
+    for name, text in sources.items():
+        (workdir / name).write_text(text)
+    (workdir / "tsconfig.json").write_text(
+        json.dumps(
+            {
+                "compilerOptions": {
+                    "strict": True,
+                    "noEmit": True,
+                    "target": "es2022",
+                    "module": "nodenext",
+                    "moduleResolution": "nodenext",
+                    "skipLibCheck": True,
+                    "types": [],
+                },
+                "files": sorted(sources),
+            }
+        )
+    )
+    result = subprocess.run(
+        [str(TSC), "--pretty", "false", "-p", str(workdir / "tsconfig.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if result.returncode == 0:
+        return ""
+    return (result.stdout + result.stderr).strip() or f"tsc exited {result.returncode}"
+
+
+def github_anchor(heading: str) -> str:
+    """The id GitHub gives a Markdown heading (before de-duplication)."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # links keep their text
+    text = text.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)  # drops punctuation, backticks included
+    return text.replace(" ", "-")
+
+
+def markdown_anchors(markdown: str) -> set[str]:
+    """Anchors of all headings, skipping fenced code blocks; repeats get -1, -2, ..."""
+    anchors: set[str] = set()
+    seen: Counter[str] = Counter()
+    in_fence = False
+    for line in markdown.splitlines():
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+            continue
+        match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if in_fence or not match:
+            continue
+        anchor = github_anchor(match.group(1))
+        anchors.add(anchor if seen[anchor] == 0 else f"{anchor}-{seen[anchor]}")
+        seen[anchor] += 1
+    return anchors
+
+
+def load_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def iter_panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every panel, rows' nested panels included, rows themselves left out."""
+    for panel in dashboard.get("panels", []):
+        if panel.get("type") == "row":
+            yield from panel.get("panels", [])
+        else:
+            yield panel
+
+
+# Series only the node daemon serves in a cluster (Kubernetes attribution through the kubelet).
+# The demo replay has no kubelet, so queries on them have no data there: the end-to-end test
+# with a stand-in kubelet (tests/e2e/test_e2e_kubernetes.py) checks that each of them has data.
+ATTRIBUTION_SERIES = re.compile(
+    r"\b(gpu_pod_info|gpu_process_pod_info|gpu_process_container_info"
+    r"|gpu_memory_unattributed_bytes|gpu_process_memory_unattributed_bytes)\b"
+)
+
+
+def needs_kubelet(expr: str) -> bool:
+    return bool(ATTRIBUTION_SERIES.search(expr))
+
+
+def iter_panel_queries(path: Path) -> Iterator[tuple[str, str]]:
+    """(panel title, PromQL) for every query of every panel of the dashboard at PATH.
+
+    Template variables ($cluster, $__rate_interval, ...) are left as they are; substitute
+    them before sending a query to Prometheus.
+    """
+    for panel in iter_panels(load_json(path)):
+        for target in panel.get("targets", []):
+            yield panel.get("title", ""), target.get("expr", "")
+
+
+def iter_annotation_queries(path: Path) -> Iterator[tuple[str, str]]:
+    """(annotation name, PromQL) for every Prometheus annotation of the dashboard."""
+    for annotation in load_json(path)["annotations"]["list"]:
+        if annotation.get("builtIn"):
+            continue
+        yield annotation["name"], annotation.get("target", {}).get("expr", "")
+
+
+# -- a real Prometheus server -------------------------------------------------------------
+
+
+def wait_http(url: str, proc: subprocess.Popen[str], timeout_s: float = 60) -> None:
+    """Until `url` answers; fail with the process's output if it exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                out = proc.stdout.read() if proc.stdout else ""
+                raise AssertionError(f"{url} never answered: {out[-3000:]}") from None
+            time.sleep(0.2)
+
+
+def start_prometheus(binary: str, folder: Path, port: int) -> subprocess.Popen[str]:
+    """Prometheus on 127.0.0.1:`port` with `folder`/prometheus.yml, its data in `folder`."""
+    return subprocess.Popen(
+        [
+            binary,
+            f"--config.file={folder / 'prometheus.yml'}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=folder,
+    )
+
+
+def prometheus_api(prometheus_url: str, path: str, **params: str) -> Any:
+    """GET /api/v1/`path`: its `data`, after checking the answer says success."""
+    url = f"{prometheus_url}/api/v1/{path}"
+    if params:
+        url += "?" + urllib.parse.urlencode(params)
+    with urllib.request.urlopen(url, timeout=10) as response:
+        body = json.loads(response.read())
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+def stop_processes(procs: Sequence[subprocess.Popen[str]]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def short_rules(tmp: Path) -> list[str]:
+    files = []
+    for source in sorted((REPO_ROOT / "deploy" / "prometheus").glob("*.yaml")):
+        rules = yaml.safe_load(source.read_text())
+        for group in rules["groups"]:
+            group["interval"] = "1s"
+            for rule in group["rules"]:
+                if "for" in rule:
+                    rule["for"] = "3s"
+        target = tmp / source.name
+        target.write_text(yaml.safe_dump(rules, sort_keys=False))
+        files.append(str(target))
+    return files

@@ -157,3 +157,32 @@ def test_no_function_is_longer_than_100_lines() -> None:
                 if lines > 100:
                     long.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}")
     assert long == []
+
+
+TESTS = Path(__file__).resolve().parent
+# Folders of tests for what ships beside the package, and the stand-ins and programs they run.
+BESIDE_THE_PACKAGE = {"deploy", "e2e", "gpu", "support", "data", "js"}
+
+
+def test_tests_mirror_the_package() -> None:
+    """tests/<x>/ holds the tests of exporter/<x>/ (or of what ships beside it)."""
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    assert folders - packages - BESIDE_THE_PACKAGE == set()
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared code lives in tests/helpers.py, tests/conftest.py and tests/support/."""
+    found = []
+    for path in TESTS.rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if any(
+                n.startswith("tests.") and n.rpartition(".")[2].startswith("test_") for n in names
+            ):
+                found.append(str(path.relative_to(TESTS)))
+    assert found == []

@@ -299,7 +299,7 @@ def test_a_two_worker_server_shows_every_workers_series_and_drops_a_dead_ones(tm
     }
     server = subprocess.Popen(
         [
-            *(sys.executable, "-m", "uvicorn", "tests.mp_attach_app:app", "--workers", "2"),
+            *(sys.executable, "-m", "uvicorn", "tests.support.mp_attach_app:app", "--workers", "2"),
             *("--port", str(port), "--log-level", "warning"),
         ],
         cwd=REPO_ROOT,

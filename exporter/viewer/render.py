@@ -897,6 +897,20 @@ def render_html(
             f"too large to render: {n_devices} devices, more than the {MAX_DEVICES} drawn"
         )
 
+    sections = _sections(snapshot, segments, by_device, traces, top_n, max_segments, budget)
+    return _page(title, meta, sections)
+
+
+def _sections(
+    snapshot: Mapping[str, Any],
+    segments: list[Segment],
+    by_device: dict[int, list[Segment]],
+    traces: dict[int, list[TraceEntry]],
+    top_n: int,
+    max_segments: int,
+    budget: Budget,
+) -> list[tuple[str, str, Html]]:
+    """The page's sections: (anchor, heading, content)."""
     sections: list[tuple[str, str, Html]] = []
     summary = _summary_html(segments, by_device, traces, snapshot)
     sections.append(("summary", "Summary", budget.page(summary)))
@@ -944,6 +958,10 @@ def render_html(
             )
         )
 
+    return sections
+
+
+def _page(title: str, meta: Mapping[str, Any] | None, sections: list[tuple[str, str, Html]]) -> str:
     nav = join(
         html('<a href="#{sid}">{name}</a>', sid=sid, name=name.split(" (")[0])
         for sid, name, _ in sections

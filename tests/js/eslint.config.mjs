@@ -1,4 +1,4 @@
-// ESLint for the live page's ES modules (exporter/static/*.js), run by tests/test_page.py:
+// ESLint for the live page's ES modules (exporter/static/*.js), run by tests/http/test_page.py:
 // recommended rules, plus those that catch what a long-lived page gets wrong (a name declared
 // twice, one that shadows another, loose equality).
 import js from "@eslint/js";

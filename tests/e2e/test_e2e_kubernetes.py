@@ -1,0 +1,184 @@
+"""Kubernetes attribution end to end with a real Prometheus server (Debian package `prometheus`).
+
+A node daemon (the real runtime, sources, collector and HTTP server, in this process: NVML
+values captured on an H200 through tests/support/nvml_double, cgroup files in a /proc tree of
+the test's own) asks a stand-in kubelet (a real gRPC server on a unix socket,
+tests/support/kubelet_standin) which pod holds each GPU. Prometheus scrapes it as the chart's
+ServiceMonitor does (honor_labels, the daemon's own pod as target labels) and evaluates
+deploy/prometheus/ rules every second:
+- "GPU memory by namespace" and by pod/container come out of the recording rules;
+- the GPU moves to another pod and the answer follows;
+- a GPU that no pod holds fires GpuMemoryHeldOutsideAnyPod (its `for:` shortened to 3 s);
+- every dashboard query on attribution series returns data (the demo has no kubelet).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from exporter.config import load_config
+from exporter.http.server import HttpServer, create_app
+from exporter.runtime import Runtime, build_runtime
+from exporter.sources.kubelet import KubeletSource
+from exporter.sources.nvml import NvmlSource
+from tests.conftest import DATA_DIR, REPO_ROOT, require_tool
+from tests.helpers import (
+    free_port,
+    iter_panel_queries,
+    needs_kubelet,
+    prometheus_api,
+    short_rules,
+    start_prometheus,
+    stop_processes,
+    wait_http,
+)
+from tests.support.kubelet_standin import StandInKubelet, pod, write_state
+from tests.support.nvml_double import FakeNvml
+
+pytestmark = pytest.mark.e2e
+
+RAW = json.loads((DATA_DIR / "allocator_native.json").read_text())["nvml_raw"]
+GPU0, GPU1 = (d["uuid"] for d in RAW["devices"])
+USED0 = RAW["devices"][0]["memory_v2"]["used"]
+PID = RAW["devices"][0]["processes"][0]["pid"]
+PID_USED = RAW["devices"][0]["processes"][0]["usedGpuMemory"]
+# What Prometheus adds to every series of the daemon's target, as service discovery would.
+DAEMON_TARGET = {"cluster": "e2e", "namespace": "monitoring", "pod": "gpumem-node-x"}
+
+
+@dataclass
+class Cluster:
+    prometheus: str
+    state: Path
+
+    def query(self, expr: str) -> list[dict]:
+        result: list[dict] = prometheus_api(self.prometheus, "query", query=expr)["result"]
+        return result
+
+    def wait(self, expr: str, timeout_s: float = 60) -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            result = self.query(expr)
+            if result or time.monotonic() > deadline:
+                return result
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
+    prometheus = require_tool("prometheus")
+    tmp = tmp_path_factory.mktemp("k8s")
+    proc = tmp / "proc" / str(PID)
+    proc.mkdir(parents=True)
+    # The process holding GPU 0 runs in a pod's container (systemd driver, CRI-O).
+    proc.joinpath("cgroup").write_bytes((DATA_DIR / "cgroup" / "v2-systemd-crio.txt").read_bytes())
+    state = tmp / "kubelet.json"
+    write_state(state, [pod("serving", "llama-0", "server", f"{GPU0}::0")])
+    kubelet = StandInKubelet(tmp / "kubelet.sock", state).start()
+    nvml = NvmlSource(FakeNvml(RAW))
+    source = KubeletSource(
+        lambda: nvml.last_pids,
+        socket_path=str(tmp / "kubelet.sock"),
+        refresh_s=0.5,
+        proc=str(tmp / "proc"),
+    )
+    runtime: Runtime = build_runtime(
+        load_config(env={}, interval_s=0.5), mode="node", sources=[nvml, source]
+    )
+    exporter_port, prometheus_port = free_port(), free_port()
+    http = HttpServer(create_app(runtime), "127.0.0.1", exporter_port)
+    runtime.sampler.start()
+    http.start()
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": short_rules(tmp),
+        "scrape_configs": [
+            {
+                "job_name": "gpumem-node",
+                "honor_labels": True,  # the chart's ServiceMonitor: honorLabels: true
+                "static_configs": [
+                    {"targets": [f"127.0.0.1:{exporter_port}"], "labels": DAEMON_TARGET}
+                ],
+            }
+        ],
+    }
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+    server = start_prometheus(prometheus, tmp, prometheus_port)
+    try:
+        wait_http(f"http://127.0.0.1:{prometheus_port}/-/ready", server)
+        yield Cluster(f"http://127.0.0.1:{prometheus_port}", state)
+    finally:
+        stop_processes((server,))
+        http.stop()
+        runtime.sampler.stop()
+        kubelet.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def values(result: list[dict], label: str) -> dict[str, float]:
+    return {r["metric"].get(label, ""): float(r["value"][1]) for r in result}
+
+
+def test_gpu_memory_by_namespace_pod_and_container(cluster):
+    by_namespace = cluster.wait('namespace:gpu_memory_used_bytes:sum{namespace="serving"}')
+    assert values(by_namespace, "namespace") == {"serving": USED0}
+    [row] = cluster.wait("namespace_pod_container:gpu_memory_used_bytes:sum")
+    assert row["metric"] | {} == {
+        "__name__": "namespace_pod_container:gpu_memory_used_bytes:sum",
+        "cluster": "e2e",
+        "namespace": "serving",
+        "pod": "llama-0",
+        "container": "server",
+    }
+    assert float(row["value"][1]) == USED0
+    [process] = cluster.wait("namespace_pod_container:gpu_process_memory_used_bytes:sum")
+    assert process["metric"]["pod"] == "llama-0" and float(process["value"][1]) == PID_USED
+    # The daemon's own series keep their target labels: only the info series carry the
+    # kubelet's names (honor_labels), so the device series' identity never changes hands.
+    [used] = cluster.query(f'gpu_memory_used_bytes{{gpu_uuid="{GPU0}"}}')
+    assert used["metric"]["pod"] == "gpumem-node-x"
+    assert not cluster.query("ALERTS{alertname=~'GpuMemoryHeldOutsideAnyPod|GpuNodeDaemonBlind'}")
+
+
+def test_a_gpu_moving_pods_and_then_to_no_pod(cluster):
+    cluster.wait("namespace_pod_container:gpu_memory_used_bytes:sum")
+    write_state(cluster.state, [pod("batch", "embed-7", "worker", f"{GPU0}::0")])
+    moved = cluster.wait('namespace:gpu_memory_used_bytes:sum{namespace="batch"}', timeout_s=15)
+    assert values(moved, "namespace") == {"batch": USED0}
+
+    # The pod gets the other GPU instead: all of GPU 0's memory is held outside any pod.
+    write_state(cluster.state, [pod("batch", "embed-7", "worker", GPU1)])
+    alerts = cluster.wait(
+        'ALERTS{alertname="GpuMemoryHeldOutsideAnyPod", alertstate="firing"}', timeout_s=30
+    )
+    assert [a["metric"]["gpu_uuid"] for a in alerts] == [GPU0]
+    [outside] = cluster.query(f'gpu_memory_unattributed_bytes{{gpu_uuid="{GPU0}"}}')
+    assert float(outside["value"][1]) == USED0
+
+
+def test_every_attribution_query_of_the_dashboards_has_data(cluster):
+    """After the test above: a GPU in a pod, and one that no pod holds with a process on it."""
+    cluster.wait("namespace:gpu_memory_used_bytes:sum")
+    cluster.wait("gpu_process_memory_unattributed_bytes")
+    queries = [
+        (path.name, title, expr)
+        for path in sorted((REPO_ROOT / "dashboards").glob("*.json"))
+        for title, expr in iter_panel_queries(path)
+        if needs_kubelet(expr)
+    ]
+    assert queries, "the dashboards have no attribution panel"
+    empty = []
+    for name, title, expr in queries:
+        expr = expr.replace('cluster=~"$cluster"', 'cluster=~".*"')
+        expr = expr.replace('namespace=~"$namespace"', 'namespace=~".*"')
+        if not cluster.wait(expr, timeout_s=10):
+            empty.append(f"{name}: {title}: {expr}")
+    assert not empty, "queries without data:\n" + "\n".join(empty)

@@ -1,0 +1,257 @@
+"""No client can take the endpoint away (docs/reliability.md, "Slow readers, bursts and busy
+admin calls"): the real server on a real socket against clients that never read, a burst of
+300 connections, and admin calls stuck on a stopped process while the probes come in."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from exporter.actions.snapshots import SnapshotStore
+from exporter.config import load_config
+from exporter.http import guard
+from exporter.http.server import HttpServer, create_app
+from exporter.run import fanout
+from exporter.run.aggregator import Aggregator
+from exporter.run.fanout import FanOutActions
+from exporter.runtime import build_runtime
+from tests.conftest import REPO_ROOT
+from tests.helpers import AUTH, TOKEN, served
+
+
+def status_line(address: tuple[str, int], path: str) -> bytes:
+    """Connect, ask, and return the status line: b"" if the server closed or reset without
+    an answer."""
+    try:
+        with socket.create_connection(address, timeout=20) as sock:
+            head = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+            sock.sendall(head.encode())
+            data = b""
+            while b"\r\n" not in data:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+            return data.partition(b"\r\n")[0]
+    except OSError:
+        return b""
+
+
+def slow_reader(address: tuple[str, int], requests: int) -> socket.socket:
+    """Pipelines `requests` requests for a 35 KB static file and never reads an answer."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(address)
+    sock.sendall(b"GET /static/page.js HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * requests)
+    return sock
+
+
+def wait_until_stalled(server: HttpServer, count: int) -> None:
+    """Until `count` connections have answers the client does not read (the guard's view)."""
+    deadline = time.monotonic() + 30
+    connections = server._server.server_state.connections
+
+    def stalled() -> int:
+        while True:
+            try:  # the server's thread changes the set meanwhile
+                return sum(getattr(c, "stalled", False) for c in list(connections))
+            except RuntimeError:
+                continue
+
+    while stalled() < count:
+        assert time.monotonic() < deadline, "the slow readers' answers never stalled"
+        time.sleep(0.1)
+
+
+def test_seventy_slow_readers_take_neither_scrapes_nor_health_checks_away(tmp_path, monkeypatch):
+    monkeypatch.setattr(guard, "WRITE_TIMEOUT_S", 8.0)
+    with served(tmp_path) as (server, _):
+        address = ("127.0.0.1", server.port)
+        readers = [slow_reader(address, 400) for _ in range(70)]
+        try:
+            wait_until_stalled(server, 64)  # their answers fill every buffer and stall
+            scraper = http.client.HTTPConnection(*address, timeout=5)
+            answered = []
+            for _ in range(10):
+                for path in ("/metrics", "/healthz"):
+                    try:
+                        scraper.request("GET", path)
+                        response = scraper.getresponse()
+                        response.read()
+                        answered.append(response.status)
+                    except (OSError, http.client.HTTPException):
+                        answered.append(None)
+                        scraper.close()
+            assert answered == [200] * 20, answered
+            # Past the write deadline they are gone, whatever room was needed.
+            deadline = time.monotonic() + 10
+            while len(server._server.server_state.connections) > 2:
+                assert time.monotonic() < deadline, len(server._server.server_state.connections)
+                time.sleep(0.1)
+        finally:
+            for sock in readers:
+                sock.close()
+
+
+def test_a_burst_of_300_connections_gets_an_http_answer_each(tmp_path):
+    with served(tmp_path) as (server, _):
+        address = ("127.0.0.1", server.port)
+        results: list[bytes] = []
+        start = threading.Barrier(300)
+
+        def client() -> None:
+            start.wait()
+            results.append(status_line(address, "/metrics"))
+
+        threads = [threading.Thread(target=client) for _ in range(300)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        answers = {line for line in results}
+        assert len(results) == 300
+        assert answers <= {b"HTTP/1.1 200 OK", b"HTTP/1.1 503 Service Unavailable"}, answers
+        assert b"HTTP/1.1 200 OK" in answers
+
+
+def test_a_full_server_answers_503_with_retry_after_and_keeps_slots_for_probes(tmp_path):
+    with served(tmp_path) as (server, _):
+        address = ("127.0.0.1", server.port)
+        # Clients being answered: each has sent a whole request for a page it never reads.
+        busy = [slow_reader(address, 400) for _ in range(guard.MAX_CONNECTIONS)]
+        try:
+            wait_until_stalled(server, guard.MAX_CONNECTIONS)
+            # Stalled answers go first to make room: a probe and a page request both get in.
+            assert status_line(address, "/healthz") == b"HTTP/1.1 200 OK"
+            assert status_line(address, "/").startswith(b"HTTP/1.1 200")
+        finally:
+            for sock in busy:
+                sock.close()
+
+
+def test_beyond_the_cap_only_probes_get_the_reserve_and_others_503(tmp_path, monkeypatch):
+    """With nothing to close (every connection reading a request it started just now), the
+    request line decides: a probe path gets a reserved slot, a page gets 503 + Retry-After."""
+    monkeypatch.setattr(guard, "READ_GRACE_S", 60.0)
+    with served(tmp_path) as (server, _):
+        address = ("127.0.0.1", server.port)
+        held = []
+        for _ in range(guard.MAX_CONNECTIONS):
+            sock = socket.create_connection(address, timeout=10)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+            held.append(sock)
+        try:
+            time.sleep(0.3)
+            assert status_line(address, "/healthz") == b"HTTP/1.1 200 OK"
+            with socket.create_connection(address, timeout=10) as sock:
+                sock.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                answer = sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), answer
+            assert b"\r\nRetry-After: 1\r\n" in answer and answer.endswith(b"retry shortly\n")
+        finally:
+            for sock in held:
+                sock.close()
+
+
+def test_a_kept_alive_scraper_keeps_its_connection_when_the_server_fills(tmp_path, monkeypatch):
+    """Prometheus between two scrapes is idle: newcomers never close its connection to make
+    room (closing it as it sends the next scrape resets that scrape)."""
+    monkeypatch.setattr(guard, "READ_GRACE_S", 60.0)
+    with served(tmp_path) as (server, _):
+        address = ("127.0.0.1", server.port)
+        scraper = http.client.HTTPConnection(*address, timeout=10)
+        scraper.request("GET", "/metrics")
+        assert scraper.getresponse().read()
+        local_port = scraper.sock.getsockname()[1]
+        held = []
+        for _ in range(guard.MAX_CONNECTIONS + 5):
+            sock = socket.create_connection(address, timeout=10)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+            held.append(sock)
+        try:
+            time.sleep(0.3)
+            scraper.request("GET", "/metrics")  # on the same connection, not a new one
+            assert scraper.getresponse().status == 200
+            assert scraper.sock.getsockname()[1] == local_port
+        finally:
+            for sock in held:
+                sock.close()
+
+
+@pytest.fixture
+def run_dir():
+    folder = Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))  # a socket path under 107 bytes
+    yield folder
+    shutil.rmtree(folder)
+
+
+def test_health_answers_while_admin_calls_wait_for_a_stopped_process(run_dir, monkeypatch):
+    """Under `run`, 45 admin calls wait for a worker that was stopped (SIGSTOP): they hold the
+    thread pool, and /healthz and /readyz must not queue behind them."""
+    monkeypatch.setattr(fanout, "ANSWER_TIMEOUT_S", 6.0)
+    aggregator = Aggregator(run_dir)
+    config = load_config(env={}, admin_token=TOKEN, snapshot_dir=str(run_dir / "snaps"))
+    actions = FanOutActions(aggregator, SnapshotStore.for_config(config))
+    runtime = build_runtime(config, mode="run", sources=[aggregator], actions=actions)
+    server = HttpServer(create_app(runtime), "127.0.0.1", 0)
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.support.agent_peer",
+            str(aggregator.socket_path),
+            "answer",
+            "0",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+        env={k: v for k, v in os.environ.items() if k != "RANK"},
+    )
+    try:
+        assert worker.stdout is not None and worker.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 10
+        while not aggregator.read().allocators:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        runtime.sampler.tick()
+        server.start()
+        address = ("127.0.0.1", server.port)
+        os.kill(worker.pid, signal.SIGSTOP)
+
+        def admin_call() -> None:
+            connection = http.client.HTTPConnection(*address, timeout=30)
+            connection.request("GET", "/history", headers=AUTH)
+            connection.getresponse().read()
+
+        callers = [threading.Thread(target=admin_call) for _ in range(45)]
+        for caller in callers:
+            caller.start()
+        time.sleep(1.0)  # every pool thread now waits for the stopped worker
+        for path in ("/healthz", "/readyz"):
+            began = time.monotonic()
+            connection = http.client.HTTPConnection(*address, timeout=30)
+            connection.request("GET", path)
+            status = connection.getresponse().status
+            took = time.monotonic() - began
+            assert status == 200 and took < 1.5, (path, status, took)
+        for caller in callers:
+            caller.join(30)
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        worker.kill()
+        worker.wait()
+        server.stop()
+        aggregator.close()

@@ -1,0 +1,242 @@
+"""The aggregator of `gpumem-exporter run` against local processes that try to blind it: idle
+connection floods, fd exhaustion, a second registration, replies to commands sent to others,
+and ranks that the process's environment contradicts. Peers are real processes
+(tests/support/agent_peer.py), each with its own pid for SO_PEERCRED."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from exporter.actions.base import Target
+from exporter.run.aggregator import Aggregator
+from tests.conftest import REPO_ROOT
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    folder = Path(tempfile.mkdtemp(prefix="ga-", dir="/tmp"))  # a socket path under 107 bytes
+    yield folder
+    for child in folder.iterdir():
+        child.unlink()
+    folder.rmdir()
+
+
+def peer(sock: Path, mode: str, rank: str, **env: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.agent_peer", str(sock), mode, rank],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**{k: v for k, v in os.environ.items() if k != "RANK"}, **env},
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def wait_for(check, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while not (result := check()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return result
+
+
+def registered(aggregator: Aggregator) -> dict[str, dict[str, str]]:
+    return {p["pid"]: p for p in aggregator.processes()}
+
+
+def raise_fd_limit(wanted: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < wanted:
+        if hard != resource.RLIM_INFINITY and hard < wanted:
+            pytest.skip(f"needs {wanted} fds, the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+def test_an_idle_connection_flood_costs_no_thread_and_a_new_worker_still_joins(run_dir):
+    raise_fd_limit(4096)
+    aggregator = Aggregator(run_dir, max_peers=64, hello_timeout_s=1.0)
+    threads = threading.active_count()
+    flood = []
+    try:
+        for _ in range(1500):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(aggregator.socket_path))
+            flood.append(s)
+        time.sleep(0.5)
+        assert threading.active_count() == threads  # was one thread per connection
+        # Beyond the cap, connections are closed at once; the rest after the hello deadline.
+        closed = wait_for(lambda: sum(1 for s in flood if _closed(s)) >= 1500 - 64, 5)
+        assert closed
+        assert wait_for(lambda: all(_closed(s) for s in flood), 5)
+        assert aggregator.rejected["too_many_connections"] >= 1500 - 64
+        assert aggregator.rejected["hello_timeout"] >= 1
+        worker = peer(aggregator.socket_path, "answer", "")
+        try:
+            assert wait_for(lambda: str(worker.pid) in registered(aggregator))
+        finally:
+            worker.kill()
+    finally:
+        for s in flood:
+            s.close()
+        aggregator.close()
+
+
+def _closed(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+HOST = """
+import json, resource, sys, time
+from exporter.run.aggregator import Aggregator
+resource.setrlimit(resource.RLIMIT_NOFILE, (48, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+aggregator = Aggregator(sys.argv[1], max_peers=1000, hello_timeout_s=60)
+print("ready", flush=True)
+while True:
+    print(json.dumps(sorted(p["pid"] for p in aggregator.processes())), flush=True)
+    time.sleep(0.2)
+"""
+
+
+def test_running_out_of_fds_pauses_accepting_and_never_ends_it(run_dir):
+    host = subprocess.Popen(
+        [sys.executable, "-c", HOST, str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    flood = []
+    try:
+        assert host.stdout.readline().strip() == "ready"
+        sock_path = run_dir / "aggregator.sock"
+        for _ in range(100):  # far more than the host's 48 fds
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(1)
+            try:
+                s.connect(str(sock_path))
+            except OSError:
+                s.close()
+                continue
+            flood.append(s)
+        time.sleep(1.0)  # the host hits EMFILE, backs off, retries
+        for s in flood:
+            s.close()
+        flood.clear()
+        worker = peer(sock_path, "answer", "")
+        try:
+            deadline = time.monotonic() + 20
+            seen: list[str] = []
+            while str(worker.pid) not in seen and time.monotonic() < deadline:
+                seen = json.loads(host.stdout.readline())
+            assert str(worker.pid) in seen
+        finally:
+            worker.kill()
+    finally:
+        for s in flood:
+            s.close()
+        host.kill()
+        _, stderr = host.communicate()
+    assert "cannot accept agent connections" in stderr  # it did run out, and said so
+
+
+def test_a_pid_registers_once(run_dir):
+    aggregator = Aggregator(run_dir)
+    try:
+        hello = {"type": "hello", "version": 1, "process": {"role": "a"}}
+        first = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        first.connect(str(aggregator.socket_path))
+        first.sendall(json.dumps(hello).encode() + b"\n")
+        assert wait_for(lambda: str(os.getpid()) in registered(aggregator))
+        second = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        second.connect(str(aggregator.socket_path))
+        second.sendall(json.dumps({**hello, "process": {"role": "b"}}).encode() + b"\n")
+        assert wait_for(lambda: aggregator.rejected["duplicate"] == 1)
+        assert [p["role"] for p in aggregator.processes()] == ["a"]
+        first.close()
+        second.close()
+    finally:
+        aggregator.close()
+
+
+def test_ages_a_process_sent_grow_while_its_reading_waits(run_dir):
+    """An agent's non-allocator and layout ages are as of its own reading; the launcher's
+    tick comes later, and serves them as of its tick."""
+    aggregator = Aggregator(run_dir)
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(str(aggregator.socket_path))
+        allocator = {
+            "device": 0,
+            "gpu_uuid": "GPU-a",
+            "backend": "native",
+            "expandable_segments": False,
+            "non_allocator_bytes": 500,
+            "non_allocator_age_s": 1.0,
+            "layout_age_s": 3.0,
+        }
+        for message in (
+            {"type": "hello", "version": 1, "process": {"role": "w"}},
+            {"type": "sample", "allocators": [allocator], "actions": {}},
+        ):
+            conn.sendall(json.dumps(message).encode() + b"\n")
+        assert wait_for(lambda: aggregator.read().allocators)
+        time.sleep(0.3)
+        (reading,) = aggregator.read().allocators
+        assert reading.non_allocator_bytes == 500
+        assert 1.3 <= reading.non_allocator_age_s < 3.0
+        assert 3.3 <= reading.layout_age_s < 5.0
+        conn.close()
+    finally:
+        aggregator.close()
+
+
+def test_only_the_process_asked_may_answer(run_dir):
+    aggregator = Aggregator(run_dir)
+    honest = peer(aggregator.socket_path, "answer", "")
+    try:
+        assert wait_for(lambda: str(honest.pid) in registered(aggregator))
+        spoof = peer(aggregator.socket_path, "spoof", "")
+        try:
+            assert wait_for(lambda: str(spoof.pid) in registered(aggregator))
+            assert wait_for(lambda: aggregator.rejected["reply"] >= 1)  # ids it was never sent
+            results = aggregator.command("stats", {}, Target(pid=honest.pid), timeout_s=5)
+        finally:
+            spoof.kill()
+    finally:
+        honest.kill()
+        aggregator.close()
+    assert [(r.process["pid"], r.result) for r in results] == [(str(honest.pid), {"who": "answer"})]
+
+
+def test_a_rank_the_environment_contradicts_is_the_environments(run_dir):
+    aggregator = Aggregator(run_dir)
+    liar = peer(aggregator.socket_path, "answer", "0", RANK="3")
+    unset = peer(aggregator.socket_path, "answer", "5")  # set at run time: cannot be checked
+    try:
+        assert wait_for(lambda: len(registered(aggregator)) == 2)
+        ranks = {pid: p["rank"] for pid, p in registered(aggregator).items()}
+        assert ranks == {str(liar.pid): "3", str(unset.pid): "5"}
+        assert aggregator.rejected["claim"] == 1
+    finally:
+        liar.kill()
+        unset.kill()
+        aggregator.close()

@@ -1,0 +1,778 @@
+"""`gpumem-exporter run`: injection, one endpoint for a real multi-process program, exits
+cleaned up, admin fan-out, signal and exit-status pass-through.
+
+The workers import tests/support/fake_torch (a test double serving an allocator dict captured on an
+H200) instead of torch, since this machine has no GPU; everything else is real: processes
+spawned and forked by multiprocessing, sitecustomize injection, Unix sockets, HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import REPO_ROOT
+from tests.helpers import free_port
+
+FAKE_TORCH = REPO_ROOT / "tests" / "support" / "fake_torch"
+TOKEN = "run-token"
+
+
+def scrape(url: str) -> list:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def allocated_by_role(url: str) -> dict[str, dict]:
+    return {
+        s.labels["role"]: s.labels for s in scrape(url) if s.name == "torch_cuda_allocated_bytes"
+    }
+
+
+def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+@contextmanager
+def launched(tmp_path: Path, **settings: str) -> Iterator[tuple[str, subprocess.Popen, Path]]:
+    control = tmp_path / "control"
+    control.mkdir()
+    port = free_port()
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(FAKE_TORCH),
+        GPUMEM_ADMIN_TOKEN=TOKEN,
+        GPUMEM_SNAPSHOT_DIR=str(tmp_path / "snaps"),
+        GPUMEM_NVML="off",
+        **settings,
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "exporter.cli",
+            "run",
+            "--port",
+            str(port),
+            "--interval-s",
+            "0.2",
+            "--",
+            sys.executable,
+            str(REPO_ROOT / "tests" / "support" / "mp_server.py"),
+            str(control),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        yield f"http://127.0.0.1:{port}", proc, control
+    finally:
+        if proc.poll() is None:  # SIGTERM reaches the server, which stops its workers
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def test_every_process_under_one_endpoint_exits_cleaned_up_and_fan_out(tmp_path):
+    with launched(tmp_path) as (url, proc, control):
+        roles = wait_for(
+            lambda: (
+                _roles(url) >= {"worker0", "worker1", "forked", "embedded"}
+                and allocated_by_role(url)
+            ),
+            what="all four workers",
+        )
+        pids = {labels["pid"] for labels in roles.values()}
+        assert len(pids) == 4  # one series per process, told apart by pid
+        assert roles["worker1"]["rank"] == "1" and roles["worker1"]["local_rank"] == "1"
+        assert roles["worker1"]["device"] == "1" and roles["worker0"]["device"] == "0"
+        # exporter.start() in a worker under `run` opened no port of its own.
+        embedded = control / "embedded-url"
+        wait_for(embedded.exists, what="the embedded worker's exporter.start()")
+        assert embedded.read_text() == "None"
+        # The API process never "initialized CUDA": no series for it.
+        api_pid = str(proc.pid)
+        assert all(labels["pid"] != api_pid for labels in roles.values())
+
+        # Every process's allocator layout and pinned host memory, labelled by process.
+        series = scrape(url)
+        largest = {
+            s.labels["pid"] for s in series if s.name == "torch_cuda_largest_free_block_bytes"
+        }
+        pinned = {
+            s.labels["pid"]: s.value for s in series if s.name == "torch_cuda_pinned_host_bytes"
+        }
+        assert largest == pids and set(pinned) == pids
+        assert set(pinned.values()) == {1 << 30}  # the capture's 1 GiB pinned tensor
+        pools = {
+            s.labels["pool_id"] for s in series if s.name.startswith("torch_cuda_private_pool")
+        }
+        assert "1_0" in pools
+
+        # Counters stay monotonic per process.
+        def retries() -> dict[str, float]:
+            return {
+                s.labels["pid"]: s.value
+                for s in scrape(url)
+                if s.name == "torch_cuda_alloc_retries_total"
+            }
+
+        first = retries()
+        time.sleep(0.6)
+        second = retries()
+        assert all(second[pid] >= first[pid] for pid in first)
+
+        # Fan-out: one snapshot per process, or only the chosen rank.
+        result = post(url + "/snapshot", {})
+        assert result["ok"] and len(result["processes"]) == 4
+        ids = {r["result"]["id"] for r in result["processes"]}
+        assert {r["process"]["pid"] for r in result["processes"]} == pids
+        listed = json.loads(
+            urllib.request.urlopen(
+                urllib.request.Request(
+                    url + "/snapshots", headers={"Authorization": f"Bearer {TOKEN}"}
+                )
+            ).read()
+        )
+        assert ids <= {s["id"] for s in listed["snapshots"]}
+        only = post(url + "/snapshot", {"rank": 1})
+        assert [r["process"]["rank"] for r in only["processes"]] == ["1"]
+        cleared = post(url + "/empty-cache", {"pid": int(roles["forked"]["pid"])})
+        assert [r["process"]["role"] for r in cleared["processes"]] == ["forked"]
+        assert cleared["processes"][0]["ok"]
+
+        # A worker that exits takes its series with it: no stale gauges.
+        (control / "stop-worker0").touch()
+        wait_for(lambda: "worker0" not in _roles(url), what="worker0's series to go")
+        assert {"worker1", "forked", "embedded"} <= _roles(url)
+
+        # SIGTERM reaches the server once; its exit status comes back.
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 3
+    assert "Traceback" not in (proc.stdout.read() if proc.stdout else "")
+
+
+def _roles(url: str) -> set[str]:
+    try:
+        return set(allocated_by_role(url))
+    except OSError:
+        return set()
+
+
+def run_launcher(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`gpumem-exporter run ARGS` on a free port, NVML off."""
+    return subprocess.run(
+        [sys.executable, "-m", "exporter.cli", "run", "--port", str(free_port()), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "GPUMEM_NVML": "off", **(env or {})},
+    )
+
+
+@pytest.mark.parametrize(
+    ("command", "status"),
+    [
+        ([sys.executable, "-c", "import sys; sys.exit(7)"], 7),
+        (["sh", "-c", "exit 4"], 4),
+        (["sh", "-c", "kill -TERM $$"], 128 + signal.SIGTERM),
+        (["/nonexistent/server"], 127),
+    ],
+)
+def test_exit_status_passes_through(command, status):
+    assert run_launcher("--", *command).returncode == status
+
+
+def test_a_command_is_required():
+    proc = run_launcher()
+    assert proc.returncode == 2 and "no command to run" in proc.stderr
+
+
+def test_children_get_the_agent_and_keep_their_own_sitecustomize(tmp_path):
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("import os\nos.environ['OWN_SITECUSTOMIZE'] = 'ran'\n")
+    probe = (
+        "import os, sys, exporter.run.agent as a; "
+        "print(os.environ.get('OWN_SITECUSTOMIZE'), a._agent is not None, "
+        "'fastapi' in sys.modules, 'torch' in sys.modules)"
+    )
+    proc = run_launcher("--", sys.executable, "-c", probe, env={"PYTHONPATH": str(own)})
+    assert proc.returncode == 0, proc.stderr
+    # Our agent started, the user's sitecustomize still ran, and start-up stayed light.
+    assert proc.stdout.split() == ["ran", "True", "False", "False"]
+
+
+def test_the_agent_is_off_outside_run():
+    probe = (
+        "import sys; print('sitecustomize' in sys.modules and 'exporter.run.agent' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(("interval", "has_layout"), [(10.0, True), (0.0, False)])
+def test_agents_read_the_layout_as_the_launcher_configured(tmp_path, interval, has_layout):
+    """The launcher's settings (agent.json) reach each agent's allocator source: with
+    GPUMEM_LAYOUT_INTERVAL_S=0 no process takes allocator snapshots."""
+    (tmp_path / "agent.json").write_text(json.dumps({"layout_interval_s": interval}))
+    probe = (
+        "import sys, torch\n"
+        "from exporter.run.agent import Agent\n"
+        "torch.cuda.set_device(0)\n"
+        "(reading,) = Agent(sys.argv[1]).source.read().allocators\n"
+        "print(bool(reading.layout))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_TORCH), str(REPO_ROOT)])},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(has_layout)
+
+
+def test_port_per_local_rank_without_run(tmp_path):
+    code = (
+        "import exporter; h = exporter.start(port=PORT, port_per_local_rank=True); "
+        "print(h.url); h.stop()"
+    )
+    base = free_port()
+    proc = subprocess.run(
+        [sys.executable, "-c", code.replace("PORT", str(base - 2))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "LOCAL_RANK": "2", "GPUMEM_NVML": "off"},
+    )
+    assert proc.stdout.strip() == f"http://127.0.0.1:{base}"
+
+
+def get(url: str) -> dict:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def client(*args: str, token_file: Path) -> subprocess.CompletedProcess:
+    """The CLI; an action's answer as JSON (--json), snapshot's as its lines."""
+    answer = [] if args[0] == "snapshot" else ["--json"]
+    return subprocess.run(
+        [sys.executable, "-m", "exporter.cli", *args, *answer, "--token-file", str(token_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def wait_for_roles(url: str, roles: set[str]) -> dict[str, dict]:
+    return wait_for(
+        lambda: _roles(url) >= roles and allocated_by_role(url), what=f"processes {roles}"
+    )
+
+
+def test_every_admin_route_and_cli_command_per_process_and_fanned_out(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    settings = {"GPUMEM_HISTORY_MAX_ENTRIES": "1000", "GPUMEM_EMPTY_CACHE_COOLDOWN_S": "30"}
+    with launched(tmp_path, **settings) as (url, proc, _control):
+        roles = wait_for_roles(url, {"worker0", "worker1", "forked", "embedded"})
+        pid = {role: labels["pid"] for role, labels in roles.items()}
+        cuda_pids = set(pid.values())
+
+        # History from start-up runs in every CUDA process, with the launcher's setting.
+        history = get(url + "/history")
+        assert {p["process"]["pid"] for p in history["processes"]} == cuda_pids
+        assert all(
+            p["result"]["enabled"] and p["result"]["max_entries"] == 1000
+            for p in history["processes"]
+        )
+
+        # CLI: snapshot of every process (one file each), then of rank 1 only.
+        out = tmp_path / "snap.pickle"
+        done = client("snapshot", "--url", url, "-o", str(out), token_file=token_file)
+        assert done.returncode == 0, done.stderr
+        files = sorted(tmp_path.glob("snap.pid*.pickle"))
+        assert {f.name.split(".")[1][3:] for f in files} == cuda_pids
+        one = tmp_path / "rank1.pickle"
+        done = client(
+            "snapshot", "--url", url, "-o", str(one), "--rank", "1", token_file=token_file
+        )
+        assert done.returncode == 0 and one.stat().st_size > 0, done.stderr
+        assert f"pid {pid['worker1']} rank 1" in done.stdout
+        windowed = client(
+            "snapshot",
+            "--url",
+            url,
+            "-o",
+            str(tmp_path / "w.pickle"),
+            "--record-s",
+            "0.3",
+            "--pid",
+            pid["worker0"],
+            token_file=token_file,
+        )
+        assert windowed.returncode == 0, windowed.stderr
+        # A long window in one rank ends when asked, from the pod's endpoint.
+        long_window = urllib.request.Request(
+            url + "/snapshot",
+            data=json.dumps({"record_s": 300, "rank": 1}).encode(),
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        assert urllib.request.urlopen(long_window, timeout=30).status == 202
+        stop = client(
+            "snapshot", "--url", url, "--stop", "-o", str(tmp_path), token_file=token_file
+        )
+        assert stop.returncode == 0 and f"pid {pid['worker1']} rank 1" in stop.stdout, stop.stderr
+        assert stop.stdout.count("bytes written") == 1
+
+        # The pod lists every process's snapshots; each downloads, views and deletes.
+        listed = get(url + "/snapshots")["snapshots"]
+        assert {s["meta"]["process"]["pid"] for s in listed} == cuda_pids
+        assert [
+            s["meta"]["process"]["pid"] for s in get(url + "/snapshots?rank=1")["snapshots"]
+        ] == [pid["worker1"]] * 3
+        first = listed[0]
+        assert get(url + f"/snapshots/{first['id']}/info")["status"] == "ready"
+        view = urllib.request.Request(
+            url + f"/snapshots/{first['id']}/view", headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+        assert urllib.request.urlopen(view, timeout=30).status == 200
+        delete = urllib.request.Request(
+            url + f"/snapshots/{first['id']}",
+            method="DELETE",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        assert urllib.request.urlopen(delete, timeout=30).status == 204
+
+        # history stop/start per rank; status; reset-peak; stats; each with selectors.
+        stop = client("history", "stop", "--url", url, "--rank", "1", token_file=token_file)
+        assert stop.returncode == 0, stop.stderr
+        stopped = json.loads(stop.stdout)["processes"]
+        assert [(p["process"]["pid"], p["result"]["enabled"]) for p in stopped] == [
+            (pid["worker1"], False)
+        ]
+        assert stopped[0]["result"]["snapshot"]["trigger"] == "history"
+        status = json.loads(client("history", "status", "--url", url, token_file=token_file).stdout)
+        enabled = {p["process"]["role"]: p["result"]["enabled"] for p in status["processes"]}
+        assert enabled == {"worker0": True, "worker1": False, "forked": True, "embedded": True}
+        start = client(
+            "history",
+            "start",
+            "--url",
+            url,
+            "--rank",
+            "1",
+            "--max-entries",
+            "50",
+            token_file=token_file,
+        )
+        assert json.loads(start.stdout)["processes"][0]["result"]["max_entries"] == 50
+        reset = client("reset-peak", "--url", url, "--device", "1", token_file=token_file)
+        # Only processes using device 1 can reset it: the others say why, and the CLI exits 2.
+        assert reset.returncode == 2
+        by_role = {p["process"]["role"]: p for p in json.loads(reset.stdout)["processes"]}
+        assert by_role["worker1"]["ok"] and by_role["worker1"]["result"]["devices"] == [1]
+        assert not by_role["worker0"]["ok"] and by_role["worker0"]["outcome"] == "unavailable"
+        assert "device 1 is not initialized" in reset.stderr
+        reset = client("reset-peak", "--url", url, "--pid", pid["forked"], token_file=token_file)
+        assert reset.returncode == 0 and json.loads(reset.stdout)["processes"][0]["result"][
+            "devices"
+        ] == [0]
+        stats = json.loads(
+            client("stats", "--url", url, "--rank", "1", token_file=token_file).stdout
+        )
+        assert {a["process"]["pid"] for a in stats["sample"]["allocators"]} == {pid["worker1"]}
+
+        # empty-cache: one process, then all (that one is in its cooldown: a partial answer).
+        cleared = client("empty-cache", "--url", url, "--pid", pid["forked"], token_file=token_file)
+        assert cleared.returncode == 0, cleared.stderr
+        everyone = client("empty-cache", "--url", url, token_file=token_file)
+        assert everyone.returncode == 2
+        answer = json.loads(everyone.stdout)
+        outcomes = {p["process"]["role"]: p["outcome"] for p in answer["processes"]}
+        assert outcomes == {
+            "worker0": "ok",
+            "worker1": "ok",
+            "forked": "cooldown",
+            "embedded": "ok",
+        }
+        assert (
+            f"pid {pid['forked']}" in everyone.stderr
+            and "ran less than 30 s ago" in everyone.stderr
+        )
+
+        # A pid or rank that names no process: a one-line 404.
+        missing = client("reset-peak", "--url", url, "--rank", "9", token_file=token_file)
+        assert (
+            missing.returncode == 2 and "HTTP 404" in missing.stderr and "rank 9" in missing.stderr
+        )
+        assert missing.stderr.count("\n") == 1
+
+        # The admin token never reaches the server's processes.
+        environ = Path(f"/proc/{pid['worker0']}/environ").read_bytes()
+        assert TOKEN.encode() not in environ and b"GPUMEM_ADMIN_TOKEN" not in environ
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 3
+    assert "Traceback" not in (proc.stdout.read() if proc.stdout else "")
+
+
+def alert_firing(url: str, alert: str) -> dict[str, float]:
+    return {
+        s.labels["pid"]: s.value
+        for s in scrape(url)
+        if s.name == "gpumem_exporter_alert_firing" and s.labels["alert"] == alert
+    }
+
+
+def test_alerts_fire_and_clear_per_process_on_one_device(tmp_path):
+    """worker0 and forked share CUDA ordinal 0 with retry counters 5 and 2."""
+    with launched(tmp_path, GPUMEM_DETECT_COUNTER_WINDOW_S="2", GPUMEM_OOM_SNAPSHOT="on") as (
+        url,
+        _proc,
+        control,
+    ):
+        (control / "retries-worker0").write_text("5")
+        (control / "retries-forked").write_text("2")
+        roles = wait_for_roles(url, {"worker0", "forked"})
+        a, b = roles["worker0"]["pid"], roles["forked"]["pid"]
+        assert roles["worker0"]["device"] == roles["forked"]["device"] == "0"
+        # Quiet counters: whatever fired for the first reading clears after the window.
+        wait_for(
+            lambda: (f := alert_firing(url, "GpuMemAllocRetries")).get(a) == 0 and f.get(b) == 0,
+            what="quiet",
+        )
+        time.sleep(1.0)
+        assert alert_firing(url, "GpuMemAllocRetries")[a] == 0  # no phantom rises
+        (control / "retries-forked").write_text("3")
+        firing = wait_for(
+            lambda: (f := alert_firing(url, "GpuMemAllocRetries")).get(b) == 1 and f,
+            what="forked's alert",
+        )
+        assert firing[a] == 0
+        labels = next(
+            s.labels
+            for s in scrape(url)
+            if s.name == "gpumem_exporter_alert_firing"
+            and s.labels.get("pid") == b
+            and s.labels["alert"] == "GpuMemAllocRetries"
+        )
+        assert (
+            labels["device"] == "0" and labels["gpu"] == "" and labels["gpu_uuid"] == "GPU-fake-0"
+        )
+        assert labels["role"] == "forked" and labels["rank"] == "2"
+        wait_for(
+            lambda: alert_firing(url, "GpuMemAllocRetries").get(b) == 0,
+            what="forked's alert to clear",
+        )
+
+        # worker1 (rank 1) runs out of memory and dies: its OOM snapshot is the pod's.
+        pid1 = wait_for_roles(url, {"worker1"})["worker1"]["pid"]
+        (control / "oom-worker1").touch()
+        wait_for(lambda: "worker1" not in _roles(url), what="worker1 to die")
+        snaps = wait_for(
+            lambda: [s for s in get(url + "/snapshots")["snapshots"] if s["trigger"] == "oom"],
+            what="the OOM snapshot",
+        )
+        assert (
+            snaps[0]["meta"]["process"]["pid"] == pid1
+            and snaps[0]["meta"]["process"]["rank"] == "1"
+        )
+        assert snaps[0]["meta"]["alloc_size"] == 1 << 30
+        for path in (f"/snapshots/{snaps[0]['id']}", f"/snapshots/{snaps[0]['id']}/view"):
+            request = urllib.request.Request(
+                url + path, headers={"Authorization": f"Bearer {TOKEN}"}
+            )
+            assert urllib.request.urlopen(request, timeout=30).status == 200
+
+
+def launcher_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_hostile_agent_cannot_hurt_other_processes_or_the_endpoint(tmp_path):
+    import socket
+
+    with launched(tmp_path) as (url, proc, control):
+        wait_for_roles(url, {"worker0", "worker1"})
+        sock_path = Path((control / "run-dir").read_text()) / "aggregator.sock"
+        before = launcher_rss(proc.pid)
+
+        def hostile(*lines: bytes) -> socket.socket:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(sock_path))
+            hello = json.dumps(
+                {
+                    "type": "hello",
+                    "version": 1,
+                    "process": {"pid": "1", "role": "evil", "rank": "", "local_rank": ""},
+                }
+            )
+            s.sendall(hello.encode() + b"\n")
+            for line in lines:
+                try:
+                    s.sendall(line)
+                except OSError:
+                    break  # closed on us: the point
+            time.sleep(0.3)
+            return s
+
+        good = {
+            "device": 0,
+            "gpu_uuid": "GPU-x",
+            "backend": "native",
+            "expandable_segments": False,
+            "gauges": {"allocated_bytes": 1},
+        }
+        bad_gauge = json.dumps(
+            {"type": "sample", "allocators": [{**good, "gauges": {"allocated_bytes": "lots"}}]}
+        )
+        evil = hostile(
+            bad_gauge.encode() + b"\n",
+            b"[1, 2, 3]\n",
+            b'{"type": "sample", "allocators": [' + b"{}," * 100 + b"{}]}\n",
+            b'{"type": "sample", "allocators": [{"device": NaN}]}\n',
+            b'{"type": "command", "id": 1}\n',
+            json.dumps({"type": "sample", "allocators": [good]}).encode() + b"\n",  # fine
+        )
+        # A valid sample is served under the pid the socket reports (this test's), whatever
+        # the hello claimed ("1").
+        uuids = {
+            s.labels["gpu_uuid"]: s.labels["pid"]
+            for s in scrape(url)
+            if s.name == "torch_cuda_allocated_bytes"
+        }
+        assert uuids["GPU-x"] == str(os.getpid())
+        evil.close()
+        hostile(b"x" * (81 << 20)).close()  # 81 MiB without a newline
+        # Every other process's series are right, /metrics answers, the rejects are counted.
+        roles = wait_for_roles(url, {"worker0", "worker1"})
+        assert roles["worker0"]["pid"] != roles.get("evil", {}).get("pid")
+        rejected = {
+            s.labels["reason"]: s.value
+            for s in scrape(url)
+            if s.name == "gpumem_exporter_agent_messages_rejected_total"
+        }
+        assert rejected == {"field": 2, "json": 1, "type": 2, "too_long": 1}, rejected
+        assert launcher_rss(proc.pid) - before < 16 << 20  # bounded: not the 81 MiB line
+    assert "Traceback" not in (proc.stdout.read() if proc.stdout else "")
+
+
+def test_host_memory_of_every_process_of_the_server(tmp_path):
+    """The incident on CPU: a worker that never uses CUDA takes 2 GiB of host RAM; it appears
+    under its pid and role within two intervals, next to the CUDA processes."""
+    with launched(tmp_path) as (url, _proc, control):
+        wait_for_roles(url, {"worker0", "worker1"})
+
+        def host_rss() -> dict[str, tuple[str, float]]:
+            return {
+                s.labels["pid"]: (s.labels["role"], s.value)
+                for s in scrape(url)
+                if s.name == "host_process_resident_memory_bytes"
+            }
+
+        before = host_rss()
+        worker0 = (control / "pid-worker0").read_text()
+        assert before[worker0][0] == "worker0"  # a CUDA process: labels from its agent
+        (control / "hog").touch()
+        hog_pid = wait_for(
+            lambda: (control / "hog-ready").exists() and (control / "hog-ready").read_text(),
+            what="the hog",
+        )
+        ready = time.monotonic()
+        role, value = wait_for(
+            lambda: (v := host_rss().get(hog_pid)) and v[1] >= 2 << 30 and v, what="the hog's RSS"
+        )
+        assert time.monotonic() - ready <= 2 * 0.2 + 0.5  # two intervals, plus a scrape
+        assert role == "hog"
+        truth = launcher_rss(int(hog_pid))
+        assert abs(value - truth) <= 0.05 * truth
+        names = {s.name for s in scrape(url)}
+        assert {"host_process_resident_memory_peak_bytes", "host_process_swap_bytes"} <= names
+        (control / "stop-hog").touch()
+        wait_for(lambda: hog_pid not in host_rss(), what="the hog's series to go")
+
+
+def test_a_silent_agent_times_out_without_holding_up_the_others(tmp_path):
+    """Fan-out to an agent that never answers: a `timeout` result for it, after the
+    deadline, and a 504 when it is the only process (exporter.http.admin maps outcomes)."""
+    import socket
+
+    from exporter.actions.base import OUTCOME_STATUS, Target
+    from exporter.run import protocol
+    from exporter.run.aggregator import Aggregator
+
+    aggregator = Aggregator(tmp_path)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(str(aggregator.socket_path))
+    silent.sendall(protocol.encode(protocol.hello({"role": "silent", "rank": "0"})))
+    reading = {"device": 0, "gpu_uuid": "GPU-s", "backend": "native", "expandable_segments": False}
+    silent.sendall(protocol.encode({"type": "sample", "allocators": [reading]}))
+    wait_for(lambda: aggregator.read().allocators, what="the silent agent's sample")
+    started = time.monotonic()
+    results = aggregator.command("empty_cache", {}, Target(), timeout_s=0.5)
+    assert 0.5 <= time.monotonic() - started < 3
+    assert [(r.ok, r.outcome, r.process["pid"]) for r in results] == [
+        (False, "timeout", str(os.getpid()))
+    ]
+    assert OUTCOME_STATUS[results[0].outcome] == 504
+    assert aggregator.command("empty_cache", {}, Target(rank=5), timeout_s=0.5) == []
+    silent.close()
+    wait_for(lambda: not aggregator.read().allocators, what="the agent to leave")
+    aggregator.close()
+
+
+def test_an_agent_must_say_hello_first(tmp_path):
+    import socket
+
+    from exporter.run import protocol
+    from exporter.run.aggregator import Aggregator
+
+    aggregator = Aggregator(tmp_path)
+    rude = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    rude.connect(str(aggregator.socket_path))
+    reading = {"device": 0, "gpu_uuid": "GPU-r", "backend": "native", "expandable_segments": False}
+    rude.sendall(protocol.encode({"type": "sample", "allocators": [reading]}))
+    wait_for(lambda: aggregator.rejected.get("order"), what="the rejection")
+    assert aggregator.read().allocators == []
+    rude.close()
+    aggregator.close()
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    folder = Path(tempfile.mkdtemp(prefix="gr-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_killed_launcher_takes_its_server_and_its_folder_with_it(tmp_path, short_tmp):
+    temp = short_tmp  # the aggregator's socket path must fit in 107 bytes
+    with launched(tmp_path, TMPDIR=str(temp)) as (url, proc, _control):
+        wait_for_roles(url, {"worker0", "worker1", "forked", "embedded"})
+        server = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(server) >= 5  # the command, its workers, and the launcher's reaper
+        (run_dir,) = temp.glob(f"gpumem-run-{proc.pid}-*")
+        assert (run_dir / "aggregator.sock").exists()
+        proc.kill()  # no clean-up of its own can run
+        proc.wait(10)
+        wait_for(lambda: not any(_alive(pid) for pid in server), 30, "the server to stop")
+        wait_for(lambda: not any(temp.iterdir()), 10, "the run folder to go")
+
+
+def test_a_busy_port_leaves_no_folder_or_socket_behind(short_tmp):
+    temp = short_tmp
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "exporter.cli", "run", "--port", str(port), "--", "true"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "GPUMEM_NVML": "off", "TMPDIR": str(temp)},
+        )
+    assert result.returncode == 2 and "already in use" in result.stderr, result.stderr
+    assert list(temp.glob("gpumem-run-*")) == []
+
+
+def test_folders_of_launchers_that_are_gone_are_swept_at_start(short_tmp):
+    """Liveness is the launcher's lock on its folder, not its pid: a launcher in another PID
+    namespace (a container sharing /tmp) has a pid that means nothing here."""
+    temp = short_tmp
+    # Gone, although its pid (1) exists here: nobody holds its lock.
+    left = temp / "gpumem-run-1-abcd1234"
+    left.mkdir()
+    (left / "aggregator.sock").touch()
+    (left / "launcher.lock").touch()
+    os.utime(left, (time.time() - 3600, time.time() - 3600))
+    # Alive, although no process here has its pid: a process holds its lock.
+    running = temp / "gpumem-run-4194000-abcd1234"
+    running.mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            f"fd = os.open({str(running / 'launcher.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "print('locked', flush=True)\n"
+            "time.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        # Just made by a launcher that has not locked it yet: spared.
+        new = temp / "gpumem-run-4194001-abcd1234"
+        new.mkdir()
+        done = run_launcher("--", "true", env={"TMPDIR": str(temp)})
+        assert done.returncode == 0, done.stderr
+        assert sorted(temp.glob("gpumem-run-*")) == sorted([running, new])
+    finally:
+        holder.kill()
+        holder.wait()
+    # Its holder gone, the folder is swept by the next launcher.
+    done = run_launcher("--", "true", env={"TMPDIR": str(temp)})
+    assert sorted(temp.glob("gpumem-run-*")) == [new]
+
+
+def test_a_temp_dir_too_deep_for_a_socket_path_falls_back_to_tmp(tmp_path):
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    done = run_launcher("--", "true", env={"TMPDIR": str(deep)})
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr

@@ -1,0 +1,205 @@
+"""Non-allocator bytes taken by the process itself, only from readings that agree, against
+NVML values and allocator stats captured on an H200 (tests/data/allocator_native.json). The
+real NVML and allocator: tests/gpu/test_gpu_freshness.py."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from exporter.sample import AllocatorReading
+from exporter.sources.non_allocator import NonAllocatorProbe
+from exporter.sources.torch_allocator import TorchAllocatorSource
+from tests.conftest import DATA_DIR
+from tests.helpers import FakeCuda, fake_torch
+from tests.support.nvml_double import FakeNvml
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def capture():
+    return json.loads((DATA_DIR / "allocator_native.json").read_text())
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _setup(capture):
+    raw = capture["nvml_raw"]
+    nvml = FakeNvml(raw)
+    clock = Clock()
+    probe = NonAllocatorProbe(nvml, clock=clock, pid=lambda: capture["pid"], refresh_s=10.0)
+    device = raw["devices"][0]
+    (listed,) = device["processes"]
+    reserved = capture["memory_stats_as_nested_dict"]["reserved_bytes"]["all"]["current"]
+    return nvml, clock, probe, device, listed, reserved
+
+
+def _reading(device: dict, reserved: int) -> AllocatorReading:
+    return AllocatorReading(0, device["uuid"], "native", False, gauges={"reserved_bytes": reserved})
+
+
+def _process_reads(nvml: FakeNvml) -> int:
+    return sum(call.startswith("processes") for call in nvml.calls)
+
+
+def test_taken_from_a_process_list_between_two_equal_reservations(capture):
+    nvml, _clock, probe, device, listed, reserved = _setup(capture)
+    reading = _reading(device, reserved)
+    probe.apply([reading], lambda index: reserved)
+    assert reading.non_allocator_bytes == listed["usedGpuMemory"] - reserved
+    assert reading.non_allocator_age_s == 0.0
+    assert _process_reads(nvml) == 1
+
+
+def test_readings_that_disagree_are_never_published_and_the_last_value_ages(capture):
+    nvml, clock, probe, device, listed, reserved = _setup(capture)
+    first = _reading(device, reserved)
+    probe.apply([first], lambda index: reserved)
+    expected = listed["usedGpuMemory"] - reserved
+
+    # The server grows its cache by 512 MiB while the list is read: NVML's used may or may
+    # not include it, so nothing is taken from this tick; the last value stays, older.
+    listed["usedGpuMemory"] += 512 * MiB
+    device["memory_v1"]["used"] += 512 * MiB
+    clock.now += 1.0
+    nvml.calls.clear()
+    moving = _reading(device, reserved)
+    probe.apply([moving], lambda index: reserved + 512 * MiB)
+    assert _process_reads(nvml) == 1  # the list was read: memory moved
+    assert moving.non_allocator_bytes == expected  # not expected + 512 MiB
+    assert moving.non_allocator_age_s == 1.0
+
+    # Next tick the allocator reads the new reserved, and it holds across the list.
+    clock.now += 1.0
+    settled = _reading(device, reserved + 512 * MiB)
+    probe.apply([settled], lambda index: reserved + 512 * MiB)
+    assert settled.non_allocator_bytes == expected
+    assert settled.non_allocator_age_s == 0.0
+
+
+def test_without_a_first_agreeing_reading_there_is_no_value(capture):
+    _nvml, _clock, probe, device, _listed, reserved = _setup(capture)
+    reading = _reading(device, reserved)
+    probe.apply([reading], lambda index: reserved + 2 * MiB)
+    assert reading.non_allocator_bytes is None and reading.non_allocator_age_s is None
+
+
+def test_the_list_is_read_when_memory_moves_and_otherwise_every_refresh(capture):
+    nvml, clock, probe, device, listed, reserved = _setup(capture)
+    probe.apply([_reading(device, reserved)], lambda index: reserved)
+    for _ in range(5):  # nothing moved: the device reading only
+        clock.now += 1.0
+        nvml.calls.clear()
+        reading = _reading(device, reserved)
+        probe.apply([reading], lambda index: reserved)
+        assert _process_reads(nvml) == 0 and "memory_v1:0" in nvml.calls
+        assert reading.non_allocator_age_s == clock.now - 1000.0
+
+    # NCCL takes 900 MiB outside the allocator: the device's used moves, reserved does not.
+    listed["usedGpuMemory"] += 900 * MiB
+    device["memory_v1"]["used"] += 900 * MiB
+    clock.now += 1.0
+    nvml.calls.clear()
+    reading = _reading(device, reserved)
+    probe.apply([reading], lambda index: reserved)
+    assert _process_reads(nvml) == 1
+    assert reading.non_allocator_bytes == listed["usedGpuMemory"] - reserved
+    assert reading.non_allocator_age_s == 0.0
+
+    # Half a MiB is below NVML's page: no new list.
+    device["memory_v1"]["used"] += MiB // 2
+    clock.now += 1.0
+    nvml.calls.clear()
+    probe.apply([_reading(device, reserved)], lambda index: reserved)
+    assert _process_reads(nvml) == 0
+
+    # Reserved moving is a reason too, and so is the refresh period.
+    clock.now += 1.0
+    nvml.calls.clear()
+    probe.apply([_reading(device, reserved + 2 * MiB)], lambda index: reserved + 2 * MiB)
+    assert _process_reads(nvml) == 1
+    clock.now += 10.0
+    nvml.calls.clear()
+    probe.apply([_reading(device, reserved + 2 * MiB)], lambda index: reserved + 2 * MiB)
+    assert _process_reads(nvml) == 1
+
+
+def test_a_process_nvml_does_not_list_gets_no_value(capture):
+    """Another PID namespace: NVML lists other PIDs; nothing is guessed."""
+    _nvml, _clock, probe, device, listed, reserved = _setup(capture)
+    listed["pid"] += 1
+    reading = _reading(device, reserved)
+    probe.apply([reading], lambda index: reserved)
+    assert reading.non_allocator_bytes is None
+
+
+def test_without_nvml_nothing_is_raised_and_init_is_retried_slowly(capture):
+    import pynvml
+
+    nvml, clock, probe, device, _listed, reserved = _setup(capture)
+    nvml.init_error = pynvml.NVMLError_LibraryNotFound()
+    reading = _reading(device, reserved)
+    probe.apply([reading], lambda index: reserved)
+    probe.apply([reading], lambda index: reserved)
+    assert reading.non_allocator_bytes is None
+    assert nvml.calls.count("init") == 1
+    nvml.init_error = None
+    clock.now += 61.0
+    probe.apply([reading], lambda index: reserved)
+    assert reading.non_allocator_bytes is not None
+
+
+def test_a_failing_gpu_leaves_the_others_their_value(capture):
+    import pynvml
+
+    nvml, _clock, probe, device, _listed, reserved = _setup(capture)
+    nvml.failures[("processes", 0)] = pynvml.NVMLError_GpuIsLost()
+    reading = _reading(device, reserved)
+    probe.apply([reading], lambda index: reserved)  # must not raise
+    assert reading.non_allocator_bytes is None
+
+
+class MovingCuda(FakeCuda):
+    """The allocator as a server that grows its cache between the stats reads of one tick."""
+
+    def __init__(self, stats: dict, uuid: str) -> None:
+        super().__init__(stats, True, {0}, count=1)
+        self.uuid = uuid
+        self.grow_after_read = 0
+
+    def memory_stats_as_nested_dict(self, device=None):
+        stats = json.loads(json.dumps(super().memory_stats_as_nested_dict(device)))
+        self.stats["reserved_bytes"]["all"]["current"] += self.grow_after_read
+        return stats
+
+    def get_device_properties(self, index):
+        return SimpleNamespace(uuid=self.uuid)
+
+
+def test_the_allocator_source_reads_reserved_again_after_the_list(capture):
+    """Wired in the real source: a cache that grows between the tick's stats read and the
+    read after the list gives no new value."""
+    raw = capture["nvml_raw"]
+    device = raw["devices"][0]
+    cuda = MovingCuda(capture["memory_stats_as_nested_dict"], device["uuid"])
+    nvml = FakeNvml(raw)
+    probe = NonAllocatorProbe(nvml, pid=lambda: capture["pid"])
+    source = TorchAllocatorSource(fake_torch(cuda), env={}, non_allocator=probe)
+    cuda.grow_after_read = 64 * MiB
+    (reading,) = source.read().allocators
+    assert reading.non_allocator_bytes is None
+    cuda.grow_after_read = 0
+    (reading,) = source.read().allocators
+    reserved = reading.gauges["reserved_bytes"]
+    assert reading.non_allocator_bytes == device["processes"][0]["usedGpuMemory"] - reserved
+    source.close()
+    assert "shutdown" in nvml.calls

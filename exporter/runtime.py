@@ -178,6 +178,8 @@ class Mode:
     name: str  # the `mode` label of gpumem_exporter_build_info, and the catalog's modes
     runs: str  # where, in words
     endpoint: str  # what serves /metrics
+    acts: str  # what its admin actions act on
+    ready_when: str  # when /readyz answers 200
     ready: Callable[[Sampler], str | None]  # why /readyz answers 503, or None
     # The mode's actions, from its config and sources; None where the caller owns them (the
     # launcher of `run` passes its fan-out).
@@ -192,6 +194,8 @@ MODES = {
             "embedded",
             "inside a PyTorch server: exporter.start(), or attach() to its own app",
             "its own HTTP thread (start), or routes on the app and registry it has (attach)",
+            "this process's allocator",
+            "the first sample is in",
             first_sample,
             local_actions,
         ),
@@ -199,7 +203,8 @@ MODES = {
             "node",
             "the node daemon, `gpumem-exporter serve`: NVML, host memory, Kubernetes",
             "its own HTTP server",
-            # It exists to read NVML: not ready while it sees no GPU.
+            "its own process, which holds no allocator: actions answer 409",
+            "NVML answers for a GPU (it exists to read NVML)",
             blind_reason,
             local_actions,
         ),
@@ -207,6 +212,8 @@ MODES = {
             "demo",
             "`gpumem-exporter demo`: a trace recorded on a real GPU, replayed",
             "its own HTTP server",
+            "the recording: the snapshot of the replayed moment; nothing changes",
+            "the first sample is in",
             first_sample,
             replay_actions,
             own_process=False,  # the recorded process is served as host_process_*
@@ -216,11 +223,24 @@ MODES = {
             "`gpumem-exporter run -- CMD`: a launcher for every process of a server, an "
             "agent in each",
             "the launcher's HTTP server, one /metrics for every process",
+            "each process of the server (or the one chosen), through its agent",
+            "the first sample is in",
             first_sample,
             None,
         ),
     )
 }
+
+
+def markdown_table() -> str:
+    """The modes, for docs/architecture.md (written by exporter.reference)."""
+    rows = [
+        "| mode | runs | serves /metrics | admin actions act on | ready when |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for m in MODES.values():
+        rows.append(f"| `{m.name}` | {m.runs} | {m.endpoint} | {m.acts} | {m.ready_when} |")
+    return "\n".join(rows)
 
 
 def build_runtime(

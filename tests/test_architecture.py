@@ -30,12 +30,12 @@ LAYERS: list[tuple[str, ...]] = [
         "multiprocess",
         "record",
         "answers",
-        "reference",  # docs/ tables written from the catalog and the settings
     ),
     ("actions",),  # what the admin API can do, one implementation per mode
     ("http",),  # the endpoint: /metrics, the admin API, the live page, the client
     ("runtime", "modes"),  # assembly: one declaration per way of running
-    ("run", "embedded", "cli", "__init__"),  # entry points
+    # entry points; reference writes docs/ tables from the declarations
+    ("run", "embedded", "cli", "__init__", "reference"),
 ]
 
 

@@ -64,7 +64,7 @@ class Stack:
     prometheus: str
     exporter: str
 
-    def prometheus_api(self, path: str, **params: str) -> dict:
+    def api(self, path: str, **params: str) -> dict:
         data: dict = prometheus_api(self.prometheus, path, **params)
         return data
 

@@ -49,11 +49,14 @@ def status_line(address: tuple[str, int], path: str) -> bytes:
 
 
 def slow_reader(address: tuple[str, int], requests: int) -> socket.socket:
-    """Pipelines `requests` requests for a 35 KB static file and never reads an answer."""
+    """Pipelines `requests` requests for a 51 KB static file (the vendored uPlot, which does not
+    change with the page) and never reads an answer."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(address)
-    sock.sendall(b"GET /static/page.js HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * requests)
+    sock.sendall(
+        b"GET /static/uplot/uPlot.iife.min.js HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * requests
+    )
     return sock
 
 

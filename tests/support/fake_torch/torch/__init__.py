@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 __version__ = "0.0-fake"
 _DATA = json.loads(
-    (Path(__file__).resolve().parents[2] / "data" / "allocator_native.json").read_text()
+    (Path(__file__).resolve().parents[3] / "data" / "allocator_native.json").read_text()
 )
 _STATS = _DATA["memory_stats_as_nested_dict"]
 _started = time.monotonic()

@@ -76,7 +76,7 @@ def main() -> None:
 
     import exporter
     from exporter.config import load_config
-    from exporter.runtime import live_sources
+    from exporter.runtime import sources_for
 
     # Count the process-list reads of each state (the sources call the module's function).
     list_reads = [0]
@@ -90,7 +90,7 @@ def main() -> None:
     held = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda:0")
     torch.cuda.synchronize()
     config = load_config(env={"GPUMEM_HOST_MEMORY": "false"})
-    sources = live_sources(config, torch=True)
+    sources = sources_for("embedded", config)
     clock = TickClock()
     for source in sources:
         # The NVML source's and (where it exists) the non-allocator probe's clocks.

@@ -42,7 +42,7 @@ def measure(fn: Callable[[], object], ticks: int = TICKS) -> dict[str, dict[str,
 
 def main() -> None:
     from exporter.config import load_config
-    from exporter.runtime import build_runtime, live_sources
+    from exporter.runtime import build_runtime, sources_for
     from exporter.sources.nvml import NvmlSource
     from exporter.sources.torch_allocator import TorchAllocatorSource
 
@@ -89,7 +89,7 @@ def main() -> None:
     nvml_at_1hz = NvmlSource(clock=TickClock(), only_uuids=uuids)
     nvml_every_read = NvmlSource(only_uuids=uuids, process_interval_s=0.0)
     nvml_cached = NvmlSource(only_uuids=uuids, process_interval_s=1e9)
-    sources = live_sources(config, torch=True)
+    sources = sources_for("embedded", config)
     for source in sources:  # the embedded tick, with the process list's cadence as at 1 Hz
         if isinstance(source, NvmlSource):
             source._clock = TickClock()

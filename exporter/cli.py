@@ -37,7 +37,7 @@ from exporter.config import (
 )
 from exporter.http.server import HttpServer, ServerStartError, create_app
 from exporter.identity import describe_process
-from exporter.runtime import build_runtime, node_sources
+from exporter.runtime import build_runtime, sources_for
 from exporter.sources import Source
 from exporter.trace import TraceError, TraceWriter
 
@@ -373,7 +373,7 @@ def _serve(config: Config, sources: Sequence[Source], mode: str) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     config = _config(args)
-    return _serve(config, node_sources(config), "node")
+    return _serve(config, sources_for("node", config), "node")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ from exporter.http.server import HttpServer, ServerStartError, add_routes, creat
 from exporter.multiprocess import MultiprocessBridge, multiprocess_dir
 from exporter.run import agent
 from exporter.run.agent import RUN_DIR_ENV
-from exporter.runtime import Runtime, build_runtime, live_sources
+from exporter.runtime import Runtime, build_runtime, sources_for
 from exporter.sampler import Listener, Sampler
 from exporter.trace import TraceWriter
 
@@ -194,7 +194,7 @@ def _runtime(config: Config, on_alert: AlertListener | None, **options: Any) -> 
     return build_runtime(
         config,
         mode="embedded",
-        sources=live_sources(config, torch=True),
+        sources=sources_for("embedded", config),
         on_alert=[on_alert] if on_alert else [],
         **options,
     )

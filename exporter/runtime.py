@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
@@ -60,59 +61,89 @@ def replay_actions(config: Config, sources: Sequence[Source]) -> Actions:
     return ReplayActions(store, config=config, moment=replays[0].moment if replays else None)
 
 
-def live_sources(
-    config: Config, *, torch: bool, gpu_users: Callable[[], Hashable] | None = None
-) -> list[Source]:
-    """The sources that read this machine, as the config enables them. `gpu_users` (under
-    `run`: the reporting processes and their GPUs) makes NVML read its process list at once
-    when it changes."""
-    sources: list[Source] = []
-    allocator = None
-    if torch and config.torch:
-        from exporter.sources.torch_allocator import TorchAllocatorSource
+@dataclass(frozen=True)
+class SourceKind:
+    """One kind of source, declared once: the modes that read it, the setting that turns it
+    off, and how it is made from the config and the sources of the mode made before it."""
 
-        allocator = TorchAllocatorSource(
-            layout_interval_s=config.layout_interval_s,
-            layout_max_blocks=config.layout_max_blocks,
-            non_allocator=NonAllocatorProbe.for_config(config),
-        )
-        sources.append(allocator)
-    if config.nvml:
-        from exporter.sources.nvml import NvmlSource
-
-        # Inside a server, only the GPUs this process uses (read after the allocator, in the
-        # same tick): every GPU of the node in every process would be O(GPUs^2) series per
-        # node. The node daemon and `run` read every GPU they can see.
-        uuids = (lambda: allocator.uuids_in_use) if allocator is not None else None
-        sources.append(
-            NvmlSource(
-                only_uuids=uuids, process_interval_s=config.process_interval_s, users=gpu_users
-            )
-        )
-    if config.host_memory:
-        from exporter.sources.host import HostMemorySource
-
-        sources.append(HostMemorySource())
-    return sources
+    name: str
+    modes: tuple[str, ...]
+    enabled: Callable[[Config], bool]
+    make: Callable[[Config, Mapping[str, Source], Callable[[], Hashable] | None], Source | None]
 
 
-def node_sources(config: Config) -> list[Source]:
-    """The node daemon's sources: NVML and host memory, the host memory of every process with
-    GPU memory (host PIDs: the DaemonSet's hostPID), and the kubelet's view of who holds which
-    GPU, where it runs in Kubernetes."""
+def _allocator(config: Config, made: Mapping[str, Source], users: object) -> Source:
+    from exporter.sources.torch_allocator import TorchAllocatorSource
+
+    return TorchAllocatorSource(
+        layout_interval_s=config.layout_interval_s,
+        layout_max_blocks=config.layout_max_blocks,
+        non_allocator=NonAllocatorProbe.for_config(config),
+    )
+
+
+def _nvml(
+    config: Config, made: Mapping[str, Source], users: Callable[[], Hashable] | None
+) -> Source:
+    """`users` (under `run`: the reporting processes and their GPUs) makes NVML read its
+    process list at once when it changes."""
     from exporter.sources.nvml import NvmlSource
+
+    # Inside a server, only the GPUs this process uses (read after the allocator, in the
+    # same tick): every GPU of the node in every process would be O(GPUs^2) series per
+    # node. The node daemon and `run` read every GPU they can see.
+    allocator: Any = made.get("torch")
+    uuids = (lambda: allocator.uuids_in_use) if allocator is not None else None
+    return NvmlSource(only_uuids=uuids, process_interval_s=config.process_interval_s, users=users)
+
+
+def _host(config: Config, made: Mapping[str, Source], users: object) -> Source:
+    from exporter.sources.host import HostMemorySource
+
+    return HostMemorySource()
+
+
+def _gpu_pids(made: Mapping[str, Source]) -> Callable[[], Collection[int]] | None:
+    """The host PIDs that held GPU memory at NVML's latest read, where NVML is read."""
+    nvml: Any = made.get("nvml")
+    return (lambda: nvml.last_pids) if nvml is not None else None
+
+
+def _gpu_processes(config: Config, made: Mapping[str, Source], users: object) -> Source | None:
+    """Host memory of every process with GPU memory (host PIDs: the DaemonSet's hostPID)."""
     from exporter.sources.process_memory import ProcessMemorySource
 
-    sources = live_sources(config, torch=False)
-    nvml = next((s for s in sources if isinstance(s, NvmlSource)), None)
-    if nvml is None:
-        return sources
-    if config.host_memory:
-        sources.append(ProcessMemorySource(lambda: nvml.last_pids))
-    kubelet = kubelet_source(config, lambda: nvml.last_pids)
-    if kubelet is not None:
-        sources.append(kubelet)
-    return sources
+    pids = _gpu_pids(made)
+    return ProcessMemorySource(pids) if pids is not None else None
+
+
+def _kubelet(config: Config, made: Mapping[str, Source], users: object) -> Source | None:
+    pids = _gpu_pids(made)
+    return kubelet_source(config, pids) if pids is not None else None
+
+
+# In reading order: a tick reads NVML after the allocator, whose GPUs it reads.
+SOURCE_KINDS = (
+    SourceKind("torch", ("embedded",), lambda config: config.torch, _allocator),
+    SourceKind("nvml", ("embedded", "node", "run"), lambda config: config.nvml, _nvml),
+    SourceKind("host", ("embedded", "node", "run"), lambda config: config.host_memory, _host),
+    SourceKind("process_memory", ("node",), lambda config: config.host_memory, _gpu_processes),
+    SourceKind("kubelet", ("node",), lambda config: config.kubelet_socket != "off", _kubelet),
+)
+
+
+def sources_for(
+    mode: str, config: Config, *, gpu_users: Callable[[], Hashable] | None = None
+) -> list[Source]:
+    """The sources of `mode` that read this machine, as the config enables them. (The demo's
+    replay and `run`'s agents and process tree are its caller's, which owns what they read.)"""
+    made: dict[str, Source] = {}
+    for kind in SOURCE_KINDS:
+        if mode in kind.modes and kind.enabled(config):
+            source = kind.make(config, made, gpu_users)
+            if source is not None:
+                made[kind.name] = source
+    return list(made.values())
 
 
 def kubelet_source(

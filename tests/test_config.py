@@ -105,22 +105,22 @@ def test_token_whitespace_is_stripped_and_never_half_kept(tmp_path):
 
 
 def test_the_process_list_cadence_reaches_the_nvml_source():
-    from exporter.runtime import live_sources
+    from exporter.runtime import sources_for
     from exporter.sources.nvml import NvmlSource
 
     config = load_config(env={"GPUMEM_PROCESS_INTERVAL_S": "3"})
-    (nvml,) = [s for s in live_sources(config, torch=True) if isinstance(s, NvmlSource)]
+    (nvml,) = [s for s in sources_for("embedded", config) if isinstance(s, NvmlSource)]
     assert nvml._process_interval_s == 3.0
     with pytest.raises(ConfigError, match="GPUMEM_PROCESS_INTERVAL_S"):
         load_config(env={"GPUMEM_PROCESS_INTERVAL_S": "-1"})
 
 
 def test_the_layout_settings_reach_the_allocator_source_and_are_checked():
-    from exporter.runtime import live_sources
+    from exporter.runtime import sources_for
     from exporter.sources.torch_allocator import TorchAllocatorSource
 
     config = load_config(env={"GPUMEM_LAYOUT_INTERVAL_S": "0", "GPUMEM_LAYOUT_MAX_BLOCKS": "50"})
-    (torch,) = [s for s in live_sources(config, torch=True) if isinstance(s, TorchAllocatorSource)]
+    (torch,) = [s for s in sources_for("embedded", config) if isinstance(s, TorchAllocatorSource)]
     assert (torch._layout_interval_s, torch._layout_max_blocks) == (0.0, 50)
     for name, value in (("GPUMEM_LAYOUT_INTERVAL_S", "-1"), ("GPUMEM_LAYOUT_MAX_BLOCKS", "x")):
         with pytest.raises(ConfigError, match=name):

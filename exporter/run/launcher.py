@@ -39,7 +39,7 @@ from exporter.run.agent import CONFIG_NAME, RUN_DIR_ENV, SOCKET_NAME
 from exporter.run.aggregator import Aggregator
 from exporter.run.fanout import FanOutActions
 from exporter.run.supervisor import PR_SET_DUMPABLE, Supervisor, prctl
-from exporter.runtime import build_runtime, live_sources
+from exporter.runtime import build_runtime, sources_for
 from exporter.sources import Source
 from exporter.sources.nvml import NvmlSource
 from exporter.sources.process_memory import ProcessMemorySource, describe, process_tree
@@ -109,7 +109,7 @@ def _run(command: Sequence[str], config: Config, supervisor: Supervisor) -> int:
         server_processes = ProcessMemorySource(
             lambda: process_tree(supervisor.pid), labels=agent_labels
         )
-        machine = live_sources(config, torch=False, gpu_users=aggregator.gpu_users)
+        machine = sources_for("run", config, gpu_users=aggregator.gpu_users)
         nvml = next((s for s in machine if isinstance(s, NvmlSource)), None)
         if nvml is not None:  # which of the processes it stops still held GPU memory
             reader = nvml

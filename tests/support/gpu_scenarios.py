@@ -363,7 +363,7 @@ def remediation() -> dict[str, Any]:
     import torch
 
     from exporter.config import load_config
-    from exporter.runtime import build_runtime, live_sources
+    from exporter.runtime import build_runtime, sources_for
 
     torch.cuda.set_per_process_memory_fraction(
         (3 << 30) / torch.cuda.get_device_properties(0).total_memory, 0
@@ -380,7 +380,7 @@ def remediation() -> dict[str, Any]:
     runtime = build_runtime(
         config,
         mode="embedded",
-        sources=live_sources(config, torch=True),
+        sources=sources_for("embedded", config),
         on_alert=[lambda e: events.append({"alert": e.alert, "state": e.state, "value": e.value})],
     )
     runtime.sampler.start()
@@ -620,12 +620,12 @@ def own_gpus_and_process_cadence() -> dict[str, Any]:
     import torch
 
     from exporter.config import load_config
-    from exporter.runtime import live_sources
+    from exporter.runtime import sources_for
     from exporter.sampler import Sampler
 
     x = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda:0")
     torch.cuda.synchronize()
-    sources = live_sources(load_config(env={}), torch=True)
+    sources = sources_for("embedded", load_config(env={}))
     sampler = Sampler(sources)
     first = sampler.tick()  # reads the process list
     grown = torch.empty(1024 * MiB, dtype=torch.uint8, device="cuda:0")  # reserved grows

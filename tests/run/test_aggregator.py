@@ -76,7 +76,8 @@ def test_an_idle_connection_flood_costs_no_thread_and_a_new_worker_still_joins(r
             s.connect(str(aggregator.socket_path))
             flood.append(s)
         time.sleep(0.5)
-        assert threading.active_count() == threads  # was one thread per connection
+        # Not one thread per connection (as it was); a thread of an earlier test may end meanwhile.
+        assert threading.active_count() <= threads
         # Beyond the cap, connections are closed at once; the rest after the hello deadline.
         closed = wait_for(lambda: sum(1 for s in flood if _closed(s)) >= 1500 - 64, 5)
         assert closed

@@ -57,6 +57,11 @@ def process_labels() -> dict[str, str]:
     }
 
 
+def pod_name() -> str:
+    """The pod this process runs in, where the chart gives it (POD_NAME, the downward API)."""
+    return os.environ.get("POD_NAME", "")
+
+
 def describe_process(process: Mapping[str, str]) -> str:
     """A process's labels in words, for error lines: "pid 12 rank 1 (worker)"."""
     rank = f" rank {process['rank']}" if process.get("rank") else ""

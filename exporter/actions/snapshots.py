@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from exporter import atomic
 from exporter.actions.errors import ActionInsufficientStorage
 from exporter.config import ConfigError, make_private_folder, private_folder_problem
+from exporter.identity import pod_name, process_labels
 
 if TYPE_CHECKING:
     from exporter.config import Config
@@ -379,11 +380,12 @@ class SnapshotStore:
             self._index.pop(info.id, None)
 
     def _filename(self, info: SnapshotInfo, device: int | None) -> str:
+        rank = process_labels()["rank"]
         parts = [
             socket.gethostname(),
-            os.environ.get("POD_NAME", ""),
+            pod_name(),
             f"pid{os.getpid()}",
-            f"rank{os.environ['RANK']}" if os.environ.get("RANK") else "",
+            f"rank{rank}" if rank else "",
             f"cuda{device}" if device is not None else "",
             info.id,
             info.trigger,

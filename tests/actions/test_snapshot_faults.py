@@ -15,6 +15,7 @@ import os
 import pickle
 import random
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -493,3 +494,13 @@ def test_retention_counts_failed_captures_and_other_processes_entries(tmp_path):
     ours.write({"segments": []}, "api")
     assert len(ours.list()) == 3 and [i.status for i in ours.list()].count("failed") == 0
     assert_exactly_the_index(folder, ours)
+
+
+def test_a_snapshot_file_is_named_after_its_host_pod_process_and_rank(tmp_path, monkeypatch):
+    """Files from several pods and ranks can be gathered in one folder without clashing."""
+    monkeypatch.setenv("POD_NAME", "llama-0")
+    monkeypatch.setenv("RANK", "3")
+    store = SnapshotStore(tmp_path / "snaps")
+    info = store.reserve("manual")
+    assert info.filename.startswith(f"{socket.gethostname()}_llama-0_pid{os.getpid()}_rank3_")
+    assert info.filename.endswith(f"_{info.id}_manual.pickle")

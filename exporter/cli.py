@@ -28,6 +28,7 @@ from exporter.actions.spec import (
 )
 from exporter.answers import human_answer
 from exporter.config import (
+    DEFAULTS,
     SETTINGS,
     Config,
     ConfigError,
@@ -68,7 +69,7 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _metavar(name: str) -> str:
-    kind = type(getattr(Config(), name))
+    kind = type(DEFAULTS[name])
     return "SECONDS" if name.endswith("_s") else {bool: "on|off", int: "N"}.get(kind, "VALUE")
 
 
@@ -325,12 +326,12 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _config(args: argparse.Namespace, **more: Any) -> Config:
+def _config(args: argparse.Namespace) -> Config:
     from exporter.detectors import load_thresholds
 
     try:
         flags = {name: getattr(args, name) for name, d in SETTINGS.items() if d.flag}
-        config = load_config(flags=flags, **more)
+        config = load_config(flags=flags)
         load_thresholds()  # GPUMEM_DETECT_*: checked before anything starts
     except ConfigError as exc:
         raise CliError(str(exc)) from None
@@ -526,21 +527,21 @@ def _report(args: argparse.Namespace, answer: dict[str, Any]) -> int:
     return _failures(answer)
 
 
-def _act(
-    args: argparse.Namespace, action: Action, client: AdminClient | None = None, **params: Any
-) -> dict[str, Any]:
-    """Run a declared action; a parameter out of its bounds is a one-line error naming the
-    flag it came from."""
-    from exporter.http.client import ClientError
-
+def _check_flags(action: Action, **params: Any) -> None:
+    """A parameter out of its declared bounds is a one-line error naming its flag, before
+    the exporter is asked anything."""
     for name, value in params.items():
         problem = action.param(name).problem(value) if value is not None else ""
         if problem:
             raise CliError(f"{action.param(name).flag or name} {problem}")
-    try:
-        return (client or _client(args)).act(action, _target(args), **params)
-    except ClientError as exc:
-        raise CliError(str(exc)) from None
+
+
+def _act(args: argparse.Namespace, action: Action, **params: Any) -> dict[str, Any]:
+    """Run a declared action in the selected processes."""
+    _check_flags(action, **params)
+    client = _client(args)
+    answer: dict[str, Any] = _client_call(args, lambda target: client.act(action, target, **params))
+    return answer
 
 
 def _client_call(args: argparse.Namespace, call: Callable[[Target], dict[str, Any]]) -> Any:
@@ -563,8 +564,7 @@ def _output_path(output: Path, process: dict[str, str], filename: str, several: 
 def cmd_snapshot(args: argparse.Namespace) -> int:
     from exporter.http.client import ClientError
 
-    if args.record_s is not None and (problem := SNAPSHOT.param("record_s").problem(args.record_s)):
-        raise CliError(f"--record-s {problem}")
+    _check_flags(SNAPSHOT, record_s=args.record_s, stacks=args.stacks, max_entries=args.max_entries)
     _writable(args.output, "-o", folder_ok=True)
     client = _client(args)
     if args.stop:

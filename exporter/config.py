@@ -501,7 +501,7 @@ SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in fields(Co
 
 def default_text(name: str) -> str:
     """A setting's default in words, for help and docs."""
-    declared, value = SETTINGS[name], _DEFAULTS[name]
+    declared, value = SETTINGS[name], DEFAULTS[name]
     if declared.default_text:
         return declared.default_text
     if isinstance(value, bool):
@@ -511,7 +511,8 @@ def default_text(name: str) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-_DEFAULTS = {f.name: getattr(Config(), f.name) for f in fields(Config)}
+_DEFAULT = Config()
+DEFAULTS = {f.name: getattr(_DEFAULT, f.name) for f in fields(Config)}
 
 
 def load_config(

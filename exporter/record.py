@@ -169,7 +169,7 @@ def _allocator_value(
         reading.layout[key] = _count(name, value)
     elif group == "private_pool" and "pool_id" in labels:
         reading.private_pools.setdefault(labels["pool_id"], {})[key] = _count(name, value)
-    elif key in ("non_allocator_bytes",):
+    elif key == "non_allocator_bytes":
         reading.non_allocator_bytes = _count(name, value)
     elif key in ("non_allocator_age_s", "layout_age_s"):
         setattr(reading, key, value)

@@ -33,6 +33,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
+from exporter.actions.local import LocalActions
+from exporter.actions.snapshots import SnapshotStore
 from exporter.config import load_config
 from exporter.http.server import HttpServer, create_app
 from exporter.metrics import SampleCollector
@@ -198,11 +200,20 @@ TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
+def runtime_of(tmp_path, mode, sources, **settings):
+    """A runtime of `mode` with its snapshots under tmp_path. Under `run` the launcher passes
+    its fan-out; tests that read the samples or the token check give it LocalActions."""
+    config = load_config(env={}, snapshot_dir=str(tmp_path / "snaps"), **settings)
+    actions = None
+    if mode == "run":
+        actions = LocalActions(SnapshotStore.for_config(config), config=config)
+    return build_runtime(config, mode=mode, sources=sources, actions=actions)
+
+
 def make_app(tmp_path, mode="demo", **settings):
     settings.setdefault("admin_token", TOKEN)
-    config = load_config(env={}, snapshot_dir=str(tmp_path / "snaps"), **settings)
     sources = [ReplaySource()] if mode == "demo" else []
-    runtime = build_runtime(config, mode=mode, sources=sources)
+    runtime = runtime_of(tmp_path, mode, sources, **settings)
     runtime.sampler.tick()
     return create_app(runtime), runtime
 

@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect
 
 from exporter.actions.base import OUTCOME_STATUS, Actions, ProcessResult, Target
 from exporter.actions.snapshots import SnapshotInfo
-from exporter.actions.spec import ACTIONS, Action, ParamError
+from exporter.actions.spec import ACTIONS, Action
 from exporter.config import Config, ConfigError
 from exporter.detectors import Detectors
 from exporter.identity import describe_process, process_labels
@@ -433,14 +433,11 @@ def _add_action_route(router: APIRouter, admin: Admin, action: Action) -> None:
 
     async def endpoint(request: Request) -> Response:
         if action.method == "GET":
-            target, given = admin.query(request), {}
+            target, params = admin.query(request), action.check({})
         else:
+            # The model holds the declared bounds: its dump is the checked parameters.
             body = await admin.body(request, model)
-            target, given = body.target, body.model_dump(exclude={"pid", "rank"})
-        try:
-            params = action.check(given)
-        except ParamError as exc:
-            raise AdminError(422, f"invalid request: {exc}", "invalid") from None
+            target, params = body.target, body.model_dump(exclude={"pid", "rank"})
         results = await run_in_threadpool(admin.actions.perform, action.name, target, params)
         if (conflict := action.conflict(results)) is not None:
             raise AdminError(409, conflict, "unavailable")

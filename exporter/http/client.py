@@ -139,8 +139,8 @@ class AdminClient:
         return _checked(self._json(method, path, body), f"{method} {path}")
 
     @staticmethod
-    def _query(path: str, target: Target) -> str:
-        query = urllib.parse.urlencode(_selector(target))
+    def _query(path: str, target: Target, **fields: Any) -> str:
+        query = urllib.parse.urlencode(_selector(target, **fields))
         return path + (f"?{query}" if query else "")
 
     def act(self, action: Action, target: Target = EVERY_PROCESS, **params: Any) -> dict[str, Any]:
@@ -153,8 +153,7 @@ class AdminClient:
         except ParamError as exc:
             raise ClientError(str(exc)) from None
         if action.method == "GET":
-            query = urllib.parse.urlencode(_selector(target, **given))
-            return self._action("GET", action.path + (f"?{query}" if query else ""))
+            return self._action("GET", self._query(action.path, target, **given))
         return self._action(action.method, action.path, _selector(target, **given))
 
     def snapshot(

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from exporter.actions.base import OUTCOME_STATUS, ProcessResult
-from exporter.actions.spec import BY_NAME as ACTIONS
+from exporter.actions.spec import BY_NAME
 from exporter.catalog import PROCESS_LABELS
 from exporter.sample import (
     ALLOCATOR_COUNTERS,
@@ -305,6 +305,6 @@ def parse_reply(message: Mapping[str, Any]) -> tuple[int, ProcessResult]:
 def parse_command(message: Mapping[str, Any]) -> tuple[int, str, dict[str, Any]]:
     request_id = _count(message.get("id"), "id")
     action = message.get("action")
-    if action not in ACTIONS:
+    if action not in BY_NAME:
         raise _fail(f"unknown action {str(action)[:32]!r}")
     return request_id, str(action), _object(message.get("params", {}), "params")

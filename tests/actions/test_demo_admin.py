@@ -7,23 +7,18 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from exporter.actions.local import LocalActions
-from exporter.actions.snapshots import SnapshotStore
 from exporter.config import load_config
 from exporter.http.server import create_app
 from exporter.runtime import build_runtime
 from exporter.sources.replay import ReplaySource
+from tests.helpers import runtime_of
 
 TOKEN = "demo-admin-token"
 
 
 def client_for(tmp_path, mode: str, **settings) -> TestClient:
-    config = load_config(env={}, snapshot_dir=str(tmp_path / "snaps"), **settings)
     sources = [ReplaySource()] if mode == "demo" else []
-    actions = None
-    if mode == "run":  # its launcher passes the fan-out; the token check is the same
-        actions = LocalActions(SnapshotStore.for_config(config), config=config)
-    runtime = build_runtime(config, mode=mode, sources=sources, actions=actions)
+    runtime = runtime_of(tmp_path, mode, sources, **settings)
     runtime.sampler.tick()
     return TestClient(create_app(runtime))
 

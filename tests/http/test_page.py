@@ -23,14 +23,12 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from exporter.actions.local import LocalActions
-from exporter.actions.snapshots import SnapshotStore
 from exporter.config import ConfigError, load_config
 from exporter.detectors import Detectors
 from exporter.http.page import STATIC_FILES, process_rows
 from exporter.http.runbooks import render, slug
 from exporter.http.server import HttpServer, add_routes, create_app
-from exporter.runtime import Runtime, build_runtime
+from exporter.runtime import Runtime
 from exporter.sample import (
     AllocatorReading,
     GpuReading,
@@ -43,7 +41,7 @@ from exporter.sample import (
 from exporter.sources.replay import ReplaySource, demo_trace_path
 from exporter.trace import read_trace
 from tests.conftest import REPO_ROOT, require_tool
-from tests.helpers import decode_png
+from tests.helpers import decode_png, runtime_of
 
 GiB = 1 << 30
 TOKEN = "page-test-token"
@@ -68,11 +66,7 @@ class StubSource:
 
 
 def runtime_for(tmp_path: Path, mode: str, sources: list[Any], **settings: Any) -> Runtime:
-    config = load_config(env={}, snapshot_dir=str(tmp_path / "snaps"), **settings)
-    actions = None
-    if mode == "run":  # its launcher passes the fan-out; the page reads the samples only
-        actions = LocalActions(SnapshotStore.for_config(config), config=config)
-    return build_runtime(config, mode=mode, sources=sources, actions=actions)
+    return runtime_of(tmp_path, mode, sources, **settings)
 
 
 def demo_runtime(tmp_path: Path, **settings: Any) -> Runtime:

@@ -33,6 +33,7 @@ from exporter.actions.base import (
     Target,
 )
 from exporter.actions.snapshots import SnapshotInfo, SnapshotStore
+from exporter.actions.spec import BY_NAME
 from exporter.identity import process_labels
 from exporter.sample import ActionCounts, ProcessCounts
 
@@ -199,8 +200,6 @@ class LocalActions:
     def perform(
         self, action: str, target: Target, params: Mapping[str, Any]
     ) -> list[ProcessResult]:
-        from exporter.actions.spec import BY_NAME
-
         return BY_NAME[action].call(self, target, dict(params))
 
     def counts(self) -> list[ProcessCounts]:

@@ -115,6 +115,9 @@ def test_the_cli_works_with_the_demo_without_a_token(tmp_path):
         assert Path(written["path"]).stat().st_size == written["bytes"] > 0
         history = run_cli("history", "status", "--url", url, "--json", env=env)
         assert history.returncode == 0 and json.loads(history.stdout)["replay"] is True
+        # A GET action carries the selection in its query: no process of the demo has pid 1.
+        other = run_cli("history", "status", "--url", url, "--pid", "1", env=env)
+        assert other.returncode == 2 and "no process matches pid 1" in other.stderr, other
         bad = run_cli("reset-peak", "--url", url + "/snapshots", env=env)
         assert bad.returncode == 2 and "base or /metrics URL" in bad.stderr
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from exporter.config import load_config
-from exporter.runtime import MODES, SOURCE_KINDS, sources_for
+from exporter.runtime import MODES, SOURCE_KINDS, build_runtime, sources_for
 
 
 def names(mode: str, **settings: object) -> list[str]:
@@ -31,3 +33,9 @@ def test_a_setting_turns_its_source_off(tmp_path) -> None:
 def test_every_source_kind_is_read_by_declared_modes() -> None:
     for kind in SOURCE_KINDS:
         assert set(kind.modes) <= set(MODES), kind.name
+
+
+def test_a_run_runtime_needs_its_launchers_fan_out() -> None:
+    """`run` acts through the agents of its server: no runtime of it acts on this process."""
+    with pytest.raises(ValueError, match="caller passes its actions"):
+        build_runtime(load_config(env={}), mode="run", sources=[])

@@ -31,8 +31,11 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporter.catalog import DETAIL_LEVELS
+from exporter.config import Config
 from exporter.detectors import Detectors, load_thresholds
 from exporter.metrics import ActionStats, SampleCollector
+from exporter.runtime import SOURCE_KINDS
 from exporter.sample import (
     ExporterState,
     GpuReading,
@@ -102,10 +105,22 @@ def node_sample(server: Sample, recorded: Sample) -> Sample:
     return sample
 
 
+def source_names(mode: str, config: Config) -> list[str]:
+    """The sources a real endpoint of this mode reads with this config."""
+    names = [k.name for k in SOURCE_KINDS if mode in k.modes and k.enabled(config)]
+    return ["agents", *names] if mode == "run" else names
+
+
 def exposition(
-    sample: Sample, mode: str, detectors: Detectors | None, counts: list[ProcessCounts]
+    sample: Sample,
+    mode: str,
+    detectors: Detectors | None,
+    counts: list[ProcessCounts],
+    config: Config | None = None,
 ) -> str:
-    state = ExporterState(sample, {"agents": SourceStatus(True), "nvml": SourceStatus(True)})
+    config = config or Config()
+    sources = {name: SourceStatus(True) for name in source_names(mode, config)}
+    state = ExporterState(sample, sources)
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
@@ -117,6 +132,7 @@ def exposition(
             mode=mode,
             alerts=detectors,
             actions=lambda: ActionStats(processes=counts),
+            detail=config.detail,
         )
     )
     return generate_latest(registry).decode()
@@ -150,7 +166,8 @@ def endpoint(server_restarts: Iterable[str], gpus: int) -> dict[str, Any]:
     }
 
 
-def measure(gpus: int) -> dict[str, Any]:
+def measure(gpus: int, detail: str = "basic") -> dict[str, Any]:
+    config = Config(detail=detail)
     _, trace = read_trace(demo_trace_path())
     results = {}
     texts: dict[str, list[str]] = {"run": [], "node": []}
@@ -162,20 +179,23 @@ def measure(gpus: int) -> dict[str, Any]:
             detectors(server)
             node_detectors(node_sample(server, recorded))
         counts = [ProcessCounts(a.process) for a in server.allocators]
-        texts["run"].append(exposition(server, "run", detectors, counts))
+        texts["run"].append(exposition(server, "run", detectors, counts, config))
         node = node_sample(server, trace[-1])
-        texts["node"].append(exposition(node, "node", node_detectors, [ProcessCounts()]))
+        node_counts = [ProcessCounts()]
+        texts["node"].append(exposition(node, "node", node_detectors, node_counts, config))
     for name, pair in texts.items():
         results[name] = endpoint(pair, gpus)
-    return {"gpus": gpus, "trace": str(demo_trace_path().name), "endpoints": results}
+    trace_name = str(demo_trace_path().name)
+    return {"gpus": gpus, "detail": detail, "trace": trace_name, "endpoints": results}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, default=8, help="GPUs of the node (TP degree)")
+    parser.add_argument("--detail", choices=DETAIL_LEVELS, default="basic", help="GPUMEM_DETAIL")
     parser.add_argument("--out", type=Path, help="write the results as JSON here too")
     args = parser.parse_args()
-    result = measure(args.gpus)
+    result = measure(args.gpus, args.detail)
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.write_text(text + "\n")

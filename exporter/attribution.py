@@ -67,6 +67,9 @@ class Attribution:
     # By GPU UUID: (NVML index, bytes no pod owns). Only once the kubelet has answered.
     unattributed_gpus: dict[str, tuple[int, int]] = field(default_factory=dict)
     unattributed_processes: list[UnattributedProcess] = field(default_factory=list)
+    # (NVML index, GPU UUID, namespace, pod, container) -> bytes its named processes use there:
+    # per-process memory keyed by what a restart keeps.
+    container_memory: dict[tuple[int, str, str, str, str], int] = field(default_factory=dict)
 
 
 def attribute(sample: Sample) -> Attribution | None:
@@ -96,6 +99,11 @@ def attribute(sample: Sample) -> Attribution | None:
             holders[row.gpu_uuid].add((row.namespace, row.pod, row.container))
     located = {c.pid: c for c in sample.process_containers}
     result.process_pods = _process_pods(sample, located, holders)
+    named = {p.pid: p for p in result.process_pods if p.pod}
+    for entry in sample.processes:
+        if (owner := named.get(entry.pid)) is not None:
+            key = (entry.gpu_index, entry.gpu_uuid, owner.namespace, owner.pod, owner.container)
+            result.container_memory[key] = result.container_memory.get(key, 0) + entry.used_bytes
     for entry in sample.processes:
         where = located.get(entry.pid)
         reason = _unattributed_reason(where, _holds(kubelet, where, holders.get(entry.gpu_uuid)))

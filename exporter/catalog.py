@@ -28,6 +28,9 @@ HOST_PROCESS_LABELS = ("pid", "role", "rank")
 ALERT_LABELS = ("alert", "device", "gpu", "gpu_uuid", *PROCESS_LABELS)
 
 MODES = ("embedded", "run", "node", "demo")
+# GPUMEM_DETAIL: "basic" keeps a fleet's series budget (docs/metrics.md, "Detail levels");
+# "full" adds the families declared `detail` below.
+DETAIL_LEVELS = ("basic", "full")
 EVERY_MODE = MODES
 IN_SERVER = ("embedded", "run", "demo")  # where a PyTorch allocator is read (or replayed)
 LIVE = ("embedded", "run", "node")  # where the exporter's own process is what it reports
@@ -45,6 +48,9 @@ class Family:
     key: str = ""  # the reading's field (or dict key) that holds the value
     per_process: bool = False  # gains PROCESS_LABELS under `gpumem-exporter run`
     info_labels: tuple[str, ...] = ()  # the value labels of an info family
+    # Modes where the family is served only at the full detail level (GPUMEM_DETAIL=full):
+    # breakdowns no shipped rule or dashboard needs, kept off a fleet's series budget.
+    detail: tuple[str, ...] = ()
 
     @property
     def exposed(self) -> str:
@@ -53,7 +59,13 @@ class Family:
 
 
 def _allocator(
-    kind: str, group: str, key: str, help: str, name: str = "", labels: tuple[str, ...] = ()
+    kind: str,
+    group: str,
+    key: str,
+    help: str,
+    name: str = "",
+    labels: tuple[str, ...] = (),
+    detail: tuple[str, ...] = (),
 ) -> Family:
     return Family(
         name or f"torch_cuda_{key}",
@@ -65,6 +77,7 @@ def _allocator(
         group,
         key,
         per_process=True,
+        detail=detail,
     )
 
 
@@ -96,6 +109,7 @@ FAMILIES: tuple[Family, ...] = (
         ("source",),
         "exporter",
         EVERY_MODE,
+        detail=EVERY_MODE,
     ),
     Family(
         "gpumem_exporter_source_errors",
@@ -125,6 +139,17 @@ FAMILIES: tuple[Family, ...] = (
         EVERY_MODE,
     ),
     Family(
+        "gpumem_exporter_process",
+        "info",
+        "Each process this endpoint reports, by the labels its series carry, with its pid: "
+        "series of a process with a rank or a role of its own carry no pid, so they keep "
+        "their identity when the server restarts; join on these labels to find the pid.",
+        ("rank", "local_rank", "role"),
+        "agents",
+        ("run",),
+        info_labels=("pid",),
+    ),
+    Family(
         "gpumem_exporter_agent_messages_rejected",
         "counter",
         "Messages from agents of `gpumem-exporter run` dropped as malformed, by reason.",
@@ -138,7 +163,7 @@ FAMILIES: tuple[Family, ...] = (
         "Allocator snapshots written.",
         ("trigger",),
         "exporter",
-        EVERY_MODE,
+        IN_SERVER,
         per_process=True,
     ),
     Family(
@@ -147,7 +172,7 @@ FAMILIES: tuple[Family, ...] = (
         "Bytes returned to the driver by empty_cache calls of the exporter.",
         (),
         "exporter",
-        EVERY_MODE,
+        IN_SERVER,
         per_process=True,
     ),
     Family(
@@ -156,7 +181,7 @@ FAMILIES: tuple[Family, ...] = (
         "Automatic remediation actions by outcome.",
         ("action", "outcome"),
         "exporter",
-        EVERY_MODE,
+        IN_SERVER,
         per_process=True,
     ),
     Family(
@@ -271,6 +296,7 @@ FAMILIES: tuple[Family, ...] = (
             f"Per pool: {help}",
             name=f"torch_cuda_pool_{key}",
             labels=("pool",),
+            detail=IN_SERVER,
         )
         for key, help in (
             ("allocated_bytes", "Bytes of live tensors held by the CUDA caching allocator."),
@@ -309,6 +335,7 @@ FAMILIES: tuple[Family, ...] = (
         "Age of torch_cuda_non_allocator_bytes at this tick: it is taken again whenever "
         "the process's memory moves, and kept while its readings disagree.",
         name="torch_cuda_non_allocator_age_seconds",
+        detail=IN_SERVER,
     ),
     # -- the allocator's layout: a segments-only snapshot, every few seconds ----------------
     _allocator(
@@ -362,6 +389,7 @@ FAMILIES: tuple[Family, ...] = (
         "reserved_bytes that ordinary allocations cannot reuse.",
         name="torch_cuda_private_pool_reserved_bytes",
         labels=("pool_id",),
+        detail=IN_SERVER,
     ),
     _allocator(
         "gauge",
@@ -370,6 +398,7 @@ FAMILIES: tuple[Family, ...] = (
         "Bytes of live tensors in one private pool (from an allocator snapshot).",
         name="torch_cuda_private_pool_allocated_bytes",
         labels=("pool_id",),
+        detail=IN_SERVER,
     ),
     Family(
         "torch_cuda_allocator",
@@ -413,6 +442,7 @@ FAMILIES: tuple[Family, ...] = (
         "pinned_host",
         "in_use_bytes",
         per_process=True,
+        detail=IN_SERVER,
     ),
     Family(
         "torch_cuda_pinned_host_cached_bytes",
@@ -424,6 +454,7 @@ FAMILIES: tuple[Family, ...] = (
         "pinned_host",
         "cached_bytes",
         per_process=True,
+        detail=IN_SERVER,
     ),
     # -- NVML ------------------------------------------------------------------------------
     Family(
@@ -466,6 +497,7 @@ FAMILIES: tuple[Family, ...] = (
         EVERY_MODE,
         "gpu_memory",
         "driver_reserved_bytes",
+        detail=EVERY_MODE,
     ),
     Family(
         "gpu_process_memory_used_bytes",
@@ -475,6 +507,7 @@ FAMILIES: tuple[Family, ...] = (
         "nvml",
         EVERY_MODE,
         key="used_bytes",
+        detail=EVERY_MODE,
     ),
     Family(
         "gpu_up",
@@ -562,6 +595,7 @@ FAMILIES: tuple[Family, ...] = (
         ("pid", "pod_uid", "container_id"),
         "kubelet",
         ("node",),
+        detail=("node",),
     ),
     Family(
         "gpu_process_pod_info",
@@ -572,6 +606,7 @@ FAMILIES: tuple[Family, ...] = (
         ("pid", "namespace", "pod", "container"),
         "kubelet",
         ("node",),
+        detail=("node",),
     ),
     Family(
         "gpu_memory_unattributed_bytes",
@@ -579,6 +614,15 @@ FAMILIES: tuple[Family, ...] = (
         "GPU memory that no pod holding the GPU owns: the whole GPU's used memory where no "
         "pod holds it, else its processes in no pod.",
         GPU_LABELS,
+        "kubelet",
+        ("node",),
+    ),
+    Family(
+        "gpu_container_memory_used_bytes",
+        "gauge",
+        "GPU memory used on one GPU by the processes of one container whose pod is certain "
+        "(as gpu_process_pod_info says): per-process memory keyed by what survives a restart.",
+        (*GPU_LABELS, "namespace", "pod", "container"),
         "kubelet",
         ("node",),
     ),
@@ -601,6 +645,7 @@ FAMILIES: tuple[Family, ...] = (
         ("run", "node", "demo"),
         "host_process",
         "resident_bytes",
+        detail=("node",),
     ),
     Family(
         "host_process_resident_memory_peak_bytes",
@@ -612,6 +657,7 @@ FAMILIES: tuple[Family, ...] = (
         ("run", "node", "demo"),
         "host_process",
         "resident_peak_bytes",
+        detail=("node",),
     ),
     Family(
         "host_process_swap_bytes",
@@ -622,6 +668,7 @@ FAMILIES: tuple[Family, ...] = (
         ("run", "node", "demo"),
         "host_process",
         "swap_bytes",
+        detail=("node",),
     ),
     Family(
         "host_memory_total_bytes",
@@ -723,6 +770,17 @@ def markdown_table() -> str:
             labels.append("process labels under `run`")
         labels += [f"`{name}` (value)" for name in entry.info_labels]
         modes = _MODE_WORDS.get(entry.modes, ", ".join(entry.modes))
+        if entry.detail:
+            detail = _MODE_WORDS.get(entry.detail, ", ".join(entry.detail))
+            modes += (
+                " ("
+                + (
+                    "full detail only"
+                    if entry.detail == entry.modes
+                    else f"full detail only in {detail}"
+                )
+                + ")"
+            )
         cells = (
             f"`{entry.exposed}`",
             entry.kind,

@@ -18,6 +18,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from exporter.catalog import DETAIL_LEVELS
+
 DEFAULT_PORT = 9445
 DEFAULT_HOST = "127.0.0.1"
 ENV_PREFIX = "GPUMEM_"
@@ -184,6 +186,14 @@ def _http_url(value: Any, origin: str) -> str | None:
 _COOLDOWN = _seconds(0.0, 86400.0)
 
 
+@_expected(" or ".join(DETAIL_LEVELS))
+def _detail(value: Any) -> str:
+    text = str(value).strip().lower()
+    if text not in DETAIL_LEVELS:
+        raise ValueError
+    return text
+
+
 @dataclass(frozen=True)
 class Config:
     """Every setting, declared once: name, type and default here, the rest in its Setting
@@ -211,6 +221,14 @@ class Config:
         False,
         "one exporter per rank without `gpumem-exporter run`: listen on port + LOCAL_RANK",
         _boolean,
+    )
+    detail: str = setting(
+        "basic",
+        "which families to serve: basic keeps a fleet's series budget (about 40 per GPU at a "
+        "server, 10 at the node daemon); full adds per-pool, private-pool, per-pid and driver "
+        "breakdowns (docs/metrics.md, Detail levels)",
+        _detail,
+        agents=False,
     )
     torch: bool = setting(True, "read PyTorch's caching allocator", _boolean)
     nvml: bool = setting(True, "read NVML (device and per-process GPU memory)", _boolean)

@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 from exporter import catalog
 from exporter.attribution import Attribution, attribute
 from exporter.catalog import PROCESS_LABELS, Family
+from exporter.process_labels import ProcessLabels
 from exporter.sample import (
     AllocatorReading,
     ExporterState,
@@ -53,10 +54,16 @@ class _Filling:
     on this process (an embedded exporter with RANK set has `rank` everywhere) is left out in
     one place."""
 
-    __slots__ = ("const_values", "metric", "names")
+    __slots__ = ("const_values", "entry", "metric", "names")
 
-    def __init__(self, metric: Metric, names: tuple[str, ...], const_values: tuple[str, ...]):
-        self.metric, self.names, self.const_values = metric, names, const_values
+    def __init__(
+        self,
+        entry: Family,
+        metric: Metric,
+        names: tuple[str, ...],
+        const_values: tuple[str, ...],
+    ):
+        self.entry, self.metric, self.names, self.const_values = entry, metric, names, const_values
 
     def _values(self, labels: Mapping[str, object]) -> list[str]:
         return [*self.const_values, *(str(labels.get(n, "")) for n in self.names)]
@@ -94,8 +101,15 @@ class SampleCollector(Collector):
         own_process: bool = True,
         alerts: AlertStates | None = None,
         actions: Callable[[], ActionStats] | None = None,
+        detail: str = "basic",
     ) -> None:
         self._actions = actions
+        # Families this mode does not serve, or not at this detail level (catalog.Family).
+        self._left_out = frozenset(
+            f.name
+            for f in catalog.FAMILIES
+            if mode not in f.modes or (mode in f.detail and detail != "full")
+        )
         self._state = state
         # A replay serves no `process_` family: those belong to the process that serves them.
         self._host = _MACHINE_HOST + (_OWN_PROCESS_HOST if own_process else ())
@@ -119,7 +133,7 @@ class SampleCollector(Collector):
             metric = CounterMetricFamily(entry.name, entry.help, labels=labels)
         else:
             metric = InfoMetricFamily(entry.name, entry.help, labels=labels)
-        return _Filling(metric, names, self._const_values)
+        return _Filling(entry, metric, names, self._const_values)
 
     def fingerprint(self) -> tuple[object, ...]:
         """Everything collect() reads that can change: equal fingerprints, equal output
@@ -131,18 +145,30 @@ class SampleCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         state = self._state()
-        yield from _filled(self._exporter_families(state))
+        stats = self._actions() if self._actions is not None else None
         sample = state.sample
+        processes = _processes(sample, stats, every_pid=self._mode != "run")
+        yield from self._served(self._exporter_families(state, stats, processes))
         if sample is None:
             return
-        yield from _filled(self._allocator_families(sample))
-        yield from _filled(self._gpu_families(sample))
-        yield from _filled(self._kubernetes_families(sample))
-        yield from _filled(self._host_families(sample))
+        yield from self._served(self._allocator_families(sample, processes))
+        yield from self._served(self._gpu_families(sample))
+        yield from self._served(self._kubernetes_families(sample))
+        yield from self._served(self._host_families(sample, processes))
+
+    def _served(self, families: Iterable[tuple[_Filling, bool]]) -> Iterator[Metric]:
+        """Those of the families served at this detail level: with samples, or always."""
+        for filling, always in families:
+            if filling.entry.name in self._left_out:
+                continue
+            if always or filling.metric.samples:
+                yield filling.metric
 
     # Each part yields (family, always): a family is served when it has samples, or always.
 
-    def _exporter_families(self, state: ExporterState) -> Iterator[tuple[_Filling, bool]]:
+    def _exporter_families(
+        self, state: ExporterState, stats: ActionStats | None, processes: ProcessLabels
+    ) -> Iterator[tuple[_Filling, bool]]:
         info = self._fill(catalog.family("gpumem_exporter_build"))
         info.add_info({}, {"version": self._version, "mode": self._mode})
         yield info, True
@@ -159,31 +185,41 @@ class SampleCollector(Collector):
                 unavailable.add_info(source, {"reason": status.unavailable})
         yield from ((up, True), (duration, True), (errors, True), (unavailable, False))
         if self._alerts is not None:
+            # Only what fires: a state that is not firing says nothing a fleet needs stored,
+            # and one series per alert and subject would outnumber the data.
             firing = self._fill(catalog.family("gpumem_exporter_alert_firing"))
             for alert, labels, is_firing in self._alerts.firing():
-                firing.add({**labels, "alert": alert}, 1.0 if is_firing else 0.0)
+                if is_firing:
+                    firing.add(processes.labels({**labels, "alert": alert}), 1.0)
             yield firing, False
+        if self._mode == "run" and processes.processes:
+            info = self._fill(catalog.family("gpumem_exporter_process"))
+            for pid, process in sorted(processes.processes.items()):
+                info.add_info(process, {"pid": pid})
+            yield info, False
         sample = state.sample
         if sample is not None and sample.rejected_messages:
             rejected = self._fill(catalog.family("gpumem_exporter_agent_messages_rejected"))
             for reason, count in sorted(sample.rejected_messages.items()):
                 rejected.add({"reason": reason}, count)
             yield rejected, True
-        if self._actions is not None:
-            yield from self._action_families(self._actions())
+        if stats is not None:
+            yield from self._action_families(stats, processes)
         if sample is not None:
             last = self._fill(catalog.family("gpumem_exporter_last_sample_timestamp_seconds"))
             last.add({}, sample.timestamp)
             yield last, True
 
-    def _action_families(self, stats: ActionStats) -> Iterator[tuple[_Filling, bool]]:
+    def _action_families(
+        self, stats: ActionStats, processes: ProcessLabels
+    ) -> Iterator[tuple[_Filling, bool]]:
         # Per process under `gpumem-exporter run` (each process's own monotonic counts).
         per_process = any(p.process for p in stats.processes)
         snapshots = self._fill(catalog.family("gpumem_exporter_snapshots"), per_process)
         released = self._fill(catalog.family("torch_cuda_empty_cache_released_bytes"), per_process)
         remediations = self._fill(catalog.family("gpumem_exporter_remediations"), per_process)
         for entry in stats.processes:
-            ids, counts = entry.process, entry.counts
+            ids, counts = processes.labels(entry.process), entry.counts
             for trigger, count in sorted(counts.snapshots.items()):
                 snapshots.add({**ids, "trigger": trigger}, count)
             released.add(ids, counts.empty_cache_released_bytes)
@@ -195,7 +231,9 @@ class SampleCollector(Collector):
             admin.add({"action": action, "outcome": outcome}, count)
         yield from ((snapshots, True), (released, True), (remediations, True), (admin, True))
 
-    def _allocator_families(self, sample: Sample) -> Iterator[tuple[_Filling, bool]]:
+    def _allocator_families(
+        self, sample: Sample, processes: ProcessLabels
+    ) -> Iterator[tuple[_Filling, bool]]:
         if not sample.allocators:
             return
         # One endpoint for several processes (gpumem-exporter run): label each by process.
@@ -206,10 +244,14 @@ class SampleCollector(Collector):
             by_key.setdefault(entry.group, {})[entry.key] = filling
         info = families[catalog.family("torch_cuda_allocator")]
         for reading in sample.allocators:
-            ids = {**reading.process, "device": reading.device, "gpu_uuid": reading.gpu_uuid}
+            ids = {
+                **processes.labels(reading.process),
+                "device": reading.device,
+                "gpu_uuid": reading.gpu_uuid,
+            }
             self._add_allocator_reading(by_key, info, reading, ids)
         yield from ((filling, False) for filling in families.values())
-        yield from self._pinned_host_families(sample)
+        yield from self._pinned_host_families(sample, processes)
 
     def _add_allocator_reading(
         self,
@@ -254,14 +296,16 @@ class SampleCollector(Collector):
             },
         )
 
-    def _pinned_host_families(self, sample: Sample) -> Iterator[tuple[_Filling, bool]]:
+    def _pinned_host_families(
+        self, sample: Sample, processes: ProcessLabels
+    ) -> Iterator[tuple[_Filling, bool]]:
         if not sample.pinned_host:
             return
         per_process = any(reading.process for reading in sample.pinned_host)
         for entry in _PINNED_HOST:
             family = self._fill(entry, per_process)
             for reading in sample.pinned_host:
-                family.add(reading.process, getattr(reading, entry.key))
+                family.add(processes.labels(reading.process), getattr(reading, entry.key))
             yield family, True
 
     def _gpu_families(self, sample: Sample) -> Iterator[tuple[_Filling, bool]]:
@@ -337,6 +381,12 @@ class SampleCollector(Collector):
             containers.add(vars(process), 1.0)
             if process.pod:
                 named.add(vars(process), 1.0)
+        by_container = self._fill(catalog.family("gpu_container_memory_used_bytes"))
+        for (index, uuid, namespace, pod, container), used in sorted(
+            attribution.container_memory.items()
+        ):
+            labels = {"gpu": index, "gpu_uuid": uuid, "namespace": namespace, "pod": pod}
+            by_container.add({**labels, "container": container}, used)
         unattributed = self._fill(catalog.family("gpu_memory_unattributed_bytes"))
         for uuid, (index, value) in sorted(attribution.unattributed_gpus.items()):
             unattributed.add({"gpu": index, "gpu_uuid": uuid}, value)
@@ -349,16 +399,18 @@ class SampleCollector(Collector):
                 "reason": entry.reason,
             }
             per_process.add(labels, entry.used_bytes)
-        families = (gpu_pods, containers, named, unattributed, per_process)
+        families = (gpu_pods, containers, named, by_container, unattributed, per_process)
         yield from ((family, False) for family in families)
 
-    def _host_families(self, sample: Sample) -> Iterator[tuple[_Filling, bool]]:
+    def _host_families(
+        self, sample: Sample, processes: ProcessLabels
+    ) -> Iterator[tuple[_Filling, bool]]:
         for entry in _HOST_PROCESS if sample.host_processes else ():
             family = self._fill(entry)
             for process in sample.host_processes:
                 value = getattr(process, entry.key)
                 if value is not None:
-                    family.add(vars(process), value)
+                    family.add(processes.labels(vars(process)), value)
             yield family, False
         host = sample.host
         if host is None:
@@ -371,7 +423,16 @@ class SampleCollector(Collector):
                 yield family, True
 
 
-def _filled(families: Iterable[tuple[_Filling, bool]]) -> Iterator[Metric]:
-    for filling, always in families:
-        if always or filling.metric.samples:
-            yield filling.metric
+def _processes(
+    sample: Sample | None, stats: ActionStats | None, *, every_pid: bool
+) -> ProcessLabels:
+    """Every process the rendering names: the allocators', pinned memory's, host memory's and
+    the actions' counts (exporter.process_labels)."""
+    found: list[dict[str, object]] = []
+    if sample is not None:
+        found += [r.process for r in sample.allocators]
+        found += [r.process for r in sample.pinned_host]
+        found += [vars(p) for p in sample.host_processes]
+    if stats is not None:
+        found += [p.process for p in stats.processes]
+    return ProcessLabels(found, every_pid=every_pid)

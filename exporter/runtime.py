@@ -127,7 +127,13 @@ SOURCE_KINDS = (
     SourceKind("torch", ("embedded",), lambda config: config.torch, _allocator),
     SourceKind("nvml", ("embedded", "node", "run"), lambda config: config.nvml, _nvml),
     SourceKind("host", ("embedded", "node", "run"), lambda config: config.host_memory, _host),
-    SourceKind("process_memory", ("node",), lambda config: config.host_memory, _gpu_processes),
+    # What it reads (host_process_* at the node daemon) is served only at the full detail level.
+    SourceKind(
+        "process_memory",
+        ("node",),
+        lambda config: config.host_memory and config.detail == "full",
+        _gpu_processes,
+    ),
     SourceKind("kubelet", ("node",), lambda config: config.kubelet_socket != "off", _kubelet),
 )
 
@@ -325,6 +331,7 @@ def build_runtime(
         own_process=declared.own_process,
         alerts=detectors,
         actions=action_stats,
+        detail=config.detail,
     )
     registry.register(collector)
     return Runtime(

@@ -155,7 +155,10 @@ def captured_sample(name: str) -> Sample:
     return sample
 
 
-def render(sample: Sample | None, labels: dict | None = None, replay: bool = False) -> str:
+def render(
+    sample: Sample | None, labels: dict | None = None, replay: bool = False, detail: str = "full"
+) -> str:
+    """The sample's exposition, at the full detail level unless told (every family it has)."""
     registry = CollectorRegistry()
     state = ExporterState(
         sample=sample,
@@ -169,6 +172,7 @@ def render(sample: Sample | None, labels: dict | None = None, replay: bool = Fal
             mode="demo" if replay else "embedded",
             torch_version="2.11.0",
             own_process=not replay,
+            detail=detail,
         )
     )
     return generate_latest(registry).decode()

@@ -38,7 +38,9 @@ _BY_EXPOSED = {f.exposed: f for f in catalog.FAMILIES}
 WORKER = {"pid": "100", "rank": "0", "local_rank": "0", "role": "worker"}
 
 
-def _exposition(sample: Sample, mode: str, const: dict[str, str], per_process: bool) -> str:
+def _exposition(
+    sample: Sample, mode: str, const: dict[str, str], per_process: bool, detail: str = "full"
+) -> str:
     state = ExporterState(
         sample,
         {
@@ -65,6 +67,7 @@ def _exposition(sample: Sample, mode: str, const: dict[str, str], per_process: b
             own_process=mode != "demo",
             alerts=alerts,
             actions=lambda: stats,
+            detail=detail,
         )
     )
     return generate_latest(registry).decode()
@@ -187,3 +190,21 @@ def test_the_catalog_names_the_declared_modes() -> None:
     from exporter.runtime import MODES
 
     assert set(catalog.MODES) == set(MODES)
+
+
+def test_the_basic_level_serves_no_detail_family_and_the_full_level_serves_them() -> None:
+    """GPUMEM_DETAIL=basic (the default) keeps the families declared `detail` off the scrape
+    of those modes; full serves them (the test above sees every one served)."""
+    _, demo = read_trace(demo_trace_path())
+    cases = [("embedded", False, demo[0]), ("run", True, _run_shaped(demo[0]))]
+    cases.append(("node", False, _node_shaped(demo[0])))
+    for mode, per_process, sample in cases:
+        detailed = {f.exposed for f in catalog.FAMILIES if mode in f.detail}
+        served = {}
+        for detail in ("basic", "full"):
+            text = _exposition(sample, mode, {}, per_process, detail)
+            served[detail] = {f.name for f in text_string_to_metric_families(text)}
+            served[detail] |= {f"{name}_info" for name in served[detail]}
+            served[detail] |= {f"{name}_total" for name in served[detail]}
+        assert served["basic"] & detailed == set(), mode
+        assert served["full"] & detailed, mode

@@ -112,7 +112,6 @@ def test_demo_serves_moving_allocator_nvml_and_host_metrics_that_promtool_accept
         "torch_cuda_non_allocator_bytes",
         "gpu_memory_used_bytes",
         "gpu_memory_free_bytes",
-        "gpu_process_memory_used_bytes",
         "host_memory_available_bytes",
         "process_resident_memory_bytes",
         "gpumem_exporter_last_sample_timestamp_seconds",
@@ -139,7 +138,8 @@ def test_demo_serves_moving_allocator_nvml_and_host_metrics_that_promtool_accept
 
 def test_record_a_running_exporter_and_replay_it(tmp_path):
     trace = tmp_path / "incident.jsonl.gz"
-    with running("demo", "--interval-s", "0.2") as url:
+    # At the full detail level: a recording keeps every family the server serves.
+    with running("demo", "--interval-s", "0.2", "--detail", "full") as url:
         # The demo's CUDA-graph pool appears in its first seconds: record once it is there, so
         # that the recording and the live scrape after it show the same families.
         deadline = time.monotonic() + 30
@@ -167,7 +167,7 @@ def test_record_a_running_exporter_and_replay_it(tmp_path):
     assert meta["source_url"] == url + "/metrics"
     assert len(samples) >= 4
     assert samples[-1].allocators and samples[-1].gpus and samples[-1].host
-    with running("demo", "--trace", str(trace), "--no-loop") as url:
+    with running("demo", "--trace", str(trace), "--no-loop", "--detail", "full") as url:
         replayed = scrape(url)
     assert first(replayed, "torch_cuda_reserved_bytes") > 0
     assert {n for n, _ in replayed if n.startswith("torch_cuda")} == {
@@ -194,8 +194,9 @@ def test_serve_without_nvml_reports_the_source_down_and_host_up():
         if n == "gpumem_exporter_source_up"
     }
     assert up["host"] == 1
-    # The node daemon never reads torch; it reads the host memory of GPU processes.
-    assert set(up) == {"nvml", "host", "process_memory"}
+    # The node daemon never reads torch; the host memory of GPU processes (host_process_*)
+    # only at the full detail level.
+    assert set(up) == {"nvml", "host"}
     if not Path("/dev/nvidiactl").exists():
         # No GPU stack here: no data with its reason, not a failing source (which would page
         # through GpuMemExporterSourceFailing every tick).

@@ -73,7 +73,7 @@ def dead_pid() -> int:
 
 def demo_runtime():
     return build_runtime(
-        load_config(env={}),
+        load_config(env={}, detail="full"),  # every family the demo's sample has
         mode="embedded",
         sources=[ReplaySource(None)],
         registry=CollectorRegistry(),
@@ -100,9 +100,9 @@ def test_every_family_reaches_the_multiprocess_collector_as_served_directly(tmp_
     assert len(types(direct)) >= 40
     assert types(bridged)["gpumem_exporter_source_errors"] == "counter"
     assert types(bridged)["gpumem_exporter_build_info"] == "gauge"
-    # The alert about the recording's host process keeps naming that process.
+    # A series about the recording's process keeps naming that process, not the bridge's.
     recorded = next(s.self_pid for s in read_trace(demo_trace_path())[1] if s.self_pid)
-    assert str(recorded) in pids_of(series(bridged), "gpumem_exporter_alert_firing")
+    assert pids_of(series(bridged), "gpu_process_memory_used_bytes") == {str(recorded)}
     promtool = require_tool("promtool")
     proc = subprocess.run(
         [promtool, "check", "metrics"], input=bridged, capture_output=True, text=True, timeout=60

@@ -171,7 +171,9 @@ def test_the_node_daemon_serves_the_pod_readers_names_and_its_state(api, tmp_pat
         proc=str(tmp_path / "proc"),
         pods=lambda: client(api, tmp_path),
     )
-    runtime = build_runtime(load_config(env={}), mode="node", sources=[nvml, source])
+    # The per-pid families are served at the full detail level.
+    config = load_config(env={}, detail="full")
+    runtime = build_runtime(config, mode="node", sources=[nvml, source])
     http = TestClient(create_app(runtime))
 
     def scrape() -> tuple[str, dict]:

@@ -38,7 +38,9 @@ def fake_proc(root: Path, cgroup_fixture: str) -> str:
 
 
 class Node:
-    def __init__(self, tmp: Path, cgroup_fixture: str = "v2-systemd-crio.txt") -> None:
+    def __init__(
+        self, tmp: Path, cgroup_fixture: str = "v2-systemd-crio.txt", detail: str = "full"
+    ) -> None:
         self.state = tmp / "state.json"
         self.socket = tmp / "kubelet.sock"
         write_state(self.state, [pod("serving", "llama-0", "server", f"{GPU0}::0")])
@@ -52,7 +54,7 @@ class Node:
             proc=fake_proc(tmp / "proc", cgroup_fixture),
         )
         self.runtime: Runtime = build_runtime(
-            load_config(env={}), mode="node", sources=[self.nvml, self.source]
+            load_config(env={}, detail=detail), mode="node", sources=[self.nvml, self.source]
         )
         self.client = TestClient(create_app(self.runtime))
 
@@ -115,6 +117,27 @@ def test_the_gpu_and_its_process_are_named_and_move_with_the_assignment(node):
     families = node.wait_for(lambda f: "batch" in {p[1] for p in pods_of(f)})
     assert pods_of(families) == {(GPU0, "batch", "embed-7", "worker")}
     assert time.monotonic() - started < 2.0
+
+
+def test_at_the_basic_level_a_containers_gpu_memory_is_keyed_by_the_container(tmp_path):
+    """The default level serves no per-pid series for pods' processes: their GPU memory is
+    summed per GPU and container, an identity a restart of the server keeps."""
+    node = Node(tmp_path, detail="basic")
+    try:
+        families = node.wait_for(lambda f: "gpu_container_memory_used_bytes" in f)
+        [used] = families["gpu_container_memory_used_bytes"]
+        assert used.labels == {
+            "gpu": "0",
+            "gpu_uuid": GPU0,
+            "namespace": "serving",
+            "pod": "llama-0",
+            "container": "server",
+        }
+        assert used.value == PID_USED
+        assert not {"gpu_process_pod_info", "gpu_process_memory_used_bytes"} & set(families)
+        assert all("pid" not in s.labels for samples in families.values() for s in samples)
+    finally:
+        node.close()
 
 
 def test_a_gpu_assigned_elsewhere_leaves_this_gpus_memory_unattributed(node):

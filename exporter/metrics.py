@@ -428,7 +428,7 @@ def _processes(
 ) -> ProcessLabels:
     """Every process the rendering names: the allocators', pinned memory's, host memory's and
     the actions' counts (exporter.process_labels)."""
-    found: list[dict[str, object]] = []
+    found: list[Mapping[str, object]] = []
     if sample is not None:
         found += [r.process for r in sample.allocators]
         found += [r.process for r in sample.pinned_host]

@@ -396,12 +396,26 @@ def iter_panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
 # with a stand-in kubelet (tests/e2e/test_e2e_kubernetes.py) checks that each of them has data.
 ATTRIBUTION_SERIES = re.compile(
     r"\b(gpu_pod_info|gpu_process_pod_info|gpu_process_container_info"
-    r"|gpu_memory_unattributed_bytes|gpu_process_memory_unattributed_bytes)\b"
+    r"|gpu_memory_unattributed_bytes|gpu_process_memory_unattributed_bytes"
+    r"|gpu_container_memory_used_bytes|namespace(_pod)?:gpu_memory_used_bytes:sum)\b"
 )
 
 
 def needs_kubelet(expr: str) -> bool:
     return bool(ATTRIBUTION_SERIES.search(expr))
+
+
+def names_detail_family(expr: str, mode: str, only: bool = False) -> bool:
+    """Whether the query reads a family that `mode` serves only at GPUMEM_DETAIL=full
+    (only: and that no other mode serves at the default level)."""
+    from exporter import catalog
+
+    names = {
+        f.exposed
+        for f in catalog.FAMILIES
+        if mode in f.detail and (not only or set(f.detail) >= set(f.modes))
+    }
+    return any(re.search(rf"\b{name}\b", expr) for name in names)
 
 
 def iter_panel_queries(path: Path) -> Iterator[tuple[str, str]]:

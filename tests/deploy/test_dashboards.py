@@ -37,8 +37,10 @@ from tests.helpers import (
     iter_panels,
     load_json,
     markdown_anchors,
+    names_detail_family,
     needs_kubelet,
     run_tsc,
+    short_rules,
     start_prometheus,
     stop_processes,
     wait_http,
@@ -366,6 +368,27 @@ def test_template_variables_are_defined(path: Path) -> None:
     assert used - defined == set()
 
 
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_panels_of_detail_families_say_so(path: Path) -> None:
+    """A panel reading a family served only at GPUMEM_DETAIL=full tells the user, who would
+    otherwise find it empty at the default level; the fleet dashboard reads none."""
+    unsaid = []
+    for panel in iter_panels(load_json(path)):
+        exprs = [t.get("expr", "") for t in panel.get("targets", [])]
+        # A server's endpoint (embedded, run); the node daemon's families where only it
+        # serves them (host_process_* is the server's at every level).
+        if any(
+            names_detail_family(e, "embedded")
+            or names_detail_family(e, "run")
+            or names_detail_family(e, "node", only=True)
+            for e in exprs
+        ):
+            if "GPUMEM_DETAIL=full" not in panel.get("description", ""):
+                unsaid.append(panel.get("title"))
+            assert path.name != "gpumem-fleet.json", panel.get("title")
+    assert unsaid == []
+
+
 def test_pod_dashboard_content() -> None:
     path = DASHBOARDS_DIR / "gpumem-pod.json"
     dashboard = load_json(path)
@@ -583,7 +606,11 @@ class PrometheusAPI:
 # cluster), the other does not (a single Prometheus without one). Namespaces differ so that a
 # filter dropping either is visible.
 PLAIN = {"namespace": "plain", "pod": "plain-0"}
-DEMO = [sys.executable, "-m", "exporter.cli", "demo", "--speed", "3", "--interval-s", "0.5"]
+# At the full detail level, so that every panel has data (the e2e test runs the default level).
+DEMO = [
+    *(sys.executable, "-m", "exporter.cli", "demo", "--speed", "3", "--interval-s", "0.5"),
+    *("--detail", "full"),
+]
 LABELLED = {"cluster": "east", "namespace": "east", "pod": "east-0"}
 
 
@@ -594,7 +621,9 @@ def mixed_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prome
     exporter_port, prometheus_port = free_port(), free_port()
     target = [f"127.0.0.1:{exporter_port}"]
     config = {
-        "global": {"scrape_interval": "1s"},
+        # The recording rules the dashboards read, evaluated every second.
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": short_rules(tmp),
         "scrape_configs": [
             {"job_name": "gpumem-plain", "static_configs": [{"targets": target, "labels": PLAIN}]},
             {

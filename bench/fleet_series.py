@@ -166,10 +166,10 @@ def endpoint(server_restarts: Iterable[str], gpus: int) -> dict[str, Any]:
     }
 
 
-def measure(gpus: int, detail: str = "basic") -> dict[str, Any]:
+def expositions(gpus: int, detail: str = "basic") -> dict[str, list[str]]:
+    """The run endpoint's and the node daemon's text, before and after a restart."""
     config = Config(detail=detail)
     _, trace = read_trace(demo_trace_path())
-    results = {}
     texts: dict[str, list[str]] = {"run": [], "node": []}
     for pid0 in (1000, 5000):  # the server, then the same server restarted
         detectors = Detectors(load_thresholds(env={}), log_events=False)
@@ -183,8 +183,18 @@ def measure(gpus: int, detail: str = "basic") -> dict[str, Any]:
         node = node_sample(server, trace[-1])
         node_counts = [ProcessCounts()]
         texts["node"].append(exposition(node, "node", node_detectors, node_counts, config))
-    for name, pair in texts.items():
-        results[name] = endpoint(pair, gpus)
+    return texts
+
+
+def measure_texts(gpus: int, detail: str = "basic") -> tuple[str, str]:
+    """One node's run endpoint and node daemon texts (bench.fleet serves them per node)."""
+    texts = expositions(gpus, detail)
+    return texts["run"][0], texts["node"][0]
+
+
+def measure(gpus: int, detail: str = "basic") -> dict[str, Any]:
+    texts = expositions(gpus, detail)
+    results = {name: endpoint(pair, gpus) for name, pair in texts.items()}
     trace_name = str(demo_trace_path().name)
     return {"gpus": gpus, "detail": detail, "trace": trace_name, "endpoints": results}
 

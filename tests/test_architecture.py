@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
         "kubernetes",
         "trace",
         "attribution",
+        "process_labels",
         "detectors",
         "window",
         "metrics",

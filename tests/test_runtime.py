@@ -20,7 +20,10 @@ def names(mode: str, **settings: object) -> list[str]:
 def test_each_mode_reads_the_sources_declared_for_it(tmp_path) -> None:
     socket = str(tmp_path / "kubelet.sock")
     assert names("embedded") == ["torch", "nvml", "host"]
-    assert names("node", kubelet_socket=socket) == ["nvml", "host", "process_memory", "kubelet"]
+    assert names("node", kubelet_socket=socket) == ["nvml", "host", "kubelet"]
+    # The node daemon reads GPU processes' host memory only to serve it at the full level.
+    full = names("node", kubelet_socket=socket, detail="full")
+    assert full == ["nvml", "host", "process_memory", "kubelet"]
     assert names("run") == ["nvml", "host"]  # and the launcher's agents and process tree
     assert names("demo") == []  # its replay is the command's own
 

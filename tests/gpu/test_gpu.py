@@ -342,8 +342,15 @@ def test_run_two_ranks_on_two_gpus(tmp_path):
             time.sleep(0.5)
         assert set(series) == {"0", "1"}, series
         pids = {r: int((control / f"ready{r}").read_text()) for r in ("0", "1")}
+        # Ranked processes' series carry no pid (they keep their identity across a restart);
+        # gpumem_exporter_process_info names each rank's pid.
+        info = {
+            s.labels["rank"]: s.labels["pid"]
+            for s in samples
+            if s.name == "gpumem_exporter_process_info"
+        }
         for rank, sample in series.items():
-            assert sample.labels["pid"] == str(pids[rank])
+            assert sample.labels["pid"] == "" and info[rank] == str(pids[rank])
             assert sample.labels["device"] == rank and sample.labels["role"] == f"rank{rank}"
             assert sample.value >= (int(rank) + 1) * 256 * MiB
         assert series["0"].labels["gpu_uuid"] != series["1"].labels["gpu_uuid"]
@@ -600,8 +607,15 @@ def test_torchrun_under_run_actions_oom_alerts_and_host_memory(tmp_path):
         wait(lambda: (control / "grown").exists(), "rank 0 to grow", 300)
         time.sleep(0.6)  # a few intervals
         samples = scrape()
+        pid_of = {
+            (s.labels["rank"], s.labels["role"]): s.labels["pid"]
+            for s in samples
+            if s.name == "gpumem_exporter_process_info"
+        }
         rss = {
-            s.labels["pid"]: s for s in samples if s.name == "host_process_resident_memory_bytes"
+            s.labels["pid"] or pid_of[(s.labels["rank"], s.labels["role"])]: s
+            for s in samples
+            if s.name == "host_process_resident_memory_bytes"
         }
         exported = rss[str(validator)].value
         truth = _vm_rss(validator)

@@ -74,7 +74,7 @@ def test_sigterm_to_the_launcher_stops_every_litserve_worker(tmp_path):
     try:
         deadline = time.monotonic() + 180
         workers: set[int] = set()
-        roles: dict[str, str] = {}  # pid -> role of each process reporting an allocator
+        roles: dict[str, str] = {}  # pid (or role/rank) -> role of each process reporting one
         while time.monotonic() < deadline:
             tree = {p.pid for p in psutil.Process(launcher.pid).children(recursive=True)}
             workers = nvml_pids() & tree
@@ -83,7 +83,8 @@ def test_sigterm_to_the_launcher_stops_every_litserve_worker(tmp_path):
                     text = r.read().decode()
                 series = re.findall(r"torch_cuda_allocated_bytes\{([^}]*)\}", text)
                 labels = [dict(re.findall(r'(\w+)="([^"]*)"', s)) for s in series]
-                roles = {x["pid"]: x["role"] for x in labels}
+                # A process whose rank and role are its own goes without a pid label.
+                roles = {x["pid"] or f"{x['role']}/{x['rank']}": x["role"] for x in labels}
             except OSError:
                 pass
             if len(workers) >= 2 and len(roles) >= 2:

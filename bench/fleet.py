@@ -109,6 +109,9 @@ class Fleet:
     def pod(self, node: int) -> str:
         return f"llm-{node}"
 
+    def restarted_at(self, node: int, epoch: int) -> float:
+        return self.started + epoch * self.restart_s - self.restart_s * node / self.nodes
+
     def restarts(self, node: int, now: float) -> int:
         """How many times the node's server has restarted: each node once per period, the
         nodes spread evenly over it."""
@@ -116,8 +119,10 @@ class Fleet:
         return int((now - self.started + offset) // self.restart_s)
 
     def render(self, node: int, endpoint: str, now: float) -> bytes:
-        tick = int((now - self.started) // 15)  # counters grow from the run's start
+        tick = int(now // 15)
         epoch = self.restarts(node, now)
+        # A restarted server's counters start again from 0.
+        since = tick - int(self.restarted_at(node, epoch) // 15)
         out = []
         for index, line in enumerate(self.templates[endpoint]):
             if line.kind == "comment":
@@ -126,7 +131,7 @@ class Fleet:
             text = self._identify(line.text, node)
             if line.has_pid:
                 text = _PID.sub(lambda m: f'pid="{int(m.group(1)) + 100000 * epoch}"', text)
-            out.append(text + self._value(line, node, index, tick, now))
+            out.append(text + self._value(line, node, index, tick, since, now))
         return ("\n".join(out) + "\n").encode()
 
     def _identify(self, text: str, node: int) -> str:
@@ -136,7 +141,7 @@ class Fleet:
         )
 
     @staticmethod
-    def _value(line: Line, node: int, index: int, tick: int, now: float) -> str:
+    def _value(line: Line, node: int, index: int, tick: int, since: int, now: float) -> str:
         base = float(line.value)
         if line.kind == "steady":
             return line.value
@@ -147,9 +152,9 @@ class Fleet:
         if line.kind == "moving":
             return repr(round(base * (0.98 + 0.04 * jitter)))
         if line.kind == "counter":
-            return repr(round(base + tick * (1 + index % 7)))
-        # rare: one node in 50 runs out of memory now and then.
-        return repr(base + (tick // 40 if node % 50 == 0 else 0))
+            return repr(since * (1 + index % 7))
+        # rare (OOMs, retries, errors): one node in 50 has one every 10 minutes.
+        return repr(float(since // 40 if node % 50 == 0 else 0))
 
 
 async def _serve_connection(fleet: Fleet, reader: Any, writer: Any) -> None:

@@ -152,7 +152,11 @@ def backend() -> dict[str, Any]:
     sampler = _sampler()
     sample = sampler.tick()
     collector = SampleCollector(
-        lambda: ExporterState(sample=sample), const_labels={}, version="test", mode="embedded"
+        lambda: ExporterState(sample=sample),
+        const_labels={},
+        version="test",
+        mode="embedded",
+        detail="full",  # the per-pool families too
     )
     names = sorted({s.name for family in collector.collect() for s in family.samples})
     return {

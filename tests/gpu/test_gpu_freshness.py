@@ -53,9 +53,21 @@ class Scraper:
         response = self.connection.getresponse()
         text = response.read().decode()
         found: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
+        families = list(text_string_to_metric_families(text))
+        # Under `run` a process with a rank or role of its own is named without its pid;
+        # gpumem_exporter_process_info maps those labels to the pid.
+        pids = {
+            (s.labels["rank"], s.labels["role"]): s.labels["pid"]
+            for family in families
+            for s in family.samples
+            if s.name == "gpumem_exporter_process_info"
+        }
+        for family in families:
             for s in family.samples:
-                if s.labels.get("pid", str(pid)) != str(pid):
+                named = s.labels.get("pid", str(pid))
+                if named == "":
+                    named = pids.get((s.labels.get("rank", ""), s.labels.get("role", "")), "")
+                if named != str(pid):
                     continue
                 if s.name == "gpu_process_memory_used_bytes" or (
                     s.name.startswith("torch_cuda_") and s.labels.get("device") == "0"

@@ -276,6 +276,7 @@ def test_values_schema_is_strict() -> None:
         ({"daemonset": {"hostPID": "yes"}}, "hostPID"),
         ({"daemonset": {"port": 70000}}, "port"),
         ({"daemonset": {"intervalSeconds": 0}}, "intervalSeconds"),
+        ({"daemonset": {"detail": "everything"}}, "detail"),
         ({"daemonset": {"tolerations": [{"key": "a", "operator": "Maybe"}]}}, "operator"),
         ({"serviceMonitor": {"interval": "15 seconds"}}, "interval"),
         ({"podMonitor": {"portName": "gpumem-metrics-port"}}, "portName"),
@@ -394,6 +395,8 @@ def test_daemonset_runs_node_daemon(rendered: dict[str, list[dict[str, Any]]]) -
     assert env_of(docs)["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
     assert "GPUMEM_ADMIN_TOKEN_FILE" not in env_of(docs)
     assert "GPUMEM_LABELS" not in env_of(docs)
+    assert env_of(docs)["GPUMEM_DETAIL"] == "basic"  # the fleet's series budget
+    assert env_of(render({"daemonset": {"detail": "full"}}))["GPUMEM_DETAIL"] == "full"
     assert "nvidia.com/gpu" not in str(c.get("resources")), "a monitor must not take a GPU"
     assert pod["runtimeClassName"] == "nvidia"
     assert pod["hostPID"] is False

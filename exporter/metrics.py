@@ -192,7 +192,7 @@ class SampleCollector(Collector):
                 if is_firing:
                     firing.add(processes.labels({**labels, "alert": alert}), 1.0)
             yield firing, False
-        if self._mode == "run" and processes.processes:
+        if processes.processes:  # served where the catalog declares it (run)
             info = self._fill(catalog.family("gpumem_exporter_process"))
             for pid, process in sorted(processes.processes.items()):
                 info.add_info(process, {"pid": pid})

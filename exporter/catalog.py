@@ -337,6 +337,33 @@ FAMILIES: tuple[Family, ...] = (
         name="torch_cuda_non_allocator_age_seconds",
         detail=IN_SERVER,
     ),
+    # -- out-of-memory verdicts: taken in PyTorch's OOM observer (exporter/oom_verdict.py) ---
+    _allocator(
+        "counter",
+        "oom",
+        "ooms_by_verdict",
+        "Out-of-memory errors by the verdict taken at each (fragmentation, cap, "
+        "other_processes, exhaustion, unknown; docs/runbooks.md#out-of-memory-verdicts).",
+        labels=("verdict",),
+    ),
+    _allocator(
+        "gauge",
+        "oom",
+        "last_timestamp",
+        "Unix time of the device's latest out-of-memory error, labelled with its verdict.",
+        name="torch_cuda_oom_last_timestamp_seconds",
+        labels=("verdict",),
+    ),
+    _allocator(
+        "gauge",
+        "oom",
+        "last_bytes",
+        "The readings that decided the latest out-of-memory verdict, taken in the OOM "
+        "observer: requested, free_in_holes, largest_free_block, cap_room, device_free, "
+        "other_processes, allocated, reserved.",
+        name="torch_cuda_oom_last_bytes",
+        labels=("reading",),
+    ),
     # -- the allocator's layout: a segments-only snapshot, every few seconds ----------------
     _allocator(
         "gauge",

@@ -312,7 +312,10 @@ class Config:
         _whole(0, "a whole number (0 = off)"),
     )
     oom_snapshot: bool = setting(
-        False, "capture a snapshot from PyTorch's OOM observer on an OOM", _boolean
+        True,
+        "write an allocator snapshot (without history unless it is being recorded) at an OOM, "
+        "at most one per cooldown; every OOM gets its verdict either way",
+        _boolean,
     )
     oom_snapshot_cooldown_s: float = setting(
         60.0, "least seconds between two OOM snapshots", _COOLDOWN

@@ -278,6 +278,7 @@ class SampleCollector(Collector):
         if reading.layout_skipped:
             skipped = by_key["layout_state"]["layout_skipped"]
             skipped.add_info(ids, {"reason": reading.layout_skipped})
+        self._add_oom(by_key["oom"], reading, ids)
         for pool_id, pool_gauges in sorted(reading.private_pools.items()):
             for key, value in pool_gauges.items():
                 by_key["private_pool"][key].add({**ids, "pool_id": pool_id}, value)
@@ -295,6 +296,19 @@ class SampleCollector(Collector):
                 "torch_version": self._torch_version,
             },
         )
+
+    @staticmethod
+    def _add_oom(
+        families: Mapping[str, _Filling], reading: AllocatorReading, ids: Mapping[str, object]
+    ) -> None:
+        for verdict, count in sorted(reading.ooms_by_verdict.items()):
+            families["ooms_by_verdict"].add({**ids, "verdict": verdict}, count)
+        last = reading.last_oom
+        if last is None:
+            return
+        families["last_timestamp"].add({**ids, "verdict": last.verdict}, last.timestamp)
+        for name, value in last.deciding_bytes().items():
+            families["last_bytes"].add({**ids, "reading": name}, value)
 
     def _pinned_host_families(
         self, sample: Sample, processes: ProcessLabels

@@ -47,8 +47,16 @@ class Runtime:
 
 
 def local_actions(config: Config, sources: Sequence[Source]) -> Actions:
-    """This process's own allocator (embedded, and the node daemon's empty one)."""
-    return LocalActions(SnapshotStore.for_config(config), config=config)
+    """This process's own allocator (embedded, and the node daemon's empty one), with the
+    allocator source reading its OOMs where one runs."""
+    from exporter.sources.torch_allocator import TorchAllocatorSource
+
+    readers = [s for s in sources if isinstance(s, TorchAllocatorSource)]
+    return LocalActions(
+        SnapshotStore.for_config(config),
+        config=config,
+        oom_reader=readers[0] if readers else None,
+    )
 
 
 def replay_actions(config: Config, sources: Sequence[Source]) -> Actions:

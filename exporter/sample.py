@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from exporter import catalog
+from exporter.oom_verdict import OomVerdict
 
 # The keys of the allocator's dicts below, each a metric's suffix (`torch_cuda_<key>`; counters
 # without `_total`): declared with their families in exporter.catalog.
@@ -52,6 +53,17 @@ class AllocatorReading:
     # that value is at this reading. None where NVML does not list the process.
     non_allocator_bytes: int | None = None
     non_allocator_age_s: float | None = None
+    # This device's latest OOM with its verdict, and OOMs counted by verdict, as the process's
+    # OOM observer decided them (exporter/oom_verdict.py). None / empty before an OOM.
+    last_oom: OomVerdict | None = None
+    ooms_by_verdict: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AllocatorReading:
+        last_oom = data.get("last_oom")
+        return cls(
+            **{**data, "last_oom": OomVerdict.from_dict(last_oom) if last_oom else None}
+        )
 
     @property
     def fragmentation_ratio(self) -> float | None:
@@ -297,7 +309,7 @@ class Sample:
         host = data.get("host")
         return cls(
             timestamp=float(data["timestamp"]),
-            allocators=[AllocatorReading(**a) for a in data.get("allocators", [])],
+            allocators=[AllocatorReading.from_dict(a) for a in data.get("allocators", [])],
             gpus=[GpuReading(**g) for g in data.get("gpus", [])],
             processes=[ProcessGpuReading(**p) for p in data.get("processes", [])],
             host=HostReading(**host) if host else None,

@@ -38,6 +38,7 @@ from exporter.identity import process_labels
 from exporter.sample import ActionCounts, ProcessCounts
 
 if TYPE_CHECKING:
+    from exporter.actions.oom import OomReader
     from exporter.actions.remediation import Remediation
     from exporter.config import Config
     from exporter.detectors import Detectors
@@ -135,9 +136,12 @@ class LocalActions:
         *,
         config: Config | None = None,
         process: dict[str, str] | None = None,
+        oom_reader: OomReader | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
+        # Reads an OOM's verdict (the allocator source); None: no OOM observer here.
+        self.oom_reader = oom_reader
         self.config = config
         self.process = process if process is not None else process_labels()
         self.totals = ActionCounts()
@@ -216,10 +220,15 @@ class LocalActions:
         self._arm_remediation(detectors)
         config = self.config
         listeners: list[Listener] = []
-        if config is not None and config.oom_snapshot:
+        if self.oom_reader is not None:
             from exporter.actions.oom import OomCapture
 
-            oom = OomCapture(self, cooldown_s=config.oom_snapshot_cooldown_s)
+            oom = OomCapture(
+                self,
+                self.oom_reader,
+                snapshots=config is None or config.oom_snapshot,
+                cooldown_s=config.oom_snapshot_cooldown_s if config else 60.0,
+            )
             listeners.append(when_cuda_ready(oom.attach, "oom_capture"))
         if config is not None and config.history_max_entries:
             params = HistoryParams(max_entries=config.history_max_entries)

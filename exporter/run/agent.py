@@ -97,7 +97,9 @@ class Agent:
             from exporter.detectors import Detectors, load_thresholds
 
             config = self.config
-            actions = LocalActions(SnapshotStore.for_config(config), config=config)
+            actions = LocalActions(
+                SnapshotStore.for_config(config), config=config, oom_reader=self.source
+            )
             # Detection here serves remediation only; the launcher logs alerts for the pod.
             detectors = Detectors(load_thresholds(), log_events=False)
             features = actions.sample_listeners(detectors)

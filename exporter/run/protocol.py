@@ -20,6 +20,7 @@ from typing import Any
 from exporter.actions.base import OUTCOME_STATUS, ProcessResult
 from exporter.actions.spec import BY_NAME
 from exporter.catalog import PROCESS_LABELS
+from exporter.oom_verdict import VERDICTS, OomVerdict
 from exporter.sample import (
     ALLOCATOR_COUNTERS,
     ALLOCATOR_GAUGES,
@@ -187,6 +188,8 @@ def parse_allocator(data: Any) -> AllocatorReading:
         "settings",
         "non_allocator_bytes",
         "non_allocator_age_s",
+        "last_oom",
+        "ooms_by_verdict",
     }
     if set(data) - known:
         raise _fail(f"allocator: unknown fields {sorted(set(data) - known)[:3]}")
@@ -234,7 +237,18 @@ def parse_allocator(data: Any) -> AllocatorReading:
         },
         non_allocator_bytes=None if outside is None else _count(outside, "non_allocator_bytes"),
         non_allocator_age_s=_age(data.get("non_allocator_age_s"), "non_allocator_age_s"),
+        last_oom=_last_oom(data.get("last_oom")),
+        ooms_by_verdict=_counts(data.get("ooms_by_verdict", {}), "ooms_by_verdict", VERDICTS),
     )
+
+
+def _last_oom(value: Any) -> OomVerdict | None:
+    if value is None:
+        return None
+    try:
+        return OomVerdict.from_dict(_object(value, "last_oom"))
+    except ValueError as exc:
+        raise _fail(f"last_oom: {exc}") from None
 
 
 def _age(value: Any, what: str) -> float | None:

@@ -17,8 +17,10 @@ import os
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
+from exporter.oom_verdict import MAX_NAMED_PROCESSES, OomLog, OomVerdict
 from exporter.sample import POOL_GAUGES, AllocatorReading, PinnedHostReading, SourceReading
 from exporter.sources.allocator_layout import (
     DEFAULT_INTERVAL_S,
@@ -26,6 +28,7 @@ from exporter.sources.allocator_layout import (
     DeviceLayout,
     LayoutReader,
     bounded_pools,
+    layouts_from_segments,
     pool_label,
 )
 from exporter.sources.non_allocator import NonAllocatorProbe
@@ -217,6 +220,9 @@ class TorchAllocatorSource:
         # UUIDs of the GPUs read last time: the ones this process uses (the NVML source of
         # an embedded exporter reads only these).
         self.uuids_in_use: frozenset[str] = frozenset()
+        # The verdicts of this process's OOMs (exporter.actions.oom writes them; every
+        # reading carries its device's latest).
+        self.ooms = OomLog()
 
     def _load_torch(self) -> Any:
         # Never import torch here: a process that has not imported it is not using CUDA
@@ -300,6 +306,7 @@ class TorchAllocatorSource:
             self._add_layout(layout, layout_due, readings, blocks)
         for reading in readings:
             reading.settings = dict(self._setting_labels)
+        self.ooms.annotate(readings)
         return SourceReading(allocators=readings, pinned_host=self._pinned_host(torch))
 
     def _memory_limit(self, torch: Any, index: int) -> int | None:
@@ -368,6 +375,88 @@ class TorchAllocatorSource:
             for label, values in reading.private_pools.items():  # the stats' own, fresher
                 pools.setdefault(label, {}).update(values)
             reading.private_pools = pools
+
+    # -- at an OOM (exporter.actions.oom calls these from PyTorch's OOM observer) ----------
+
+    def light_snapshot(self) -> Mapping[str, Any]:
+        """The allocator's segments without its history trace (0.2-0.7 ms on an H100 where
+        the full dump with history stalled 0.3-0.8 s). Raises where it would stall the
+        OOM-ing thread: with history recording on, every block's stack becomes Python objects."""
+        torch = self._load_torch()
+        snapshot = torch._C._cuda_memorySnapshot
+        if getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)():
+            raise RuntimeError("history recording is on: a snapshot would build every stack")
+        try:  # 2.11+: (pool, pool, include_traces); the default pool id means every pool
+            result: Mapping[str, Any] = snapshot((0, 0, False))
+        except (TypeError, RuntimeError):
+            result = snapshot(None)
+        return result
+
+    def read_oom(
+        self,
+        device: int,
+        requested: int,
+        limit_or_total: int,
+        device_free: int,
+        segments: Any = None,
+        missing: list[str] | None = None,
+    ) -> OomVerdict:
+        """The readings that decide an OOM's verdict (not yet decided), each taken on its own:
+        one that fails is left None and named in `missing`, never raised. Arguments are the
+        OOM observer's own; `segments` those of a snapshot taken in the same observer call."""
+        torch = self._load_torch()
+        missing = list(missing or [])
+        reading = OomVerdict(device, time.time(), int(requested), device_free_bytes=device_free)
+        values: dict[str, Any] = {}
+        try:
+            stats = torch._C._cuda_memoryStats(device)
+            values["reserved_bytes"] = int(stats["reserved_bytes"]["all"]["current"])
+            values["allocated_bytes"] = int(stats["allocated_bytes"]["all"]["current"])
+        except Exception as exc:
+            missing.append(f"allocator stats: {exc!r:.120}")
+        try:
+            total = self._totals.get(device)
+            if total is None:
+                properties = torch.cuda.get_device_properties(device)
+                total = self._totals[device] = int(properties.total_memory)
+            values["device_total_bytes"] = total
+            # The observer passes the cap where a fraction is set, else the device's memory.
+            fraction = getattr(torch._C, "_cuda_getMemoryFraction", None)
+            capped = fraction(device) < 1.0 if fraction else limit_or_total < total
+            values["memory_limit_bytes"] = int(limit_or_total) if capped else None
+        except Exception as exc:
+            missing.append(f"device total: {exc!r:.120}")
+        values.update(self._oom_layout(device, segments, values, missing))
+        try:
+            if self._non_allocator is None:
+                raise RuntimeError("NVML is off (GPUMEM_NVML)")
+            others = self._non_allocator.other_processes(self._gpu_uuid(torch, device))
+            values["other_processes_bytes"] = sum(used for _, used in others)
+            values["other_processes"] = [list(p) for p in others[:MAX_NAMED_PROCESSES]]
+        except Exception as exc:
+            missing.append(f"other processes: {exc!s:.120}")
+        values["expandable_segments"] = bool(self._expandable)
+        return replace(reading, **values, missing="; ".join(missing))
+
+    def _oom_layout(
+        self, device: int, segments: Any, values: Mapping[str, Any], missing: list[str]
+    ) -> dict[str, int]:
+        """Holes and the largest free block from the observer's snapshot; without one, the
+        holes as reserved - allocated (after PyTorch's flush, the cache that is left is
+        holes) and no largest block."""
+        if segments is not None:
+            try:
+                layout = layouts_from_segments(segments).get(device) or DeviceLayout()
+                return {
+                    "free_in_holes_bytes": layout.default_pool_free_bytes,
+                    "largest_free_block_bytes": layout.largest_free_block_bytes,
+                }
+            except Exception as exc:
+                missing.append(f"allocator layout: {exc!r:.120}")
+        if "reserved_bytes" in values and "allocated_bytes" in values:
+            holes = values["reserved_bytes"] - values["allocated_bytes"]
+            return {"free_in_holes_bytes": max(holes, 0)}
+        return {}
 
     def _pinned_host(self, torch: Any) -> list[PinnedHostReading]:
         """Pinned host memory of PyTorch's caching host allocator: one C call (5-8 us on an

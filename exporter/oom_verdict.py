@@ -1,0 +1,292 @@
+"""Why a process ran out of GPU memory: one verdict per OOM, from readings of that moment.
+
+PyTorch calls its OOM observer on the OOM-ing thread after the allocator has flushed its free
+cached segments and retried (docs/facts.md). What is left of the cache then is free bytes in
+segments that also hold live tensors ("holes"): cache that could not be given back. With the
+request, the device's free memory, the process's cap and what other processes hold on the GPU,
+the cause is decided by the first rule that holds, in this order:
+
+- `fragmentation`: free bytes in holes >= R (the cache had enough, in pieces too small).
+  Action: `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (or uniform sizes where it is on).
+- `cap`: a cap is set (fraction < 1) and the GPU's free memory >= R. Action: raise the
+  fraction to the cap named.
+- `other_processes`: other processes hold >= 10 % of the GPU, and their bytes plus the GPU's
+  free memory >= R. Action: stop or move them (the biggest is named).
+- `exhaustion`: none of the above, with every reading known: live tensors fill the memory the
+  process may use. Action: a smaller batch, sequence or KV-cache budget.
+- `unknown`: a reading a rule needs is missing (named in `missing`). Action: the snapshot.
+
+(R: the requested bytes.) A rule needs only its own readings: a missing NVML process list
+makes the verdict `unknown` only where no earlier rule decided it. Standard library only: agents import this.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from exporter.units import fmt_bytes
+
+VERDICTS = ("fragmentation", "cap", "other_processes", "exhaustion", "unknown")
+# Other processes must hold at least this share of the GPU to be the verdict: a sidecar's CUDA
+# context (~0.5 GiB) is not why a server filling an 80 GiB GPU ran out.
+OTHER_PROCESSES_MIN_SHARE = 0.10
+# The other processes named in a verdict (the biggest first).
+MAX_NAMED_PROCESSES = 3
+# The deciding bytes served as torch_cuda_oom_last_bytes{reading}: OomVerdict fields by name.
+READINGS = (
+    "requested",
+    "free_in_holes",
+    "largest_free_block",
+    "cap_room",
+    "device_free",
+    "other_processes",
+    "allocated",
+    "reserved",
+)
+
+
+@dataclass(frozen=True)
+class OomVerdict:
+    """One OOM: the readings taken in PyTorch's OOM observer and the verdict they give.
+    A reading is None where it could not be taken (`missing` says why)."""
+
+    device: int
+    timestamp: float  # Unix time of the OOM
+    requested_bytes: int
+    verdict: str = "unknown"
+    reason: str = ""  # the deciding numbers, in one line for people
+    action: str = ""  # what to do, in one line
+    reserved_bytes: int | None = None
+    allocated_bytes: int | None = None
+    # Free bytes left in the cache after PyTorch's flush: holes between live blocks.
+    free_in_holes_bytes: int | None = None
+    largest_free_block_bytes: int | None = None
+    # The allocator's cap (set_per_process_memory_fraction x total); None without a cap.
+    memory_limit_bytes: int | None = None
+    device_total_bytes: int | None = None
+    device_free_bytes: int | None = None  # cudaMemGetInfo in the allocator, at the OOM
+    other_processes_bytes: int | None = None  # NVML: the GPU's other processes, together
+    # [pid, bytes], the biggest first (at most MAX_NAMED_PROCESSES)
+    other_processes: list[list[int]] = field(default_factory=list)
+    expandable_segments: bool = False
+    missing: str = ""  # the readings that could not be taken, "name: why; ..."
+    snapshot: str = ""  # id of the allocator snapshot taken at this OOM, when one was
+    observe_s: float = 0.0  # time the observer took on the OOM-ing thread
+
+    @property
+    def cap_room_bytes(self) -> int | None:
+        """What the cap left this process: limit - reserved (None without a cap)."""
+        if self.memory_limit_bytes is None or self.reserved_bytes is None:
+            return None
+        return max(self.memory_limit_bytes - self.reserved_bytes, 0)
+
+    def deciding_bytes(self) -> dict[str, int]:
+        """READINGS that were taken, by name (torch_cuda_oom_last_bytes)."""
+        values = {name: _reading(self, name) for name in READINGS}
+        return {name: value for name, value in values.items() if value is not None}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "cap_room_bytes": self.cap_room_bytes}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OomVerdict:
+        """From to_dict()'s output (a trace, an agent's message); ValueError if malformed."""
+        if not isinstance(data, Mapping):
+            raise ValueError("an OOM verdict is an object")
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for name, value in data.items():
+            if name not in known:
+                continue  # derived (cap_room_bytes) or from a newer version
+            values[name] = _checked(name, value)
+        try:
+            verdict = cls(**values)
+        except TypeError as exc:
+            raise ValueError(f"OOM verdict: {exc}") from None
+        if verdict.verdict not in VERDICTS:
+            raise ValueError(f"OOM verdict: unknown verdict {verdict.verdict!r}")
+        return verdict
+
+
+def _reading(verdict: OomVerdict, name: str) -> int | None:
+    value = getattr(verdict, f"{name}_bytes")
+    return None if value is None else int(value)
+
+
+_TEXT = ("verdict", "reason", "action", "missing", "snapshot")
+_FLOAT = ("timestamp", "observe_s")
+
+
+def _checked(name: str, value: Any) -> Any:
+    """One field's value, if it has the field's type (agents' messages are untrusted)."""
+    if name in _TEXT:
+        if not isinstance(value, str) or len(value) > 2000:
+            raise ValueError(f"OOM verdict: {name} is not a short text")
+        return value
+    if name == "expandable_segments":
+        if not isinstance(value, bool):
+            raise ValueError("OOM verdict: expandable_segments is not a boolean")
+        return value
+    if name == "other_processes":
+        if not isinstance(value, list) or len(value) > MAX_NAMED_PROCESSES:
+            raise ValueError("OOM verdict: other_processes is not a short list")
+        pairs = [list(p) for p in value if isinstance(p, (list, tuple)) and len(p) == 2]
+        if len(pairs) != len(value) or not all(_whole(x) for p in pairs for x in p):
+            raise ValueError("OOM verdict: other_processes holds [pid, bytes] pairs")
+        return pairs
+    if name in _FLOAT:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"OOM verdict: {name} is not a non-negative number")
+        return float(value)
+    if value is None and name not in ("device", "requested_bytes"):
+        return None
+    if not _whole(value):
+        raise ValueError(f"OOM verdict: {name} is not a whole number")
+    return value
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62
+
+
+def decide(verdict: OomVerdict) -> OomVerdict:
+    """The verdict of these readings (module docstring), with its reason and action."""
+    name, reason, action = _rule(verdict)
+    return replace(verdict, verdict=name, reason=reason, action=action)
+
+
+def _rule(v: OomVerdict) -> tuple[str, str, str]:
+    asked = fmt_bytes(v.requested_bytes)
+    # 1. The cache had the bytes, in pieces.
+    if v.free_in_holes_bytes is None:
+        return _unknown(v, "free bytes in the cache")
+    if v.free_in_holes_bytes >= v.requested_bytes:
+        largest = v.largest_free_block_bytes
+        piece = f", largest free block {fmt_bytes(largest)}" if largest is not None else ""
+        reason = (
+            f"asked {asked}; {fmt_bytes(v.free_in_holes_bytes)} free in the cache between "
+            f"live tensors{piece}"
+        )
+        if v.expandable_segments:
+            action = (
+                "holes between live tensors even with expandable segments: make allocation "
+                "sizes uniform (pad or bucket batch shapes), free long-lived tensors made "
+                "between short-lived ones"
+            )
+        else:
+            action = (
+                "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and restart "
+                "(empty_cache cannot merge holes between live tensors)"
+            )
+        return "fragmentation", reason, action
+    # 2. The GPU had room; the process's cap did not.
+    capped = v.memory_limit_bytes is not None and (
+        v.device_total_bytes is None or v.memory_limit_bytes < v.device_total_bytes
+    )
+    if capped:
+        if v.device_free_bytes is None:
+            return _unknown(v, "the GPU's free memory")
+        if v.device_free_bytes >= v.requested_bytes:
+            assert v.memory_limit_bytes is not None
+            room = v.cap_room_bytes
+            reason = (
+                f"asked {asked}; the GPU had {fmt_bytes(v.device_free_bytes)} free but the cap "
+                f"of {fmt_bytes(v.memory_limit_bytes)} left "
+                f"{fmt_bytes(room) if room is not None else 'unknown'}"
+            )
+            need = (v.reserved_bytes or v.memory_limit_bytes) + v.requested_bytes
+            of_gpu = f" ({need / v.device_total_bytes:.2f})" if v.device_total_bytes else ""
+            action = (
+                f"raise torch.cuda.set_per_process_memory_fraction to a cap of at least "
+                f"{fmt_bytes(need)}{of_gpu}, or lower this process's memory use"
+            )
+            return "cap", reason, action
+    # 3. Other processes hold what was missing.
+    if v.device_free_bytes is None:
+        return _unknown(v, "the GPU's free memory")
+    if v.other_processes_bytes is None:
+        return _unknown(v, "the GPU's other processes (NVML)")
+    total = v.device_total_bytes or 0
+    share = v.other_processes_bytes / total if total else 0.0
+    if (
+        share >= OTHER_PROCESSES_MIN_SHARE
+        and v.other_processes_bytes + v.device_free_bytes >= v.requested_bytes
+    ):
+        named = ", ".join(f"pid {pid} {fmt_bytes(used)}" for pid, used in v.other_processes)
+        reason = (
+            f"asked {asked}; {fmt_bytes(v.device_free_bytes)} free on the GPU, other processes "
+            f"hold {fmt_bytes(v.other_processes_bytes)} ({named})"
+        )
+        first = v.other_processes[0][0] if v.other_processes else None
+        who = f"pid {first}" if first is not None else "the other processes"
+        return "other_processes", reason, f"stop or move {who} off this GPU"
+    # 4. Live tensors fill what this process may use.
+    if v.allocated_bytes is None:
+        return _unknown(v, "allocated bytes")
+    room = v.memory_limit_bytes if capped else v.device_total_bytes
+    of = f" of {fmt_bytes(room)}" + (" (the cap)" if capped else "") if room else ""
+    reason = (
+        f"asked {asked}; live tensors hold {fmt_bytes(v.allocated_bytes)}{of}, "
+        f"{fmt_bytes(v.free_in_holes_bytes)} free in the cache, "
+        f"{fmt_bytes(v.device_free_bytes)} free on the GPU"
+    )
+    action = "reduce the batch size, sequence length or KV-cache budget, or shard the model wider"
+    return "exhaustion", reason, action
+
+
+def _unknown(v: OomVerdict, needed: str) -> tuple[str, str, str]:
+    why = f" ({v.missing})" if v.missing else ""
+    reason = f"asked {fmt_bytes(v.requested_bytes)}; {needed} could not be read at the OOM{why}"
+    return "unknown", reason, "open the snapshot taken at the OOM to see the cache's blocks"
+
+
+def describe(verdict: OomVerdict) -> str:
+    """The verdict in one line for people: "fragmentation: asked ...; ... -> action"."""
+    return f"{verdict.verdict}: {verdict.reason} -> {verdict.action}"
+
+
+class OomLog:
+    """This process's OOM verdicts: the latest per device and counts by verdict. Written by
+    the OOM observer (any thread), read by the allocator source on every tick."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[int, OomVerdict] = {}
+        self._counts: dict[int, dict[str, int]] = {}
+
+    def record(self, verdict: OomVerdict) -> bool:
+        """Keep `verdict`; True when it differs from the device's previous verdict (the
+        observer logs only those: an OOM storm would otherwise log hundreds of lines)."""
+        with self._lock:
+            previous = self._last.get(verdict.device)
+            self._last[verdict.device] = verdict
+            counts = self._counts.setdefault(verdict.device, {})
+            counts[verdict.verdict] = counts.get(verdict.verdict, 0) + 1
+        return previous is None or previous.verdict != verdict.verdict
+
+    def set_snapshot(self, device: int, timestamp: float, snapshot_id: str) -> None:
+        """Link the snapshot written for the OOM at `timestamp` (written after the observer)."""
+        with self._lock:
+            last = self._last.get(device)
+            if last is not None and last.timestamp == timestamp:
+                self._last[device] = replace(last, snapshot=snapshot_id)
+
+    def last(self, device: int) -> OomVerdict | None:
+        with self._lock:
+            return self._last.get(device)
+
+    def counts(self, device: int) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts.get(device, {}))
+
+    def annotate(self, readings: Iterable[Any]) -> None:
+        """Give each AllocatorReading its device's latest verdict and counts."""
+        with self._lock:
+            if not self._last:
+                return
+            for reading in readings:
+                reading.last_oom = self._last.get(reading.device)
+                reading.ooms_by_verdict = dict(self._counts.get(reading.device, {}))

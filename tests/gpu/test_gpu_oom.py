@@ -1,0 +1,98 @@
+"""Every OOM verdict made on purpose in a real CUDA process: the exporter names the cause, and
+each deciding number equals torch's and NVML's own readings taken in the same observer call
+(tests/support/oom_scenarios.py). Run on the GPU machine: `pytest -m gpu`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _scenario(name: str, alloc_conf: str = "") -> dict:
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=alloc_conf)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tests" / "support" / "oom_scenarios.py"), name],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _check_numbers(r: dict) -> dict:
+    """The verdict's readings against the independent ones; returns the verdict."""
+    assert r["raised"], "the scenario did not run out of memory"
+    reading, truth = r["reading"], r["truth"]
+    oom = reading["last_oom"]
+    assert oom is not None, "no verdict on the allocator reading"
+    assert oom["requested_bytes"] == truth["requested"]
+    assert oom["reserved_bytes"] == truth["reserved"]
+    assert oom["allocated_bytes"] == truth["allocated"]
+    assert oom["free_in_holes_bytes"] == truth["holes"]
+    assert oom["largest_free_block_bytes"] == truth["largest"]
+    assert oom["device_free_bytes"] == truth["device_free"]
+    assert oom["device_total_bytes"] == truth["total"]
+    capped = truth["fraction"] < 1.0
+    assert oom["memory_limit_bytes"] == (truth["limit_or_total"] if capped else None)
+    assert oom["other_processes_bytes"] == sum(truth["others"].values())
+    assert reading["ooms_by_verdict"] == {oom["verdict"]: 1}
+    assert reading["counters"]["ooms"] == 1
+    # The OOM's snapshot is written, listed with trigger oom and linked from the verdict.
+    listed = {s["id"]: s for s in r["snapshots"]}
+    assert oom["snapshot"] in listed and listed[oom["snapshot"]]["trigger"] == "oom"
+    assert listed[oom["snapshot"]]["meta"]["oom"]["verdict"] == oom["verdict"]
+    return oom
+
+
+def test_a_shattered_cache_under_a_cap_is_fragmentation():
+    oom = _check_numbers(_scenario("fragmentation"))
+    assert oom["verdict"] == "fragmentation", oom
+    assert oom["free_in_holes_bytes"] >= oom["requested_bytes"] > oom["largest_free_block_bytes"]
+    assert "expandable_segments:True" in oom["action"]
+
+
+def test_fragmentation_with_expandable_segments():
+    oom = _check_numbers(_scenario("fragmentation", "expandable_segments:True"))
+    assert oom["expandable_segments"] is True
+    # The same live tensors: the holes between them remain, and the action says what
+    # expandable segments cannot fix.
+    assert oom["verdict"] == "fragmentation", oom
+    assert "expandable_segments:True" not in oom["action"]
+
+
+def test_a_cap_with_room_on_the_gpu_is_cap():
+    oom = _check_numbers(_scenario("cap"))
+    assert oom["verdict"] == "cap", oom
+    assert oom["device_free_bytes"] >= oom["requested_bytes"]
+    assert oom["memory_limit_bytes"] is not None
+
+
+def test_another_process_filling_the_gpu_is_other_processes():
+    r = _scenario("other_processes")
+    oom = _check_numbers(r)
+    assert oom["verdict"] == "other_processes", oom
+    assert oom["other_processes"][0][0] == r["holder_pid"]
+    assert f"pid {r['holder_pid']}" in oom["action"]
+
+
+def test_live_tensors_filling_the_gpu_is_exhaustion():
+    oom = _check_numbers(_scenario("exhaustion"))
+    assert oom["verdict"] == "exhaustion", oom
+    assert oom["free_in_holes_bytes"] < oom["requested_bytes"]
+    assert oom["memory_limit_bytes"] is None

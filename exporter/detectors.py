@@ -131,6 +131,7 @@ SEVERITY = {
     "GpuMemFragmentationHigh": "warning",
     "GpuMemAllocRetries": "warning",
     "GpuMemOutOfMemory": "critical",
+    "GpuMemOomFragmentation": "critical",
     "GpuMemCacheGapHigh": "warning",
     "GpuMemFreeCacheShattered": "warning",
     "GpuMemHeadroomLow": "warning",
@@ -147,6 +148,7 @@ VALUE_OF = {
     "GpuMemFragmentationHigh": ("fragmentation", "ratio"),
     "GpuMemAllocRetries": ("new retries", "count"),
     "GpuMemOutOfMemory": ("new OOMs", "count"),
+    "GpuMemOomFragmentation": ("new fragmentation OOMs", "count"),
     "GpuMemCacheGapHigh": ("cached, not allocated", "bytes"),
     "GpuMemFreeCacheShattered": ("largest free block", "bytes"),
     "GpuMemHeadroomLow": ("GPU free", "ratio"),
@@ -246,6 +248,7 @@ class Detectors:
         "GpuMemFragmentationHigh",
         "GpuMemAllocRetries",
         "GpuMemOutOfMemory",
+        "GpuMemOomFragmentation",
         "GpuMemCacheGapHigh",
         "GpuMemFreeCacheShattered",
         "GpuMemHeadroomLow",
@@ -298,6 +301,11 @@ class Detectors:
                 if counter in reading.counters:
                     check = self._counter_check(alert, key, t, reading.counters[counter])
                     self._apply(alert, key, t, check, 0)
+            # OOMs whose verdict was fragmentation: the cache had the bytes, in pieces. Its
+            # own critical alert, because its fix is a setting, not more memory.
+            fragmented = reading.ooms_by_verdict.get("fragmentation", 0)
+            check = self._counter_check("GpuMemOomFragmentation", key, t, fragmented)
+            self._apply("GpuMemOomFragmentation", key, t, check, 0)
             self._apply("GpuMemCacheGapHigh", key, t, self._cache_gap(reading), th.cache_gap_for_s)
             check = self._shattered(reading, gpu_free.get(reading.gpu_uuid))
             self._apply("GpuMemFreeCacheShattered", key, t, check, th.shattered_for_s)

@@ -17,7 +17,8 @@ the cause is decided by the first rule that holds, in this order:
 - `unknown`: a reading a rule needs is missing (named in `missing`). Action: the snapshot.
 
 (R: the requested bytes.) A rule needs only its own readings: a missing NVML process list
-makes the verdict `unknown` only where no earlier rule decided it. Standard library only: agents import this.
+makes the verdict `unknown` only where no earlier rule decided it. Standard library only:
+agents import this.
 """
 
 from __future__ import annotations

@@ -67,13 +67,18 @@ def test_a_shattered_cache_under_a_cap_is_fragmentation():
     assert "expandable_segments:True" in oom["action"]
 
 
-def test_fragmentation_with_expandable_segments():
-    oom = _check_numbers(_scenario("fragmentation", "expandable_segments:True"))
+def test_expandable_segments_prevent_the_fragmentation_oom_as_the_verdict_advises():
+    # The same shattered cache with expandable segments: PyTorch's flush unmaps the free pages
+    # between live tensors, so the request that failed natively is served.
+    r = _scenario("fragmentation", "expandable_segments:True")
+    assert not r["raised"]
+    assert r["reading"]["last_oom"] is None and r["reading"]["expandable_segments"] is True
+
+
+def test_a_cap_with_expandable_segments_is_cap():
+    oom = _check_numbers(_scenario("cap", "expandable_segments:True"))
     assert oom["expandable_segments"] is True
-    # The same live tensors: the holes between them remain, and the action says what
-    # expandable segments cannot fix.
-    assert oom["verdict"] == "fragmentation", oom
-    assert "expandable_segments:True" not in oom["action"]
+    assert oom["verdict"] == "cap", oom
 
 
 def test_a_cap_with_room_on_the_gpu_is_cap():

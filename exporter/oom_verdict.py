@@ -139,7 +139,8 @@ def _checked(name: str, value: Any) -> Any:
             raise ValueError("OOM verdict: other_processes holds [pid, bytes] pairs")
         return pairs
     if name in _FLOAT:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not 0 <= value < 1e12:  # NaN fails both comparisons
             raise ValueError(f"OOM verdict: {name} is not a non-negative number")
         return float(value)
     if value is None and name not in ("device", "requested_bytes"):

@@ -155,6 +155,16 @@ def captured_sample(name: str) -> Sample:
     return sample
 
 
+def captured_oom_samples() -> list[Sample]:
+    """One sample per OOM made on purpose on an H100 (tests/data/oom_verdicts.json): the
+    allocator reading, verdict included, as the exporter's source read it after the OOM."""
+    data = json.loads((DATA_DIR / "oom_verdicts.json").read_text())
+    return [
+        Sample(timestamp=2.0, allocators=[AllocatorReading.from_dict(run["reading"])])
+        for run in data["runs"]
+    ]
+
+
 def render(
     sample: Sample | None, labels: dict | None = None, replay: bool = False, detail: str = "full"
 ) -> str:

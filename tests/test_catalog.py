@@ -30,7 +30,7 @@ from exporter.sources.replay import demo_trace_path
 from exporter.trace import read_trace
 from exporter.window import FIELDS
 from tests.conftest import DATA_DIR
-from tests.helpers import captured_sample
+from tests.helpers import captured_oom_samples, captured_sample
 
 # client_python's own collectors, registered beside ours: not the exporter's families.
 _CLIENT_PYTHON = re.compile(r"^(process_(?!resident_memory_peak)|python_)")
@@ -118,7 +118,7 @@ def _expositions() -> list[tuple[str, bool, str]]:
     _, demo = read_trace(demo_trace_path())
     _, storm = read_trace(DATA_DIR / "h200_oom_storm_trace.jsonl.gz")
     samples = [captured_sample(n) for n in ("native", "expandable", "async")]
-    samples += demo[::40] + storm[::10]
+    samples += demo[::40] + storm[::10] + captured_oom_samples()
     found = []
     for sample in samples:
         found.append(("embedded", False, _exposition(sample, "embedded", {"rank": "0"}, False)))

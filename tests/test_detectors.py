@@ -29,6 +29,7 @@ from exporter.sample import (
 from exporter.sources.replay import demo_trace_path
 from exporter.trace import read_trace
 from tests.conftest import REPO_ROOT
+from tests.helpers import captured_oom_samples
 
 GiB = 1 << 30
 DEVICE0 = {"device": "0", "gpu_uuid": "GPU-a"}  # an allocator alert's subject
@@ -436,6 +437,7 @@ def test_detectors_mirror_the_prometheus_rules():
         "GpuMemFragmentationHigh": th.fragmentation_for_s,
         "GpuMemAllocRetries": 0,
         "GpuMemOutOfMemory": 0,
+        "GpuMemOomFragmentation": 0,
         "GpuMemCacheGapHigh": th.cache_gap_for_s,
         "GpuMemFreeCacheShattered": th.shattered_for_s,
         "GpuMemHeadroomLow": th.headroom_for_s,
@@ -531,3 +533,22 @@ def test_firing_alerts_come_critical_first_with_their_start_and_value():
         ("GpuMemOutOfMemory", "critical", 1120.0, 2.0),
         ("GpuMemAllocRetries", "warning", 1060.0, 3.0),
     ]
+
+
+def test_a_fragmentation_oom_fires_its_own_critical_alert_and_other_verdicts_do_not():
+    """From the readings of OOMs made on an H100: only the fragmentation one fires it."""
+    fired = {}
+    for sample in captured_oom_samples():
+        detectors = Detectors()
+        detectors(sample)
+        reading = sample.allocators[0]
+        if reading.last_oom is None:
+            continue  # expandable segments served the request that failed natively
+        labels = {"device": str(reading.device), "gpu_uuid": reading.gpu_uuid}
+        assert detectors.is_firing("GpuMemOutOfMemory", labels)
+        fired[(reading.last_oom.verdict, reading.expandable_segments)] = detectors.is_firing(
+            "GpuMemOomFragmentation", labels
+        )
+    assert fired[("fragmentation", False)] is True
+    assert not any(v for (verdict, _), v in fired.items() if verdict != "fragmentation")
+    assert SEVERITY["GpuMemOomFragmentation"] == "critical"

@@ -409,7 +409,8 @@ class TorchAllocatorSource:
         reading = OomVerdict(device, time.time(), int(requested), device_free_bytes=device_free)
         values: dict[str, Any] = {}
         try:
-            stats = torch._C._cuda_memoryStats(device)
+            read_stats = getattr(torch._C, "_cuda_memoryStats", None)
+            stats = (read_stats or torch.cuda.memory_stats_as_nested_dict)(device)
             values["reserved_bytes"] = int(stats["reserved_bytes"]["all"]["current"])
             values["allocated_bytes"] = int(stats["allocated_bytes"]["all"]["current"])
         except Exception as exc:

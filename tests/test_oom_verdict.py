@@ -1,0 +1,137 @@
+"""The OOM verdict's rule (exporter/oom_verdict.py), on the readings an H100 took in the OOM
+observer for each cause (tests/data/oom_verdicts.json), and on those readings with one changed."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from exporter.oom_verdict import VERDICTS, OomLog, OomVerdict, decide, describe
+from tests.conftest import DATA_DIR
+
+GiB = 1 << 30
+CAPTURED = json.loads((DATA_DIR / "oom_verdicts.json").read_text())
+
+
+def _captured(scenario: str, alloc_conf: str = "") -> OomVerdict:
+    for run in CAPTURED["runs"]:
+        if run["scenario"] == scenario and run["alloc_conf"] == alloc_conf:
+            return OomVerdict.from_dict(run["reading"]["last_oom"])
+    raise LookupError(scenario)
+
+
+def _undecided(verdict: OomVerdict) -> OomVerdict:
+    return replace(verdict, verdict="unknown", reason="", action="")
+
+
+@pytest.mark.parametrize("scenario", ["fragmentation", "cap", "other_processes", "exhaustion"])
+def test_the_rule_gives_each_captured_oom_its_cause(scenario: str) -> None:
+    decided = decide(_undecided(_captured(scenario)))
+    assert decided.verdict == scenario
+    assert decided == _captured(scenario)  # the same reason and action as on the GPU
+
+
+def test_fragmentation_names_the_deciding_numbers_and_the_setting() -> None:
+    verdict = _captured("fragmentation")
+    assert verdict.free_in_holes_bytes >= verdict.requested_bytes  # type: ignore[operator]
+    assert "asked 512 MiB" in verdict.reason and "largest free block 160 MiB" in verdict.reason
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in verdict.action
+    with_expandable = decide(replace(_undecided(verdict), expandable_segments=True))
+    assert with_expandable.verdict == "fragmentation"
+    assert "expandable_segments:True" not in with_expandable.action
+
+
+def test_cap_says_how_high_the_cap_must_go() -> None:
+    verdict = _captured("cap")
+    assert verdict.cap_room_bytes == verdict.memory_limit_bytes - verdict.reserved_bytes  # type: ignore[operator]
+    # reserved 1.5 GiB + asked 1 GiB
+    assert "cap of at least 2.50 GiB" in verdict.action
+
+
+def test_other_processes_names_the_biggest_pid() -> None:
+    verdict = _captured("other_processes")
+    pid = verdict.other_processes[0][0]
+    assert f"stop or move pid {pid}" in verdict.action
+    assert f"pid {pid} " in verdict.reason
+
+
+def test_other_processes_under_a_tenth_of_the_gpu_are_not_the_cause() -> None:
+    """A sidecar's CUDA context does not explain a server that filled the GPU itself."""
+    verdict = _undecided(_captured("exhaustion"))
+    small = replace(
+        verdict,
+        other_processes_bytes=verdict.requested_bytes,
+        other_processes=[[4242, verdict.requested_bytes]],
+    )
+    assert decide(small).verdict == "exhaustion"
+    big = replace(small, other_processes_bytes=GiB * 9, other_processes=[[4242, GiB * 9]])
+    assert decide(big).verdict == "other_processes"
+
+
+@pytest.mark.parametrize(
+    ("scenario", "cleared", "needed"),
+    [
+        ("fragmentation", "free_in_holes_bytes", "free bytes in the cache"),
+        ("cap", "device_free_bytes", "the GPU's free memory"),
+        ("exhaustion", "other_processes_bytes", "the GPU's other processes"),
+        ("exhaustion", "allocated_bytes", "allocated bytes"),
+    ],
+)
+def test_a_missing_reading_that_a_rule_needs_is_unknown_and_named(
+    scenario: str, cleared: str, needed: str
+) -> None:
+    verdict = replace(
+        _undecided(_captured(scenario)), **{cleared: None}, missing="other processes: gone"
+    )
+    decided = decide(verdict)
+    assert decided.verdict == "unknown"
+    assert needed in decided.reason and "(other processes: gone)" in decided.reason
+    assert "snapshot" in decided.action
+
+
+def test_a_missing_reading_no_rule_reaches_does_not_hide_the_verdict() -> None:
+    verdict = replace(_undecided(_captured("fragmentation")), other_processes_bytes=None)
+    assert decide(verdict).verdict == "fragmentation"
+
+
+def test_a_verdict_round_trips_and_malformed_ones_are_refused() -> None:
+    verdict = _captured("other_processes")
+    assert OomVerdict.from_dict(verdict.to_dict()) == verdict
+    assert verdict.to_dict()["cap_room_bytes"] is None
+    for bad in (
+        {**verdict.to_dict(), "verdict": "bad luck"},
+        {**verdict.to_dict(), "requested_bytes": -1},
+        {**verdict.to_dict(), "requested_bytes": None},
+        {**verdict.to_dict(), "reason": 7},
+        {**verdict.to_dict(), "other_processes": [[1, 2, 3]]},
+        {**verdict.to_dict(), "other_processes": [[1, 2]] * 4},
+        {**verdict.to_dict(), "expandable_segments": "yes"},
+        {**verdict.to_dict(), "timestamp": float("nan")},
+        {"device": 0},
+        [],
+    ):
+        with pytest.raises(ValueError):
+            OomVerdict.from_dict(bad)  # type: ignore[arg-type]
+
+
+def test_describe_is_one_line_with_verdict_reason_and_action() -> None:
+    line = describe(_captured("cap"))
+    assert line.startswith("cap: asked 1.00 GiB;") and "-> raise" in line and "\n" not in line
+
+
+def test_the_log_keeps_the_latest_per_device_counts_and_reports_verdict_changes() -> None:
+    log = OomLog()
+    first = _captured("fragmentation")
+    assert log.record(first) is True
+    assert log.record(replace(first, timestamp=first.timestamp + 1)) is False  # same verdict
+    assert log.record(replace(_captured("cap"), device=0)) is True
+    assert log.counts(0) == {"fragmentation": 2, "cap": 1}
+    last = log.last(0)
+    assert last is not None and last.verdict == "cap"
+    log.set_snapshot(0, first.timestamp, "too-old")  # not the latest OOM: not linked
+    assert log.last(0).snapshot == last.snapshot  # type: ignore[union-attr]
+    log.set_snapshot(0, last.timestamp, "20261126T000000Z-00000000")
+    assert log.last(0).snapshot == "20261126T000000Z-00000000"  # type: ignore[union-attr]
+    assert set(log.counts(0)) <= set(VERDICTS)

@@ -7,9 +7,11 @@ and seconds in units a person reads. Failures are printed apart, on stderr, by t
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from exporter.identity import describe_process
+from exporter.oom_verdict import OomVerdict
 from exporter.units import fmt_bytes
 
 
@@ -61,3 +63,44 @@ def human_answer(answer: dict[str, Any]) -> str:
     if not answer.get("processes"):
         lines.append("no process of the server uses CUDA yet")
     return "".join(line + "\n" for line in lines)
+
+
+def oom_answer(stats: dict[str, Any]) -> str:
+    """`gpumem-exporter why`: each process and device's OOMs, the latest with its verdict, the
+    deciding numbers, the action and its snapshot; from GET /stats."""
+    sample = stats.get("sample") or {}
+    lines = []
+    for allocator in sample.get("allocators", []):
+        ooms = int((allocator.get("counters") or {}).get("ooms", 0))
+        last = allocator.get("last_oom")
+        if not ooms and not last:
+            continue
+        process = allocator.get("process") or {"pid": str(sample.get("self_pid") or "?")}
+        where = f"{describe_process(process)} cuda:{allocator.get('device')}"
+        counts = allocator.get("ooms_by_verdict") or {}
+        by_verdict = ", ".join(f"{v} {n}" for v, n in sorted(counts.items()))
+        lines.append(f"{where}: {ooms} OOM(s)" + (f" ({by_verdict})" if by_verdict else ""))
+        if ooms > sum(counts.values()):
+            lines.append(
+                f"  {ooms - sum(counts.values())} without a verdict (before the OOM observer "
+                "was armed, or recorded by an older exporter)"
+            )
+        if last:
+            lines.extend(_verdict_lines(OomVerdict.from_dict(last)))
+    if not lines:
+        return "no out-of-memory error in any process since the exporter started\n"
+    return "".join(line + "\n" for line in lines)
+
+
+def _verdict_lines(verdict: OomVerdict) -> list[str]:
+    at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(verdict.timestamp))
+    lines = [
+        f"  latest at {at}: {verdict.verdict}",
+        f"    why: {verdict.reason}",
+        f"    do:  {verdict.action}",
+    ]
+    if verdict.missing:
+        lines.append(f"    not read: {verdict.missing}")
+    if verdict.snapshot:
+        lines.append(f"    snapshot: /snapshots/{verdict.snapshot}/view")
+    return lines

@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_history_command,
         _add_reset_peak_command,
         _add_stats_command,
+        _add_why_command,
         _add_view_command,
     ):
         add(commands)
@@ -278,6 +279,17 @@ def _add_stats_command(commands: argparse._SubParsersAction[argparse.ArgumentPar
         description="GET /stats: the exporter's latest sample and its firing in-process alerts.",
     )
     _add_client_flags(stats)
+
+
+def _add_why_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    why = commands.add_parser(
+        "why",
+        help="why each process ran out of GPU memory: the latest OOM's verdict and action",
+        description="GET /stats: per process and device, the OOMs counted by verdict and the "
+        "latest one's verdict (fragmentation, cap, other_processes, exhaustion, unknown), the "
+        "numbers that decided it, what to do, and the snapshot taken at it.",
+    )
+    _add_client_flags(why)
 
 
 def _add_view_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -628,6 +640,27 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_why(args: argparse.Namespace) -> int:
+    from exporter.answers import oom_answer
+
+    stats = _client_call(args, _client(args).stats)
+    if args.json:
+        verdicts = [
+            {
+                "process": a.get("process") or {},
+                "device": a.get("device"),
+                "ooms": (a.get("counters") or {}).get("ooms", 0),
+                "ooms_by_verdict": a.get("ooms_by_verdict") or {},
+                "last_oom": a.get("last_oom"),
+            }
+            for a in (stats.get("sample") or {}).get("allocators", [])
+        ]
+        print(json.dumps({"mode": stats.get("mode"), "devices": verdicts}, indent=2))
+    else:
+        print(oom_answer(stats), end="")
+    return 0
+
+
 def cmd_view(args: argparse.Namespace) -> int:
     from exporter.viewer import SnapshotError, load_snapshot, render_html
 
@@ -669,6 +702,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "history": cmd_history,
         "reset-peak": cmd_reset_peak,
         "stats": cmd_stats,
+        "why": cmd_why,
         "view": cmd_view,
     }
     if args.command not in handlers:

@@ -61,9 +61,7 @@ class AllocatorReading:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AllocatorReading:
         last_oom = data.get("last_oom")
-        return cls(
-            **{**data, "last_oom": OomVerdict.from_dict(last_oom) if last_oom else None}
-        )
+        return cls(**{**data, "last_oom": OomVerdict.from_dict(last_oom) if last_oom else None})
 
     @property
     def fragmentation_ratio(self) -> float | None:

@@ -8,6 +8,7 @@ fail in CI (GPUMEM_REQUIRE_TOOLS=1), like require_tool()."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import os
@@ -163,6 +164,16 @@ def captured_oom_samples() -> list[Sample]:
         Sample(timestamp=2.0, allocators=[AllocatorReading.from_dict(run["reading"])])
         for run in data["runs"]
     ]
+
+
+def trace_of_sample(path: Path, sample: Sample, count: int = 5) -> Path:
+    """A trace that replays one sample `count` times, a second apart."""
+    from exporter.trace import TraceWriter
+
+    writer = TraceWriter(path)
+    for i in range(count):
+        writer(dataclasses.replace(sample, timestamp=100.0 + i))
+    return writer.close()
 
 
 def render(

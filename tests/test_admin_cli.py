@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import require_tool
-from tests.helpers import run_cli, running
+from tests.helpers import run_cli, running, trace_of_sample
 
 TOKEN = "cli-test-token"
 
@@ -213,18 +213,6 @@ def test_a_token_file_that_gives_no_token_is_a_one_line_error(
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
-def _trace_of(path: Path, sample) -> Path:
-    """A trace that replays one captured sample (five times, a second apart)."""
-    from dataclasses import replace
-
-    from exporter.trace import TraceWriter
-
-    writer = TraceWriter(path)
-    for i in range(5):
-        writer(replace(sample, timestamp=100.0 + i))
-    return writer.close()
-
-
 def _captured(verdict: str | None):
     from tests.helpers import captured_oom_samples
 
@@ -237,7 +225,7 @@ def _captured(verdict: str | None):
 
 def test_why_prints_each_process_oom_verdict_with_its_numbers_and_action(tmp_path):
     """`why` against a demo replaying the readings of a fragmentation OOM made on an H100."""
-    trace = _trace_of(tmp_path / "oom.jsonl.gz", _captured("fragmentation"))
+    trace = trace_of_sample(tmp_path / "oom.jsonl.gz", _captured("fragmentation"))
     env = {"GPUMEM_SNAPSHOT_DIR": str(tmp_path / "s")}
     with running("demo", "--trace", str(trace), env=env) as url:
         proc = run_cli("why", "--url", url)
@@ -258,7 +246,7 @@ def test_why_without_an_oom_and_with_oom_counts_that_have_no_verdict(tmp_path):
     from dataclasses import replace
 
     env = {"GPUMEM_SNAPSHOT_DIR": str(tmp_path / "s")}
-    quiet = _trace_of(tmp_path / "quiet.jsonl.gz", _captured(None))
+    quiet = trace_of_sample(tmp_path / "quiet.jsonl.gz", _captured(None))
     with running("demo", "--trace", str(quiet), env=env) as url:
         out = run_cli("why", "--url", url).stdout
     assert out == "no out-of-memory error in any process since the exporter started\n"
@@ -267,7 +255,7 @@ def test_why_without_an_oom_and_with_oom_counts_that_have_no_verdict(tmp_path):
     sample = _captured("cap")
     reading = replace(sample.allocators[0], last_oom=None, ooms_by_verdict={})
     reading.counters = {**reading.counters, "ooms": 3}
-    older = _trace_of(tmp_path / "older.jsonl.gz", replace(sample, allocators=[reading]))
+    older = trace_of_sample(tmp_path / "older.jsonl.gz", replace(sample, allocators=[reading]))
     with running("demo", "--trace", str(older), env=env) as url:
         out = run_cli("why", "--url", url).stdout
     assert "cuda:0: 3 OOM(s)\n  3 without a verdict" in out

@@ -48,7 +48,7 @@ STATIC_FILES = {
     # The page's ES modules (page.js imports the others).
     **{
         f"{name}.js": "text/javascript; charset=utf-8"
-        for name in ("page", "errors", "format", "state", "gpus", "status", "admin")
+        for name in ("page", "errors", "format", "state", "gpus", "status", "admin", "oom")
     },
     "page.css": "text/css; charset=utf-8",
     "uplot/uPlot.iife.min.js": "text/javascript; charset=utf-8",
@@ -57,6 +57,8 @@ STATIC_FILES = {
 }
 # Rows of the process table: a node daemon may see every process of a busy node.
 MAX_PROCESS_ROWS = 256
+# OOM verdicts in the page's banner (the newest first): one per process and device.
+MAX_OOM_ROWS = 16
 
 
 @lru_cache(maxsize=len(STATIC_FILES) + 1)
@@ -118,6 +120,7 @@ def window_payload(runtime: Served, since: float | None) -> dict[str, Any]:
         **window.to_dict(since),
         "host": _host(sample),
         "processes": process_rows(sample) if sample else [],
+        "ooms": oom_rows(sample, runbook_url(config, "out-of-memory-verdicts")) if sample else [],
         "alerts": [
             {
                 "alert": firing.alert,
@@ -144,6 +147,32 @@ def _host(sample: Sample | None) -> dict[str, int] | None:
         "swap_total_bytes": host.swap_total_bytes,
         "swap_used_bytes": host.swap_used_bytes,
     }
+
+
+def oom_rows(sample: Sample, runbook: str) -> list[dict[str, Any]]:
+    """The latest OOM of each process and device that had one, newest first: its verdict with
+    the deciding numbers and the action (exporter/oom_verdict.py), for the page's banner."""
+    rows = []
+    for reading in sample.allocators:
+        last = reading.last_oom
+        if last is None:
+            continue
+        pid = sample.allocator_pid(reading)
+        rows.append(
+            {
+                "pid": pid,
+                "rank": reading.process.get("rank", ""),
+                "role": reading.process.get("role", ""),
+                "device": reading.device,
+                "gpu_uuid": reading.gpu_uuid,
+                "ooms": reading.counters.get("ooms"),
+                "ooms_by_verdict": dict(reading.ooms_by_verdict),
+                "verdict": last.to_dict(),
+                "runbook_url": runbook,
+            }
+        )
+    rows.sort(key=lambda row: -row["verdict"]["timestamp"])
+    return rows[:MAX_OOM_ROWS]
 
 
 def process_rows(sample: Sample) -> list[dict[str, Any]]:

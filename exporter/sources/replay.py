@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import copy
 import time
+from dataclasses import replace
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -85,12 +86,20 @@ class ReplaySource:
         loop, index = self.position()
         recorded = self._samples[index]
         allocators = copy.deepcopy(recorded.allocators)
+        now = time.time()
+        for reading in allocators:
+            if reading.last_oom is not None:
+                # The OOM as long before this replayed moment as it was before the recorded one.
+                age = max(recorded.timestamp - reading.last_oom.timestamp, 0.0)
+                reading.last_oom = replace(reading.last_oom, timestamp=now - age / self._speed)
         if loop:
             for reading in allocators:
                 key = (reading.device, reading.gpu_uuid)
                 for name, increase in self._counter_increase.get(key, {}).items():
                     if name in reading.counters:
                         reading.counters[name] += loop * increase
+                    elif name.startswith("verdict:") and name[8:] in reading.ooms_by_verdict:
+                        reading.ooms_by_verdict[name[8:]] += loop * increase
                 for name, peak in self._peak_max.get(key, {}).items():
                     reading.gauges[name] = max(reading.gauges.get(name, 0), peak)
         return SourceReading(
@@ -156,6 +165,12 @@ def _counter_increase(first: Sample, last: Sample) -> dict[_Key, dict[str, int]]
         key = (reading.device, reading.gpu_uuid)
         before = start.get(key, {})
         result[key] = {k: max(v - before.get(k, 0), 0) for k, v in reading.counters.items()}
+        # OOMs by verdict rise across loops as the OOM counter does ("verdict:<name>").
+        verdicts = next(
+            (a.ooms_by_verdict for a in first.allocators if (a.device, a.gpu_uuid) == key), {}
+        )
+        for verdict, count in reading.ooms_by_verdict.items():
+            result[key][f"verdict:{verdict}"] = max(count - verdicts.get(verdict, 0), 0)
     return result
 
 

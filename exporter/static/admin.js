@@ -86,13 +86,13 @@ export async function loadSnapshots() {
   }
 }
 
-function snapshotPath(id, suffix) {
+export function snapshotPath(id, suffix) {
   return `snapshots/${encodeURIComponent(id)}${suffix}`;
 }
 
 // A link that works without a token (the demo) and, with one, fetches the page or file with
 // the token and opens it from memory: a plain link cannot send a header.
-function tokenLink(text, path, filename) {
+export function tokenLink(text, path, filename) {
   const link = el("a", { href: path, target: "_blank", rel: "noopener" }, text);
   if (filename) link.setAttribute("download", filename);
   link.addEventListener("click", (event) => {

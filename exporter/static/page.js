@@ -5,6 +5,7 @@
 import { recordError } from "./errors.js";
 import { TOKEN_KEY, emptyCache, loadSnapshots, takeSnapshot } from "./admin.js";
 import { renderGpus, resizeCharts } from "./gpus.js";
+import { renderOoms } from "./oom.js";
 import { lastTimestamp, merge, store } from "./state.js";
 import { renderAlerts, renderProcesses, renderStatus } from "./status.js";
 
@@ -38,6 +39,7 @@ async function poll() {
       try {
         merge(data);
         renderGpus();
+        renderOoms(data.ooms || [], data.now);
         renderAlerts(data.alerts, data.now);
         renderProcesses(data.processes);
         renderStatus(data);

@@ -41,7 +41,7 @@ from exporter.sample import (
 from exporter.sources.replay import ReplaySource, demo_trace_path
 from exporter.trace import read_trace
 from tests.conftest import REPO_ROOT, require_tool
-from tests.helpers import decode_png, runtime_of
+from tests.helpers import captured_oom_samples, decode_png, runtime_of, trace_of_sample
 
 GiB = 1 << 30
 TOKEN = "page-test-token"
@@ -519,6 +519,42 @@ def test_live_page_on_the_demo_draws_alerts_and_actions_without_a_token(tmp_path
     assert actions["viewed"]["url"].endswith("/view")
     assert actions["viewed"]["title"].startswith("GPU memory snapshot")
     assert actions["sessionToken"] is None
+
+
+def test_live_page_shows_each_oom_verdict_in_a_banner_at_the_top(tmp_path):
+    """The readings of a fragmentation OOM made on an H100, replayed: the banner names the
+    verdict, the deciding numbers, the action and links the snapshot and the runbook."""
+    (sample,) = [
+        s for s in captured_oom_samples() if s.allocators[0].ooms_by_verdict.get("fragmentation")
+    ]
+    verdict = sample.allocators[0].last_oom
+    trace = trace_of_sample(tmp_path / "oom.jsonl.gz", sample, count=40)
+    runtime = runtime_for(tmp_path, "demo", [ReplaySource(trace, speed=20)], interval_s=0.2)
+    with serving(runtime) as url:
+        wait_for_points(runtime, 3)
+        result = drive(url, tmp_path, "oom", widths=[1280, 420], min_points=3)
+    assert result["errors"] == []
+    for width in ("1280", "420"):
+        state = result["widths"][width]
+        assert state["pageErrors"] == 0, state["pageErrorText"]
+        oom = state["oom"]
+        assert not oom["hidden"] and oom["above"], oom
+        (entry,) = oom["entries"]
+        assert entry["verdict"] == "fragmentation"
+        assert "fragmentation: the cache had the bytes, in pieces" in entry["text"]
+        assert entry["numbers"]["requested_bytes"] == "512 MiB"
+        assert entry["numbers"]["largest_free_block_bytes"] == "160 MiB"
+        assert set(entry["numbers"]) >= {
+            "requested_bytes",
+            "free_in_holes_bytes",
+            "largest_free_block_bytes",
+            "cap_room_bytes",
+            "device_free_bytes",
+        }
+        assert "Do: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in entry["text"]
+        assert "1 OOM (fragmentation 1)" in entry["text"]
+        assert ["runbook", "runbooks#out-of-memory-verdicts"] in entry["links"]
+        assert ["snapshot at the OOM", f"snapshots/{verdict.snapshot}/view"] in entry["links"]
 
 
 STORM_TRACE = REPO_ROOT / "tests" / "data" / "h200_oom_storm_trace.jsonl.gz"

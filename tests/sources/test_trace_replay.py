@@ -178,3 +178,38 @@ def test_the_replay_serves_the_recorded_process_host_memory():
     assert process.resident_bytes == reading.host.process_resident_bytes
     assert process.resident_peak_bytes == reading.host.process_resident_peak_bytes
     assert process.swap_bytes is None  # not recorded: not invented
+
+
+def test_a_replayed_oom_verdict_keeps_its_age_and_its_counts_rise_across_loops(tmp_path):
+    """A trace with no OOM, then the verdicts of OOMs made on an H100 (1 at first, 3 later)."""
+    import dataclasses
+    import time
+
+    from tests.helpers import captured_oom_samples
+
+    (oom,) = [s for s in captured_oom_samples() if s.allocators[0].ooms_by_verdict.get("cap")]
+    reading = oom.allocators[0]
+    verdict = reading.last_oom
+    quiet = dataclasses.replace(reading, last_oom=None, ooms_by_verdict={})
+    quiet.counters = {**reading.counters, "ooms": 0}
+    three = dataclasses.replace(reading, ooms_by_verdict={"cap": 3})
+    three.counters = {**reading.counters, "ooms": 3}
+    writer = TraceWriter(tmp_path / "t.jsonl.gz")
+    for t, allocator in (
+        (100.0, quiet),
+        (verdict.timestamp + 5, reading),
+        (verdict.timestamp + 9, three),
+    ):
+        writer(dataclasses.replace(oom, timestamp=t, allocators=[allocator]))
+    writer.close()
+    clock = Clock()
+    replay = ReplaySource(tmp_path / "t.jsonl.gz", clock=clock)
+    assert replay.read().allocators[0].last_oom is None
+    clock.now = verdict.timestamp + 5 - 100.0 + 1e-6
+    replayed = replay.read().allocators[0].last_oom
+    # Five seconds old at the recorded moment: five seconds old now.
+    assert replayed.timestamp == pytest.approx(time.time() - 5, abs=0.5)
+    assert dataclasses.replace(replayed, timestamp=verdict.timestamp) == verdict
+    clock.now = replay.duration_s + (verdict.timestamp + 9 - 100.0) + 1e-6  # loop 1, last
+    again = replay.read().allocators[0]
+    assert again.counters["ooms"] == 6 and again.ooms_by_verdict == {"cap": 6}

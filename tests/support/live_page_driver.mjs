@@ -144,6 +144,17 @@ try {
       severity: li.className, name: li.querySelector(".name").textContent,
       value: li.querySelector(".value").textContent, since: li.querySelector(".since").textContent })),
     processes: document.getElementById("process-rows").children.length,
+    oom: {
+      hidden: document.getElementById("oom-banner").hidden,
+      above: document.getElementById("oom-banner").getBoundingClientRect().top <
+        document.getElementById("alerts").getBoundingClientRect().top,
+      entries: [...document.querySelectorAll("#oom-list li")].map((li) => ({
+        verdict: li.dataset.verdict, text: li.textContent,
+        numbers: Object.fromEntries([...li.querySelectorAll(".number")].map(
+          (n) => [n.dataset.reading, n.querySelector("b").textContent])),
+        links: [...li.querySelectorAll("a")].map((a) => [a.textContent, a.getAttribute("href")]),
+      })),
+    },
     adminState: document.getElementById("admin-state").textContent,
     tokenFormShown: !document.getElementById("token-form").hidden,
     snapshotRows: document.getElementById("snapshot-rows").children.length,

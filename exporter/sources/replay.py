@@ -10,8 +10,8 @@ from __future__ import annotations
 import bisect
 import copy
 import time
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Any

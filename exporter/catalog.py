@@ -363,6 +363,9 @@ FAMILIES: tuple[Family, ...] = (
         "other_processes, allocated, reserved.",
         name="torch_cuda_oom_last_bytes",
         labels=("reading",),
+        # Eight series a device after an OOM: past a fleet's budget (the page, `why` and
+        # /stats carry them at every level; the demo, one process, serves them).
+        detail=("embedded", "run"),
     ),
     # -- the allocator's layout: a segments-only snapshot, every few seconds ----------------
     _allocator(

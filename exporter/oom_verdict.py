@@ -245,6 +245,38 @@ def _unknown(v: OomVerdict, needed: str) -> tuple[str, str, str]:
     return "unknown", reason, "open the snapshot taken at the OOM to see the cache's blocks"
 
 
+# Before any OOM: what allocation retries (cudaMalloc failed, the cache was flushed) say is
+# building. The same thresholds as the Prometheus rule GpuMemAllocRetries' description.
+RETRY_SHATTERED_SHARE = 0.25  # largest free block under this share of the free holes
+RETRY_SHATTERED_MIN_BYTES = 512 << 20
+RETRY_CAP_ROOM_SHARE = 0.05  # less than this share of the cap left
+
+
+def retry_pressure(
+    free_in_holes: int | None,
+    largest_free_block: int | None,
+    reserved: int | None,
+    limit: int | None,
+) -> str:
+    """What an allocation retry is the step before, in words ("" where nothing says):
+    "fragmentation building" when the free cache is in small pieces, "close to the cap" when
+    the process's cap (or the device, without one) has little room left."""
+    notes = []
+    if (
+        free_in_holes is not None
+        and largest_free_block is not None
+        and free_in_holes > RETRY_SHATTERED_MIN_BYTES
+        and largest_free_block < RETRY_SHATTERED_SHARE * free_in_holes
+    ):
+        notes.append(
+            f"fragmentation building: {fmt_bytes(free_in_holes)} free between live tensors, "
+            f"largest piece {fmt_bytes(largest_free_block)}"
+        )
+    if limit and reserved is not None and limit - reserved < RETRY_CAP_ROOM_SHARE * limit:
+        notes.append(f"close to the cap: {fmt_bytes(max(limit - reserved, 0))} left under it")
+    return "; ".join(notes)
+
+
 def describe(verdict: OomVerdict) -> str:
     """The verdict in one line for people: "fragmentation: asked ...; ... -> action"."""
     return f"{verdict.verdict}: {verdict.reason} -> {verdict.action}"

@@ -28,6 +28,7 @@ from exporter.detectors import VALUE_OF
 from exporter.http.runbooks import runbook_url, runbooks_html
 from exporter.http.served import Served
 from exporter.identity import identity_labels
+from exporter.oom_verdict import retry_pressure
 from exporter.sample import Sample
 
 # Styles may be inline because a snapshot view that the page opens with the admin token (a
@@ -131,6 +132,7 @@ def window_payload(runtime: Served, since: float | None) -> dict[str, Any]:
                 "value_label": VALUE_OF[firing.alert][0],
                 "value_unit": VALUE_OF[firing.alert][1],
                 "runbook_url": runbook_url(config, firing.alert),
+                "note": alert_note(sample, firing.alert, firing.labels),
             }
             for firing in runtime.detectors.firing_now()
         ],
@@ -147,6 +149,23 @@ def _host(sample: Sample | None) -> dict[str, int] | None:
         "swap_total_bytes": host.swap_total_bytes,
         "swap_used_bytes": host.swap_used_bytes,
     }
+
+
+def alert_note(sample: Sample | None, alert: str, labels: dict[str, str]) -> str:
+    """What a firing alert's process shows now, in words: for allocation retries, whether
+    fragmentation or the cap is building (exporter.oom_verdict.retry_pressure)."""
+    if alert != "GpuMemAllocRetries" or sample is None:
+        return ""
+    for reading in sample.allocators:
+        ids = {"device": str(reading.device), "gpu_uuid": reading.gpu_uuid, **reading.process}
+        if all(ids.get(name, "") == value for name, value in labels.items()):
+            return retry_pressure(
+                reading.layout.get("free_in_used_segments_bytes"),
+                reading.layout.get("largest_free_block_bytes"),
+                reading.gauges.get("reserved_bytes"),
+                reading.gauges.get("memory_limit_bytes"),
+            )
+    return ""
 
 
 def oom_rows(sample: Sample, runbook: str) -> list[dict[str, Any]]:

@@ -180,6 +180,10 @@ def block_count(stats: Mapping[str, Any], expandable_segments: bool) -> int:
         return 0
 
 
+# At most one layout read a second for allocation retries (a retry storm must not turn every
+# tick of a 10 Hz exporter into a snapshot).
+RETRY_LAYOUT_MIN_S = 1.0
+
 # Live allocator settings kept per reading (scalars; the snapshot reports more).
 _SETTINGS = ("expandable_segments", "garbage_collection_threshold", "max_split_size")
 
@@ -223,6 +227,7 @@ class TorchAllocatorSource:
         # The verdicts of this process's OOMs (exporter.actions.oom writes them; every
         # reading carries its device's latest).
         self.ooms = OomLog()
+        self._retries: dict[int, int] = {}  # alloc_retries by device at the last tick
 
     def _load_torch(self) -> Any:
         # Never import torch here: a process that has not imported it is not using CUDA
@@ -275,7 +280,6 @@ class TorchAllocatorSource:
                 torch._C, "_cuda_memoryStats", torch.cuda.memory_stats_as_nested_dict
             )
         layout = self._layout_reader(torch, backend)
-        layout_due = layout is not None and layout.due()
         readings = []
         blocks = 0
         for index in range(torch.cuda.device_count()):
@@ -284,7 +288,7 @@ class TorchAllocatorSource:
             stats = self._read_stats(index)
             if not stats:
                 continue
-            if layout_due:
+            if layout is not None:
                 blocks += block_count(stats, expandable)
             reading = allocator_reading_from_stats(
                 stats,
@@ -303,11 +307,26 @@ class TorchAllocatorSource:
         if self._non_allocator is not None:
             self._non_allocator.apply(readings, self._reserved_now)
         if readings and layout is not None:
-            self._add_layout(layout, layout_due, readings, blocks)
+            due = self._retries_rose(readings) or layout.due()
+            self._add_layout(layout, due, readings, blocks)
         for reading in readings:
             reading.settings = dict(self._setting_labels)
         self.ooms.annotate(readings)
         return SourceReading(allocators=readings, pinned_host=self._pinned_host(torch))
+
+    def _retries_rose(self, readings: list[AllocatorReading]) -> bool:
+        """Whether an allocation retry happened since the last tick (and the layout was not
+        read in the last second): the layout is read at once, so that the cache's holes and
+        largest free block are those of the retry (what GpuMemAllocRetries says is building)."""
+        rose = False
+        for reading in readings:
+            retries = reading.counters.get("alloc_retries")
+            before = self._retries.get(reading.device)
+            if retries is not None:
+                self._retries[reading.device] = retries
+                rose = rose or (before is not None and retries > before)
+        latest = self._layout.latest if self._layout is not None else None
+        return rose and (latest is None or time.time() - latest.timestamp >= RETRY_LAYOUT_MIN_S)
 
     def _memory_limit(self, torch: Any, index: int) -> int | None:
         """The allocator's cap on this device, as it computes it (fraction x total memory).

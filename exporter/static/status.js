@@ -58,6 +58,7 @@ export function renderAlerts(alerts, now) {
         el("span", { class: "since", text: since }),
         el("span", { class: "where", text: [...where, pairs.join(" ")].filter(Boolean).join(" · ") }),
         link,
+        alert.note ? el("span", { class: "note", text: alert.note }) : null,
       );
     }),
   );

@@ -563,6 +563,20 @@ def test_torchrun_under_run_actions_oom_alerts_and_host_memory(tmp_path):
         counters = by_rank("torch_cuda_ooms_total")
         report["ooms"] = {r: s.value for r, s in counters.items()}
         assert counters["1"].value >= 1 and counters["0"].value == 0
+        # Rank 1's verdict, taken in its own process: a 2 GiB cap on a GPU with room. Rank 0
+        # has none.
+        verdicts = {
+            (s.labels["rank"], s.labels["verdict"]): s.value
+            for s in scrape()
+            if s.name == "torch_cuda_ooms_by_verdict_total"
+        }
+        report["verdicts"] = {f"{r}/{v}": n for (r, v), n in verdicts.items()}
+        assert verdicts == {("1", "cap"): counters["1"].value}
+        code, out, _ = cli("why")
+        assert code == 0
+        (rank1,) = [d for d in out["devices"] if d["last_oom"]]
+        assert rank1["process"]["rank"] == "1" and rank1["last_oom"]["verdict"] == "cap"
+        assert rank1["last_oom"]["requested_bytes"] == 4 << 30
         listed = wait(
             lambda: [
                 s

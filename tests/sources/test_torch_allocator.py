@@ -169,3 +169,38 @@ def test_without_torch_imported_the_source_reports_nothing(monkeypatch):
 
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     assert TorchAllocatorSource(env={}).read().allocators == []
+
+
+def test_an_allocation_retry_reads_the_layout_at_once_at_most_once_a_second(monkeypatch):
+    """The layout behind GpuMemAllocRetries' "fragmentation building" is that of the retry,
+    not up to 10 s old; a retry storm reads it at most once a second."""
+    import copy
+
+    import exporter.sources.torch_allocator as module
+
+    data = capture("native")
+    cuda = FakeCuda(copy.deepcopy(data["memory_stats_as_nested_dict"]), True, {0}, count=1)
+    cuda.get_allocator_backend = lambda: "native"
+    torch = fake_torch(cuda)
+    snapshots = []
+    torch._C._cuda_memorySnapshot = lambda pool: snapshots.append(pool) or data["snapshot"]
+    now = [1000.0]
+    monkeypatch.setattr(module.time, "time", lambda: now[0])
+    source = TorchAllocatorSource(torch, env={}, layout_interval_s=3600.0)
+    source.read()
+    assert len(snapshots) == 1  # the first tick reads it; the next is an hour away
+    now[0] += 5
+    source.read()
+    assert len(snapshots) == 1  # no retry: not read
+    cuda.stats["num_alloc_retries"] += 1
+    now[0] += 5
+    reading = source.read().allocators[0]
+    assert len(snapshots) == 2 and reading.layout_age_s == 0.0
+    cuda.stats["num_alloc_retries"] += 1
+    now[0] += 0.5
+    source.read()
+    assert len(snapshots) == 2  # within a second of the last read
+    cuda.stats["num_alloc_retries"] += 1
+    now[0] += 1.0
+    source.read()
+    assert len(snapshots) == 3

@@ -171,27 +171,30 @@ def alert_note(sample: Sample | None, alert: str, labels: dict[str, str]) -> str
 def oom_rows(sample: Sample, runbook: str) -> list[dict[str, Any]]:
     """The latest OOM of each process and device that had one, newest first: its verdict with
     the deciding numbers and the action (exporter/oom_verdict.py), for the page's banner."""
-    rows = []
+    latest: list[tuple[float, dict[str, Any]]] = []
     for reading in sample.allocators:
         last = reading.last_oom
         if last is None:
             continue
         pid = sample.allocator_pid(reading)
-        rows.append(
-            {
-                "pid": pid,
-                "rank": reading.process.get("rank", ""),
-                "role": reading.process.get("role", ""),
-                "device": reading.device,
-                "gpu_uuid": reading.gpu_uuid,
-                "ooms": reading.counters.get("ooms"),
-                "ooms_by_verdict": dict(reading.ooms_by_verdict),
-                "verdict": last.to_dict(),
-                "runbook_url": runbook,
-            }
+        latest.append(
+            (
+                last.timestamp,
+                {
+                    "pid": pid,
+                    "rank": reading.process.get("rank", ""),
+                    "role": reading.process.get("role", ""),
+                    "device": reading.device,
+                    "gpu_uuid": reading.gpu_uuid,
+                    "ooms": reading.counters.get("ooms"),
+                    "ooms_by_verdict": dict(reading.ooms_by_verdict),
+                    "verdict": last.to_dict(),
+                    "runbook_url": runbook,
+                },
+            )
         )
-    rows.sort(key=lambda row: -row["verdict"]["timestamp"])
-    return rows[:MAX_OOM_ROWS]
+    latest.sort(key=lambda entry: -entry[0])
+    return [row for _, row in latest[:MAX_OOM_ROWS]]
 
 
 def process_rows(sample: Sample) -> list[dict[str, Any]]:

@@ -405,6 +405,11 @@ class TorchAllocatorSource:
         snapshot = torch._C._cuda_memorySnapshot
         if getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)():
             raise RuntimeError("history recording is on: a snapshot would build every stack")
+        # Bounded like the layout (~0.7 us a block): 7.8 ms at 10k blocks on an H100.
+        read = self._read_stats or torch.cuda.memory_stats_as_nested_dict
+        blocks = sum(block_count(read(i), bool(self._expandable)) for i in self._with_context)
+        if blocks > self._layout_max_blocks:
+            raise RuntimeError(f"{blocks} blocks: a snapshot would stall the OOM-ing thread")
         try:  # 2.11+: (pool, pool, include_traces); the default pool id means every pool
             result: Mapping[str, Any] = snapshot((0, 0, False))
         except (TypeError, RuntimeError):

@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -139,6 +140,13 @@ def _add_demo_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
     _add_server_flags(demo)
     demo.add_argument(
         "--trace", type=Path, help="trace file made by `record` or exporter.start(record_to=...)"
+    )
+    demo.add_argument(
+        "--snapshots",
+        type=Path,
+        help="folder of snapshots recorded with the trace (scripts/record_demo_trace.py "
+        "--snapshots); the demo answers snapshot actions from it (the packaged one for the "
+        "packaged trace; without it another trace has none)",
     )
     demo.add_argument(
         "--no-loop", action="store_true", help="play the trace once, then hold its last sample"
@@ -369,6 +377,10 @@ def _serve(config: Config, sources: Sequence[Source], mode: str) -> int:
         http = HttpServer(app, config.host, config.port)
     except ServerStartError as exc:
         raise CliError(str(exc)) from None
+    # uvicorn shuts down on SIGTERM, then raises it again with the handler it found: this one
+    # ends the process as a normal exit, so that finally blocks and atexit run (the demo's
+    # snapshot folder is removed) instead of the default handler killing it.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     runtime.sampler.start()
     log.info(
         "gpumem-exporter %s (%s) serving %s/metrics, live page at %s/",
@@ -384,6 +396,10 @@ def _serve(config: Config, sources: Sequence[Source], mode: str) -> int:
     return 0
 
 
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     config = _config(args)
     return _serve(config, sources_for("node", config), "node")
@@ -397,8 +413,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise CliError(f"trace file not found: {args.trace}")
     if not 0.01 <= args.speed <= 1000:
         raise CliError("--speed must be between 0.01 and 1000")
+    if args.snapshots is not None and not (args.snapshots / "index.json").is_file():
+        raise CliError(f"--snapshots: no index.json in {args.snapshots}")
     try:
-        replay = ReplaySource(args.trace, loop=not args.no_loop, speed=args.speed)
+        replay = ReplaySource(
+            args.trace, loop=not args.no_loop, speed=args.speed, snapshots=args.snapshots
+        )
     except TraceError as exc:
         raise CliError(str(exc)) from None
     meta = replay.meta

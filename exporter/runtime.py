@@ -15,7 +15,7 @@ from exporter import __version__
 from exporter.actions.base import Actions
 from exporter.actions.local import LocalActions
 from exporter.actions.snapshots import SnapshotStore
-from exporter.config import Config
+from exporter.config import Config, ConfigError
 from exporter.detectors import Detectors, load_thresholds
 from exporter.detectors import Listener as AlertListener
 from exporter.exposition import ExpositionCache
@@ -60,13 +60,42 @@ def local_actions(config: Config, sources: Sequence[Source]) -> Actions:
 
 
 def replay_actions(config: Config, sources: Sequence[Source]) -> Actions:
-    """The demo answers from its recording, at the moment its replay source plays."""
-    from exporter.actions.replay import ReplayActions
+    """The demo answers from its recording, at the moment its replay source plays, as the
+    recorded process; it keeps its snapshots in a folder of its own (unless one is set),
+    never among other exporters' in the shared default folder."""
+    from exporter.actions.replay import ReplayActions, recorded_snapshots
     from exporter.sources.replay import ReplaySource
 
     replays = [s for s in sources if isinstance(s, ReplaySource)]
-    store = SnapshotStore.for_config(config)
-    return ReplayActions(store, config=config, moment=replays[0].moment if replays else None)
+    replay = replays[0] if replays else None
+    snapshots = []
+    if replay is not None and replay.snapshots is not None:
+        try:
+            snapshots = recorded_snapshots(replay.snapshots)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"snapshots of the trace ({replay.snapshots}): {exc}") from None
+    process = replay.recorded_process() if replay else None
+    store = SnapshotStore.for_config(config) if config.snapshot_dir else demo_store()
+    store.process = process
+    return ReplayActions(
+        store,
+        config=config,
+        moment=replay.moment if replay else None,
+        snapshots=snapshots,
+        process=process,
+    )
+
+
+def demo_store() -> SnapshotStore:
+    """A private folder for one demo, removed when the demo exits (the CLI turns SIGTERM into
+    a normal exit for this)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="gpumem-demo-")  # 0700, this user's alone
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return SnapshotStore(folder)
 
 
 @dataclass(frozen=True)

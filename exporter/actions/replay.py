@@ -1,15 +1,23 @@
-"""The demo's actions: answered from the snapshots recorded beside the demo trace.
+"""The demo's actions: answered from the snapshots recorded beside the trace it replays.
 
-The recording asked its exporter for snapshots as it ran (scripts/record_demo_trace.py); the
-demo answers with the one taken at, or last before, the moment of the trace it replays, so a
-snapshot taken during the OOM shows the OOM. Nothing is freed or reset; every response says
-it is a replay. The recorded process stands in for this one, so the same client and CLI work
-against the demo as against a real server.
+The recording asked its exporter for snapshots as it ran (scripts/record_demo_trace.py writes
+them into a folder with an index.json, named by the second of the trace each shows); the demo
+answers with the one taken at, or last before, the moment it replays, so a snapshot taken
+during the OOM shows the OOM. A trace with no such folder (one made by `record` or
+`exporter.start(record_to=...)`) says so instead of answering from another recording. Nothing
+is freed or reset; every response says it is a replay. The recorded process stands in for
+this one (its pid and role, as the page shows them), so the same client and CLI work against
+the demo as against a real server.
+
+The snapshot the recorded server's OOM observer took is put in the demo's own folder as soon
+as the replay reaches that OOM, under the id the verdict links to: listed with trigger `oom`,
+counted, and reachable for as long as the demo runs.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -17,31 +25,38 @@ from typing import TYPE_CHECKING, Any
 
 from exporter.actions.base import ActionUnavailable
 from exporter.actions.local import EmptyCacheResult, LocalActions
-from exporter.actions.snapshots import SnapshotInfo
+from exporter.actions.snapshots import ID_PATTERN, SnapshotInfo
+from exporter.sample import Sample
 
 if TYPE_CHECKING:
     from exporter.detectors import Detectors
     from exporter.sampler import Listener
 
+log = logging.getLogger("exporter.actions")
 
 DEMO_SNAPSHOTS = "demo_snapshots"
 
 
-def demo_snapshots() -> list[tuple[float, Path]]:
-    """The demo's recorded snapshots: (second of the trace it shows, file), in order."""
-    folder = Path(str(resources.files("exporter") / "data" / DEMO_SNAPSHOTS))
+def packaged_snapshots_folder() -> Path:
+    """The snapshots recorded with the demo trace shipped in the package."""
+    return Path(str(resources.files("exporter") / "data" / DEMO_SNAPSHOTS))
+
+
+def recorded_snapshots(folder: Path | None = None) -> list[tuple[float, Path]]:
+    """A recording's snapshots: (second of the trace it shows, file), in order; the packaged
+    demo's without `folder`. OSError/ValueError where the folder holds no readable index."""
+    folder = folder or packaged_snapshots_folder()
     index = json.loads((folder / "index.json").read_text())
     return sorted((float(entry["offset_s"]), folder / entry["file"]) for entry in index)
 
 
 def demo_snapshot_path(offset_s: float | None = None) -> Path:
-    """The snapshot of second `offset_s` of the demo trace: the last one taken at or before
-    it (the first one before any was taken); without `offset_s`, the OOM's."""
-    return _snapshot_at(offset_s)[1]
+    """The packaged demo's snapshot of second `offset_s` (the last one taken at or before it,
+    the first one before any was taken); without `offset_s`, the OOM's."""
+    return _snapshot_at(recorded_snapshots(), offset_s)[1]
 
 
-def _snapshot_at(offset_s: float | None) -> tuple[float, Path]:
-    snapshots = demo_snapshots()
+def _snapshot_at(snapshots: list[tuple[float, Path]], offset_s: float | None) -> tuple[float, Path]:
     if offset_s is None:
         return next(s for s in snapshots if s[1].name.endswith("-oom.pickle.gz"))
     taken = [s for s in snapshots if s[0] <= offset_s]
@@ -52,22 +67,44 @@ class ReplayActions(LocalActions):
     replay = True
 
     def __init__(
-        self, *args: Any, moment: Callable[[], float] | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        moment: Callable[[], float] | None = None,
+        snapshots: list[tuple[float, Path]] | None = None,
+        **kwargs: Any,
     ) -> None:
-        """`moment()`: the second of the trace being replayed now (ReplaySource.moment)."""
+        """`moment()`: the second of the trace being replayed now (ReplaySource.moment);
+        `snapshots`: the recording's (recorded_snapshots), none for a trace without."""
         super().__init__(*args, **kwargs)
         self._moment = moment or (lambda: 0.0)
+        self._snapshots = snapshots or []
         self._loaded: tuple[Path, dict[str, Any]] | None = None
         self._writing: tuple[float, Path] | None = None  # the snapshot being written
+        self._published: set[str] = set()  # OOM snapshots put in the demo's folder
 
-    @property
-    def _recorded(self) -> dict[str, Any]:
-        path = (self._writing or _snapshot_at(self._moment()))[1]
+    def _recording_at(self, offset_s: float | None) -> tuple[float, Path]:
+        if not self._snapshots:
+            raise ActionUnavailable(
+                "this trace has no recorded snapshots: only a recording made with "
+                "scripts/record_demo_trace.py --snapshots DIR has them (pass the folder with "
+                "`demo --snapshots DIR`)",
+                unsupported=True,
+            )
+        return _snapshot_at(self._snapshots, offset_s)
+
+    def _load(self, path: Path) -> dict[str, Any]:
         if self._loaded is None or self._loaded[0] != path:  # loaded on use, not at start
             from exporter.viewer import load_snapshot
 
             self._loaded = (path, load_snapshot(path))
         return self._loaded[1]
+
+    @property
+    def _recorded(self) -> dict[str, Any]:
+        return self._load((self._writing or self._recording_at(self._moment()))[1])
+
+    def _moment_words(self) -> str:
+        return f"second {self._moment():.1f} of the replayed trace"
 
     def write_snapshot(
         self,
@@ -76,7 +113,7 @@ class ReplayActions(LocalActions):
         meta: dict[str, Any] | None = None,
     ) -> SnapshotInfo:
         """The recorded snapshot of this moment of the trace, saying which moment it is."""
-        self._writing = _snapshot_at(self._moment())
+        self._writing = self._recording_at(self._moment())
         at, path = self._writing
         how = path.name.split("-", 1)[1].removesuffix(".pickle.gz")  # api, oom, record
         recorded = {"recorded": f"second {at:.0f} of the demo trace ({how} snapshot)"}
@@ -94,9 +131,33 @@ class ReplayActions(LocalActions):
 
     def sample_listeners(self, detectors: Detectors) -> list[Listener]:
         # Remediation acts on the replayed alerts; there is no allocator to watch for OOMs or
-        # to record history from.
+        # to record history from: the recorded OOMs' snapshots are published as they replay.
         self._arm_remediation(detectors)
-        return []
+        return [self.publish_oom_snapshots]
+
+    def publish_oom_snapshots(self, sample: Sample) -> None:
+        """Put the snapshot taken at a replayed OOM into the demo's folder, once, under the id
+        its verdict links to (a sampler listener)."""
+        for reading in sample.allocators:
+            verdict = reading.last_oom
+            if verdict is None or not verdict.snapshot or verdict.snapshot in self._published:
+                continue
+            self._published.add(verdict.snapshot)
+            oom_snapshots = [s for s in self._snapshots if s[1].name.endswith("-oom.pickle.gz")]
+            taken = [s for s in oom_snapshots if s[0] <= self._moment()] or oom_snapshots
+            if not taken or not ID_PATTERN.fullmatch(verdict.snapshot):
+                continue  # a recording without its OOM snapshot: the verdict has no link
+            at, path = taken[-1]
+            info = SnapshotInfo(id=verdict.snapshot, trigger="oom", created=verdict.timestamp)
+            meta = {
+                "process": self.process,
+                "device": reading.device,
+                "oom": verdict.to_dict(),
+                "recorded": f"second {at:.0f} of the demo trace (oom snapshot)",
+            }
+            self.store.write(self._load(path), "oom", device=reading.device, info=info, meta=meta)
+            self.count_snapshot("oom")
+            log.info("replayed OOM: its snapshot %s is listed", verdict.snapshot)
 
     def empty_cache_now(self, device: int | None = None, trigger: str = "api") -> EmptyCacheResult:
         # What empty_cache would have released: the segments with nothing active in them.
@@ -108,6 +169,17 @@ class ReplayActions(LocalActions):
             for d in devices
         }
         return EmptyCacheResult(devices, before, after, 0.0)
+
+    def empty_cache(self, target: Any, *, device: int | None = None) -> list[Any]:
+        """Says what empty_cache would release at the replayed moment; nothing is released."""
+
+        def run() -> dict[str, Any]:
+            self._check_cooldown()
+            result = self.empty_cache_now(device).public()
+            would = result.pop("released_bytes")
+            return {"would_release_bytes": would, "recorded": self._moment_words(), **result}
+
+        return self._here(target, run)
 
     def capture(self) -> Any:
         return self._recorded

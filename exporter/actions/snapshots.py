@@ -143,9 +143,17 @@ def _writer_gone(info: SnapshotInfo) -> bool:
 
 class SnapshotStore:
     def __init__(
-        self, directory: str | os.PathLike[str], *, max_count: int = 20, max_bytes: int = 2 << 30
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_count: int = 20,
+        max_bytes: int = 2 << 30,
+        process: dict[str, str] | None = None,
     ) -> None:
         self.directory = Path(directory)
+        # Whose snapshots these are, for their file names: this process unless told (the
+        # demo names the recorded one).
+        self.process = process
         self.max_count = max_count
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
@@ -380,11 +388,12 @@ class SnapshotStore:
             self._index.pop(info.id, None)
 
     def _filename(self, info: SnapshotInfo, device: int | None) -> str:
-        rank = process_labels()["rank"]
+        process = self.process or process_labels()
+        rank = process.get("rank", "")
         parts = [
             socket.gethostname(),
             pod_name(),
-            f"pid{os.getpid()}",
+            f"pid{process.get('pid') or os.getpid()}",
             f"rank{rank}" if rank else "",
             f"cuda{device}" if device is not None else "",
             info.id,

@@ -16,7 +16,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from exporter.sample import HostProcessReading, Sample, SourceReading
+from exporter.oom_verdict import OomVerdict
+from exporter.sample import AllocatorReading, HostProcessReading, Sample, SourceReading
 from exporter.trace import read_trace
 
 DEMO_TRACE = "demo_trace.jsonl.gz"
@@ -39,10 +40,19 @@ class ReplaySource:
         clock: Callable[[], float] = time.monotonic,
         loop: bool = True,
         speed: float = 1.0,
+        snapshots: str | Path | None = None,
     ) -> None:
+        """`snapshots`: the folder of snapshots recorded with the trace (its index.json);
+        the packaged one for the packaged trace, none for another trace unless given."""
         if not speed > 0:
             raise ValueError(f"speed must be positive, got {speed}")
         self.path = Path(path) if path is not None else demo_trace_path()
+        if snapshots is not None:
+            self.snapshots: Path | None = Path(snapshots)
+        elif path is None:
+            self.snapshots = Path(str(resources.files("exporter") / "data" / "demo_snapshots"))
+        else:
+            self.snapshots = None
         self.meta, self._samples = read_trace(self.path)
         derive_recorded_non_allocator(self._samples)
         self._clock = clock
@@ -57,6 +67,10 @@ class ReplaySource:
         self._counter_increase = _counter_increase(first, last)
         self._peak_max = _peak_max(self._samples)
         self._started: float | None = None
+        # Replayed OOM verdicts: their replayed time by (loop, recorded time), the latest by
+        # device (exporter.oom_verdict).
+        self._oom_times: dict[tuple[int, float], float] = {}
+        self._last_ooms: dict[_Key, OomVerdict] = {}
 
     @property
     def finished(self) -> bool:
@@ -78,6 +92,19 @@ class ReplaySource:
         index = max(bisect.bisect_right(self._offsets, offset) - 1, 0)
         return int(loop), index
 
+    def recorded_process(self) -> dict[str, str]:
+        """The recorded server's process labels (catalog.PROCESS_LABELS), as the page names
+        it: the demo's actions answer as that process."""
+        first = self._samples[0]
+        hosts = first.host_processes or _recorded_process(first)
+        own = next((p for p in hosts if p.pid == first.self_pid), None)
+        return {
+            "pid": str(first.self_pid) if first.self_pid is not None else "",
+            "rank": own.rank if own else "",
+            "local_rank": "",
+            "role": own.role if own else "",
+        }
+
     def moment(self) -> float:
         """The second of the trace being replayed now (from its first sample)."""
         return self._offsets[self.position()[1]]
@@ -86,20 +113,16 @@ class ReplaySource:
         loop, index = self.position()
         recorded = self._samples[index]
         allocators = copy.deepcopy(recorded.allocators)
-        now = time.time()
-        for reading in allocators:
-            if reading.last_oom is not None:
-                # The OOM as long before this replayed moment as it was before the recorded one.
-                age = max(recorded.timestamp - reading.last_oom.timestamp, 0.0)
-                reading.last_oom = replace(reading.last_oom, timestamp=now - age / self._speed)
+        self._replay_ooms(loop, recorded, allocators)
         if loop:
             for reading in allocators:
                 key = (reading.device, reading.gpu_uuid)
                 for name, increase in self._counter_increase.get(key, {}).items():
                     if name in reading.counters:
                         reading.counters[name] += loop * increase
-                    elif name.startswith("verdict:") and name[8:] in reading.ooms_by_verdict:
-                        reading.ooms_by_verdict[name[8:]] += loop * increase
+                    elif name.startswith("verdict:"):
+                        verdicts = reading.ooms_by_verdict
+                        verdicts[name[8:]] = verdicts.get(name[8:], 0) + loop * increase
                 for name, peak in self._peak_max.get(key, {}).items():
                     reading.gauges[name] = max(reading.gauges.get(name, 0), peak)
         return SourceReading(
@@ -112,6 +135,22 @@ class ReplaySource:
             self_pid=recorded.self_pid,
             processes_cached=recorded.processes_cached,
         )
+
+    def _replay_ooms(self, loop: int, recorded: Sample, allocators: list[AllocatorReading]) -> None:
+        """A recorded OOM verdict is dated as long before its replayed moment as it was before
+        the recorded one (fixed when first replayed, so that its series keeps one value), and
+        the latest one stays on a device in the next loop, as it would in a live process."""
+        for reading in allocators:
+            key = (reading.device, reading.gpu_uuid)
+            verdict = reading.last_oom
+            if verdict is None:
+                reading.last_oom = self._last_ooms.get(key)
+                continue
+            dated = self._oom_times.get((loop, verdict.timestamp))
+            if dated is None:
+                age = max(recorded.timestamp - verdict.timestamp, 0.0)
+                dated = self._oom_times[(loop, verdict.timestamp)] = time.time() - age / self._speed
+            reading.last_oom = self._last_ooms[key] = replace(verdict, timestamp=dated)
 
     def close(self) -> None:
         pass

@@ -198,7 +198,9 @@ export async function emptyCache() {
     const processes = (answer.data && answer.data.processes) || [];
     const lines = processes.map((p) =>
       p.ok
-        ? `${describeProcess(p.process)}: released ${fmtBytes(p.result.released_bytes)}`
+        ? p.result.would_release_bytes !== undefined
+          ? `${describeProcess(p.process)}: would release ${fmtBytes(p.result.would_release_bytes)} (${p.result.recorded})`
+          : `${describeProcess(p.process)}: released ${fmtBytes(p.result.released_bytes)}`
         : `${describeProcess(p.process)}: ${p.error}`,
     );
     if (!processes.length) lines.push(detail(answer));

@@ -4,6 +4,8 @@ every other mode keeps admin actions off without one."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -11,7 +13,7 @@ from exporter.config import load_config
 from exporter.http.server import create_app
 from exporter.runtime import build_runtime
 from exporter.sources.replay import ReplaySource
-from tests.helpers import runtime_of
+from tests.helpers import captured_oom_samples, runtime_of, trace_of_sample
 
 TOKEN = "demo-admin-token"
 
@@ -35,7 +37,13 @@ def test_the_demo_without_a_token_answers_every_action_from_its_recording(tmp_pa
     assert client.get(f"/snapshots/{snapshot_id}/view").text.startswith("<!")
     emptied = client.post("/empty-cache")
     assert emptied.status_code == 200 and emptied.json()["ok"] is True
-    assert emptied.json()["processes"][0]["result"]["released_bytes"] > 0
+    # What empty_cache would release at the replayed moment, named; nothing is released.
+    (entry,) = emptied.json()["processes"]
+    assert entry["result"]["would_release_bytes"] > 0 and "released_bytes" not in entry["result"]
+    assert entry["result"]["recorded"].startswith("second ")
+    # As the recorded process, whose pid the page and the series show: one pid everywhere.
+    recorded = ReplaySource().recorded_process()
+    assert entry["process"] == recorded and recorded["pid"] != str(os.getpid())
     assert client.get("/stats").status_code == 200
     assert client.delete(f"/snapshots/{snapshot_id}").status_code == 204
     # A wrong token changes nothing: there is none to match.
@@ -73,7 +81,7 @@ def test_a_demo_snapshot_is_the_recorded_one_of_the_moment_it_replays(tmp_path):
     """The recording asked its exporter for snapshots as it ran: at second 67 of the trace
     (just after the OOMs) the demo answers with the one taken at the OOM, which holds it; at
     second 200 with a later one; each names its moment in the viewer's header."""
-    from exporter.actions.replay import demo_snapshots
+    from exporter.actions.replay import recorded_snapshots
     from exporter.viewer import load_snapshot
 
     now = [0.0]
@@ -89,10 +97,57 @@ def test_a_demo_snapshot_is_the_recorded_one_of_the_moment_it_replays(tmp_path):
         answer = client.post("/snapshot").json()["processes"][0]["result"]
         taken[second] = answer
         page = client.get(f"/snapshots/{answer['id']}/view").text
-        recorded = max(at for at, _ in demo_snapshots() if at <= replay.moment())
+        recorded = max(at for at, _ in recorded_snapshots() if at <= replay.moment())
         assert f"second {recorded:.0f} of the demo trace" in page
         assert "{&#x27;" not in page and "{'" not in page  # no dict in the header
     at_oom = load_snapshot(runtime.actions.store.path(runtime.actions.store.get(taken[67.0]["id"])))
     assert any(e["action"] == "oom" for e in at_oom["device_traces"][0])
     assert "oom snapshot" in client.get(f"/snapshots/{taken[67.0]['id']}/view").text
     assert "api snapshot" in client.get(f"/snapshots/{taken[200.0]['id']}/view").text
+
+
+def test_the_replayed_oom_snapshot_is_listed_counted_and_linked_from_its_verdict(tmp_path):
+    """From the moment the replay reaches the recorded OOM, its snapshot (taken in the recorded
+    server's OOM observer) is in the demo's own folder under the id its verdict links to."""
+    now = [0.0]
+    replay = ReplaySource(clock=lambda: now[0])
+    replay.position()
+    runtime = build_runtime(load_config(env={}), mode="demo", sources=[replay])
+    client = TestClient(create_app(runtime))
+    runtime.sampler.tick()
+    assert client.get("/snapshots").json()["snapshots"] == []
+    # Its own folder, removed when the demo exits, not the shared default one.
+    folder = runtime.actions.store.directory
+    assert folder.name.startswith("gpumem-demo-") and folder.stat().st_mode & 0o077 == 0
+    assert folder != load_config(env={}).snapshot_directory
+    for second in (60.0, 120.0, replay.duration_s + 1.0):  # after the OOM, later, next loop
+        now[0] = second
+        runtime.sampler.tick()
+        verdict = runtime.sampler.latest.allocators[0].last_oom
+        assert verdict is not None and verdict.verdict == "fragmentation"
+        (listed,) = client.get("/snapshots").json()["snapshots"]
+        assert listed["id"] == verdict.snapshot and listed["trigger"] == "oom"
+        assert listed["meta"]["process"] == replay.recorded_process()
+        assert listed["meta"]["oom"]["verdict"] == "fragmentation"
+    metrics = client.get("/metrics").text
+    assert 'gpumem_exporter_snapshots_total{trigger="oom"} 1.0' in metrics
+    assert client.get(f"/snapshots/{verdict.snapshot}/view").text.startswith("<!")
+
+
+def test_a_trace_without_recorded_snapshots_says_so_and_one_with_them_answers(tmp_path):
+    """`demo --trace FILE` answers from that recording's snapshots, never the packaged ones."""
+    from exporter.actions.replay import packaged_snapshots_folder
+
+    (sample,) = [
+        s for s in captured_oom_samples() if s.allocators[0].ooms_by_verdict.get("fragmentation")
+    ]
+    trace = trace_of_sample(tmp_path / "t.jsonl.gz", sample)
+    for snapshots, status in ((None, 501), (packaged_snapshots_folder(), 201)):
+        config = load_config(env={}, snapshot_dir=str(tmp_path / f"s{status}"))
+        replay = ReplaySource(trace, snapshots=snapshots)
+        runtime = build_runtime(config, mode="demo", sources=[replay])
+        runtime.sampler.tick()
+        answer = TestClient(create_app(runtime)).post("/snapshot")
+        assert answer.status_code == status, answer.text
+        if status == 501:
+            assert "this trace has no recorded snapshots" in answer.text

@@ -7,9 +7,11 @@ instead of silently skipping the check.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,3 +60,19 @@ def small_disk(tmp_path):
     yield mount
     for where in mounted:
         subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def run_support_script(script: str, *args: str, alloc_conf: str = "") -> dict:
+    """Run tests/support/SCRIPT ARGS in a fresh process (allocator settings and CUDA contexts
+    are per process) and return the JSON object it prints last."""
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=alloc_conf)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tests" / "support" / script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, run_support_script
 
 torch = pytest.importorskip("torch")
 
@@ -25,17 +25,7 @@ MiB = 1 << 20
 
 
 def run_scenario(name: str, *args: str, alloc_conf: str = "") -> dict:
-    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=alloc_conf)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tests" / "support" / "gpu_scenarios.py"), name, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_support_script("gpu_scenarios.py", name, *args, alloc_conf=alloc_conf)
 
 
 def test_allocated_and_reserved_move_by_the_bytes_allocated():

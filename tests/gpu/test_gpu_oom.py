@@ -4,14 +4,9 @@ each deciding number equals torch's and NVML's own readings taken in the same ob
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import run_support_script
 
 torch = pytest.importorskip("torch")
 
@@ -22,17 +17,7 @@ pytestmark = [
 
 
 def _scenario(name: str, alloc_conf: str = "") -> dict:
-    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=alloc_conf)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tests" / "support" / "oom_scenarios.py"), name],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_support_script("oom_scenarios.py", name, alloc_conf=alloc_conf)
 
 
 def _check_numbers(r: dict) -> dict:

@@ -359,8 +359,8 @@ FAMILIES: tuple[Family, ...] = (
         "oom",
         "last_bytes",
         "The readings that decided the latest out-of-memory verdict, taken in the OOM "
-        "observer: requested, free_in_holes, largest_free_block, cap_room, device_free, "
-        "other_processes, allocated, reserved.",
+        "observer: requested, free_in_holes, largest_free_block, allocated, reserved, "
+        "cap_room, device_free, other_processes.",
         name="torch_cuda_oom_last_bytes",
         labels=("reading",),
         # Eight series a device after an OOM: past a fleet's budget (the page, `why` and

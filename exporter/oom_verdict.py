@@ -41,11 +41,11 @@ READINGS = (
     "requested",
     "free_in_holes",
     "largest_free_block",
-    "cap_room",
-    "device_free",
-    "other_processes",
     "allocated",
     "reserved",
+    "cap_room",  # after reserved: a scrape read back (exporter.record) needs reserved first
+    "device_free",
+    "other_processes",
 )
 
 

@@ -18,12 +18,14 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter import catalog
 from exporter.catalog import PROCESS_LABELS
+from exporter.oom_verdict import READINGS, OomVerdict, decide
 from exporter.sample import (
     AllocatorReading,
     GpuReading,
@@ -150,6 +152,9 @@ def _sample_from_exposition(text: str, timestamp: float) -> Sample:
             if "held_bytes" in entry and "in_use_bytes" in entry
         ],
     )
+    by_uuid = {g.uuid: g for g in sample.gpus}
+    for reading in sample.allocators:
+        _complete_oom(reading, by_uuid)
     sample.self_pid = _self_pid(sample)
     return sample
 
@@ -175,6 +180,8 @@ def _allocator_value(
         setattr(reading, key, value)
     elif key == "layout_skipped":
         reading.layout_skipped = labels.get("reason", "")
+    elif group == "oom":
+        _oom_value(reading, key, labels, _count(name, value) if key != "last_timestamp" else value)
     elif entry.name == "torch_cuda_allocator":
         reading.backend = labels.get("backend", "native")
         reading.expandable_segments = labels.get("expandable_segments") == "true"
@@ -182,6 +189,44 @@ def _allocator_value(
         reading.max_split_size_bytes = int(split) if split else None
         reading.settings = _settings(labels)
     # Ratios are derived from the gauges, never read back.
+
+
+# torch_cuda_oom_last_bytes{reading} -> the OomVerdict field it is (cap_room is derived).
+_OOM_READINGS = {name: f"{name}_bytes" for name in READINGS if name != "cap_room"}
+
+
+def _oom_value(reading: AllocatorReading, key: str, labels: dict[str, str], value: float) -> None:
+    """An OOM verdict series back into the reading: the counts by verdict, and what a scrape
+    says of the latest one (its verdict, time and, at the full detail level, its numbers; the
+    reason and action are decided again from them in _complete_oom)."""
+    if key == "ooms_by_verdict":
+        reading.ooms_by_verdict[labels.get("verdict", "unknown")] = int(value)
+        return
+    last = reading.last_oom or OomVerdict(reading.device, 0.0, 0)
+    if key == "last_timestamp":
+        last = replace(last, timestamp=value, verdict=labels.get("verdict", "unknown"))
+    elif labels.get("reading") in _OOM_READINGS:
+        fields: dict[str, Any] = {_OOM_READINGS[labels["reading"]]: int(value)}
+        last = replace(last, **fields)
+    elif labels.get("reading") == "cap_room" and last.reserved_bytes is not None:
+        last = replace(last, memory_limit_bytes=last.reserved_bytes + int(value))
+    reading.last_oom = last
+
+
+def _complete_oom(reading: AllocatorReading, gpus: dict[str, GpuReading]) -> None:
+    """The latest verdict's reason and action, decided again from the scraped numbers where
+    the rule gives the verdict the exporter served (else the verdict alone is kept)."""
+    last = reading.last_oom
+    if last is None:
+        return
+    gpu = gpus.get(reading.gpu_uuid)
+    total = gpu.total_bytes if gpu is not None else None
+    if last.memory_limit_bytes is not None and total is not None:
+        capped = last.memory_limit_bytes < total
+        last = replace(last, memory_limit_bytes=last.memory_limit_bytes if capped else None)
+    last = replace(last, device_total_bytes=total, expandable_segments=reading.expandable_segments)
+    decided = decide(last)
+    reading.last_oom = decided if decided.verdict == last.verdict else last
 
 
 def _settings(labels: dict[str, str]) -> dict[str, str]:

@@ -26,8 +26,9 @@ def test_a_restart_changes_at_most_a_tenth_of_the_identities(basic) -> None:
 
 
 def test_only_firing_alert_states_are_series(basic) -> None:
-    """68 states were evaluated on the run endpoint: only those firing are served."""
-    assert 0 < basic["run"]["by_family"]["gpumem_exporter_alert_firing"] <= 16
+    """Every state of every rank is evaluated on the run endpoint: only those firing are
+    served (after the demo's OOM: retries, OOM and fragmentation OOM on each of 8 ranks)."""
+    assert 0 < basic["run"]["by_family"]["gpumem_exporter_alert_firing"] <= 24
 
 
 def test_the_full_level_adds_the_breakdowns() -> None:

@@ -41,6 +41,16 @@ def test_round_trip_of_the_demo_trace():
                 sample.host, process_resident_bytes=None, process_resident_peak_bytes=None
             ),
         )
+        # What a scrape says of the latest OOM: its verdict, time and numbers (the demo serves
+        # them), and the reason and action decided again from them; not the snapshot's id,
+        # the other processes' pids, what was missing or the observer's time.
+        if sample.allocators[0].last_oom is not None:
+            got, recorded = back.allocators[0].last_oom, sample.allocators[0].last_oom
+            assert got is not None
+            for field in ("verdict", "timestamp", "reason", "action", "requested_bytes"):
+                assert getattr(got, field) == getattr(recorded, field), field
+            assert got.deciding_bytes() == recorded.deciding_bytes()
+            back.allocators[0].last_oom = recorded
         assert back == expected
 
 

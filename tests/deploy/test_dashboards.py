@@ -655,15 +655,20 @@ def mixed_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prome
             # ... and the demo has reached its CUDA-graph phase (45 s into the trace, 15 s at
             # 3x), so that the private-pool panel has data.
             pools = prometheus_api.get("query", query="torch_cuda_private_pool_reserved_bytes")
+            # ... and its OOM (55 s in, 18 s at 3x), whose verdict is a series from then on.
+            verdicts = prometheus_api.get(
+                "query", query="count_over_time(torch_cuda_ooms_by_verdict_total[30s]) >= 4"
+            )
             if (
                 len(counts["result"]) == 2
                 and all(float(r["value"][1]) >= 4 for r in counts["result"])
                 and pools["result"]
+                and len(verdicts["result"]) == 2
             ):
                 break
             time.sleep(0.5)
         else:
-            raise AssertionError("Prometheus did not scrape both jobs through the graph phase")
+            raise AssertionError("Prometheus did not scrape both jobs through the demo's OOM")
         yield prometheus_api
     finally:
         stop_processes(procs)

@@ -185,11 +185,15 @@ def dashboard_queries() -> list[tuple[str, str, str]]:
 
 
 def test_every_dashboard_query_returns_data(stack):
-    # Let the trace play through its incident once so that rates and increases have data.
+    # Let the trace play through its incident once so that rates and increases have data,
+    # the OOM's verdict (a series from the OOM on) included.
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         result = stack.api("query", query="increase(torch_cuda_ooms_total[1m]) > 0")
-        if result["result"]:
+        verdicts = stack.api(
+            "query", query="count_over_time(torch_cuda_ooms_by_verdict_total[1m]) >= 3"
+        )
+        if result["result"] and verdicts["result"]:
             break
         time.sleep(1)
     now = time.time()

@@ -110,7 +110,7 @@ class OomCapture:
 
     def observe(self, device: int, alloc_size: int, device_total: int, device_free: int) -> None:
         """Runs on the OOM-ing thread: bounded, and never raises (that would replace the OOM)."""
-        started = time.perf_counter()
+        started, at = time.perf_counter(), time.time()  # the OOM's time, before any reading
         try:
             if not self.enabled:
                 return
@@ -130,12 +130,13 @@ class OomCapture:
             except Exception as exc:  # a bug here still leaves a counted, named OOM
                 readings = OomVerdict(
                     device,
-                    time.time(),
+                    at,
                     alloc_size,
                     device_free_bytes=device_free,
                     missing=f"exporter error: {type(exc).__name__}: {exc!s:.120}",
                 )
-            verdict = decide(replace(readings, observe_s=time.perf_counter() - started))
+            took = time.perf_counter() - started
+            verdict = decide(replace(readings, timestamp=at, observe_s=took))
             if self.reader.ooms.record(verdict):
                 log.warning("OOM on cuda:%d: %s", device, describe(verdict))
             if due and snapshot is not None:

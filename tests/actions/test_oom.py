@@ -125,6 +125,26 @@ def test_a_failing_reading_leaves_a_counted_unknown_and_raises_nothing(tmp_path)
     assert reader.ooms.counts(0) == {"unknown": 1}
 
 
+def test_the_verdict_is_dated_when_the_allocation_failed_not_when_the_readings_ended(
+    tmp_path,
+) -> None:
+    """A traced snapshot can take seconds (history recording on): the OOM happened before."""
+    reader = Reader()
+    capture, actions, _ = _observer(tmp_path, reader)
+    slow = actions.capture
+
+    def capture_slowly() -> dict[str, Any]:
+        time.sleep(0.3)
+        return slow()
+
+    actions.capture = capture_slowly  # type: ignore[method-assign]
+    before = time.time()
+    capture.observe(0, 1 << 29, 6 << 30, 70 << 30)
+    last = reader.ooms.last(0)
+    assert last is not None and last.observe_s >= 0.3
+    assert before <= last.timestamp < before + 0.1
+
+
 def test_a_failing_snapshot_is_named_and_the_verdict_still_decided(tmp_path) -> None:
     reader = Reader()
     reader.fail_snapshot = RuntimeError("history recording is on")

@@ -45,7 +45,7 @@ pytestmark = pytest.mark.e2e
 TARGET_LABELS = {"cluster": "e2e", "namespace": "demo", "pod": "demo-0"}
 # The recorded server retries allocations and runs out of memory under its cap; its
 # fragmentation (a fifth of reserved at most) stays under GpuMemFragmentationHigh's 0.3.
-EXPECTED_FIRING = {"GpuMemAllocRetries", "GpuMemOutOfMemory"}
+EXPECTED_FIRING = {"GpuMemAllocRetries", "GpuMemOutOfMemory", "GpuMemOomFragmentation"}
 EXPECTED_QUIET = {
     "GpuMemHeadroomLow",
     "HostMemoryPressure",

@@ -82,6 +82,7 @@ def replay_actions(config: Config, sources: Sequence[Source]) -> Actions:
         config=config,
         moment=replay.moment if replay else None,
         snapshots=snapshots,
+        ooms=replay.recorded_ooms() if replay else None,
         process=process,
     )
 

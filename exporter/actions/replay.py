@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from exporter.actions.base import ActionUnavailable
 from exporter.actions.local import EmptyCacheResult, LocalActions
 from exporter.actions.snapshots import ID_PATTERN, SnapshotInfo
+from exporter.oom_verdict import OomVerdict
 from exporter.sample import Sample
 
 if TYPE_CHECKING:
@@ -71,13 +73,16 @@ class ReplayActions(LocalActions):
         *args: Any,
         moment: Callable[[], float] | None = None,
         snapshots: list[tuple[float, Path]] | None = None,
+        ooms: list[tuple[float, float, int, OomVerdict]] | None = None,
         **kwargs: Any,
     ) -> None:
         """`moment()`: the second of the trace being replayed now (ReplaySource.moment);
-        `snapshots`: the recording's (recorded_snapshots), none for a trace without."""
+        `snapshots`: the recording's (recorded_snapshots), none for a trace without; `ooms`:
+        its OOM verdicts that link a snapshot (ReplaySource.recorded_ooms)."""
         super().__init__(*args, **kwargs)
         self._moment = moment or (lambda: 0.0)
         self._snapshots = snapshots or []
+        self._ooms = ooms or []
         self._loaded: tuple[Path, dict[str, Any]] | None = None
         self._writing: tuple[float, Path] | None = None  # the snapshot being written
         self._published: set[str] = set()  # OOM snapshots put in the demo's folder
@@ -136,26 +141,29 @@ class ReplayActions(LocalActions):
         return [self.publish_oom_snapshots]
 
     def publish_oom_snapshots(self, sample: Sample) -> None:
-        """Put the snapshot taken at a replayed OOM into the demo's folder, once, under the id
-        its verdict links to (a sampler listener)."""
-        for reading in sample.allocators:
-            verdict = reading.last_oom
-            if verdict is None or not verdict.snapshot or verdict.snapshot in self._published:
-                continue
+        """Put the snapshot taken at each recorded OOM into the demo's folder once the replay
+        has passed that OOM (a sampler listener), under the id its verdict links to. By the
+        recording, not by the sample: a verdict may show for less than one tick."""
+        oom_files = [s for s in self._snapshots if s[1].name.endswith("-oom.pickle.gz")]
+        now = self._moment()
+        for seen, at, device, verdict in self._ooms:
+            if verdict.snapshot in self._published or seen > now:
+                continue  # listed already, or not reached yet
             self._published.add(verdict.snapshot)
-            oom_snapshots = [s for s in self._snapshots if s[1].name.endswith("-oom.pickle.gz")]
-            taken = [s for s in oom_snapshots if s[0] <= self._moment()] or oom_snapshots
-            if not taken or not ID_PATTERN.fullmatch(verdict.snapshot):
+            # The observer's file, written once its snapshot was taken: the first at or after
+            # the OOM.
+            files = [f for f in oom_files if f[0] >= at - 1.0]
+            if not files or not ID_PATTERN.fullmatch(verdict.snapshot):
                 continue  # a recording without its OOM snapshot: the verdict has no link
-            at, path = taken[-1]
-            info = SnapshotInfo(id=verdict.snapshot, trigger="oom", created=verdict.timestamp)
+            offset, path = files[0]
+            info = SnapshotInfo(id=verdict.snapshot, trigger="oom", created=time.time())
             meta = {
                 "process": self.process,
-                "device": reading.device,
+                "device": device,
                 "oom": verdict.to_dict(),
-                "recorded": f"second {at:.0f} of the demo trace (oom snapshot)",
+                "recorded": f"second {offset:.0f} of the demo trace (oom snapshot)",
             }
-            self.store.write(self._load(path), "oom", device=reading.device, info=info, meta=meta)
+            self.store.write(self._load(path), "oom", device=device, info=info, meta=meta)
             self.count_snapshot("oom")
             log.info("replayed OOM: its snapshot %s is listed", verdict.snapshot)
 

@@ -105,6 +105,19 @@ class ReplaySource:
             "role": own.role if own else "",
         }
 
+    def recorded_ooms(self) -> list[tuple[float, float, int, OomVerdict]]:
+        """Each recorded OOM verdict that links a snapshot: (second of the trace it is first
+        seen at, second of the OOM, device, verdict), in order."""
+        t0 = self._samples[0].timestamp
+        found: dict[str, tuple[float, float, int, OomVerdict]] = {}
+        for sample in self._samples:
+            for reading in sample.allocators:
+                verdict = reading.last_oom
+                if verdict is not None and verdict.snapshot and verdict.snapshot not in found:
+                    seen, at = sample.timestamp - t0, verdict.timestamp - t0
+                    found[verdict.snapshot] = (seen, at, reading.device, verdict)
+        return sorted(found.values(), key=lambda entry: entry[0])
+
     def moment(self) -> float:
         """The second of the trace being replayed now (from its first sample)."""
         return self._offsets[self.position()[1]]

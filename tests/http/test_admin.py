@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import stat
 import time
@@ -13,7 +12,7 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
 from exporter.actions.snapshots import SnapshotStore
-from tests.helpers import AUTH, TOKEN, make_app, only
+from tests.helpers import AUTH, TOKEN, demo_pid, make_app, only
 
 
 @pytest.fixture
@@ -102,7 +101,8 @@ def test_files_are_private_and_named_for_incidents(demo):
     directory = runtime.actions.store.directory
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     name = info["filename"]
-    assert f"pid{os.getpid()}" in name and info["id"] in name and name.endswith(".pickle")
+    # Named for the process it shows: the demo's recorded one.
+    assert f"pid{demo_pid()}" in name and info["id"] in name and name.endswith(".pickle")
     assert not [p for p in directory.iterdir() if p.name.endswith(".partial")]
 
 
@@ -135,7 +135,7 @@ def test_empty_cache_reports_release_and_enforces_its_cooldown(demo):
     assert first.status_code == 200, first.text
     body = only(first)
     before, after = body["reserved_before_bytes"]["0"], body["reserved_after_bytes"]["0"]
-    assert body["released_bytes"] == before - after > 0
+    assert body["would_release_bytes"] == before - after > 0  # a replay releases nothing
     assert first.json()["replay"] is True
     again = client.post("/empty-cache", headers=AUTH)
     assert again.status_code == 429
@@ -158,11 +158,11 @@ def test_history_reset_peak_and_stats_on_the_demo(demo):
 
 def test_pid_and_rank_select_this_process_or_nothing(demo):
     """One client for every mode: pid/rank are accepted everywhere, and in a single process
-    they name it or nothing (404)."""
+    they name it or nothing (404). The demo is the recorded process, by its pid."""
     client, _ = demo
-    me = {"pid": os.getpid()}
+    me = {"pid": int(demo_pid())}
     assert only(client.post("/reset-peak", json=me, headers=AUTH))["devices"]
-    assert only(client.get(f"/history?pid={os.getpid()}", headers=AUTH))["enabled"] is False
+    assert only(client.get(f"/history?pid={demo_pid()}", headers=AUTH))["enabled"] is False
     for method, path, body in (
         ("POST", "/snapshot", {"pid": 1}),
         ("POST", "/empty-cache", {"rank": 7}),

@@ -64,6 +64,11 @@ BUSY_RESPONSE = (
 class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # uvicorn logs each request when its "uvicorn.access" logger has handlers, whatever
+        # Config.access_log says: in a host served by uvicorn that is the host's access log,
+        # which Prometheus's scrapes must not fill. Protocol errors go to our own logger too.
+        self.access_log = False
+        self.logger = log
         self.opened = time.monotonic()
         self._read_deadline: asyncio.TimerHandle | None = None
         self._reading_since = 0.0

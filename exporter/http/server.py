@@ -135,6 +135,19 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+HTTP_THREAD = "gpumem-http"
+
+
+class _NotFromOurThread(logging.Filter):
+    """Drops the records uvicorn's server logs from the exporter's HTTP thread."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.threadName != HTTP_THREAD
+
+
+_NOT_FROM_OUR_THREAD = _NotFromOurThread()  # one filter, added once however often started
+
+
 class HttpServer:
     """uvicorn on a pre-bound socket, in the calling thread (`run`) or a daemon thread."""
 
@@ -148,7 +161,10 @@ class HttpServer:
             served,
             http=GuardedH11Protocol,  # slow or hostile clients cannot hold connections
             log_config=None,  # never reconfigure the host process's logging
-            access_log=False,
+            # True, because False makes uvicorn empty the process-wide "uvicorn.access"
+            # logger: a host served by uvicorn would lose its own access log. Ours is off
+            # in GuardedH11Protocol.
+            access_log=True,
             lifespan="off",
             timeout_graceful_shutdown=2,
         )
@@ -165,6 +181,10 @@ class HttpServer:
         self._server.run(sockets=[self.sock])
 
     def start(self, on_exit: Callable[[], None] | None = None) -> None:
+        # uvicorn's server logs its start and stop on the process-wide "uvicorn.error" logger:
+        # in a host served by uvicorn, "Started server process" would show twice.
+        logging.getLogger("uvicorn.error").addFilter(_NOT_FROM_OUR_THREAD)
+
         def target() -> None:
             try:
                 self.run()
@@ -173,7 +193,7 @@ class HttpServer:
             if on_exit is not None:
                 on_exit()
 
-        self._thread = threading.Thread(target=target, name="gpumem-http", daemon=True)
+        self._thread = threading.Thread(target=target, name=HTTP_THREAD, daemon=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:

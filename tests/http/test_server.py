@@ -175,3 +175,54 @@ def test_on_alert_reaches_the_callers_callback(stopped):
     )
     handle.runtime.detectors(sample)
     assert [(e.alert, e.state) for e in events] == [("GpuMemOutOfMemory", "firing")]
+
+
+def test_the_exporter_stays_out_of_a_uvicorn_host_apps_logs(tmp_path):
+    """A real uvicorn host app with uvicorn's default logging (its access log on) starts the
+    exporter: the host's own requests are in its log, the exporter's scrapes and probes are
+    not (uvicorn logs access by its logger's handlers, whatever access_log says), and uvicorn
+    says "Started server process" once, for the host."""
+    import http.client
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+    from tests.helpers import free_port
+
+    host_port, exporter_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO_ROOT / "tests" / "support" / "uvicorn_host_app.py"),
+            str(host_port),
+            str(exporter_port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.strip() == "ready" or line.startswith("error"):
+                break
+        assert lines[-1].strip() == "ready", "".join(lines)
+        time.sleep(0.5)
+        kept = http.client.HTTPConnection("127.0.0.1", exporter_port, timeout=10)
+        for path in ("/metrics", "/metrics", "/healthz", "/readyz", "/nope"):  # kept alive
+            kept.request("GET", path)
+            kept.getresponse().read()
+        kept.close()
+        models = urllib.request.urlopen(f"http://127.0.0.1:{host_port}/v1/models", timeout=10)
+        assert models.status == 200
+        time.sleep(0.5)
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    log = "".join(lines) + out
+    assert '"GET /v1/models HTTP/1.1" 200' in log, log  # the host's access log works
+    for path in ("/metrics", "/healthz", "/readyz", "/nope"):
+        assert f"GET {path} " not in log, log
+    assert log.count("Started server process") == 1, log

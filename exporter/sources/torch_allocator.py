@@ -281,15 +281,14 @@ class TorchAllocatorSource:
             )
         layout = self._layout_reader(torch, backend)
         readings = []
-        blocks = 0
+        read_stats = []  # each device's, kept for the layout's block count when it is due
         for index in range(torch.cuda.device_count()):
             if not self._has_context(torch, index):
                 continue
             stats = self._read_stats(index)
             if not stats:
                 continue
-            if layout is not None:
-                blocks += block_count(stats, expandable)
+            read_stats.append(stats)
             reading = allocator_reading_from_stats(
                 stats,
                 device=index,
@@ -308,6 +307,7 @@ class TorchAllocatorSource:
             self._non_allocator.apply(readings, self._reserved_now)
         if readings and layout is not None:
             due = self._retries_rose(readings) or layout.due()
+            blocks = sum(block_count(st, expandable) for st in read_stats) if due else 0
             self._add_layout(layout, due, readings, blocks)
         for reading in readings:
             reading.settings = dict(self._setting_labels)
@@ -337,9 +337,13 @@ class TorchAllocatorSource:
         fraction = self._read_fraction
         if not fraction:
             return None
+        return int(fraction(index) * self._total(torch, index))
+
+    def _total(self, torch: Any, index: int) -> int:
+        """The device's memory, read once."""
         if index not in self._totals:
             self._totals[index] = int(torch.cuda.get_device_properties(index).total_memory)
-        return int(fraction(index) * self._totals[index])
+        return self._totals[index]
 
     def _reserved_now(self, index: int) -> int | None:
         """Reserved bytes of device `index` read again (the probe's second reading)."""
@@ -433,18 +437,13 @@ class TorchAllocatorSource:
         reading = OomVerdict(device, time.time(), int(requested), device_free_bytes=device_free)
         values: dict[str, Any] = {}
         try:
-            read_stats = getattr(torch._C, "_cuda_memoryStats", None)
-            stats = (read_stats or torch.cuda.memory_stats_as_nested_dict)(device)
+            stats = (self._read_stats or torch.cuda.memory_stats_as_nested_dict)(device)
             values["reserved_bytes"] = int(stats["reserved_bytes"]["all"]["current"])
             values["allocated_bytes"] = int(stats["allocated_bytes"]["all"]["current"])
         except Exception as exc:
             missing.append(f"allocator stats: {exc!r:.120}")
         try:
-            total = self._totals.get(device)
-            if total is None:
-                properties = torch.cuda.get_device_properties(device)
-                total = self._totals[device] = int(properties.total_memory)
-            values["device_total_bytes"] = total
+            total = values["device_total_bytes"] = self._total(torch, device)
             # The observer passes the cap where a fraction is set, else the device's memory.
             fraction = getattr(torch._C, "_cuda_getMemoryFraction", None)
             capped = fraction(device) < 1.0 if fraction else limit_or_total < total

@@ -75,8 +75,8 @@ def replay_actions(config: Config, sources: Sequence[Source]) -> Actions:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"snapshots of the trace ({replay.snapshots}): {exc}") from None
     process = replay.recorded_process() if replay else None
-    store = SnapshotStore.for_config(config) if config.snapshot_dir else demo_store()
-    store.process = process
+    folder = None if config.snapshot_dir else demo_folder()
+    store = SnapshotStore.for_config(config, directory=folder, process=process)
     return ReplayActions(
         store,
         config=config,
@@ -87,16 +87,16 @@ def replay_actions(config: Config, sources: Sequence[Source]) -> Actions:
     )
 
 
-def demo_store() -> SnapshotStore:
-    """A private folder for one demo, removed when the demo exits (the CLI turns SIGTERM into
-    a normal exit for this)."""
+def demo_folder() -> str:
+    """A private folder for one demo's snapshots, removed when the demo exits (the CLI turns
+    SIGTERM into a normal exit for this)."""
     import atexit
     import shutil
     import tempfile
 
     folder = tempfile.mkdtemp(prefix="gpumem-demo-")  # 0700, this user's alone
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return SnapshotStore(folder)
+    return folder
 
 
 @dataclass(frozen=True)

@@ -167,9 +167,12 @@ class LocalActions:
     def empty_cache(self, target: Target, *, device: int | None = None) -> list[ProcessResult]:
         def run() -> dict[str, Any]:
             self._check_cooldown()
-            return self.empty_cache_now(device, trigger="api").public()
+            return self._empty_cache_answer(self.empty_cache_now(device, trigger="api"))
 
         return self._here(target, run)
+
+    def _empty_cache_answer(self, result: EmptyCacheResult) -> dict[str, Any]:
+        return result.public()
 
     def history(self, target: Target) -> list[ProcessResult]:
         return self._here(target, self.history_state.public)
@@ -223,12 +226,9 @@ class LocalActions:
         if self.oom_reader is not None:
             from exporter.actions.oom import OomCapture
 
-            oom = OomCapture(
-                self,
-                self.oom_reader,
-                snapshots=config is None or config.oom_snapshot,
-                cooldown_s=config.oom_snapshot_cooldown_s if config else 60.0,
-            )
+            oom = OomCapture(self, self.oom_reader)
+            if config is not None:  # else OomCapture's own defaults
+                oom.snapshots, oom.cooldown_s = config.oom_snapshot, config.oom_snapshot_cooldown_s
             listeners.append(when_cuda_ready(oom.attach, "oom_capture"))
         if config is not None and config.history_max_entries:
             params = HistoryParams(max_entries=config.history_max_entries)

@@ -20,7 +20,6 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +28,7 @@ from exporter.actions.local import EmptyCacheResult, LocalActions
 from exporter.actions.snapshots import ID_PATTERN, SnapshotInfo
 from exporter.oom_verdict import OomVerdict
 from exporter.sample import Sample
+from exporter.sources.replay import demo_snapshots_folder
 
 if TYPE_CHECKING:
     from exporter.detectors import Detectors
@@ -36,18 +36,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("exporter.actions")
 
-DEMO_SNAPSHOTS = "demo_snapshots"
-
-
-def packaged_snapshots_folder() -> Path:
-    """The snapshots recorded with the demo trace shipped in the package."""
-    return Path(str(resources.files("exporter") / "data" / DEMO_SNAPSHOTS))
-
 
 def recorded_snapshots(folder: Path | None = None) -> list[tuple[float, Path]]:
     """A recording's snapshots: (second of the trace it shows, file), in order; the packaged
     demo's without `folder`. OSError/ValueError where the folder holds no readable index."""
-    folder = folder or packaged_snapshots_folder()
+    folder = folder or demo_snapshots_folder()
     index = json.loads((folder / "index.json").read_text())
     return sorted((float(entry["offset_s"]), folder / entry["file"]) for entry in index)
 
@@ -107,9 +100,6 @@ class ReplayActions(LocalActions):
     @property
     def _recorded(self) -> dict[str, Any]:
         return self._load((self._writing or self._recording_at(self._moment()))[1])
-
-    def _moment_words(self) -> str:
-        return f"second {self._moment():.1f} of the replayed trace"
 
     def write_snapshot(
         self,
@@ -178,16 +168,12 @@ class ReplayActions(LocalActions):
         }
         return EmptyCacheResult(devices, before, after, 0.0)
 
-    def empty_cache(self, target: Any, *, device: int | None = None) -> list[Any]:
-        """Says what empty_cache would release at the replayed moment; nothing is released."""
-
-        def run() -> dict[str, Any]:
-            self._check_cooldown()
-            result = self.empty_cache_now(device).public()
-            would = result.pop("released_bytes")
-            return {"would_release_bytes": would, "recorded": self._moment_words(), **result}
-
-        return self._here(target, run)
+    def _empty_cache_answer(self, result: EmptyCacheResult) -> dict[str, Any]:
+        """What empty_cache would release at the replayed moment; nothing is released."""
+        answer = result.public()
+        would = answer.pop("released_bytes")
+        moment = f"second {self._moment():.1f} of the replayed trace"
+        return {"would_release_bytes": would, "recorded": moment, **answer}
 
     def capture(self) -> Any:
         return self._recorded

@@ -164,11 +164,14 @@ class SnapshotStore:
         self._load_index()
 
     @classmethod
-    def for_config(cls, config: Config) -> SnapshotStore:
+    def for_config(
+        cls, config: Config, *, directory: str | None = None, process: dict[str, str] | None = None
+    ) -> SnapshotStore:
         return cls(
-            config.snapshot_directory,
+            directory or config.snapshot_directory,
             max_count=config.snapshot_max_count,
             max_bytes=config.snapshot_max_bytes,
+            process=process,
         )
 
     # -- the folder ----------------------------------------------------------------------

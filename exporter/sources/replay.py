@@ -21,11 +21,17 @@ from exporter.sample import AllocatorReading, HostProcessReading, Sample, Source
 from exporter.trace import read_trace
 
 DEMO_TRACE = "demo_trace.jsonl.gz"
+DEMO_SNAPSHOTS = "demo_snapshots"
 
 
 def demo_trace_path() -> Path:
     """The trace shipped inside the package (recorded by scripts/record_demo_trace.py)."""
     return Path(str(resources.files("exporter") / "data" / DEMO_TRACE))
+
+
+def demo_snapshots_folder() -> Path:
+    """The snapshots recorded with the packaged trace (its index.json names them)."""
+    return Path(str(resources.files("exporter") / "data" / DEMO_SNAPSHOTS))
 
 
 class ReplaySource:
@@ -49,10 +55,8 @@ class ReplaySource:
         self.path = Path(path) if path is not None else demo_trace_path()
         if snapshots is not None:
             self.snapshots: Path | None = Path(snapshots)
-        elif path is None:
-            self.snapshots = Path(str(resources.files("exporter") / "data" / "demo_snapshots"))
         else:
-            self.snapshots = None
+            self.snapshots = demo_snapshots_folder() if path is None else None
         self.meta, self._samples = read_trace(self.path)
         derive_recorded_non_allocator(self._samples)
         self._clock = clock
@@ -65,11 +69,13 @@ class ReplaySource:
         self.duration_s = self._offsets[-1] + step
         first, last = self._samples[0], self._samples[-1]
         self._counter_increase = _counter_increase(first, last)
+        self._verdict_increase = _verdict_increase(first, last)
         self._peak_max = _peak_max(self._samples)
         self._started: float | None = None
-        # Replayed OOM verdicts: their replayed time by (loop, recorded time), the latest by
-        # device (exporter.oom_verdict).
-        self._oom_times: dict[tuple[int, float], float] = {}
+        # Replayed OOM verdicts: their replayed time by recorded time in the loop being
+        # played, and the latest by device (exporter.oom_verdict).
+        self._oom_loop = 0
+        self._oom_times: dict[float, float] = {}
         self._last_ooms: dict[_Key, OomVerdict] = {}
 
     @property
@@ -133,9 +139,9 @@ class ReplaySource:
                 for name, increase in self._counter_increase.get(key, {}).items():
                     if name in reading.counters:
                         reading.counters[name] += loop * increase
-                    elif name.startswith("verdict:"):
-                        verdicts = reading.ooms_by_verdict
-                        verdicts[name[8:]] = verdicts.get(name[8:], 0) + loop * increase
+                verdicts = reading.ooms_by_verdict
+                for name, increase in self._verdict_increase.get(key, {}).items():
+                    verdicts[name] = verdicts.get(name, 0) + loop * increase
                 for name, peak in self._peak_max.get(key, {}).items():
                     reading.gauges[name] = max(reading.gauges.get(name, 0), peak)
         return SourceReading(
@@ -159,10 +165,12 @@ class ReplaySource:
             if verdict is None:
                 reading.last_oom = self._last_ooms.get(key)
                 continue
-            dated = self._oom_times.get((loop, verdict.timestamp))
+            if self._oom_loop != loop:  # each loop dates its OOMs anew; the last loop's go
+                self._oom_loop, self._oom_times = loop, {}
+            dated = self._oom_times.get(verdict.timestamp)
             if dated is None:
                 age = max(recorded.timestamp - verdict.timestamp, 0.0)
-                dated = self._oom_times[(loop, verdict.timestamp)] = time.time() - age / self._speed
+                dated = self._oom_times[verdict.timestamp] = time.time() - age / self._speed
             reading.last_oom = self._last_ooms[key] = replace(verdict, timestamp=dated)
 
     def close(self) -> None:
@@ -217,12 +225,17 @@ def _counter_increase(first: Sample, last: Sample) -> dict[_Key, dict[str, int]]
         key = (reading.device, reading.gpu_uuid)
         before = start.get(key, {})
         result[key] = {k: max(v - before.get(k, 0), 0) for k, v in reading.counters.items()}
-        # OOMs by verdict rise across loops as the OOM counter does ("verdict:<name>").
-        verdicts = next(
-            (a.ooms_by_verdict for a in first.allocators if (a.device, a.gpu_uuid) == key), {}
-        )
-        for verdict, count in reading.ooms_by_verdict.items():
-            result[key][f"verdict:{verdict}"] = max(count - verdicts.get(verdict, 0), 0)
+    return result
+
+
+def _verdict_increase(first: Sample, last: Sample) -> dict[_Key, dict[str, int]]:
+    """OOMs by verdict over the trace: they rise across loops as the OOM counter does."""
+    start = {(a.device, a.gpu_uuid): a.ooms_by_verdict for a in first.allocators}
+    result: dict[_Key, dict[str, int]] = {}
+    for reading in last.allocators:
+        key = (reading.device, reading.gpu_uuid)
+        before = start.get(key, {})
+        result[key] = {v: max(n - before.get(v, 0), 0) for v, n in reading.ooms_by_verdict.items()}
     return result
 
 

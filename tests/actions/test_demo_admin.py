@@ -140,13 +140,13 @@ def test_the_replayed_oom_snapshot_is_listed_counted_and_linked_from_its_verdict
 
 def test_a_trace_without_recorded_snapshots_says_so_and_one_with_them_answers(tmp_path):
     """`demo --trace FILE` answers from that recording's snapshots, never the packaged ones."""
-    from exporter.actions.replay import packaged_snapshots_folder
+    from exporter.sources.replay import demo_snapshots_folder
 
     (sample,) = [
         s for s in captured_oom_samples() if s.allocators[0].ooms_by_verdict.get("fragmentation")
     ]
     trace = trace_of_sample(tmp_path / "t.jsonl.gz", sample)
-    for snapshots, status in ((None, 501), (packaged_snapshots_folder(), 201)):
+    for snapshots, status in ((None, 501), (demo_snapshots_folder(), 201)):
         config = load_config(env={}, snapshot_dir=str(tmp_path / f"s{status}"))
         replay = ReplaySource(trace, snapshots=snapshots)
         runtime = build_runtime(config, mode="demo", sources=[replay])

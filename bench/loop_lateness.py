@@ -11,8 +11,8 @@ drift falls on every arm alike.
     python -m bench.loop_lateness --root /path/to/before --root . --seconds 20 --rounds 3
 
 Lateness: how much later than asked each 1 ms sleep woke (p99, p99.9, max). CPU: the exporter's
-threads (named gpumem-*) in /proc, and the whole process, per second of the run. One JSON object
-on the last line.
+threads (named gpumem-*) by their CPU clocks, and the whole process, per second of the run. One
+JSON object on the last line.
 """
 
 from __future__ import annotations
@@ -30,21 +30,20 @@ ARMS = {"off": None, "1Hz": 1.0, "10Hz": 0.1}
 
 
 def _thread_cpu_s(prefix: str) -> float:
-    """CPU seconds (user + system) of this process's Python threads named prefix*, from
-    /proc (Python does not give its thread names to the kernel: found by native id)."""
+    """CPU seconds of this process's Python threads named prefix* (their CPU clocks, as
+    bench/serving_impact.py reads them)."""
     import threading
+    import time
 
-    total = 0
+    total = 0.0
     for thread in threading.enumerate():
-        if not thread.name.startswith(prefix) or thread.native_id is None:
+        if not thread.name.startswith(prefix) or thread.ident is None:
             continue
         try:
-            stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
+            total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
         except OSError:
             continue  # exited meanwhile
-        fields = stat.rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def serve(arm: str, seconds: float, port: int) -> dict[str, Any]:

@@ -259,3 +259,20 @@ def test_why_without_an_oom_and_with_oom_counts_that_have_no_verdict(tmp_path):
     with running("demo", "--trace", str(older), env=env) as url:
         out = run_cli("why", "--url", url).stdout
     assert "cuda:0: 3 OOM(s)\n  3 without a verdict" in out
+
+
+def test_the_demo_keeps_its_snapshots_in_a_folder_of_its_own_removed_when_it_stops(tmp_path):
+    """No shared per-user folder: a private one per demo, gone after SIGTERM (how `running`
+    and Kubernetes stop it)."""
+    import os
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {"TMPDIR": str(temp), "GPUMEM_SNAPSHOT_DIR": ""}
+    with running("demo", env=env) as url:
+        proc = run_cli("snapshot", "--url", url, "-o", str(tmp_path / "s.pickle"))
+        assert proc.returncode == 0, proc.stderr
+        (folder,) = [p for p in temp.iterdir() if p.name.startswith("gpumem-demo-")]
+        assert folder.stat().st_mode & 0o077 == 0 and any(folder.iterdir())
+        assert not [p for p in temp.iterdir() if p.name.startswith("gpumem-snapshots")]
+    assert not folder.exists(), os.listdir(temp)

@@ -206,3 +206,8 @@ def test_every_option_of_every_command_says_what_it_does():
             if not action.help or action.help == argparse.SUPPRESS:
                 silent.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
     assert silent == []
+
+
+def test_demo_snapshots_without_an_index_is_one_line(tmp_path):
+    line = one_error_line(run_cli("demo", "--port", "0", "--snapshots", str(tmp_path)), "demo")
+    assert "--snapshots: no index.json in" in line

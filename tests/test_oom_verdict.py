@@ -135,3 +135,20 @@ def test_the_log_keeps_the_latest_per_device_counts_and_reports_verdict_changes(
     log.set_snapshot(0, last.timestamp, "20261126T000000Z-00000000")
     assert log.last(0).snapshot == "20261126T000000Z-00000000"  # type: ignore[union-attr]
     assert set(log.counts(0)) <= set(VERDICTS)
+
+
+@pytest.mark.parametrize(
+    ("holes", "largest", "reserved", "limit", "says"),
+    [
+        (3 * GiB, 160 << 20, 6 * GiB, 20 * GiB, "fragmentation building: 3.00 GiB free between"),
+        (3 * GiB, 1 * GiB, 6 * GiB, 20 * GiB, ""),  # the free cache is in big pieces
+        (256 << 20, 16 << 20, 6 * GiB, 20 * GiB, ""),  # too little free to matter
+        (1 * GiB, 1 * GiB, 19 * GiB + (600 << 20), 20 * GiB, "close to the cap: 424 MiB left"),
+        (None, None, 6 * GiB, None, ""),  # no layout, no cap: nothing to say
+    ],
+)
+def test_a_retry_says_what_is_building(holes, largest, reserved, limit, says) -> None:
+    from exporter.oom_verdict import retry_pressure
+
+    note = retry_pressure(holes, largest, reserved, limit)
+    assert note.startswith(says) if says else note == ""

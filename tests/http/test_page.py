@@ -686,3 +686,28 @@ def test_the_page_scripts_are_modules_that_pass_eslint():
         cwd=REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_retry_alert_on_the_page_says_what_its_process_is_building():
+    """The note under GpuMemAllocRetries comes from the reading the alert is about."""
+    from exporter.http.page import alert_note
+    from exporter.sample import AllocatorReading
+
+    def reading(device: int, pid: str) -> AllocatorReading:
+        return AllocatorReading(
+            device,
+            f"GPU-{device}",
+            "native",
+            False,
+            gauges={"reserved_bytes": 6 * GiB, "memory_limit_bytes": 20 * GiB},
+            layout={"free_in_used_segments_bytes": 3 * GiB, "largest_free_block_bytes": 1 << 27},
+            process={"pid": pid, "rank": "", "local_rank": "", "role": "w"},
+        )
+
+    sample = Sample(1.0, allocators=[reading(0, "1"), reading(1, "2")])
+    sample.allocators[1].layout["largest_free_block_bytes"] = 2 * GiB
+    labels = {"device": "0", "gpu_uuid": "GPU-0", "pid": "1", "role": "w"}
+    assert alert_note(sample, "GpuMemAllocRetries", labels).startswith("fragmentation building")
+    other = {**labels, "device": "1", "gpu_uuid": "GPU-1", "pid": "2"}
+    assert alert_note(sample, "GpuMemAllocRetries", other) == ""  # its cache is in one piece
+    assert alert_note(sample, "GpuMemOutOfMemory", labels) == ""

@@ -110,3 +110,28 @@ def test_bad_layout_fields_are_refused(allocator):
 )
 def test_bad_pinned_host_memory_is_refused(pinned):
     assert reason(protocol.parse_pinned_host, {"type": "sample", "pinned_host": pinned}) == "field"
+
+
+def test_an_oom_verdict_travels_from_agents_and_a_malformed_one_is_refused():
+    """What an agent's OOM observer decided reaches the launcher as it was (its reading from
+    an H100, tests/data/oom_verdicts.json); a verdict of the wrong shape is dropped."""
+    import json
+    from dataclasses import asdict
+
+    from tests.conftest import DATA_DIR
+
+    run = json.loads((DATA_DIR / "oom_verdicts.json").read_text())["runs"][0]
+    verdict = run["reading"]["last_oom"]
+    allocator = {**GOOD, "last_oom": verdict, "ooms_by_verdict": {verdict["verdict"]: 2}}
+    line = protocol.encode(protocol.sample([allocator], ActionCounts()))
+    (reading,), _ = protocol.parse_sample(protocol.decode(line.rstrip(b"\n")))
+    assert reading.last_oom is not None
+    assert asdict(reading.last_oom) == {k: v for k, v in verdict.items() if k != "cap_room_bytes"}
+    assert reading.ooms_by_verdict == {verdict["verdict"]: 2}
+    for bad in (
+        {**allocator, "last_oom": {**verdict, "verdict": "bad luck"}},
+        {**allocator, "last_oom": "fragmentation"},
+        {**allocator, "ooms_by_verdict": {"made_up": 1}},
+        {**allocator, "ooms_by_verdict": {"cap": -1}},
+    ):
+        assert reason(protocol.parse_sample, {"type": "sample", "allocators": [bad]}) == "field"

@@ -204,3 +204,28 @@ def test_an_allocation_retry_reads_the_layout_at_once_at_most_once_a_second(monk
     now[0] += 1.0
     source.read()
     assert len(snapshots) == 3
+
+
+def test_the_light_snapshot_at_an_oom_is_refused_over_the_block_limit_or_while_recording():
+    """At an OOM the verdict's snapshot must not stall the OOM-ing thread: over
+    GPUMEM_LAYOUT_MAX_BLOCKS blocks, or with history recording, it is not taken."""
+    import copy
+
+    data = capture("native")
+    cuda = FakeCuda(copy.deepcopy(data["memory_stats_as_nested_dict"]), True, {0}, count=1)
+    torch = fake_torch(cuda)
+    taken = []
+    torch._C._cuda_memorySnapshot = lambda pool: taken.append(pool) or data["snapshot"]
+    recording = [False]
+    torch._C._cuda_isHistoryEnabled = lambda: recording[0]
+    source = TorchAllocatorSource(torch, env={}, layout_interval_s=0, layout_max_blocks=10_000)
+    source.read()
+    assert source.light_snapshot() is data["snapshot"] and taken == [(0, 0, False)]
+    source._layout_max_blocks = 10  # the capture's allocator has more blocks than this
+    with pytest.raises(RuntimeError, match="blocks: a snapshot would stall"):
+        source.light_snapshot()
+    source._layout_max_blocks = 10_000
+    recording[0] = True
+    with pytest.raises(RuntimeError, match="history recording is on"):
+        source.light_snapshot()
+    assert len(taken) == 1

@@ -68,8 +68,8 @@ class ReplaySource:
         # One loop lasts the recording plus one sampling step, so the last sample gets its turn.
         self.duration_s = self._offsets[-1] + step
         first, last = self._samples[0], self._samples[-1]
-        self._counter_increase = _counter_increase(first, last)
-        self._verdict_increase = _verdict_increase(first, last)
+        self._counter_increase = _increase(first, last, lambda r: r.counters)
+        self._verdict_increase = _increase(first, last, lambda r: r.ooms_by_verdict)
         self._peak_max = _peak_max(self._samples)
         self._started: float | None = None
         # Replayed OOM verdicts: their replayed time by recorded time in the loop being
@@ -218,24 +218,17 @@ def _recorded_process(sample: Sample) -> list[HostProcessReading]:
     ]
 
 
-def _counter_increase(first: Sample, last: Sample) -> dict[_Key, dict[str, int]]:
-    start = {(a.device, a.gpu_uuid): a.counters for a in first.allocators}
+def _increase(
+    first: Sample, last: Sample, counts: Callable[[AllocatorReading], dict[str, int]]
+) -> dict[_Key, dict[str, int]]:
+    """How much each count of each device rose over the trace (`counts`: the reading's counters,
+    or its OOMs by verdict): a loop adds it again, so counts keep rising across loops."""
+    start = {(a.device, a.gpu_uuid): counts(a) for a in first.allocators}
     result: dict[_Key, dict[str, int]] = {}
     for reading in last.allocators:
         key = (reading.device, reading.gpu_uuid)
         before = start.get(key, {})
-        result[key] = {k: max(v - before.get(k, 0), 0) for k, v in reading.counters.items()}
-    return result
-
-
-def _verdict_increase(first: Sample, last: Sample) -> dict[_Key, dict[str, int]]:
-    """OOMs by verdict over the trace: they rise across loops as the OOM counter does."""
-    start = {(a.device, a.gpu_uuid): a.ooms_by_verdict for a in first.allocators}
-    result: dict[_Key, dict[str, int]] = {}
-    for reading in last.allocators:
-        key = (reading.device, reading.gpu_uuid)
-        before = start.get(key, {})
-        result[key] = {v: max(n - before.get(v, 0), 0) for v, n in reading.ooms_by_verdict.items()}
+        result[key] = {k: max(v - before.get(k, 0), 0) for k, v in counts(reading).items()}
     return result
 
 

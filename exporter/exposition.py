@@ -3,9 +3,10 @@
 The sample changes once per tick, so rebuilding the exposition on every scrape (0.8 ms of
 prometheus_client's text format for 2 GPUs, held under the GIL of the inference server) is
 waste: two Prometheus replicas scraping the same target, or a dashboard refreshing, cost one
-render. prometheus_client stays the format's authority: its encoders make the bytes (text,
+render. prometheus_client stays the format's authority: its encoders write the text (text,
 OpenMetrics and their escaping variants, chosen from the Accept header exactly as its own
-servers choose), and gzip is applied as its servers apply it.
+servers choose) through templates that leave only the values to format on each render
+(exporter.exposition_templates), and gzip is applied as its servers apply it.
 
 What the collector reads decides when the bytes are stale: `fingerprint()` returns everything
 that can change between ticks (the published state, the alerts, the action counts), compared
@@ -17,11 +18,13 @@ from __future__ import annotations
 
 import gzip
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.registry import Collector
+
+from exporter.exposition_templates import TemplateRenderer, families_of
 
 # gzip level 6: 40 KiB of exposition in ~0.3 ms, within a few % of level 9's size (the level
 # prometheus_client uses), and paid once per tick at most.
@@ -38,15 +41,17 @@ class Body:
 
 
 class ExpositionCache:
-    """Renders `registry` at most once per fingerprint and format; safe from any thread."""
+    """Renders the registry's `collectors` (all of them, in its order) at most once per
+    fingerprint and format; safe from any thread."""
 
-    def __init__(self, registry: Collector, fingerprint: Callable[[], object]) -> None:
-        self._registry = registry
+    def __init__(self, collectors: Sequence[Collector], fingerprint: Callable[[], object]) -> None:
+        self._collectors = tuple(collectors)
         self._fingerprint = fingerprint
         self._lock = threading.Lock()
         self._key: object = None
         self._bodies: dict[tuple[str, bool], Body] = {}
         self._encoders: dict[str, tuple[Callable[[Collector], bytes], str]] = {}
+        self._renderers: dict[str, TemplateRenderer] = {}  # by content type
         self.renders = 0  # how many times the registry was rendered (tests, benchmarks)
 
     def body(self, accept: str, accept_encoding: str) -> Body:
@@ -65,7 +70,7 @@ class ExpositionCache:
             # instead of each paying for their own.
             plain = self._bodies.get((content_type, False))
             if plain is None:
-                plain = Body(encoder(self._registry), content_type, False)
+                plain = Body(self._render(encoder, content_type), content_type, False)
                 self.renders += 1
                 self._bodies[(content_type, False)] = plain
             if not gzipped:
@@ -73,6 +78,13 @@ class ExpositionCache:
             body = Body(gzip.compress(plain.data, GZIP_LEVEL), content_type, True)
             self._bodies[(content_type, True)] = body
             return body
+
+    def _render(self, encoder: Callable[[Collector], bytes], content_type: str) -> bytes:
+        # The content type names the format, its version and escaping: one encoder each.
+        renderer = self._renderers.get(content_type)
+        if renderer is None:
+            renderer = self._renderers[content_type] = TemplateRenderer(encoder)
+        return renderer.render(families_of(self._collectors))
 
     def _encoder(self, accept: str) -> tuple[Callable[[Collector], bytes], str]:
         found = self._encoders.get(accept)

@@ -7,7 +7,7 @@ allocator's own monotonic values rather than re-counted here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -49,30 +49,63 @@ class AlertStates(Protocol):
         ...
 
 
-class _Filling:
-    """One family being filled: label values are given by name, so a label that is constant
-    on this process (an embedded exporter with RANK set has `rank` everywhere) is left out in
-    one place."""
+class FamilyRows:
+    """One family being filled, as plain rows: label values are given by name, so a label
+    that is constant on this process (an embedded exporter with RANK set has `rank`
+    everywhere) is left out in one place.
 
-    __slots__ = ("const_values", "entry", "metric", "names")
+    Plain rows rather than prometheus_client's families: the exposition is written from them
+    through templates (exporter.exposition_templates), and a Metric is made only for the
+    registry's own collect() (attach(), the multiprocess bridge)."""
+
+    __slots__ = ("const_values", "entry", "labels", "names", "rows")
 
     def __init__(
         self,
         entry: Family,
-        metric: Metric,
+        labels: tuple[str, ...],
         names: tuple[str, ...],
         const_values: tuple[str, ...],
     ):
-        self.entry, self.metric, self.names, self.const_values = entry, metric, names, const_values
+        self.entry, self.labels, self.names, self.const_values = entry, labels, names, const_values
+        # (label values, value): a number, or the info labels of an info family.
+        self.rows: list[tuple[tuple[str, ...], float | Mapping[str, str]]] = []
 
-    def _values(self, labels: Mapping[str, object]) -> list[str]:
-        return [*self.const_values, *(str(labels.get(n, "")) for n in self.names)]
+    def _values(self, labels: Mapping[str, object]) -> tuple[str, ...]:
+        return (*self.const_values, *(str(labels.get(n, "")) for n in self.names))
 
     def add(self, labels: Mapping[str, object], value: float) -> None:
-        self.metric.add_metric(self._values(labels), value)  # type: ignore[attr-defined]
+        self.rows.append((self._values(labels), value))
 
     def add_info(self, labels: Mapping[str, object], info: Mapping[str, str]) -> None:
-        self.metric.add_metric(self._values(labels), info)  # type: ignore[attr-defined]
+        self.rows.append((self._values(labels), info))
+
+    def shape(self) -> Hashable:
+        """Everything the text depends on but the values: equal shapes, equal text between
+        the values."""
+        if self.entry.kind == "info":
+            rows = tuple((values, tuple(info.items())) for values, info in self.rows)  # type: ignore[union-attr]
+            return (self.entry.name, self.labels, rows)
+        return (self.entry.name, self.labels, tuple([values for values, _ in self.rows]))
+
+    def values(self) -> list[float]:
+        """One per row, in the order of to_metric()'s samples (an info series' value is 1)."""
+        if self.entry.kind == "info":
+            return [1.0] * len(self.rows)
+        return [value for _, value in self.rows]  # type: ignore[misc]
+
+    def to_metric(self) -> Metric:
+        entry = self.entry
+        metric: Metric
+        if entry.kind == "gauge":
+            metric = GaugeMetricFamily(entry.name, entry.help, labels=self.labels)
+        elif entry.kind == "counter":
+            metric = CounterMetricFamily(entry.name, entry.help, labels=self.labels)
+        else:
+            metric = InfoMetricFamily(entry.name, entry.help, labels=self.labels)
+        for values, value in self.rows:
+            metric.add_metric(values, value)  # type: ignore[arg-type]
+        return metric
 
 
 @dataclass
@@ -119,21 +152,19 @@ class SampleCollector(Collector):
         self._version = version
         self._mode = mode
         self._torch_version = torch_version
+        # (family, per process) -> (label names, those not constant): the same every tick.
+        self._label_names: dict[tuple[str, bool], tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
-    def _fill(self, entry: Family, per_process: bool = False) -> _Filling:
+    def _fill(self, entry: Family, per_process: bool = False) -> FamilyRows:
         """A new family of the catalog, with its labels (and the process labels where one
         endpoint serves several processes), less those constant on this process."""
-        names = entry.labels + (PROCESS_LABELS if per_process and entry.per_process else ())
-        names = tuple(n for n in names if n not in self._const_names)
-        labels = self._const_names + names
-        metric: Metric
-        if entry.kind == "gauge":
-            metric = GaugeMetricFamily(entry.name, entry.help, labels=labels)
-        elif entry.kind == "counter":
-            metric = CounterMetricFamily(entry.name, entry.help, labels=labels)
-        else:
-            metric = InfoMetricFamily(entry.name, entry.help, labels=labels)
-        return _Filling(entry, metric, names, self._const_values)
+        key = (entry.name, per_process)
+        found = self._label_names.get(key)
+        if found is None:
+            names = entry.labels + (PROCESS_LABELS if per_process and entry.per_process else ())
+            names = tuple(n for n in names if n not in self._const_names)
+            found = self._label_names[key] = (self._const_names + names, names)
+        return FamilyRows(entry, found[0], found[1], self._const_values)
 
     def fingerprint(self) -> tuple[object, ...]:
         """Everything collect() reads that can change: equal fingerprints, equal output
@@ -144,31 +175,39 @@ class SampleCollector(Collector):
         return (self._state(), alerts, actions)
 
     def collect(self) -> Iterator[Metric]:
+        for family in self.families():
+            yield family.to_metric()
+
+    def families(self) -> list[FamilyRows]:
+        """The families /metrics serves, in order, as rows (what collect() yields, before it
+        is made into prometheus_client's families)."""
         state = self._state()
         stats = self._actions() if self._actions is not None else None
         sample = state.sample
         processes = _processes(sample, stats, every_pid=self._mode != "run")
-        yield from self._served(self._exporter_families(state, stats, processes))
+        served = self._served(self._exporter_families(state, stats, processes))
         if sample is None:
-            return
-        yield from self._served(self._allocator_families(sample, processes))
-        yield from self._served(self._gpu_families(sample))
-        yield from self._served(self._kubernetes_families(sample))
-        yield from self._served(self._host_families(sample, processes))
+            return served
+        served += self._served(self._allocator_families(sample, processes))
+        served += self._served(self._gpu_families(sample))
+        served += self._served(self._kubernetes_families(sample))
+        served += self._served(self._host_families(sample, processes))
+        return served
 
-    def _served(self, families: Iterable[tuple[_Filling, bool]]) -> Iterator[Metric]:
+    def _served(self, families: Iterable[tuple[FamilyRows, bool]]) -> list[FamilyRows]:
         """Those of the families served at this detail level: with samples, or always."""
-        for filling, always in families:
-            if filling.entry.name in self._left_out:
-                continue
-            if always or filling.metric.samples:
-                yield filling.metric
+        left_out = self._left_out
+        return [
+            family
+            for family, always in families
+            if family.entry.name not in left_out and (always or family.rows)
+        ]
 
     # Each part yields (family, always): a family is served when it has samples, or always.
 
     def _exporter_families(
         self, state: ExporterState, stats: ActionStats | None, processes: ProcessLabels
-    ) -> Iterator[tuple[_Filling, bool]]:
+    ) -> Iterator[tuple[FamilyRows, bool]]:
         info = self._fill(catalog.family("gpumem_exporter_build"))
         info.add_info({}, {"version": self._version, "mode": self._mode})
         yield info, True
@@ -212,7 +251,7 @@ class SampleCollector(Collector):
 
     def _action_families(
         self, stats: ActionStats, processes: ProcessLabels
-    ) -> Iterator[tuple[_Filling, bool]]:
+    ) -> Iterator[tuple[FamilyRows, bool]]:
         # Per process under `gpumem-exporter run` (each process's own monotonic counts).
         per_process = any(p.process for p in stats.processes)
         snapshots = self._fill(catalog.family("gpumem_exporter_snapshots"), per_process)
@@ -233,13 +272,13 @@ class SampleCollector(Collector):
 
     def _allocator_families(
         self, sample: Sample, processes: ProcessLabels
-    ) -> Iterator[tuple[_Filling, bool]]:
+    ) -> Iterator[tuple[FamilyRows, bool]]:
         if not sample.allocators:
             return
         # One endpoint for several processes (gpumem-exporter run): label each by process.
         per_process = any(reading.process for reading in sample.allocators)
         families = {entry: self._fill(entry, per_process) for entry in _ALLOCATOR}
-        by_key: dict[str, dict[str, _Filling]] = {}
+        by_key: dict[str, dict[str, FamilyRows]] = {}
         for entry, filling in families.items():
             by_key.setdefault(entry.group, {})[entry.key] = filling
         info = families[catalog.family("torch_cuda_allocator")]
@@ -255,8 +294,8 @@ class SampleCollector(Collector):
 
     def _add_allocator_reading(
         self,
-        by_key: dict[str, dict[str, _Filling]],
-        info: _Filling,
+        by_key: dict[str, dict[str, FamilyRows]],
+        info: FamilyRows,
         reading: AllocatorReading,
         ids: dict[str, object],
     ) -> None:
@@ -299,7 +338,7 @@ class SampleCollector(Collector):
 
     @staticmethod
     def _add_oom(
-        families: Mapping[str, _Filling], reading: AllocatorReading, ids: Mapping[str, object]
+        families: Mapping[str, FamilyRows], reading: AllocatorReading, ids: Mapping[str, object]
     ) -> None:
         for verdict, count in sorted(reading.ooms_by_verdict.items()):
             families["ooms_by_verdict"].add({**ids, "verdict": verdict}, count)
@@ -312,7 +351,7 @@ class SampleCollector(Collector):
 
     def _pinned_host_families(
         self, sample: Sample, processes: ProcessLabels
-    ) -> Iterator[tuple[_Filling, bool]]:
+    ) -> Iterator[tuple[FamilyRows, bool]]:
         if not sample.pinned_host:
             return
         per_process = any(reading.process for reading in sample.pinned_host)
@@ -322,7 +361,7 @@ class SampleCollector(Collector):
                 family.add(processes.labels(reading.process), getattr(reading, entry.key))
             yield family, True
 
-    def _gpu_families(self, sample: Sample) -> Iterator[tuple[_Filling, bool]]:
+    def _gpu_families(self, sample: Sample) -> Iterator[tuple[FamilyRows, bool]]:
         if not sample.gpus:
             return
         memory = {entry.key: self._fill(entry) for entry in _GPU_MEMORY}
@@ -349,7 +388,7 @@ class SampleCollector(Collector):
             process.add(labels, entry.used_bytes)
         yield from ((family, False) for family in (*memory.values(), process, up, info))
 
-    def _kubernetes_families(self, sample: Sample) -> Iterator[tuple[_Filling, bool]]:
+    def _kubernetes_families(self, sample: Sample) -> Iterator[tuple[FamilyRows, bool]]:
         """The node daemon's attribution (exporter.attribution): info series joined to the
         device and process series by gpu_uuid or pid, which keep their identity when a GPU
         changes hands."""
@@ -384,7 +423,7 @@ class SampleCollector(Collector):
         if attribution is not None:
             yield from self._attribution_families(attribution)
 
-    def _attribution_families(self, attribution: Attribution) -> Iterator[tuple[_Filling, bool]]:
+    def _attribution_families(self, attribution: Attribution) -> Iterator[tuple[FamilyRows, bool]]:
         """Which pod holds each GPU and process, and the memory no pod owns."""
         gpu_pods = self._fill(catalog.family("gpu_pod_info"))
         for row in attribution.gpu_pods:
@@ -418,7 +457,7 @@ class SampleCollector(Collector):
 
     def _host_families(
         self, sample: Sample, processes: ProcessLabels
-    ) -> Iterator[tuple[_Filling, bool]]:
+    ) -> Iterator[tuple[FamilyRows, bool]]:
         for entry in _HOST_PROCESS if sample.host_processes else ():
             family = self._fill(entry)
             for process in sample.host_processes:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+from prometheus_client.registry import Collector
 
 from exporter import __version__
 from exporter.actions.base import Actions
@@ -342,10 +343,10 @@ def build_runtime(
             raise ValueError(f"the {mode} mode's caller passes its actions")
         actions = declared.actions(config, sources)
     owns_registry = registry is None
+    own_collectors: list[Collector] = []
     if registry is None:
         registry = CollectorRegistry()
-        ProcessCollector(registry=registry)
-        PlatformCollector(registry=registry)
+        own_collectors = [ProcessCollector(registry=registry), PlatformCollector(registry=registry)]
     detectors = Detectors(load_thresholds(), listeners=list(on_alert))
     features = actions.sample_listeners(detectors)
     window = SampleWindow(config.interval_s)
@@ -383,5 +384,9 @@ def build_runtime(
         admin=admin,
         window=window,
         not_ready=lambda: declared.ready(sampler),
-        exposition=ExpositionCache(registry, collector.fingerprint) if owns_registry else None,
+        exposition=(
+            ExpositionCache([*own_collectors, collector], collector.fingerprint)
+            if owns_registry
+            else None
+        ),
     )

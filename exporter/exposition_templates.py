@@ -1,0 +1,161 @@
+"""Exposition text from templates: prometheus_client writes the text between the values once,
+and each render formats only the values.
+
+From one tick to the next a family keeps its name, help, labels and series; only the values
+move. So a family's text is rendered by prometheus_client's own encoder once per *shape* (the
+family with its label sets, values aside), with each sample's value standing in as its index;
+the text around those placeholders is kept, and a render joins it with the values formatted as
+the encoder formats them (`floatToGoString`). The bytes are the encoder's, for every format and
+escaping it is asked for (text 0.0.4, text 1.0.0, OpenMetrics 1.0.0 and later, each escaping
+scheme), because the encoder wrote everything but the numbers, and a template is kept only if
+it reproduces the encoder's text exactly. A family the template cannot carry (a sample with a
+timestamp or an exemplar) is rendered by the encoder each time.
+
+The cost of a render is then the values' formatting plus a dictionary lookup per family,
+instead of prometheus_client's per-sample label escaping and string building (5-10x more).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Protocol
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+Encoder = Callable[[Collector], bytes]
+
+
+class Family(Protocol):
+    """What a template is made from and filled with (exporter.metrics.FamilyRows is one)."""
+
+    def shape(self) -> Hashable: ...
+
+    def values(self) -> list[float]: ...
+
+    def to_metric(self) -> Metric: ...
+
+
+class ForeignFamily:
+    """A family that another collector made (client_python's process metrics)."""
+
+    __slots__ = ("metric",)
+
+    def __init__(self, metric: Metric) -> None:
+        self.metric = metric
+
+    def shape(self) -> Hashable:
+        m = self.metric
+        samples = tuple(
+            (s.name, tuple(s.labels.items()), s.timestamp, s.exemplar, s.native_histogram)
+            for s in m.samples
+        )
+        return (m.name, m.type, m.documentation, m.unit, samples)
+
+    def values(self) -> list[float]:
+        return [s.value for s in self.metric.samples]
+
+    def to_metric(self) -> Metric:
+        return self.metric
+
+
+class _One(Collector):
+    def __init__(self, metrics: Sequence[Metric]) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        return self.metrics
+
+
+class Template:
+    """A family's text as (text before a value, that value's index) pieces and a tail."""
+
+    __slots__ = ("pieces", "tail")
+
+    def __init__(self, pieces: list[tuple[str, int]], tail: str) -> None:
+        self.pieces, self.tail = pieces, tail
+
+    def fill(self, values: Sequence[float]) -> str:
+        text = [before + floatToGoString(values[index]) for before, index in self.pieces]
+        text.append(self.tail)
+        return "".join(text)
+
+
+def _parse(text: str) -> Template | None:
+    """The template of a family rendered with each sample's index as its value; None if the
+    text is not lines of `... value` and comments (a timestamp or exemplar follows a value)."""
+    pieces: list[tuple[str, int]] = []
+    before = ""
+    for line in text.split("\n")[:-1]:
+        if line.startswith("#"):
+            before += line + "\n"
+            continue
+        prefix, _, placeholder = line.rpartition(" ")
+        try:
+            index = int(float(placeholder))
+        except ValueError:
+            return None
+        pieces.append((before + prefix + " ", index))
+        before = "\n"
+    return Template(pieces, before)
+
+
+class TemplateRenderer:
+    """Renders families through templates made by `encoder`; one renderer per format."""
+
+    def __init__(self, encoder: Encoder) -> None:
+        self._encoder = encoder
+        # What the encoder writes after the last family ("# EOF\n" for OpenMetrics).
+        self._trailer = encoder(_One([])).decode("utf-8")
+        self._templates: dict[Hashable, Template | None] = {}
+
+    def render(self, families: Iterable[Family]) -> bytes:
+        # Only the shapes of this render are kept: processes that come and go must not grow
+        # the map, and the next tick usually has the same shapes.
+        templates = self._templates
+        kept: dict[Hashable, Template | None] = {}
+        text = []
+        for family in families:
+            shape = family.shape()
+            if shape in kept:
+                template = kept[shape]
+            elif shape in templates:
+                template = kept[shape] = templates[shape]
+            else:
+                template = kept[shape] = self._template(family)
+            if template is None:
+                text.append(self._encode([family.to_metric()]))
+            else:
+                text.append(template.fill(family.values()))
+        self._templates = kept
+        text.append(self._trailer)
+        return "".join(text).encode("utf-8")
+
+    def _encode(self, metrics: Sequence[Metric]) -> str:
+        text = self._encoder(_One(metrics)).decode("utf-8")
+        return text[: len(text) - len(self._trailer)]
+
+    def _template(self, family: Family) -> Template | None:
+        metric = family.to_metric()
+        stand_in = copy.copy(metric)
+        stand_in.samples = [s._replace(value=float(i)) for i, s in enumerate(metric.samples)]
+        text = self._encode([stand_in])
+        template = _parse(text)
+        # Kept only if it gives back the encoder's own text: then it is exact for any values.
+        indices = [float(i) for i in range(len(metric.samples))]
+        if template is None or template.fill(indices) != text:
+            return None
+        return template
+
+
+def families_of(collectors: Iterable[Collector]) -> Iterator[Family]:
+    """The families of `collectors`, in order: rows where the collector has them
+    (`families()`), else what its collect() yields."""
+    for collector in collectors:
+        rows = getattr(collector, "families", None)
+        if rows is not None:
+            yield from rows()
+        else:
+            yield from (ForeignFamily(metric) for metric in collector.collect())

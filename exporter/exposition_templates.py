@@ -31,7 +31,9 @@ Encoder = Callable[[Collector], bytes]
 class Family(Protocol):
     """What a template is made from and filled with (exporter.metrics.FamilyRows is one)."""
 
-    def shape(self) -> Hashable: ...
+    def shape(self) -> Hashable | None:
+        """The family's text apart from its values; None if it has no template."""
+        ...
 
     def values(self) -> list[float]: ...
 
@@ -46,12 +48,11 @@ class ForeignFamily:
     def __init__(self, metric: Metric) -> None:
         self.metric = metric
 
-    def shape(self) -> Hashable:
+    def shape(self) -> Hashable | None:
         m = self.metric
-        samples = tuple(
-            (s.name, tuple(s.labels.items()), s.timestamp, s.exemplar, s.native_histogram)
-            for s in m.samples
-        )
+        if any(s.timestamp is not None or s.exemplar or s.native_histogram for s in m.samples):
+            return None  # they follow the value on its line: no template
+        samples = tuple((s.name, tuple(s.labels.items())) for s in m.samples)
         return (m.name, m.type, m.documentation, m.unit, samples)
 
     def values(self) -> list[float]:
@@ -83,7 +84,7 @@ class Template:
         return "".join(text)
 
 
-def _parse(text: str) -> Template | None:
+def _parse(text: str, samples: int) -> Template | None:
     """The template of a family rendered with each sample's index as its value; None if the
     text is not lines of `... value` and comments (a timestamp or exemplar follows a value)."""
     pieces: list[tuple[str, int]] = []
@@ -96,6 +97,8 @@ def _parse(text: str) -> Template | None:
         try:
             index = int(float(placeholder))
         except ValueError:
+            return None
+        if not 0 <= index < samples:
             return None
         pieces.append((before + prefix + " ", index))
         before = "\n"
@@ -119,7 +122,9 @@ class TemplateRenderer:
         text = []
         for family in families:
             shape = family.shape()
-            if shape in kept:
+            if shape is None:
+                template = None
+            elif shape in kept:
                 template = kept[shape]
             elif shape in templates:
                 template = kept[shape] = templates[shape]
@@ -142,7 +147,7 @@ class TemplateRenderer:
         stand_in = copy.copy(metric)
         stand_in.samples = [s._replace(value=float(i)) for i, s in enumerate(metric.samples)]
         text = self._encode([stand_in])
-        template = _parse(text)
+        template = _parse(text, len(metric.samples))
         # Kept only if it gives back the encoder's own text: then it is exact for any values.
         indices = [float(i) for i in range(len(metric.samples))]
         if template is None or template.fill(indices) != text:

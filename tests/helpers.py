@@ -8,6 +8,7 @@ fail in CI (GPUMEM_REQUIRE_TOOLS=1), like require_tool()."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import importlib
@@ -39,17 +40,24 @@ from exporter.actions.local import LocalActions
 from exporter.actions.snapshots import SnapshotStore
 from exporter.config import load_config
 from exporter.http.server import HttpServer, create_app
-from exporter.metrics import SampleCollector
+from exporter.metrics import ActionStats, SampleCollector
 from exporter.runtime import build_runtime
 from exporter.sample import (
+    ActionCounts,
     AllocatorReading,
     ExporterState,
     GpuReading,
+    HostProcessReading,
+    KubeletReading,
+    PodDevice,
+    ProcessContainerReading,
+    ProcessCounts,
     ProcessGpuReading,
     Sample,
     SourceStatus,
 )
-from exporter.sources.replay import ReplaySource, derive_recorded_non_allocator
+from exporter.sources.replay import ReplaySource, demo_trace_path, derive_recorded_non_allocator
+from exporter.trace import read_trace
 from tests.conftest import DATA_DIR, REPO_ROOT, require_tool
 
 
@@ -534,3 +542,97 @@ def short_rules(tmp: Path) -> list[str]:
         target.write_text(yaml.safe_dump(rules, sort_keys=False))
         files.append(str(target))
     return files
+
+
+# -- every family the catalog declares, over real readings ----------------------------------
+
+WORKER = {"pid": "100", "rank": "0", "local_rank": "0", "role": "worker"}
+
+
+def catalog_collector(
+    sample: Sample, mode: str, const: dict[str, str], per_process: bool, detail: str = "full"
+) -> SampleCollector:
+    """The collector of `mode` over `sample`, with sources, action counts and a firing alert
+    (the families that need them)."""
+    state = ExporterState(
+        sample,
+        {
+            "torch": SourceStatus(True, 0.01, 1),
+            "nvml": SourceStatus(False, 0.2, 3, unavailable="NVML library not found"),
+        },
+    )
+    counts = ActionCounts({"manual": 2}, 4096, {"empty_cache/ok": 1})
+    process = WORKER if per_process else {}
+    stats = ActionStats([ProcessCounts(process, counts)], {("snapshot", "ok"): 1})
+    alerts = SimpleNamespace(
+        evaluations=1,
+        firing=lambda: [
+            ("GpuMemOutOfMemory", {"device": "0", "gpu_uuid": "GPU-x", **process}, True)
+        ],
+    )
+    return SampleCollector(
+        lambda: state,
+        const_labels=const,
+        version="0",
+        mode=mode,
+        own_process=mode != "demo",
+        alerts=alerts,
+        actions=lambda: stats,
+        detail=detail,
+    )
+
+
+def run_shaped(sample: Sample) -> Sample:
+    """One endpoint for a server's processes: every reading names its process."""
+    sample = copy.deepcopy(sample)
+    for reading in [*sample.allocators, *sample.pinned_host]:
+        reading.process = dict(WORKER)
+    sample.rejected_messages = {"bad_json": 1}
+    sample.host_processes.append(HostProcessReading(100, "worker", "0", 1 << 30, 1 << 31, 0))
+    return sample
+
+
+def node_shaped(sample: Sample) -> Sample:
+    """The node daemon: NVML, the kubelet's devices and the processes' cgroups."""
+    sample = copy.deepcopy(sample)
+    sample.allocators, sample.pinned_host = [], []
+    gpu = sample.gpus[0]
+    sample.processes = [
+        ProcessGpuReading(gpu.index, gpu.uuid, 4242, 1 << 30),
+        ProcessGpuReading(gpu.index, gpu.uuid, 4343, 1 << 20),
+    ]
+    sample.kubelet = KubeletReading(
+        "/var/lib/kubelet/pod-resources/kubelet.sock",
+        up=False,
+        error="deadline exceeded",
+        last_success_s=1.0,
+        refresh_errors=1,
+        devices=[PodDevice("ml", "llama-0", "server", "nvidia.com/gpu", gpu.uuid)],
+        pods={"uid-1": ("ml", "llama-0")},
+        containers={"cid-1": "server"},
+        pods_api=True,
+        pods_error="403 Forbidden",
+    )
+    sample.process_containers = [
+        ProcessContainerReading(4242, "container", "uid-1", "cid-1"),
+        ProcessContainerReading(4343, "no_container"),
+    ]
+    return sample
+
+
+def every_family_cases() -> list[tuple[str, bool, dict[str, str], Sample]]:
+    """(mode, per_process, constant labels, sample) that together serve every family the
+    catalog declares: three allocator backends captured on a GPU, the demo trace (layout,
+    private pools, pinned host) and the storm trace (layout skipped), each as its modes
+    would serve it, and the node daemon's attribution."""
+    _, demo = read_trace(demo_trace_path())
+    _, storm = read_trace(DATA_DIR / "h200_oom_storm_trace.jsonl.gz")
+    samples = [captured_sample(n) for n in ("native", "expandable", "async")]
+    samples += demo[::40] + storm[::10] + captured_oom_samples()
+    found: list[tuple[str, bool, dict[str, str], Sample]] = []
+    for sample in samples:
+        found.append(("embedded", False, {"rank": "0"}, sample))
+        found.append(("demo", False, {}, sample))
+        found.append(("run", True, {}, run_shaped(sample)))
+    found.append(("node", False, {}, node_shaped(demo[0])))
+    return found

@@ -4,128 +4,38 @@ docs/metrics.md carries its table."""
 
 from __future__ import annotations
 
-import copy
 import re
-from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter import catalog, reference
 from exporter.catalog import PROCESS_LABELS
-from exporter.metrics import ActionStats, SampleCollector
-from exporter.sample import (
-    ActionCounts,
-    ExporterState,
-    HostProcessReading,
-    KubeletReading,
-    PodDevice,
-    ProcessContainerReading,
-    ProcessCounts,
-    ProcessGpuReading,
-    Sample,
-    SourceStatus,
-)
+from exporter.sample import Sample
 from exporter.sources.replay import demo_trace_path
 from exporter.trace import read_trace
 from exporter.window import FIELDS
-from tests.conftest import DATA_DIR
-from tests.helpers import captured_oom_samples, captured_sample
+from tests.helpers import catalog_collector, every_family_cases, node_shaped, run_shaped
 
 # client_python's own collectors, registered beside ours: not the exporter's families.
 _CLIENT_PYTHON = re.compile(r"^(process_(?!resident_memory_peak)|python_)")
 _BY_EXPOSED = {f.exposed: f for f in catalog.FAMILIES}
-WORKER = {"pid": "100", "rank": "0", "local_rank": "0", "role": "worker"}
 
 
 def _exposition(
     sample: Sample, mode: str, const: dict[str, str], per_process: bool, detail: str = "full"
 ) -> str:
-    state = ExporterState(
-        sample,
-        {
-            "torch": SourceStatus(True, 0.01, 1),
-            "nvml": SourceStatus(False, 0.2, 3, unavailable="NVML library not found"),
-        },
-    )
-    counts = ActionCounts({"manual": 2}, 4096, {"empty_cache/ok": 1})
-    process = WORKER if per_process else {}
-    stats = ActionStats([ProcessCounts(process, counts)], {("snapshot", "ok"): 1})
-    alerts = SimpleNamespace(
-        evaluations=1,
-        firing=lambda: [
-            ("GpuMemOutOfMemory", {"device": "0", "gpu_uuid": "GPU-x", **process}, True)
-        ],
-    )
     registry = CollectorRegistry()
-    registry.register(
-        SampleCollector(
-            lambda: state,
-            const_labels=const,
-            version="0",
-            mode=mode,
-            own_process=mode != "demo",
-            alerts=alerts,
-            actions=lambda: stats,
-            detail=detail,
-        )
-    )
+    registry.register(catalog_collector(sample, mode, const, per_process, detail))
     return generate_latest(registry).decode()
 
 
-def _run_shaped(sample: Sample) -> Sample:
-    """One endpoint for a server's processes: every reading names its process."""
-    sample = copy.deepcopy(sample)
-    for reading in [*sample.allocators, *sample.pinned_host]:
-        reading.process = dict(WORKER)
-    sample.rejected_messages = {"bad_json": 1}
-    sample.host_processes.append(HostProcessReading(100, "worker", "0", 1 << 30, 1 << 31, 0))
-    return sample
-
-
-def _node_shaped(sample: Sample) -> Sample:
-    """The node daemon: NVML, the kubelet's devices and the processes' cgroups."""
-    sample = copy.deepcopy(sample)
-    sample.allocators, sample.pinned_host = [], []
-    gpu = sample.gpus[0]
-    sample.processes = [
-        ProcessGpuReading(gpu.index, gpu.uuid, 4242, 1 << 30),
-        ProcessGpuReading(gpu.index, gpu.uuid, 4343, 1 << 20),
-    ]
-    sample.kubelet = KubeletReading(
-        "/var/lib/kubelet/pod-resources/kubelet.sock",
-        up=False,
-        error="deadline exceeded",
-        last_success_s=1.0,
-        refresh_errors=1,
-        devices=[PodDevice("ml", "llama-0", "server", "nvidia.com/gpu", gpu.uuid)],
-        pods={"uid-1": ("ml", "llama-0")},
-        containers={"cid-1": "server"},
-        pods_api=True,
-        pods_error="403 Forbidden",
-    )
-    sample.process_containers = [
-        ProcessContainerReading(4242, "container", "uid-1", "cid-1"),
-        ProcessContainerReading(4343, "no_container"),
-    ]
-    return sample
-
-
 def _expositions() -> list[tuple[str, bool, str]]:
-    """(mode, per_process, text) over real readings: three allocator backends captured on a
-    GPU, the demo trace (layout, private pools, pinned host) and the storm trace (layout
-    skipped), each served as its modes would."""
-    _, demo = read_trace(demo_trace_path())
-    _, storm = read_trace(DATA_DIR / "h200_oom_storm_trace.jsonl.gz")
-    samples = [captured_sample(n) for n in ("native", "expandable", "async")]
-    samples += demo[::40] + storm[::10] + captured_oom_samples()
-    found = []
-    for sample in samples:
-        found.append(("embedded", False, _exposition(sample, "embedded", {"rank": "0"}, False)))
-        found.append(("demo", False, _exposition(sample, "demo", {}, False)))
-        found.append(("run", True, _exposition(_run_shaped(sample), "run", {}, True)))
-    found.append(("node", False, _exposition(_node_shaped(demo[0]), "node", {}, False)))
-    return found
+    """(mode, per_process, text) over real readings (tests.helpers.every_family_cases)."""
+    return [
+        (mode, per_process, _exposition(sample, mode, const, per_process))
+        for mode, per_process, const, sample in every_family_cases()
+    ]
 
 
 def test_every_family_served_is_declared_with_its_type_and_labels() -> None:
@@ -196,8 +106,8 @@ def test_the_basic_level_serves_no_detail_family_and_the_full_level_serves_them(
     """GPUMEM_DETAIL=basic (the default) keeps the families declared `detail` off the scrape
     of those modes; full serves them (the test above sees every one served)."""
     _, demo = read_trace(demo_trace_path())
-    cases = [("embedded", False, demo[0]), ("run", True, _run_shaped(demo[0]))]
-    cases.append(("node", False, _node_shaped(demo[0])))
+    cases = [("embedded", False, demo[0]), ("run", True, run_shaped(demo[0]))]
+    cases.append(("node", False, node_shaped(demo[0])))
     for mode, per_process, sample in cases:
         detailed = {f.exposed for f in catalog.FAMILIES if mode in f.detail}
         served = {}

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
         "window",
         "metrics",
         "exposition",
+        "exposition_templates",
         "viewer",
         "sampler",
         "multiprocess",

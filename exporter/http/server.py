@@ -8,10 +8,12 @@ FastAPI app as well.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import socket
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -20,9 +22,13 @@ from prometheus_client.exposition import choose_encoder
 
 from exporter.http.admin import add_admin_routes
 from exporter.http.browser import CrossOriginGuard, LoopbackHostGuard, is_loopback
-from exporter.http.guard import GuardedH11Protocol
+from exporter.http.direct import DirectH11Protocol, Routes
 from exporter.http.page import add_page_routes
+from exporter.http.quiet import QuietServer
 from exporter.http.served import Served
+
+if TYPE_CHECKING:
+    from exporter.exposition import ExpositionCache
 
 log = logging.getLogger(__name__)
 
@@ -31,27 +37,71 @@ class ServerStartError(RuntimeError):
     """The HTTP server could not start (e.g. port in use); str() says why in one line."""
 
 
+def metrics_response(exposition: ExpositionCache, accept: str, accept_encoding: str) -> Response:
+    """The latest sample's exposition in the format asked for (OpenMetrics if asked for)."""
+    body = exposition.body(accept, accept_encoding)
+    headers = {"Content-Encoding": "gzip"} if body.gzipped else None
+    return Response(content=body.data, media_type=body.content_type, headers=headers)
+
+
+def health_response(runtime: Served) -> JSONResponse:
+    """/healthz's answer (the route's docstring says what it means)."""
+    sampler, stale_after_s = runtime.sampler, runtime.config.stale_threshold_s
+    age = sampler.sample_age_s()
+    failing = sampler.failing_sources()
+    if age is None:
+        status = "starting"
+    elif age > stale_after_s:
+        status = "stale"
+    else:
+        status = "failing" if failing else "ok"
+    body: dict[str, object] = {
+        "status": status,
+        "mode": runtime.mode,
+        "sample_age_s": None if age is None else round(age, 3),
+        "stale_after_s": stale_after_s,
+    }
+    unavailable = sampler.unavailable_sources()
+    if unavailable:  # no data here, and why: not a failure
+        body["unavailable_sources"] = unavailable
+    if failing:
+        body["failing_sources"] = {
+            name: {"failed_reads": status.failed_reads, "last_error": status.last_error}
+            for name, status in failing.items()
+        }
+    return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+
+def readiness_response(runtime: Served) -> JSONResponse:
+    """/readyz's answer (the route's docstring says what it means)."""
+    reason = runtime.not_ready()
+    body: dict[str, object] = {"ready": reason is None}
+    if reason is not None:
+        body["reason"] = reason
+    return JSONResponse(body, status_code=200 if reason is None else 503)
+
+
 def add_routes(app: FastAPI, runtime: Served, *, include_metrics: bool = True) -> None:
-    """The open routes, and the token-protected admin API (exporter.http.admin)."""
-    sampler, registry, mode = runtime.sampler, runtime.registry, runtime.mode
-    exposition = runtime.exposition
-    stale_after_s = runtime.config.stale_threshold_s
+    """The open routes, and the token-protected admin API (exporter.http.admin).
+
+    On the exporter's own server the open routes are answered before they reach this app
+    (exporter.http.direct), by the same functions: these serve attach()'s host app, HEAD
+    requests, and whatever the direct path leaves to the app."""
+    registry, exposition = runtime.registry, runtime.exposition
     add_admin_routes(app, runtime.admin)
     if include_metrics:
 
         @app.get("/metrics", include_in_schema=True, tags=["exporter"])
         async def metrics(request: Request) -> Response:
             """Prometheus exposition of the latest sample (OpenMetrics if asked for)."""
-            # Rendered on the event loop thread (1-4 ms) rather than handed to a worker
-            # thread: under a Python-bound server every thread hand-off waits for the GIL,
-            # which is what dominated scrape latency in bench/scrape_latency.py.
+            # Rendered on the event loop thread rather than handed to a worker thread: under
+            # a Python-bound server every thread hand-off waits for the GIL, which is what
+            # dominated scrape latency in bench/scrape_latency.py.
             accept = request.headers.get("accept", "")
             if exposition is None:  # not our registry (attach()): render it as it is now
                 encoder, content_type = choose_encoder(accept)
                 return Response(content=encoder(registry), media_type=content_type)
-            body = exposition.body(accept, request.headers.get("accept-encoding", ""))
-            headers = {"Content-Encoding": "gzip"} if body.gzipped else None
-            return Response(content=body.data, media_type=body.content_type, headers=headers)
+            return metrics_response(exposition, accept, request.headers.get("accept-encoding", ""))
 
     # Health and readiness run on the event loop, never in the thread pool: admin calls that
     # wait for a stopped process hold the pool's 40 threads, and a probe queued behind them
@@ -64,39 +114,13 @@ def add_routes(app: FastAPI, runtime: Served, *, include_metrics: bool = True) -
         `failing_sources` names them with their last error). One source failing among
         working ones (NVML on a host without a GPU) stays "ok", as Sampler.failing_sources
         explains: gpumem_exporter_source_up shows it instead."""
-        age = sampler.sample_age_s()
-        failing = sampler.failing_sources()
-        if age is None:
-            status = "starting"
-        elif age > stale_after_s:
-            status = "stale"
-        else:
-            status = "failing" if failing else "ok"
-        body: dict[str, object] = {
-            "status": status,
-            "mode": mode,
-            "sample_age_s": None if age is None else round(age, 3),
-            "stale_after_s": stale_after_s,
-        }
-        unavailable = sampler.unavailable_sources()
-        if unavailable:  # no data here, and why: not a failure
-            body["unavailable_sources"] = unavailable
-        if failing:
-            body["failing_sources"] = {
-                name: {"failed_reads": status.failed_reads, "last_error": status.last_error}
-                for name, status in failing.items()
-            }
-        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+        return health_response(runtime)
 
     @app.get("/readyz", tags=["exporter"])
     async def readyz() -> JSONResponse:
         """200 once the first sample has been taken; the node daemon also needs a GPU that
         answers NVML (runtime.readiness): otherwise 503 with the reason."""
-        reason = runtime.not_ready()
-        body: dict[str, object] = {"ready": reason is None}
-        if reason is not None:
-            body["reason"] = reason
-        return JSONResponse(body, status_code=200 if reason is None else 503)
+        return readiness_response(runtime)
 
 
 def create_app(runtime: Served) -> FastAPI:
@@ -109,7 +133,25 @@ def create_app(runtime: Served) -> FastAPI:
     add_routes(app, runtime)
     add_page_routes(app, runtime)  # here, not in add_routes: attach() must not take the host's `/`
     app.add_middleware(CrossOriginGuard)  # a web page must not act through the user's browser
+    # What HttpServer answers on the connection (exporter.http.direct), by the routes' own
+    # functions.
+    app.state.direct_routes = direct_routes(runtime)
     return app
+
+
+def direct_routes(runtime: Served) -> Routes:
+    exposition = runtime.exposition
+    routes: dict[bytes, Callable[[dict[bytes, bytes]], Response]] = {
+        b"/healthz": lambda headers: health_response(runtime),
+        b"/readyz": lambda headers: readiness_response(runtime),
+    }
+    if exposition is not None:
+        routes[b"/metrics"] = lambda headers: metrics_response(
+            exposition,
+            headers.get(b"accept", b"").decode("latin-1"),
+            headers.get(b"accept-encoding", b"").decode("latin-1"),
+        )
+    return routes
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -149,17 +191,21 @@ _NOT_FROM_OUR_THREAD = _NotFromOurThread()  # one filter, added once however oft
 
 
 class HttpServer:
-    """uvicorn on a pre-bound socket, in the calling thread (`run`) or a daemon thread."""
+    """uvicorn on a pre-bound socket, in the calling thread (`run`) or a daemon thread; the
+    app's `state.direct_routes` (create_app) are answered on the connection."""
 
     def __init__(self, app: FastAPI, host: str, port: int) -> None:
         self.sock = bind_socket(host, port)
         self.host = host
         self.port = self.sock.getsockname()[1]
         # On loopback only: every Host must be a loopback name (exporter.http.browser).
-        served = LoopbackHostGuard(app) if is_loopback(host) else app
+        loopback_only = is_loopback(host)
+        served = LoopbackHostGuard(app) if loopback_only else app
+        routes = getattr(app.state, "direct_routes", {})
         config = uvicorn.Config(
             served,
-            http=GuardedH11Protocol,  # slow or hostile clients cannot hold connections
+            # Slow or hostile clients cannot hold connections (GuardedH11Protocol).
+            http=functools.partial(DirectH11Protocol, routes=routes, loopback_only=loopback_only),  # type: ignore[arg-type]
             log_config=None,  # never reconfigure the host process's logging
             # True, because False makes uvicorn empty the process-wide "uvicorn.access"
             # logger: a host served by uvicorn would lose its own access log. Ours is off
@@ -168,7 +214,7 @@ class HttpServer:
             lifespan="off",
             timeout_graceful_shutdown=2,
         )
-        self._server = uvicorn.Server(config)
+        self._server = QuietServer(config)
         self._thread: threading.Thread | None = None
 
     @property
@@ -197,7 +243,7 @@ class HttpServer:
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._server.should_exit = True
+        self._server.exit()
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None

@@ -3,16 +3,19 @@ threads' CPU, before and after a change, in one run.
 
 The serving process runs an asyncio loop that wakes every 1 ms (as vLLM's and SGLang's API
 servers do) beside a thread that allocates and frees GPU memory; a scraper process reads
-`/metrics` once a second over a kept-alive connection, as Prometheus does. Arms: `off` (no
-exporter), `1Hz` and `10Hz` (`exporter.start()`), each in a fresh process, with the exporter
-package taken from `--root` (a checkout of the code to measure), in alternating rounds so that
-drift falls on every arm alike.
+`/metrics` once a second over a kept-alive connection with Prometheus 3's headers (OpenMetrics,
+gzip), as Prometheus does. Arms: `off` (no exporter), `1Hz` and `10Hz` (`exporter.start()`),
+`1Hz+page` (the live page open as well, polling its data once a second), each in a fresh
+process, with the exporter package taken from `--root` (a checkout of the code to measure), in
+alternating rounds so that drift falls on every arm alike.
 
     python -m bench.loop_lateness --root /path/to/before --root . --seconds 20 --rounds 3
 
 Lateness: how much later than asked each 1 ms sleep woke (p99, p99.9, max). CPU: the exporter's
-threads (named gpumem-*) by their CPU clocks, and the whole process, per second of the run. One
-JSON object on the last line.
+threads (named gpumem-*, each, and together) and the thread pool of the app's sync routes by
+their CPU clocks, and the whole process, per second of the run; the garbage collector's pauses.
+One JSON object on the last line. Without a GPU the loop runs with no allocating thread (a
+check of the bench itself, not a measurement).
 """
 
 from __future__ import annotations
@@ -26,24 +29,64 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-ARMS = {"off": None, "1Hz": 1.0, "10Hz": 0.1}
+# arm -> (sampling interval, whether the live page is open beside the scrapes)
+ARMS = {"off": (None, False), "1Hz": (1.0, False), "10Hz": (0.1, False), "1Hz+page": (1.0, True)}
+# What Prometheus 3 sends: OpenMetrics first, gzip.
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
+    "application/openmetrics-text;version=0.0.1;q=0.5,"
+    "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,"
+    "text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
+)
 
 
-def _thread_cpu_s(prefix: str) -> float:
-    """CPU seconds of this process's Python threads named prefix* (their CPU clocks, as
-    bench/serving_impact.py reads them)."""
+def _threads_cpu_s() -> dict[str, float]:
+    """CPU seconds of this process's exporter threads (gpumem-*), and of the thread pool that
+    runs the app's sync routes (the live page's data), by their CPU clocks."""
     import threading
     import time
 
-    total = 0.0
+    found: dict[str, float] = {}
     for thread in threading.enumerate():
-        if not thread.name.startswith(prefix) or thread.ident is None:
+        name = thread.name
+        if name.startswith("AnyIO worker"):
+            name = "anyio-workers"
+        elif not name.startswith("gpumem") or thread.ident is None:
             continue
         try:
-            total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            cpu = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))  # type: ignore[arg-type]
         except OSError:
             continue  # exited meanwhile
-    return total
+        found[name] = found.get(name, 0.0) + cpu
+    return found
+
+
+class GcPauses:
+    """The garbage collector's pauses during the run (gc.callbacks), on whichever thread."""
+
+    def __init__(self) -> None:
+        import gc
+        import time
+
+        self.pauses: list[float] = []
+        self._started = 0.0
+        self._clock = time.perf_counter
+
+        def callback(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                self._started = self._clock()
+            else:
+                self.pauses.append(self._clock() - self._started)
+
+        gc.callbacks.append(callback)
+
+    def summary(self, seconds: float) -> dict[str, float]:
+        pauses = sorted(self.pauses)
+        return {
+            "collections_per_s": len(pauses) / seconds,
+            "pause_ms_per_s": sum(pauses) / seconds * 1000,
+            "max_pause_ms": (pauses[-1] * 1000) if pauses else 0.0,
+        }
 
 
 def serve(arm: str, seconds: float, port: int) -> dict[str, Any]:
@@ -56,11 +99,13 @@ def serve(arm: str, seconds: float, port: int) -> dict[str, Any]:
 
     import torch
 
-    torch.empty(1, device="cuda:0")
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.empty(1, device="cuda:0")
     stop = threading.Event()
 
     def allocate() -> None:
-        while not stop.is_set():
+        while gpu and not stop.is_set():
             kept = [torch.empty(4 << 20, dtype=torch.uint8, device="cuda:0") for _ in range(8)]
             del kept
             time.sleep(0.005)
@@ -68,16 +113,17 @@ def serve(arm: str, seconds: float, port: int) -> dict[str, Any]:
     worker = threading.Thread(target=allocate, name="allocator", daemon=True)
     worker.start()
     handle = None
-    interval = ARMS[arm]
+    interval, page = ARMS[arm]
     if interval is not None:
         import exporter
 
         handle = exporter.start(port=port, interval_s=interval)
-    scraper = None
+    clients = []
     if handle is not None:
-        scraper = subprocess.Popen(
-            [sys.executable, "-c", _SCRAPER, f"http://127.0.0.1:{port}/metrics", str(seconds)]
-        )
+        scrape = [sys.executable, "-c", _SCRAPER, f"http://127.0.0.1:{port}", str(seconds)]
+        clients.append(subprocess.Popen([*scrape, "/metrics"]))
+        if page:  # the live page polls its data once a second
+            clients.append(subprocess.Popen([*scrape, "/api/window"]))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # the first sample is in
             try:
@@ -94,15 +140,20 @@ def serve(arm: str, seconds: float, port: int) -> dict[str, Any]:
             await asyncio.sleep(0.001)
             late.append(time.perf_counter() - asked - 0.001)
 
-    cpu_before, process_before = _thread_cpu_s("gpumem"), time.process_time()
+    threads_before, process_before = _threads_cpu_s(), time.process_time()
+    gc_pauses = GcPauses()
     started = time.perf_counter()
     asyncio.run(loop())
     wall = time.perf_counter() - started
-    cpu = _thread_cpu_s("gpumem") - cpu_before
+    threads = {
+        name: (cpu - threads_before.get(name, 0.0)) / wall * 1000
+        for name, cpu in _threads_cpu_s().items()
+    }
+    cpu = sum(v for name, v in threads.items() if name.startswith("gpumem")) * wall / 1000
     process_cpu = time.process_time() - process_before
     stop.set()
-    if scraper is not None:
-        scraper.wait(timeout=seconds + 30)
+    for client in clients:
+        client.wait(timeout=seconds + 30)
     if handle is not None:
         handle.stop()
     late.sort()
@@ -116,18 +167,22 @@ def serve(arm: str, seconds: float, port: int) -> dict[str, Any]:
             "max": late[-1] * 1000,
         },
         "exporter_cpu_ms_per_s": cpu / wall * 1000,
+        "threads_cpu_ms_per_s": threads,
+        "gc": gc_pauses.summary(wall),
         # The whole serving process (loop, allocating thread, exporter): its difference from
         # the `off` arm is what the exporter costs, threads it starts included.
         "process_cpu_ms_per_s": process_cpu / wall * 1000,
     }
 
 
-_SCRAPER = """
+# Once a second over one kept-alive connection, with Prometheus 3's headers.
+_SCRAPER = f"""
 import http.client, sys, time, urllib.parse
 url = urllib.parse.urlsplit(sys.argv[1]); end = time.monotonic() + float(sys.argv[2])
 conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+headers = {{"Accept": "{PROMETHEUS_ACCEPT}", "Accept-Encoding": "gzip"}}
 while time.monotonic() < end:
-    conn.request("GET", url.path); conn.getresponse().read(); time.sleep(1.0)
+    conn.request("GET", sys.argv[3], headers=headers); conn.getresponse().read(); time.sleep(1.0)
 """
 
 
@@ -138,6 +193,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=9471)
+    parser.add_argument(
+        "--arms", default=",".join(ARMS), help="comma-separated, of " + ", ".join(ARMS)
+    )
     args = parser.parse_args()
     if args.serve:
         print(json.dumps(serve(args.serve, args.seconds, args.port)), flush=True)
@@ -145,7 +203,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
         for root in args.root:
-            for arm in ARMS:
+            for arm in args.arms.split(","):
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(REPO)]))
                 command = [sys.executable, __file__, "--root", root, "--serve", arm]
                 out = subprocess.run(

@@ -49,6 +49,25 @@ class AlertStates(Protocol):
         ...
 
 
+class Labels(dict[str, object]):
+    """The labels of one subject (a reading, a GPU), given to many families: the tuple of
+    values for a family's label names is made once per set of names, not once per family
+    (most of a render's work before, at ~30 families per allocator reading)."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, *args: Mapping[str, object], **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._values: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[str, ...]] = {}
+
+    def values_for(self, names: tuple[str, ...], const_values: tuple[str, ...]) -> tuple[str, ...]:
+        key = (names, const_values)
+        found = self._values.get(key)
+        if found is None:
+            found = self._values[key] = (*const_values, *(str(self.get(n, "")) for n in names))
+        return found
+
+
 class FamilyRows:
     """One family being filled, as plain rows: label values are given by name, so a label
     that is constant on this process (an embedded exporter with RANK set has `rank`
@@ -72,6 +91,8 @@ class FamilyRows:
         self.rows: list[tuple[tuple[str, ...], float | Mapping[str, str]]] = []
 
     def _values(self, labels: Mapping[str, object]) -> tuple[str, ...]:
+        if type(labels) is Labels:
+            return labels.values_for(self.names, self.const_values)
         return (*self.const_values, *(str(labels.get(n, "")) for n in self.names))
 
     def add(self, labels: Mapping[str, object], value: float) -> None:
@@ -106,6 +127,18 @@ class FamilyRows:
         for values, value in self.rows:
             metric.add_metric(values, value)  # type: ignore[arg-type]
         return metric
+
+
+class _LeftOut(FamilyRows):
+    """A family this mode or detail level does not serve: what is added to it is dropped."""
+
+    __slots__ = ()
+
+    def add(self, labels: Mapping[str, object], value: float) -> None:
+        pass
+
+    def add_info(self, labels: Mapping[str, object], info: Mapping[str, str]) -> None:
+        pass
 
 
 @dataclass
@@ -164,6 +197,8 @@ class SampleCollector(Collector):
             names = entry.labels + (PROCESS_LABELS if per_process and entry.per_process else ())
             names = tuple(n for n in names if n not in self._const_names)
             found = self._label_names[key] = (self._const_names + names, names)
+        if entry.name in self._left_out:  # not served at this detail level: nothing to fill
+            return _LeftOut(entry, found[0], found[1], self._const_values)
         return FamilyRows(entry, found[0], found[1], self._const_values)
 
     def fingerprint(self) -> tuple[object, ...]:
@@ -283,11 +318,11 @@ class SampleCollector(Collector):
             by_key.setdefault(entry.group, {})[entry.key] = filling
         info = families[catalog.family("torch_cuda_allocator")]
         for reading in sample.allocators:
-            ids = {
-                **processes.labels(reading.process),
-                "device": reading.device,
-                "gpu_uuid": reading.gpu_uuid,
-            }
+            ids = Labels(
+                processes.labels(reading.process),
+                device=reading.device,
+                gpu_uuid=reading.gpu_uuid,
+            )
             self._add_allocator_reading(by_key, info, reading, ids)
         yield from ((filling, False) for filling in families.values())
         yield from self._pinned_host_families(sample, processes)
@@ -304,8 +339,9 @@ class SampleCollector(Collector):
         for key, value in reading.counters.items():
             by_key["allocator_counter"][key].add(ids, value)
         for pool, pool_gauges in sorted(reading.pools.items()):
+            pool_ids = Labels(ids, pool=pool)
             for key, value in pool_gauges.items():
-                by_key["pool"][key].add({**ids, "pool": pool}, value)
+                by_key["pool"][key].add(pool_ids, value)
         for group in _ATTRIBUTE_GROUPS:
             for key, filling in by_key[group].items():
                 if (value := getattr(reading, key)) is not None:
@@ -319,8 +355,9 @@ class SampleCollector(Collector):
             skipped.add_info(ids, {"reason": reading.layout_skipped})
         self._add_oom(by_key["oom"], reading, ids)
         for pool_id, pool_gauges in sorted(reading.private_pools.items()):
+            pool_ids = Labels(ids, pool_id=pool_id)
             for key, value in pool_gauges.items():
-                by_key["private_pool"][key].add({**ids, "pool_id": pool_id}, value)
+                by_key["private_pool"][key].add(pool_ids, value)
         max_split = reading.max_split_size_bytes
         info.add_info(
             ids,
@@ -368,7 +405,7 @@ class SampleCollector(Collector):
         up = self._fill(catalog.family("gpu_up"))
         info = self._fill(catalog.family("gpu"))
         for gpu in sample.gpus:
-            ids = {"gpu": gpu.index, "gpu_uuid": gpu.uuid}
+            ids = Labels(gpu=gpu.index, gpu_uuid=gpu.uuid)
             up.add(ids, 1.0 if gpu.up else 0.0)
             info.add_info(
                 ids,

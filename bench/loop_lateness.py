@@ -5,7 +5,9 @@ The serving process runs an asyncio loop that wakes every 1 ms (as vLLM's and SG
 servers do) beside a thread that allocates and frees GPU memory; a scraper process reads
 `/metrics` once a second over a kept-alive connection with Prometheus 3's headers (OpenMetrics,
 gzip), as Prometheus does. Arms: `off` (no exporter), `1Hz` and `10Hz` (`exporter.start()`),
-`1Hz+page` (the live page open as well, polling its data once a second), each in a fresh
+`1Hz+page` (the live page open as well, polling its data once a second), `run-1Hz` (under
+`gpumem-exporter run`: the process's agent samples and sends, the launcher process serves),
+each in a fresh
 process, with the exporter package taken from `--root` (a checkout of the code to measure), in
 alternating rounds so that drift falls on every arm alike.
 
@@ -29,8 +31,15 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-# arm -> (sampling interval, whether the live page is open beside the scrapes)
-ARMS = {"off": (None, False), "1Hz": (1.0, False), "10Hz": (0.1, False), "1Hz+page": (1.0, True)}
+# arm -> (sampling interval, whether the live page is open beside the scrapes, whether the
+# process runs under `gpumem-exporter run`: its agent samples, the launcher serves)
+ARMS = {
+    "off": (None, False, False),
+    "1Hz": (1.0, False, False),
+    "10Hz": (0.1, False, False),
+    "1Hz+page": (1.0, True, False),
+    "run-1Hz": (1.0, False, True),
+}
 # What Prometheus 3 sends: OpenMetrics first, gzip.
 PROMETHEUS_ACCEPT = (
     "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
@@ -113,13 +122,13 @@ def serve(arm: str, seconds: float, port: int) -> dict[str, Any]:
     worker = threading.Thread(target=allocate, name="allocator", daemon=True)
     worker.start()
     handle = None
-    interval, page = ARMS[arm]
-    if interval is not None:
+    interval, page, under_run = ARMS[arm]
+    if interval is not None and not under_run:
         import exporter
 
         handle = exporter.start(port=port, interval_s=interval)
     clients = []
-    if handle is not None:
+    if interval is not None:
         scrape = [sys.executable, "-c", _SCRAPER, f"http://127.0.0.1:{port}", str(seconds)]
         clients.append(subprocess.Popen([*scrape, "/metrics"]))
         if page:  # the live page polls its data once a second
@@ -206,6 +215,11 @@ def main() -> None:
             for arm in args.arms.split(","):
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(REPO)]))
                 command = [sys.executable, __file__, "--root", root, "--serve", arm]
+                interval, _, under_run = ARMS[arm]
+                if under_run:  # the launcher serves on the port; this process only samples
+                    launcher = [sys.executable, "-m", "exporter.cli", "run", "--port"]
+                    launcher += [str(args.port), "--interval-s", str(interval), "--"]
+                    command = [*launcher, *command]
                 out = subprocess.run(
                     [*command, "--seconds", str(args.seconds), "--port", str(args.port)],
                     env=env,

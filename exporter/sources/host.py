@@ -6,6 +6,7 @@ GPU looks fine; these numbers make that visible next to the GPU ones.
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 
@@ -21,36 +22,74 @@ def peak_rss_bytes() -> int:
 
 
 MEMINFO = "/proc/meminfo"
+STATM = "/proc/self/statm"
+PAGE_SIZE = resource.getpagesize()
+
+WANTED = ("MemTotal", "MemAvailable", "SwapTotal", "SwapFree")
+_KEYS = tuple((name, f"\n{name}:".encode()) for name in WANTED)
 
 
-WANTED = frozenset({"MemTotal", "MemAvailable", "SwapTotal", "SwapFree"})
+def parse_meminfo(data: bytes) -> dict[str, int]:
+    """The fields of /proc/meminfo this source needs, in bytes (a search per field: a
+    quarter of a regular expression's time over the whole file)."""
+    data = b"\n" + data
+    values = {}
+    for name, key in _KEYS:
+        start = data.find(key)
+        if start < 0:
+            continue
+        fields = data[start + len(key) : data.find(b"\n", start + 1)].split()
+        values[name] = int(fields[0]) * (1024 if fields[1:] == [b"kB"] else 1)
+    return values
 
 
 def read_meminfo(path: str = MEMINFO) -> dict[str, int]:
-    """The fields of /proc/meminfo this source needs, in bytes. One read gives memory and
-    swap: psutil reads the file twice plus /proc/vmstat on every tick (~170 us, measured)."""
-    values = {}
+    """One read gives memory and swap: psutil reads the file twice plus /proc/vmstat on every
+    tick (~170 us, measured)."""
     with open(path, "rb") as f:
-        for line in f:
-            key, _, rest = line.partition(b":")
-            name = key.decode()
-            if name in WANTED:
-                fields = rest.split()
-                values[name] = int(fields[0]) * (1024 if fields[1:] == [b"kB"] else 1)
-                if len(values) == len(WANTED):
-                    break
-    return values
+        return parse_meminfo(f.read())
+
+
+class ProcFile:
+    """A /proc file kept open and read again from its start (pread) on every tick: the kernel
+    writes it anew for each read at offset 0, and an open and a close per tick are saved."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def read(self) -> bytes:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.pread(self._fd, 16384, 0)
+        except OSError:
+            self.close()  # reopened on the next read
+            raise
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
 
 
 class HostMemorySource:
     name = "host"
 
     def __init__(self) -> None:
+        self._meminfo = ProcFile(MEMINFO)
+        self._statm = ProcFile(STATM)
         self._process = psutil.Process()
+
+    def _resident_bytes(self) -> int:
+        try:
+            return int(self._statm.read().split()[1]) * PAGE_SIZE
+        except (OSError, IndexError, ValueError):  # not Linux
+            return int(self._process.memory_info().rss)
 
     def read(self) -> SourceReading:
         try:
-            info = read_meminfo()
+            info = parse_meminfo(self._meminfo.read())
             total, available = info["MemTotal"], info["MemAvailable"]
             swap_total, swap_used = info["SwapTotal"], info["SwapTotal"] - info["SwapFree"]
         except (OSError, KeyError, ValueError):  # not Linux, or an old kernel
@@ -63,10 +102,11 @@ class HostMemorySource:
                 available_bytes=available,
                 swap_total_bytes=swap_total,
                 swap_used_bytes=swap_used,
-                process_resident_bytes=int(self._process.memory_info().rss),
+                process_resident_bytes=self._resident_bytes(),
                 process_resident_peak_bytes=peak_rss_bytes(),
             )
         )
 
     def close(self) -> None:
-        pass
+        self._meminfo.close()
+        self._statm.close()

@@ -71,12 +71,14 @@ def _pyspy_summary(path: Path) -> dict[str, Any]:
 
 
 class InPlace:
-    """CPU (thread clock) of each call of a bound method, replacing it on its instance."""
+    """CPU (thread clock) of each call of a bound method, replacing it on its instance (or
+    of a callable, given as `method`)."""
 
-    def __init__(self, instance: Any, name: str) -> None:
-        self.method = getattr(instance, name)
+    def __init__(self, instance: Any, name: str, method: Any = None) -> None:
+        self.method = getattr(instance, name) if method is None else method
         self.times: list[float] = []
-        setattr(instance, name, self)
+        if method is None:
+            setattr(instance, name, self)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         started = time.thread_time()
@@ -84,6 +86,24 @@ class InPlace:
             return self.method(*args, **kwargs)
         finally:
             self.times.append(time.thread_time() - started)
+
+
+class Profiled:
+    """cProfile around each call of a bound method, on the thread that calls it (in place,
+    while the server runs), replacing it on its instance."""
+
+    def __init__(self, instance: Any, name: str) -> None:
+        self.method = getattr(instance, name)
+        self.profile = cProfile.Profile()
+        setattr(instance, name, self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.profile.runcall(self.method, *args, **kwargs)
+
+    def top(self) -> str:
+        out = io.StringIO()
+        pstats.Stats(self.profile, stream=out).sort_stats("tottime").print_stats(30)
+        return out.getvalue()
 
 
 def _cprofile(fn: Any, count: int) -> str:
@@ -115,8 +135,15 @@ def main() -> None:
     threading.Thread(target=_allocating, args=(stop,), name="allocator", daemon=True).start()
     handle = exporter.start(port=args.port, interval_s=1.0)
     assert handle.runtime.exposition is not None
-    ticks = InPlace(handle.runtime.sampler, "tick")
+    sampler = handle.runtime.sampler
+    ticks = InPlace(sampler, "tick")
     bodies = InPlace(handle.runtime.exposition, "body")
+    parts = {f"source {s.name}": InPlace(s, "read") for s in sampler.sources}
+    listeners = [InPlace(None, "", listener) for listener in sampler.listeners]
+    sampler.listeners[:] = listeners
+    for listener in listeners:
+        name = getattr(listener.method, "__name__", type(listener.method).__name__)
+        parts[f"listener {name}"] = listener
     time.sleep(1.5)
     url = f"http://127.0.0.1:{args.port}"
     scraper = subprocess.Popen([sys.executable, "-c", _SCRAPER, url, str(args.seconds), "/metrics"])
@@ -143,6 +170,7 @@ def main() -> None:
     result["in_place_us"] = {
         "tick": summary(ticks.times[2:], 1e6),
         "metrics_body": summary(bodies.times[2:], 1e6),
+        **{name: summary(part.times[2:], 1e6) for name, part in parts.items()},
     }
     if spy is not None:
         _, err = spy.communicate(timeout=60)
@@ -153,6 +181,14 @@ def main() -> None:
     else:
         result["pyspy_error"] = "py-spy not installed"
     runtime = handle.runtime
+    # In place again, under cProfile: what the tick and the render spend their time on.
+    profiled_tick = Profiled(runtime.sampler, "tick")
+    profiled_body = Profiled(runtime.exposition, "body")
+    scraper = subprocess.Popen([sys.executable, "-c", _SCRAPER, url, str(args.seconds), "/metrics"])
+    scraper.wait(timeout=args.seconds + 30)
+    result["cprofile_tick_in_place"] = profiled_tick.top()
+    result["cprofile_body_in_place"] = profiled_body.top()
+    del runtime.sampler.tick, runtime.exposition.body  # the classes' own methods again
     runtime.sampler.stop()  # closes sources: tick again with fresh ones below
     stop.set()
     from exporter.runtime import sources_for

@@ -126,6 +126,12 @@ def test_prometheus_kept_alive_scrapes_never_enter_the_app(tmp_path) -> None:
         b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
         b"GET /metrics HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n",
         b"GET /metricsx HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+        b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n",  # HTTP/1.1 without a Host
+        b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Name: caf\xc3\xa9\r\n"  # obs-text
+        b"Connection: close\r\n\r\n",
+        b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: 1\r\n folded\r\n"  # obs-fold
+        b"Connection: close\r\n\r\n",
+        b"GET /metrics HTTP/1.2\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
         # Pipelined: both answered, in order, by the usual way.
         b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
         b"GET /readyz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
@@ -152,6 +158,23 @@ def test_a_request_h11_refuses_is_a_400_not_an_answer(tmp_path) -> None:
         )
         assert app.calls == 0
     assert response.startswith(b"HTTP/1.1 400 "), response[:200]
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /readyz HTTP/1.1\r\nHost: localhost\r\nConnection: keep-alive, Close\r\n\r\n",
+        b"GET /readyz HTTP/1.0\r\nHost: localhost\r\nConnection: keep-alive\r\n\r\n",
+        b"GET /readyz HTTP/1.0\r\n\r\n",
+    ],
+)
+def test_the_connection_closes_when_h11_would_close_it(tmp_path, request_bytes) -> None:
+    """The server closes (the read ends) with the same bytes as the usual way."""
+    with serving(tmp_path, host="0.0.0.0") as (server, app):
+        whole = exchange(server.port, request_bytes)
+        assert app.calls == 0
+        split = exchange(server.port, request_bytes[:9], request_bytes[9:])
+    assert whole.startswith(b"HTTP/1.1 200 OK\r\n") and without_date(whole) == without_date(split)
 
 
 def test_http_1_0_is_answered_and_closed(tmp_path) -> None:

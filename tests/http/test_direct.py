@@ -185,11 +185,14 @@ def test_http_1_0_is_answered_and_closed(tmp_path) -> None:
 
 
 def test_on_every_address_any_host_may_scrape(tmp_path) -> None:
-    """Only a loopback listener checks the Host (exporter.http.browser)."""
+    """Only a loopback listener checks the Host (exporter.http.browser); HTTP/1.1 without
+    any Host is h11's 400 still."""
     with serving(tmp_path, host="0.0.0.0") as (server, app):
         response = exchange(
             server.port,
             b"GET /readyz HTTP/1.1\r\nHost: node-7.cluster:9445\r\nConnection: close\r\n\r\n",
         )
+        hostless = exchange(server.port, b"GET /readyz HTTP/1.1\r\nConnection: close\r\n\r\n")
         assert app.calls == 0
     assert response.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert hostless.startswith(b"HTTP/1.1 400 Bad Request\r\n"), hostless[:100]

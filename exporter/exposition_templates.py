@@ -150,22 +150,23 @@ class TemplateRenderer:
             else:
                 template = kept[shape] = self._template(family)
             if template is None:
-                text.append(self._encode([family.to_metric()]))
+                text.append(self._encode(family.to_metric()))
             else:
                 text.append(template.fill(family.values()))
         self._templates = kept
         text.append(self._trailer)
         return "".join(text).encode("utf-8")
 
-    def _encode(self, metrics: Sequence[Metric]) -> str:
-        text = self._encoder(_One(metrics)).decode("utf-8")
+    def _encode(self, metric: Metric) -> str:
+        """The encoder's text of one family, without its trailer."""
+        text = self._encoder(_One([metric])).decode("utf-8")
         return text[: len(text) - len(self._trailer)]
 
     def _template(self, family: Family) -> Template | None:
         metric = family.to_metric()
         stand_in = copy.copy(metric)
         stand_in.samples = [s._replace(value=float(i)) for i, s in enumerate(metric.samples)]
-        text = self._encode([stand_in])
+        text = self._encode(stand_in)
         template = _parse(text, len(metric.samples))
         # Kept only if it gives back the encoder's own text: then it is exact for any values.
         indices = [float(i) for i in range(len(metric.samples))]

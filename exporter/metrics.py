@@ -230,12 +230,12 @@ class SampleCollector(Collector):
         return served
 
     def _served(self, families: Iterable[tuple[FamilyRows, bool]]) -> list[FamilyRows]:
-        """Those of the families served at this detail level: with samples, or always."""
-        left_out = self._left_out
+        """Those of the families served at this detail level (_fill decided): with samples,
+        or always."""
         return [
             family
             for family, always in families
-            if family.entry.name not in left_out and (always or family.rows)
+            if not isinstance(family, _LeftOut) and (always or family.rows)
         ]
 
     # Each part yields (family, always): a family is served when it has samples, or always.

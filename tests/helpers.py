@@ -209,13 +209,14 @@ def render(
 
 
 @contextlib.contextmanager
-def served(tmp_path, **settings):
+def served(tmp_path, host="127.0.0.1", wrap=None, **settings):
     """The demo's app on a real uvicorn server in this process (sockets, not a test client),
     with its sampler running as in production: a sample ticked once by hand goes stale after
     5 s, and /healthz then answers 503 (which, on a busy machine, a test setting up 70
-    clients took for the guard's)."""
+    clients took for the guard's). `wrap(app)`: what the server serves instead of the app
+    (it must keep the app's `state`)."""
     app, runtime = make_app(tmp_path, **settings)
-    server = HttpServer(app, "127.0.0.1", 0)
+    server = HttpServer(wrap(app) if wrap else app, host, 0)
     runtime.sampler.start()
     server.start()
     try:

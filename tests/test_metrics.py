@@ -192,3 +192,23 @@ def test_a_peak_is_never_below_the_current_value_it_is_served_beside():
     assert HostReading(100, 50, 0, 0, None, 12).process_resident_peak_bytes == 12
     process = HostProcessReading(1, "server", "", resident_bytes=9, resident_peak_bytes=7)
     assert process.resident_peak_bytes == 9
+
+
+def test_one_subjects_labels_give_each_family_its_own_label_values() -> None:
+    """Labels makes a family's label values once per set of names: families of other names
+    (or other constant labels) given the same subject get their own values, not the first's."""
+    from exporter import catalog
+    from exporter.metrics import FamilyRows, Labels
+
+    subject = Labels({"device": 0, "gpu_uuid": "GPU-a", "pool": "large"})
+    entry = catalog.family("torch_cuda_reserved_bytes")
+    by_device = FamilyRows(entry, ("device", "gpu_uuid"), ("device", "gpu_uuid"), ())
+    by_pool = FamilyRows(entry, ("device", "pool"), ("device", "pool"), ())
+    ranked = FamilyRows(entry, ("rank", "device", "gpu_uuid"), ("device", "gpu_uuid"), ("3",))
+    for _ in range(2):
+        by_device.add(subject, 1.0)
+        by_pool.add(subject, 2.0)
+        ranked.add(subject, 3.0)
+    assert by_device.rows == [(("0", "GPU-a"), 1.0)] * 2
+    assert by_pool.rows == [(("0", "large"), 2.0)] * 2
+    assert ranked.rows == [(("3", "0", "GPU-a"), 3.0)] * 2

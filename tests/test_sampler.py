@@ -108,19 +108,3 @@ def test_sample_age_uses_the_clock():
 def test_interval_must_be_positive():
     with pytest.raises(ValueError, match="interval_s"):
         Sampler([], interval_s=0)
-
-
-def test_meminfo_is_read_in_bytes(tmp_path):
-    from exporter.sources.host import read_meminfo
-
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text(
-        "MemTotal:       16384 kB\nMemFree:  1 kB\nMemAvailable:    8192 kB\n"
-        "SwapTotal:       2048 kB\nSwapFree:        1024 kB\nHugePages_Total: 0\n"
-    )
-    assert read_meminfo(str(meminfo)) == {
-        "MemTotal": 16384 * 1024,
-        "MemAvailable": 8192 * 1024,
-        "SwapTotal": 2048 * 1024,
-        "SwapFree": 1024 * 1024,
-    }

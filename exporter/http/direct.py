@@ -100,10 +100,8 @@ class DirectH11Protocol(GuardedH11Protocol):
         # What h11 writes for uvicorn: the status line, the default headers (date, server),
         # the response's own, and h11's Connection: close when the connection ends.
         head = [b"HTTP/1.1 %d %s\r\n" % (status, STATUS_PHRASES[status])]
-        head += [
-            name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers
-        ]
-        head += [name + b": " + value + b"\r\n" for name, value in response.raw_headers]
+        fields = (*self.server_state.default_headers, *response.raw_headers)
+        head += [name + b": " + value + b"\r\n" for name, value in fields]
         if not keep_alive:
             head.append(b"Connection: close\r\n")
         head.append(b"\r\n")

@@ -30,8 +30,9 @@ _KEYS = tuple((name, f"\n{name}:".encode()) for name in WANTED)
 
 
 def parse_meminfo(data: bytes) -> dict[str, int]:
-    """The fields of /proc/meminfo this source needs, in bytes (a search per field: a
-    quarter of a regular expression's time over the whole file)."""
+    """The fields of /proc/meminfo this source needs, in bytes. One read gives memory and
+    swap (psutil reads the file twice plus /proc/vmstat on every tick, ~170 us measured); a
+    search per field takes a quarter of a regular expression's time over the whole file."""
     data = b"\n" + data
     values = {}
     for name, key in _KEYS:
@@ -41,13 +42,6 @@ def parse_meminfo(data: bytes) -> dict[str, int]:
         fields = data[start + len(key) : data.find(b"\n", start + 1)].split()
         values[name] = int(fields[0]) * (1024 if fields[1:] == [b"kB"] else 1)
     return values
-
-
-def read_meminfo(path: str = MEMINFO) -> dict[str, int]:
-    """One read gives memory and swap: psutil reads the file twice plus /proc/vmstat on every
-    tick (~170 us, measured)."""
-    with open(path, "rb") as f:
-        return parse_meminfo(f.read())
 
 
 class ProcFile:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from exporter.http.server import HttpServer
-from tests.helpers import make_app
+from tests.helpers import served
 
 OPENMETRICS = "application/openmetrics-text;version=1.0.0;escaping=underscores"
 
@@ -36,18 +36,14 @@ class CountingApp:
 
 @contextlib.contextmanager
 def serving(tmp_path, host: str = "127.0.0.1") -> Iterator[tuple[HttpServer, CountingApp]]:
-    app, runtime = make_app(tmp_path)
-    counting = CountingApp(app)
-    server = HttpServer(counting, host, 0)  # type: ignore[arg-type]
-    server.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server._server.started and time.monotonic() < deadline:
-            time.sleep(0.01)
-        yield server, counting
-    finally:
-        server.stop()
-        runtime.sampler.stop()
+    apps: list[CountingApp] = []
+
+    def counting(app: Any) -> CountingApp:
+        apps.append(CountingApp(app))
+        return apps[0]
+
+    with served(tmp_path, host=host, wrap=counting) as (server, _):
+        yield server, apps[0]
 
 
 def exchange(port: int, *parts: bytes, pause_s: float = 0.05) -> bytes:

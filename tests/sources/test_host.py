@@ -70,3 +70,17 @@ def test_meminfo_fields_in_bytes_wherever_they_sit() -> None:
         "SwapFree": 0,
     }
     assert parse_meminfo(b"HugePages_Total: 0\n") == {}
+
+
+def test_meminfo_is_read_in_bytes(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(
+        "MemTotal:       16384 kB\nMemFree:  1 kB\nMemAvailable:    8192 kB\n"
+        "SwapTotal:       2048 kB\nSwapFree:        1024 kB\nHugePages_Total: 0\n"
+    )
+    assert parse_meminfo(meminfo.read_bytes()) == {
+        "MemTotal": 16384 * 1024,
+        "MemAvailable": 8192 * 1024,
+        "SwapTotal": 2048 * 1024,
+        "SwapFree": 1024 * 1024,
+    }

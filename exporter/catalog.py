@@ -193,6 +193,41 @@ FAMILIES: tuple[Family, ...] = (
         EVERY_MODE,
     ),
     Family(
+        "gpumem_exporter_web",
+        "info",
+        "The endpoint's security: TLS, client certificates, basic auth, how admin callers are "
+        "identified, and whether admin credentials are accepted over plain HTTP from other "
+        "hosts (admin_cleartext: loopback-only, allowed, or n/a with TLS).",
+        ("tls", "client_auth", "basic_auth", "admin_auth", "admin_cleartext"),
+        "exporter",
+        EVERY_MODE,
+    ),
+    Family(
+        "gpumem_exporter_web_config_last_reload_successful",
+        "gauge",
+        "Whether the last reading of the web config file (or a file it names) could be used; "
+        "0: the last good one is still served.",
+        (),
+        "exporter",
+        EVERY_MODE,
+    ),
+    Family(
+        "gpumem_exporter_web_config_last_reload_success_timestamp_seconds",
+        "gauge",
+        "Unix time of the last successful reading of the web config file.",
+        (),
+        "exporter",
+        EVERY_MODE,
+    ),
+    Family(
+        "gpumem_exporter_tls_certificate_expiry_timestamp_seconds",
+        "gauge",
+        "notAfter of the TLS certificate the endpoint serves, as Unix time.",
+        (),
+        "exporter",
+        EVERY_MODE,
+    ),
+    Family(
         "gpumem_exporter_last_sample_timestamp_seconds",
         "gauge",
         "Unix time of the last completed sample.",

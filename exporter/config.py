@@ -183,6 +183,27 @@ def _http_url(value: Any, origin: str) -> str | None:
     return url
 
 
+def _admin_auth(value: Any, origin: str) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    methods = tuple(dict.fromkeys(str(i).strip().lower() for i in items if str(i).strip()))
+    if not methods or set(methods) - {"token", "kubernetes"}:
+        raise ConfigError(
+            f"{origin}: expected token, kubernetes or token,kubernetes, got {value!r}"
+        )
+    return methods
+
+
+def _choice(*choices: str) -> Callable[[Any, str], Any]:
+    @_expected(" or ".join(choices))
+    def convert(value: Any) -> str:
+        text = str(value).strip()
+        if text not in choices:
+            raise ValueError
+        return text
+
+    return convert
+
+
 _COOLDOWN = _seconds(0.0, 86400.0)
 
 
@@ -330,6 +351,43 @@ class Config:
         None,
         "file holding the admin API's bearer token, read again on every request",
         _text,
+        agents=False,
+    )
+    admin_auth: tuple[str, ...] = setting(
+        ("token",),
+        "how admin callers prove who they are: token (the shared admin token), kubernetes "
+        "(their bearer token checked with the API server's TokenReview and the action with "
+        "SubjectAccessReview), or both, comma-separated",
+        _admin_auth,
+        agents=False,
+    )
+    admin_kubernetes_authorization: str = setting(
+        "namespace",
+        "what RBAC is asked for an admin action with admin_auth kubernetes: namespace (verb on "
+        "gpumem-exporter/<resource> in this pod's namespace) or nodes/proxy (like the "
+        "kubelet's API, for the node daemon)",
+        _choice("namespace", "nodes/proxy"),
+        agents=False,
+    )
+    kubernetes_service_account_dir: str = setting(
+        "/var/run/secrets/kubernetes.io/serviceaccount",
+        "folder of the token, ca.crt and namespace used to call the Kubernetes API (pod reader, "
+        "admin identities)",
+        _text,
+        agents=False,
+    )
+    web_config_file: str | None = setting(
+        None,
+        "web config file in exporter-toolkit's format (TLS, client certificates, basic auth, "
+        "response headers, rate limit; docs/deploy.md), read again when it or its files change",
+        _text,
+        agents=False,
+    )
+    allow_cleartext_admin: bool = setting(
+        False,
+        "accept admin credentials over plain HTTP from other hosts (without TLS they cross the "
+        "network readable; loopback clients, kubectl port-forward included, are always accepted)",
+        _boolean,
         agents=False,
     )
     runbook_url_base: str | None = setting(

@@ -207,7 +207,14 @@ def _under_run(config: Config) -> Handle:
     collide), no second sampler, nothing armed twice."""
     global _handle
     agent.start_agent()
-    idle = dataclasses.replace(config, remediate=False, oom_snapshot=False, history_max_entries=0)
+    # Nor does it serve: the launcher's web config and admin identities are the launcher's.
+    idle = dataclasses.replace(
+        config,
+        remediate=False,
+        oom_snapshot=False,
+        history_max_entries=0,
+        web_config_file=None,
+    )
     _handle = Handle(build_runtime(idle, mode="embedded", sources=[]))
     log.info(
         "gpumem-exporter: running under `gpumem-exporter run`; this process reports "
@@ -266,6 +273,14 @@ def attach(
         config = load_config(**asked)
         if _handle is not None:
             return _already_running(_handle, "attach", config, asked, options)
+        if config.web_config_file:
+            # The host's server owns the connection (TLS, and who may scrape): ours has none.
+            log.warning(
+                "gpumem-exporter: attach() serves on the host app, whose server owns TLS and "
+                "authentication: web_config_file %s is not used",
+                config.web_config_file,
+            )
+            config = dataclasses.replace(config, web_config_file=None)
         runtime = _runtime(config, on_alert, registry=registry)
         paths = {getattr(route, "path", None) for route in app.routes}
         add_routes(app, runtime, include_metrics="/metrics" not in paths)

@@ -141,12 +141,29 @@ class _LeftOut(FamilyRows):
         pass
 
 
+@dataclass(frozen=True)
+class EndpointState:
+    """The endpoint's security as /metrics shows it (exporter.http.web)."""
+
+    tls: bool = False
+    client_auth: str = "NoClientCert"
+    basic_auth: bool = False
+    admin_auth: str = "token"
+    cleartext_admin: str = "loopback-only"
+    configured: bool = False  # a web config file is in use
+    reload_ok: bool = True
+    reload_ok_at: float = 0.0
+    certificate_not_after: float | None = None
+
+
 @dataclass
 class ActionStats:
-    """Counts of allocator actions per process, and of admin requests, for /metrics."""
+    """Counts of allocator actions per process, and of admin requests, for /metrics; and the
+    endpoint's security."""
 
     processes: list[ProcessCounts] = field(default_factory=list)
     admin_requests: dict[tuple[str, str], int] = field(default_factory=dict)  # (action, outcome)
+    endpoint: EndpointState | None = None
 
 
 # Allocator families in the order /metrics has always listed them (the catalog's order).
@@ -304,6 +321,37 @@ class SampleCollector(Collector):
         for (action, outcome), count in sorted(stats.admin_requests.items()):
             admin.add({"action": action, "outcome": outcome}, count)
         yield from ((snapshots, True), (released, True), (remediations, True), (admin, True))
+        if stats.endpoint is not None:
+            yield from self._endpoint_families(stats.endpoint)
+
+    def _endpoint_families(self, endpoint: EndpointState) -> Iterator[tuple[FamilyRows, bool]]:
+        web = self._fill(catalog.family("gpumem_exporter_web"))
+        web.add_info(
+            {},
+            {
+                "tls": "on" if endpoint.tls else "off",
+                "client_auth": endpoint.client_auth,
+                "basic_auth": "on" if endpoint.basic_auth else "off",
+                "admin_auth": endpoint.admin_auth,
+                "admin_cleartext": "n/a" if endpoint.tls else endpoint.cleartext_admin,
+            },
+        )
+        yield web, True
+        if not endpoint.configured:
+            return
+        ok = self._fill(catalog.family("gpumem_exporter_web_config_last_reload_successful"))
+        ok.add({}, 1.0 if endpoint.reload_ok else 0.0)
+        at = self._fill(
+            catalog.family("gpumem_exporter_web_config_last_reload_success_timestamp_seconds")
+        )
+        at.add({}, endpoint.reload_ok_at)
+        yield from ((ok, True), (at, True))
+        if endpoint.certificate_not_after is not None:
+            expiry = self._fill(
+                catalog.family("gpumem_exporter_tls_certificate_expiry_timestamp_seconds")
+            )
+            expiry.add({}, endpoint.certificate_not_after)
+            yield expiry, True
 
     def _allocator_families(
         self, sample: Sample, processes: ProcessLabels

@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
@@ -21,8 +22,12 @@ from exporter.detectors import Detectors, load_thresholds
 from exporter.detectors import Listener as AlertListener
 from exporter.exposition import ExpositionCache
 from exporter.http.admin import Admin
+from exporter.http.identities import KubernetesIdentities
+from exporter.http.web import WebSecurity
+from exporter.http.webconfig import WebConfigError
 from exporter.identity import identity_labels
-from exporter.metrics import ActionStats, SampleCollector
+from exporter.kubernetes.api import ApiError, ApiServer
+from exporter.metrics import ActionStats, EndpointState, SampleCollector
 from exporter.sampler import Listener, Sampler
 from exporter.sources import Source
 from exporter.sources.non_allocator import NonAllocatorProbe
@@ -45,6 +50,56 @@ class Runtime:
     # /metrics bytes rendered once per tick; None where the registry is not ours (attach():
     # the host's other metrics change between our ticks and must not be served stale).
     exposition: ExpositionCache | None = None
+    # TLS, basic auth, headers and rate limit from the web config (exporter.http.web).
+    web: WebSecurity | None = None
+
+
+def web_security(config: Config) -> WebSecurity:
+    """The endpoint's web config, read and checked now (ConfigError in one line)."""
+    try:
+        return WebSecurity(
+            config.web_config_file,
+            admin_has_credentials=lambda: (
+                "kubernetes" in config.admin_auth
+                or bool(config.admin_token or config.admin_token_file)
+            ),
+        )
+    except WebConfigError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def kubernetes_identities(
+    config: Config, env: Mapping[str, str] = os.environ
+) -> KubernetesIdentities | None:
+    """The API server's reviews of admin callers, where admin_auth names kubernetes."""
+    if "kubernetes" not in config.admin_auth:
+        return None
+    try:
+        api = ApiServer.in_cluster(env, credentials=Path(config.kubernetes_service_account_dir))
+        return KubernetesIdentities(
+            api,
+            namespace=api.namespace() or env.get("POD_NAMESPACE", ""),
+            authorization=config.admin_kubernetes_authorization,
+            node_name=env.get("NODE_NAME", ""),
+        )
+    except ApiError as exc:
+        raise ConfigError(f"admin_auth kubernetes: {exc}") from None
+
+
+def endpoint_state(config: Config, web: WebSecurity) -> EndpointState:
+    """What /metrics says of the endpoint's security (gpumem_exporter_web_*)."""
+    admin = "+".join(config.admin_auth)
+    return EndpointState(
+        tls=web.tls,
+        client_auth=web.config.client_auth,
+        basic_auth=bool(web.config.users),
+        admin_auth=admin,
+        cleartext_admin="allowed" if config.allow_cleartext_admin else "loopback-only",
+        reload_ok=web.reload_ok,
+        reload_ok_at=web.reload_ok_at,
+        certificate_not_after=web.not_after,
+        configured=bool(web.path),
+    )
 
 
 def local_actions(config: Config, sources: Sequence[Source]) -> Actions:
@@ -355,10 +410,17 @@ def build_runtime(
         interval_s=config.interval_s,
         listeners=[detectors, *features, window, *listeners],
     )
-    admin = Admin(config, actions, sampler, detectors, mode)
+    web = web_security(config)
+    admin = Admin(
+        config, actions, sampler, detectors, mode, identities=kubernetes_identities(config)
+    )
 
     def action_stats() -> ActionStats:
-        return ActionStats(processes=actions.counts(), admin_requests=dict(admin.requests))
+        return ActionStats(
+            processes=actions.counts(),
+            admin_requests=dict(admin.requests),
+            endpoint=endpoint_state(config, web),
+        )
 
     torch_module = sys.modules.get("torch")  # never import torch just to learn its version
     collector = SampleCollector(
@@ -384,6 +446,7 @@ def build_runtime(
         admin=admin,
         window=window,
         not_ready=lambda: declared.ready(sampler),
+        web=web,
         exposition=(
             ExpositionCache([*own_collectors, collector], collector.fingerprint)
             if owns_registry

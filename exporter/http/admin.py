@@ -38,16 +38,25 @@ from exporter.actions.snapshots import SnapshotInfo
 from exporter.actions.spec import ACTIONS, Action
 from exporter.config import Config, ConfigError
 from exporter.detectors import Detectors
+from exporter.http.browser import is_loopback
+from exporter.http.identities import RESOURCES, VERBS, IdentityUnavailable, KubernetesIdentities
 from exporter.identity import describe_process, process_labels
 from exporter.ratelimit import RateLimitedLog
 from exporter.sampler import Sampler
 
 log = logging.getLogger("exporter.admin")
+# Who did what: one line per admin action (docs/reliability.md, the threat model).
+audit = logging.getLogger("exporter.audit")
 
 MAX_BODY_BYTES = 16 * 1024
 DISABLED = (
     "admin actions are disabled: set GPUMEM_ADMIN_TOKEN or GPUMEM_ADMIN_TOKEN_FILE "
     "(admin_token= / admin_token_file=) to enable them"
+)
+CLEARTEXT = (
+    "admin credentials over plain HTTP from another host are refused (anyone on the path can "
+    "read them): serve TLS (web_config_file), use kubectl port-forward, or set "
+    "allow_cleartext_admin"
 )
 REPLAY_NOTE = "replay: answered from data recorded on a real GPU; nothing was changed"
 
@@ -116,8 +125,10 @@ class Admin:
         sampler: Sampler,
         detectors: Detectors | None = None,
         mode: str = "embedded",
+        identities: KubernetesIdentities | None = None,
     ) -> None:
         self.config = config
+        self.identities = identities
         self.actions = actions
         self.sampler = sampler
         self.detectors = detectors
@@ -130,18 +141,40 @@ class Admin:
     # -- plumbing ------------------------------------------------------------------------
 
     def authorize(self, request: Request) -> None:
+        """Who may act (a dependency of every admin route; it runs in a worker thread, so a
+        slow API server holds no event loop). The caller's name is left in
+        request.state.admin_user for the audit line."""
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        bearer = given.strip() if scheme.lower() == "bearer" else ""
+        if request.headers.get("authorization") and self._cleartext_from_afar(request):
+            raise AdminError(403, CLEARTEXT, "cleartext")
+        methods = self.config.admin_auth
         try:
-            expected = self.config.resolved_admin_token()
+            expected = self.config.resolved_admin_token() if "token" in methods else None
         except ConfigError as exc:
             # Logged at most once a minute: every request (even one without a token) meets
             # it, and a scanner must not flood the host's logs.
             self._token_log.log(logging.ERROR, "token", f"admin token unavailable: {exc}")
-            raise AdminError(403, DISABLED, "disabled") from None
-        if not expected and self.actions.replay and not self.config.admin_token_file:
+            expected = None
+            if self.identities is None:
+                raise AdminError(403, DISABLED, "disabled") from None
+        if (
+            not expected
+            and self.identities is None
+            and self.actions.replay
+            and not self.config.admin_token_file
+        ):
             # The demo's actions answer from its recording and change nothing: open without a
             # configured token, so that the demo shows every feature with no set-up.
             return
-        if not expected:
+        # Constant-time comparison; the token itself is never logged or echoed.
+        if expected and bearer and hmac.compare_digest(bearer.encode(), expected.encode()):
+            request.state.admin_user = "admin-token"
+            return
+        if self.identities is not None and bearer:
+            self._kubernetes(request, bearer)
+            return
+        if not expected and self.identities is None:
             if self.config.admin_token_file:
                 self._token_log.log(
                     logging.ERROR,
@@ -150,17 +183,47 @@ class Admin:
                     "admin actions are off",
                 )
             raise AdminError(403, DISABLED, "disabled")
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        # Constant-time comparison; the token itself is never logged or echoed.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.strip().encode(), expected.encode()
-        ):
+        raise AdminError(
+            401,
+            "missing or invalid bearer token",
+            "unauthorized",
+            {"WWW-Authenticate": "Bearer"},
+        )
+
+    def _kubernetes(self, request: Request, bearer: str) -> None:
+        assert self.identities is not None
+        route = request.scope.get("route")
+        label = getattr(route, "name", "")
+        verb = VERBS.get(request.method, "get")
+        if label == "list":
+            verb = "list"
+        resource = RESOURCES.get(label, label)
+        try:
+            decision = self.identities.decide(bearer, verb, resource)
+        except IdentityUnavailable as exc:
+            raise AdminError(503, str(exc), "unavailable", {"Retry-After": "5"}) from None
+        if decision.user is None:
             raise AdminError(
                 401,
-                "missing or invalid bearer token",
+                f"the Kubernetes API did not authenticate this token: {decision.reason}",
                 "unauthorized",
                 {"WWW-Authenticate": "Bearer"},
             )
+        request.state.admin_user = decision.user.name
+        if not decision.allowed:
+            what = self.identities.attributes(verb, resource)
+            detail = f"{decision.user.name} may not {verb} {_describe(what)}"
+            raise AdminError(
+                403, detail + (f": {decision.reason}" if decision.reason else ""), "forbidden"
+            )
+
+    def _cleartext_from_afar(self, request: Request) -> bool:
+        """A credential that crossed the network unencrypted: plain HTTP from a client that is
+        not this machine's loopback (kubectl port-forward arrives on loopback)."""
+        if request.url.scheme == "https" or self.config.allow_cleartext_admin:
+            return False
+        client = request.client.host if request.client else ""
+        return not is_loopback(client)
 
     async def body(self, request: Request, model: type[BodyT]) -> BodyT:
         declared = request.headers.get("content-length")
@@ -411,16 +474,20 @@ def _route_class(admin: Admin) -> type[APIRoute]:
                     response = await handler(request)
                 except AdminError as exc:
                     admin.requests[(label, exc.outcome)] += 1
+                    _audit(request, label, exc.outcome, exc.status)
                     return JSONResponse(
                         {"detail": exc.detail}, status_code=exc.status, headers=exc.headers
                     )
                 except Exception as exc:
                     admin.requests[(label, "error")] += 1
+                    _audit(request, label, "error", 500)
                     log.exception("admin %s failed", label)
                     return JSONResponse(
                         {"detail": f"{label} failed: {type(exc).__name__}"}, status_code=500
                     )
-                admin.requests[(label, getattr(response, "outcome", "ok"))] += 1
+                outcome = getattr(response, "outcome", "ok")
+                admin.requests[(label, outcome)] += 1
+                _audit(request, label, outcome, response.status_code)
                 return response
 
             return counted
@@ -508,6 +575,29 @@ def _add_store_routes(router: APIRouter, admin: Admin) -> None:
         """Remove a snapshot."""
         admin.delete(admin.entry(snapshot_id))
         return Response(status_code=204)
+
+
+_refused_log = RateLimitedLog(audit)
+
+
+def _audit(request: Request, label: str, outcome: str, status: int) -> None:
+    """One line per admin action (what changes state) with who asked and from where; refusals
+    too, at most once a minute per kind (a scanner must not flood the log). Never a credential."""
+    user = getattr(request.state, "admin_user", None) or "-"
+    client = request.client.host if request.client else "-"
+    line = f"admin {request.method} {label} by {user} from {client}: {outcome} ({status})"
+    if status in (401, 403, 503):
+        _refused_log.warning(outcome, line)
+    elif request.method not in ("GET", "HEAD"):
+        audit.info(line)
+
+
+def _describe(attributes: dict[str, str]) -> str:
+    """RBAC's words for a SubjectAccessReview's resourceAttributes."""
+    a = attributes
+    if a.get("subresource"):
+        return f"{a['resource']}/{a['subresource']} {a.get('name', '')}".strip()
+    return f"{a['group']}/{a['resource']} in namespace {a['namespace'] or '-'}"
 
 
 def _snapshot_process(info: SnapshotInfo) -> dict[str, str]:

@@ -21,12 +21,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import h11
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES
 
 from exporter.http.browser import is_loopback
 from exporter.http.guard import GuardedH11Protocol
 from exporter.http.quiet import refresh_date
+from exporter.http.web import DEFER, Refusal, WebSecurity
 
 # path -> the answer, from the request's headers (lower-case names).
 Routes = Mapping[bytes, Callable[[dict[bytes, bytes]], Response]]
@@ -47,16 +48,44 @@ class DirectH11Protocol(GuardedH11Protocol):
     creates one protocol per connection): `routes`, and `loopback_only` where the server
     listens on loopback (the Host must then be a loopback name, as LoopbackHostGuard asks)."""
 
-    def __init__(self, *args: Any, routes: Routes, loopback_only: bool, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        routes: Routes,
+        loopback_only: bool,
+        web: WebSecurity | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.routes = routes
         self.loopback_only = loopback_only
+        self.web = web
+        # Why this connection's client certificate is refused (client_allowed_sans): every
+        # request on it is answered 403 with the reason, then the connection closes.
+        self.refused: str | None = None
+        self._refusal: Refusal | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        if self.web is not None and self.scheme == "https":
+            self.refused = self.web.peer_refused(transport.get_extra_info("peercert"))
 
     def data_received(self, data: bytes) -> None:
         refresh_date(self.server_state, self.config)
+        if self.refused is not None:
+            self._refuse(self.refused)
+            return
         if self._waiting is None and self._answer(data):
             return
         super().data_received(data)
+
+    def _refuse(self, reason: str) -> None:
+        body = reason.encode() + b"\n"
+        self.transport.write(
+            b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        self.transport.close()
 
     def _direct_request(self, data: bytes) -> tuple[bytes, dict[bytes, bytes], bool] | None:
         """(path, headers, keep-alive) of a request this protocol answers, else None."""
@@ -84,6 +113,13 @@ class DirectH11Protocol(GuardedH11Protocol):
             return None  # h11 answers 400: HTTP/1.1 needs a Host
         if self.loopback_only and not is_loopback((host or b"").decode("ascii")):
             return None  # the app's guard answers 403
+        self._refusal = None
+        if self.web is not None:
+            authorization = headers.get(b"authorization", b"").decode("latin-1")
+            refusal = self.web.admit(path.decode("ascii"), authorization, may_block=False)
+            if refusal is DEFER:
+                return None  # a password not seen yet: checked in a thread by the app's guard
+            self._refusal = refusal
         connection = {t.strip().lower() for t in headers.get(b"connection", b"").split(b",")}
         # As h11 decides: HTTP/1.0 closes, HTTP/1.1 keeps the connection unless told to close.
         return path, headers, minor == b"1" and b"close" not in connection
@@ -95,12 +131,24 @@ class DirectH11Protocol(GuardedH11Protocol):
         path, headers, keep_alive = request
         self._unset_keepalive_if_required()
         self._disarm()  # the whole request is in: no read deadline
-        response = self.routes[path](headers)
+        refusal = self._refusal
+        if refusal is not None:
+            response: Response = PlainTextResponse(
+                refusal.reason + "\n", refusal.status, headers=dict(refusal.headers)
+            )
+        else:
+            response = self.routes[path](headers)
         status = response.status_code
         # What h11 writes for uvicorn: the status line, the default headers (date, server),
-        # the response's own, and h11's Connection: close when the connection ends.
+        # the response's own (and the web config's), and h11's Connection: close when the
+        # connection ends.
         head = [b"HTTP/1.1 %d %s\r\n" % (status, STATUS_PHRASES[status])]
         fields = (*self.server_state.default_headers, *response.raw_headers)
+        if self.web is not None:
+            fields += tuple(
+                (name.encode("latin-1"), value.encode("latin-1"))
+                for name, value in self.web.config.headers.items()
+            )
         head += [name + b": " + value + b"\r\n" for name, value in fields]
         if not keep_alive:
             head.append(b"Connection: close\r\n")

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from exporter.detectors import Detectors
     from exporter.exposition import ExpositionCache
     from exporter.http.admin import Admin
+    from exporter.http.web import WebSecurity
     from exporter.sampler import Sampler
     from exporter.window import SampleWindow
 
@@ -30,6 +31,7 @@ class Served(Protocol):
     admin: Admin
     window: SampleWindow  # recent samples, for the live page
     exposition: ExpositionCache | None  # /metrics bytes rendered once per tick, where ours
+    web: WebSecurity | None  # TLS, basic auth, headers, rate limit (the web config)
 
     def not_ready(self) -> str | None:
         """Why /readyz answers 503, or None when ready."""

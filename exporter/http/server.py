@@ -7,25 +7,30 @@ FastAPI app as well.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import functools
 import logging
 import socket
 import threading
+from asyncio.sslproto import SSLProtocol
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import choose_encoder
+from starlette.routing import BaseRoute, Match
 
 from exporter.http.admin import add_admin_routes
 from exporter.http.browser import CrossOriginGuard, LoopbackHostGuard, is_loopback
 from exporter.http.direct import DirectH11Protocol, Routes
+from exporter.http.guard import READ_TIMEOUT_S
 from exporter.http.page import add_page_routes
 from exporter.http.quiet import QuietServer
 from exporter.http.served import Served
+from exporter.http.web import WebGuard, WebSecurity
 
 if TYPE_CHECKING:
     from exporter.exposition import ExpositionCache
@@ -136,6 +141,7 @@ def create_app(runtime: Served) -> FastAPI:
     # What HttpServer answers on the connection (exporter.http.direct), by the routes' own
     # functions.
     app.state.direct_routes = direct_routes(runtime)
+    app.state.web = runtime.web  # HttpServer serves with it (TLS, basic auth, headers)
     return app
 
 
@@ -177,6 +183,44 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _is_admin(app: FastAPI, scope: dict[str, Any]) -> bool:
+    """Whether a request is for one of the admin API's routes (tagged "admin")."""
+    for route in app.router.routes:
+        if (
+            "admin" in getattr(route, "tags", ())
+            and isinstance(route, BaseRoute)
+            and route.matches(scope)[0] is not Match.NONE
+        ):
+            return True
+    return False
+
+
+def _protocol_factory(
+    routes: Routes, loopback_only: bool, web: WebSecurity | None
+) -> Callable[..., asyncio.Protocol]:
+    """What uvicorn calls for each accepted connection. With TLS on, the HTTP protocol sits on
+    asyncio's own TLS protocol, built here with the context in force now: this is how a
+    rotated certificate (or client CA) is used from the next handshake on, as Go's
+    GetConfigForClient does for exporter-toolkit."""
+
+    def create(**kwargs: Any) -> asyncio.Protocol:
+        protocol = DirectH11Protocol(routes=routes, loopback_only=loopback_only, web=web, **kwargs)
+        context = web.context_for_connection() if web is not None else None
+        if context is None:
+            return protocol
+        return SSLProtocol(
+            asyncio.get_running_loop(),
+            protocol,
+            context,
+            None,  # type: ignore[arg-type]  # no waiter: asyncio's own servers pass None too
+            server_side=True,
+            # A client that starts a handshake and stalls is dropped like a slow request.
+            ssl_handshake_timeout=int(READ_TIMEOUT_S),
+        )
+
+    return create
+
+
 HTTP_THREAD = "gpumem-http"
 
 
@@ -198,14 +242,19 @@ class HttpServer:
         self.sock = bind_socket(host, port)
         self.host = host
         self.port = self.sock.getsockname()[1]
+        # The web config (TLS, basic auth, headers, rate limit), where create_app was given one.
+        self.web: WebSecurity | None = getattr(app.state, "web", None)
         # On loopback only: every Host must be a loopback name (exporter.http.browser).
         loopback_only = is_loopback(host)
-        served = LoopbackHostGuard(app) if loopback_only else app
+        served: Any = LoopbackHostGuard(app) if loopback_only else app
+        if self.web is not None:
+            served = WebGuard(served, self.web, functools.partial(_is_admin, app))
         routes = getattr(app.state, "direct_routes", {})
         config = uvicorn.Config(
             served,
-            # Slow or hostile clients cannot hold connections (GuardedH11Protocol).
-            http=functools.partial(DirectH11Protocol, routes=routes, loopback_only=loopback_only),  # type: ignore[arg-type]
+            # Slow or hostile clients cannot hold connections (GuardedH11Protocol); TLS
+            # with the context in force at each handshake (_protocol_factory).
+            http=_protocol_factory(routes, loopback_only, self.web),  # type: ignore[arg-type]
             log_config=None,  # never reconfigure the host process's logging
             # True, because False makes uvicorn empty the process-wide "uvicorn.access"
             # logger: a host served by uvicorn would lose its own access log. Ours is off
@@ -220,7 +269,8 @@ class HttpServer:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        scheme = "https" if self.web is not None and self.web.tls else "http"
+        return f"{scheme}://{host}:{self.port}"
 
     def run(self) -> None:
         """Serve in this thread until stopped (uvicorn handles SIGINT/SIGTERM in the main one)."""

@@ -1,0 +1,82 @@
+"""Basic auth against the web config's bcrypt hashes, as exporter-toolkit checks it.
+
+A bcrypt check at cost 10 takes ~70 ms: done for every scrape it would be most of the
+exporter's CPU. So, as exporter-toolkit does, the outcome of a (user, hash, password) is
+remembered (100 entries, random eviction), under a SHA-256 of the three rather than the
+password itself; a user not in the file is checked against a fixed hash, so that the time of
+an answer does not tell which users exist; one check runs at a time.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import random
+import threading
+from collections.abc import Mapping
+
+CACHE_SIZE = 100
+# bcrypt of "fakepassword" at cost 10: what an unknown user is checked against (timing).
+_UNKNOWN_USER_HASH = "$2y$10$QOauhQNbBCuQDKes6eFzPeMqBSjb7Mr5DUmpZ/VcEd00UAV/LDeSi"
+
+
+def parse_basic(header: str) -> tuple[str, str] | None:
+    """(user, password) of an `Authorization: Basic ...` value, or None."""
+    scheme, _, encoded = header.strip().partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(encoded.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    user, found, password = decoded.partition(":")
+    return (user, password) if found else None
+
+
+class BasicAuth:
+    def __init__(self) -> None:
+        self._cache: dict[bytes, bool] = {}
+        self._cache_lock = threading.Lock()  # held for a lookup, never across a bcrypt
+        self._bcrypt_lock = threading.Lock()  # one bcrypt at a time (it is CPU-bound)
+
+    def check(
+        self, users: Mapping[str, str], header: str, *, may_block: bool = True
+    ) -> bool | None:
+        """Whether `header` authenticates a user of `users` (name -> bcrypt hash). None where
+        the answer needs a bcrypt check and `may_block` is False: the event loop must not
+        spend 70 ms on a password it has not seen (the caller asks again from a thread)."""
+        credentials = parse_basic(header)
+        if credentials is None:
+            return False
+        user, password = credentials
+        hashed = users.get(user)
+        known = hashed is not None
+        hashed = hashed or _UNKNOWN_USER_HASH
+        key = hashlib.sha256("\0".join((user, hashed, password)).encode()).digest()
+        with self._cache_lock:
+            ok = self._cache.get(key)
+        if ok is None:
+            if not may_block:
+                return None
+            with self._bcrypt_lock:
+                ok = _bcrypt_ok(password, hashed)
+            with self._cache_lock:
+                self._remember(key, ok)
+        return ok and known
+
+    def _remember(self, key: bytes, ok: bool) -> None:
+        if len(self._cache) >= CACHE_SIZE:
+            # A tenth at once, chosen at random, so that eviction is not done every time.
+            for victim in random.sample(list(self._cache), max(len(self._cache) // 10, 1)):
+                del self._cache[victim]
+        self._cache[key] = ok
+
+
+def _bcrypt_ok(password: str, hashed: str) -> bool:
+    import bcrypt  # only where basic auth is configured
+
+    try:
+        return bool(bcrypt.checkpw(password.encode(), hashed.encode()))
+    except ValueError:  # a password over bcrypt's 72 bytes (bcrypt 5 refuses it)
+        return False

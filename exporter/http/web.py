@@ -1,0 +1,261 @@
+"""The endpoint's transport and access rules, from the web config file, kept current.
+
+`WebSecurity` holds the last good reading of the file (exporter.http.webconfig) and its TLS
+context. The file, and the certificate, key and client CA it names, are looked at again before
+every TLS handshake (a stat of each: a certificate that cert-manager rotates is served on the
+next handshake) and at most once a second between requests (users, headers, rate limit). A new
+reading that cannot be used keeps the last good one: it is logged once and shown on /metrics
+(gpumem_exporter_web_config_last_reload_successful), as Prometheus does with its own config.
+
+Every request meets `admit()` (the direct path and the app alike): the rate limit, then basic
+auth, except for the probes (/healthz, /readyz: a kubelet probe cannot log in without the
+password in the pod spec) and for admin routes where the admin API has credentials of its own
+(exporter.http.admin authenticates those).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio.to_thread
+
+from exporter.http.basic_auth import BasicAuth
+from exporter.http.webconfig import (
+    WebConfig,
+    WebConfigError,
+    certificate_not_after,
+    load_served,
+    san_allowed,
+)
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset(("/healthz", "/readyz"))
+# Between requests the file is looked at no more often than this (a stat or four).
+RECHECK_S = 1.0
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An answer instead of the route's: status, reason (the body), extra headers."""
+
+    status: int
+    reason: str
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+# admit()'s answer where it may not block and a password needs a bcrypt check.
+DEFER = Refusal(0, "")
+
+
+class _Bucket:
+    """golang.org/x/time/rate's token bucket: `burst` tokens, one more every interval."""
+
+    def __init__(self, interval_s: float, burst: int) -> None:
+        self.interval_s, self.burst = interval_s, burst
+        self.tokens, self.at = float(burst), time.monotonic()
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(float(self.burst), self.tokens + (now - self.at) / self.interval_s)
+        self.at = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+class WebSecurity:
+    """The web config in force (`config`), its TLS context, and the checks of each request.
+
+    `path` None or "" is no file: plain HTTP, no basic auth. A file that cannot be used at
+    start raises WebConfigError (the commands exit 2 with it)."""
+
+    def __init__(
+        self, path: str | None = None, *, admin_has_credentials: Callable[[], bool] = lambda: False
+    ) -> None:
+        self.path = path or ""
+        self.admin_has_credentials = admin_has_credentials
+        self._lock = threading.Lock()
+        self._basic = BasicAuth()
+        self.config, self.context = load_served(self.path) if self.path else (WebConfig(), None)
+        self.tls = self.context is not None
+        self.not_after = self._not_after()
+        self._bucket = self._new_bucket()
+        self._signature = self._signature_now()
+        self._checked_at = time.monotonic()
+        self.reload_ok = True
+        self.reload_ok_at = time.time()
+        self.last_error = ""
+
+    # -- keeping current ---------------------------------------------------------------------
+
+    def refresh(self, *, now: bool = False) -> None:
+        """Read the file again if it, or a file it names, changed (checked at most once per
+        RECHECK_S unless `now`)."""
+        if not self.path:
+            return
+        with self._lock:
+            if not now and time.monotonic() - self._checked_at < RECHECK_S:
+                return
+            self._checked_at = time.monotonic()
+            signature = self._signature_now()
+            if signature == self._signature:
+                return
+            self._signature = signature
+            try:
+                config, context = load_served(self.path)
+                if (config.tls is not None) != self.tls:
+                    raise WebConfigError(
+                        f"web config {self.path}: TLS cannot be turned "
+                        f"{'on' if config.tls else 'off'} without a restart"
+                    )
+            except WebConfigError as exc:
+                if str(exc) != self.last_error:  # one line per new problem, not per handshake
+                    log.error("web config not reloaded, the last good one stays: %s", exc)
+                self.reload_ok, self.last_error = False, str(exc)
+                return
+            except Exception as exc:  # never into a handshake or a request
+                log.error(
+                    "web config not reloaded, the last good one stays: %s", type(exc).__name__
+                )
+                self.reload_ok, self.last_error = False, type(exc).__name__
+                return
+            rate_changed = (config.rate_interval_s, config.rate_burst) != (
+                self.config.rate_interval_s,
+                self.config.rate_burst,
+            )
+            self.config, self.context = config, context
+            self.not_after = self._not_after()
+            if rate_changed:
+                self._bucket = self._new_bucket()
+            if not self.reload_ok:
+                log.info("web config %s reloaded", self.path)
+            self.reload_ok, self.reload_ok_at, self.last_error = True, time.time(), ""
+
+    def _signature_now(self) -> tuple[tuple[str, int, int, int] | tuple[str, str], ...]:
+        files = [self.path, *(self.config.tls.files() if self.config.tls else ())]
+        signature: list[tuple[str, int, int, int] | tuple[str, str]] = []
+        for name in files:
+            try:
+                info = os.stat(name)  # follows symlinks: a Secret's ..data swap changes these
+                signature.append((name, info.st_ino, info.st_mtime_ns, info.st_size))
+            except OSError as exc:
+                signature.append((name, str(exc.errno)))
+        return tuple(signature)
+
+    def _not_after(self) -> float | None:
+        tls = self.config.tls
+        if tls is None:
+            return None
+        if tls.cert_file:
+            return certificate_not_after(tls.cert_file)
+        return None
+
+    def _new_bucket(self) -> _Bucket | None:
+        interval = self.config.rate_interval_s
+        return _Bucket(interval, self.config.rate_burst) if interval > 0 else None
+
+    # -- per connection and per request ------------------------------------------------------
+
+    def context_for_connection(self) -> ssl.SSLContext | None:
+        """The TLS context a new connection's handshake uses (the files looked at first)."""
+        if self.context is None:
+            return None
+        self.refresh(now=True)
+        return self.context
+
+    def peer_refused(self, peercert: dict | None) -> str | None:
+        """Why a connection's client certificate is refused (client_allowed_sans), or None."""
+        tls = self.config.tls
+        if tls is None or tls.client_allowed_sans is None:
+            return None
+        if san_allowed(peercert, tls.client_allowed_sans):
+            return None
+        return "the client certificate has no subject alternative name allowed here"
+
+    def admit(
+        self, path: str, authorization: str, *, admin: bool = False, may_block: bool = True
+    ) -> Refusal | None:
+        """None if the request may go on; else what to answer. Called once per request, or
+        DEFER where `may_block` is False and a password needs a bcrypt check (the caller
+        hands the request to a thread that calls again)."""
+        self.refresh()
+        users = self.config.users
+        authenticated: bool | None = True
+        if users and path not in OPEN_PATHS and not (admin and self.admin_has_credentials()):
+            authenticated = self._basic.check(users, authorization, may_block=may_block)
+            if authenticated is None:
+                return DEFER
+        bucket = self._bucket
+        if bucket is not None and not bucket.allow():
+            return Refusal(429, "Too Many Requests")
+        if not authenticated:
+            return Refusal(401, "Unauthorized", (("WWW-Authenticate", "Basic"),))
+        return None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return dict(self.config.headers)
+
+
+class WebGuard:
+    """ASGI: admit() for each request the app serves (the direct path checks its own), and the
+    web config's headers on every answer. `is_admin(scope)`: whether the request is for an
+    admin route (those authenticate themselves where the admin API has credentials)."""
+
+    def __init__(self, app: Any, web: WebSecurity, is_admin: Callable[[Any], bool]) -> None:
+        self.app, self.web, self.is_admin = app, web, is_admin
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        authorization = next(
+            (
+                bytes(v).decode("latin-1")
+                for k, v in scope.get("headers", ())
+                if k == b"authorization"
+            ),
+            "",
+        )
+        admit = functools.partial(
+            self.web.admit, scope["path"], authorization, admin=self.is_admin(scope)
+        )
+        refusal = admit(may_block=False)
+        if refusal is DEFER:  # bcrypt off the event loop
+            refusal = await anyio.to_thread.run_sync(admit)
+        extra = [
+            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.web.headers.items()
+        ]
+        if refusal is not None:
+            body = (refusal.reason + "\n").encode()
+            headers = [
+                (b"content-type", b"text/plain; charset=utf-8"),
+                (b"content-length", str(len(body)).encode()),
+                *((k.lower().encode(), v.encode()) for k, v in refusal.headers),
+                *extra,
+            ]
+            await send(
+                {"type": "http.response.start", "status": refusal.status, "headers": headers}
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        if not extra:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)

@@ -1,0 +1,146 @@
+"""Calls to the Kubernetes API server with this pod's service account, bounded in time.
+
+Each call has one deadline for the whole exchange (connect, TLS, request, every byte of the
+answer): an API server that trickles its answer cannot hold the caller past it. Redirects are
+never followed (the bearer token would go where the redirect points), and the token is read
+from its file at each call (kubelet rotates it) and never put in an error or a log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import socket
+import ssl
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+MAX_ANSWER_BYTES = 1 << 20  # a TokenReview or SubjectAccessReview is a few KiB
+
+
+class ApiError(RuntimeError):
+    """The API server could not be asked or answered badly; str() is one line, no secrets."""
+
+
+class ApiServer:
+    def __init__(
+        self,
+        url: str,
+        *,
+        credentials: Path = SERVICE_ACCOUNT,
+        deadline_s: float = 5.0,
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "https" or not parts.hostname:
+            raise ApiError(f"the Kubernetes API must be an https:// URL, got {url!r}")
+        self.host, self.port = parts.hostname, parts.port or 443
+        self.url = url.rstrip("/")
+        self._token_path = credentials / "token"
+        self._ca_path = credentials / "ca.crt"
+        self.deadline_s = deadline_s
+        self._context: ssl.SSLContext | None = None
+        self._ca_signature: tuple[int, int] | None = None
+
+    @classmethod
+    def in_cluster(
+        cls, env: Mapping[str, str], *, credentials: Path = SERVICE_ACCOUNT, deadline_s: float = 5.0
+    ) -> ApiServer:
+        host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
+        if not host or not port:
+            raise ApiError("not in a cluster: KUBERNETES_SERVICE_HOST/PORT are not set")
+        host = f"[{host}]" if ":" in host else host  # IPv6
+        return cls(f"https://{host}:{port}", credentials=credentials, deadline_s=deadline_s)
+
+    def namespace(self) -> str:
+        """This pod's namespace, from the service account's folder ("" where unknown)."""
+        try:
+            return (self._token_path.parent / "namespace").read_text().strip()
+        except OSError:
+            return ""
+
+    def post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """POST a JSON object; the answer's JSON object (ApiError otherwise)."""
+        try:
+            token = self._token_path.read_text().strip()
+        except OSError as exc:
+            raise ApiError(f"service account token: {exc.strerror}") from None
+        payload = json.dumps(body).encode()
+        connection = http.client.HTTPSConnection(
+            self.host, self.port, timeout=self.deadline_s, context=self._tls()
+        )
+        # One deadline for the whole exchange: at its end the socket is shut, whatever the
+        # call is waiting for (a timeout per read would let a trickle of bytes go on forever).
+        expired = threading.Event()
+        watchdog = threading.Timer(self.deadline_s, _cut, (connection, expired))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            connection.request(
+                "POST",
+                path,
+                body=payload,
+                headers={
+                    "Authorization": f"Bearer {token}",
+                    "Content-Type": "application/json",
+                    "Accept": "application/json",
+                },
+            )
+            response = connection.getresponse()
+            data = response.read(MAX_ANSWER_BYTES + 1)
+        except (OSError, http.client.HTTPException) as exc:
+            if expired.is_set() or isinstance(exc, TimeoutError):
+                raise ApiError(
+                    f"the API server did not answer within {self.deadline_s:g} s"
+                ) from None
+            if isinstance(exc, ssl.SSLError):
+                raise ApiError(f"TLS with the API server: {exc.reason or exc}") from None
+            why = getattr(exc, "strerror", None) or type(exc).__name__
+            raise ApiError(f"the API server: {why}") from None
+        finally:
+            watchdog.cancel()
+            connection.close()
+        if expired.is_set():
+            raise ApiError(f"the API server did not answer within {self.deadline_s:g} s")
+        if len(data) > MAX_ANSWER_BYTES:
+            raise ApiError("the API server's answer is too large")
+        if not 200 <= response.status < 300:
+            # 3xx too: a redirect is not followed with the token.
+            raise ApiError(f"the API server answered HTTP {response.status} {response.reason}")
+        try:
+            answer = json.loads(data)
+        except ValueError:
+            raise ApiError("the API server's answer is not JSON") from None
+        if not isinstance(answer, dict):
+            raise ApiError("the API server's answer is not an object")
+        return answer
+
+    def _tls(self) -> ssl.SSLContext:
+        """The CA bundle read again when it changes (the cluster CA rotates)."""
+        try:
+            info = self._ca_path.stat()
+            signature: tuple[int, int] | None = (info.st_ino, info.st_mtime_ns)
+        except OSError:
+            signature = None
+        if self._context is None or signature != self._ca_signature:
+            cafile = str(self._ca_path) if signature is not None else None
+            try:
+                self._context = ssl.create_default_context(cafile=cafile)
+            except (OSError, ssl.SSLError) as exc:
+                raise ApiError(
+                    f"the cluster CA {self._ca_path}: {getattr(exc, 'strerror', None) or exc}"
+                ) from None
+            self._ca_signature = signature
+        return self._context
+
+
+def _cut(connection: http.client.HTTPConnection, expired: threading.Event) -> None:
+    expired.set()
+    sock = connection.sock
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)

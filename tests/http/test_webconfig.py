@@ -150,7 +150,9 @@ def _tls_file(tmp_path, pki, extra: str = "", **paths: str) -> Path:
     ca, server = pki
     cert = paths.get("cert", str(server.cert))
     key = paths.get("key", str(server.key))
-    return web_config(tmp_path, f"tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n{extra}")
+    return web_config(
+        tmp_path, f"tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n{extra}"
+    )
 
 
 def test_relative_file_names_are_relative_to_the_files_folder(tmp_path, pki):
@@ -199,14 +201,18 @@ def test_bad_input_is_one_line_naming_it(tmp_path, pki, problem, expected):
     elif problem == "writable_key":
         os.chmod(server.key, 0o666)
     elif problem == "bad_client_ca":
-        (tmp_path / "ca.pem").write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+        (tmp_path / "ca.pem").write_text(
+            "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"
+        )
         extra = f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {tmp_path / 'ca.pem'}\n"
     elif problem == "unknown_key":
         extra = "  cert_flie: x\n"
     elif problem == "min_above_max":
         extra = "  min_version: TLS13\n  max_version: TLS12\n"
     elif problem == "header_newline":
-        extra = 'http_server_config:\n  headers:\n    Content-Security-Policy: "a\\r\\nSet-Cookie: x"\n'
+        extra = (
+            'http_server_config:\n  headers:\n    Content-Security-Policy: "a\\r\\nSet-Cookie: x"\n'
+        )
     elif problem == "rate":
         extra = "rate_limit:\n  interval: soon\n"
     message = _outcome(_tls_file(tmp_path, pki, extra, **paths))

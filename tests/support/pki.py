@@ -67,7 +67,6 @@ class Authority:
         os.chmod(key, 0o600)
         return Pair(cert, key)
 
-
     def _expired(self, csr: Path, cert: Path, extensions: Path) -> None:
         """Valid for a day in 2020 (`openssl x509` of OpenSSL 3.0 cannot backdate; `ca` can)."""
         db = self.folder / "db"

@@ -1,0 +1,163 @@
+"""Basic auth, response headers and the rate limit of the web config, on the real server (the
+direct path and the app alike), and admin credentials refused over cleartext from afar."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import logging
+
+import bcrypt
+import httpx
+import pytest
+
+import exporter.http.basic_auth as basic_auth
+from tests.helpers import AUTH, TOKEN, make_app, served
+from tests.support.pki import web_config
+
+# Low cost: the tests check many passwords.
+HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode()
+
+
+def _basic(user: str, password: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+def _request(server, method: str, path: str, headers=None, body: bytes | None = None):
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    try:
+        connection.request(
+            method, path, body=body, headers={"Host": "localhost", **(headers or {})}
+        )
+        response = connection.getresponse()
+        return response.status, response.msg, response.read()
+    finally:
+        connection.close()
+
+
+@pytest.fixture
+def users_file(tmp_path):
+    return web_config(
+        tmp_path,
+        f"basic_auth_users:\n  prometheus: {HASH}\n"
+        "http_server_config:\n  headers:\n    X-Content-Type-Options: nosniff\n",
+    )
+
+
+@pytest.mark.parametrize("through_app", [False, True])
+def test_basic_auth_guards_metrics_and_the_page_not_the_probes(tmp_path, users_file, through_app):
+    # A body (Content-Length) sends a request to the app instead of the direct path.
+    extra = {"Content-Length": "0"} if through_app else {}
+    with served(tmp_path, web_config_file=str(users_file)) as (server, _):
+        status, headers, _ = _request(server, "GET", "/metrics", extra)
+        assert status == 401 and headers.get("WWW-Authenticate") == "Basic"
+        assert headers.get("X-Content-Type-Options") == "nosniff"
+        for wrong in (
+            _basic("prometheus", "nope"),
+            _basic("nobody", "s3cret"),
+            {"Authorization": "Basic !!"},
+        ):
+            assert _request(server, "GET", "/metrics", {**extra, **wrong})[0] == 401
+        status, headers, body = _request(
+            server, "GET", "/metrics", {**extra, **_basic("prometheus", "s3cret")}
+        )
+        assert status == 200 and b"gpumem_exporter_web_info" in body and b'basic_auth="on"' in body
+        assert headers.get("X-Content-Type-Options") == "nosniff"
+        assert _request(server, "GET", "/healthz", extra)[0] == 200
+        assert _request(server, "GET", "/readyz", extra)[0] == 200
+        assert _request(server, "GET", "/")[0] == 401
+        assert _request(server, "GET", "/api/window")[0] == 401
+        assert _request(server, "GET", "/api/window", _basic("prometheus", "s3cret"))[0] == 200
+
+
+def test_a_password_is_bcrypt_checked_once_then_remembered(tmp_path, users_file, monkeypatch):
+    calls: list[str] = []
+    real = basic_auth._bcrypt_ok
+
+    def counting(password: str, hashed: str) -> bool:
+        calls.append(password)
+        return real(password, hashed)
+
+    monkeypatch.setattr(basic_auth, "_bcrypt_ok", counting)
+    with served(tmp_path, web_config_file=str(users_file)) as (server, _):
+        for _ in range(5):
+            assert _request(server, "GET", "/metrics", _basic("prometheus", "s3cret"))[0] == 200
+        for _ in range(3):
+            assert _request(server, "GET", "/metrics", _basic("prometheus", "wrong"))[0] == 401
+    assert calls == ["s3cret", "wrong"]
+
+
+def test_admin_routes_use_their_own_credentials_where_the_admin_api_has_some(tmp_path, users_file):
+    with served(tmp_path, web_config_file=str(users_file)) as (server, _):
+        # The bearer token authenticates the admin route; basic auth is not asked there.
+        assert _request(server, "GET", "/stats", AUTH)[0] == 200
+        assert _request(server, "GET", "/stats")[0] == 401
+        assert _request(server, "GET", "/stats", _basic("prometheus", "s3cret"))[0] == 401
+
+
+def test_the_demos_open_admin_api_stays_behind_basic_auth(tmp_path, users_file):
+    """Without admin credentials the demo's admin API is open: basic auth then guards it."""
+    with served(tmp_path, web_config_file=str(users_file), admin_token=None) as (server, _):
+        assert _request(server, "GET", "/stats")[0] == 401
+        assert _request(server, "GET", "/stats", {"Authorization": f"Bearer {TOKEN}"})[0] == 401
+        assert _request(server, "GET", "/stats", _basic("prometheus", "s3cret"))[0] == 200
+
+
+def test_the_rate_limit_answers_429_past_its_burst(tmp_path):
+    path = web_config(tmp_path, "rate_limit:\n  interval: 1h\n  burst: 3\n")
+    with served(tmp_path, web_config_file=str(path)) as (server, _):
+        statuses = [_request(server, "GET", "/healthz")[0] for _ in range(5)]
+    assert statuses == [200, 200, 200, 429, 429]
+
+
+def test_a_changed_users_list_applies_without_a_restart(tmp_path, users_file, monkeypatch):
+    monkeypatch.setattr("exporter.http.web.RECHECK_S", 0.0)
+    with served(tmp_path, web_config_file=str(users_file)) as (server, _):
+        assert _request(server, "GET", "/metrics", _basic("prometheus", "s3cret"))[0] == 200
+        other = bcrypt.hashpw(b"rotated", bcrypt.gensalt(4)).decode()
+        web_config(tmp_path, f"basic_auth_users:\n  prometheus: {other}\n")
+        assert _request(server, "GET", "/metrics", _basic("prometheus", "s3cret"))[0] == 401
+        assert _request(server, "GET", "/metrics", _basic("prometheus", "rotated"))[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("client", "scheme", "allow", "expected"),
+    [
+        ("10.1.2.3", "http", False, 403),  # a credential in clear from another host
+        ("10.1.2.3", "http", True, 200),  # the operator said so
+        ("10.1.2.3", "https", False, 200),  # encrypted
+        ("127.0.0.1", "http", False, 200),  # loopback: kubectl port-forward, a sidecar
+    ],
+)
+def test_admin_credentials_over_cleartext_from_another_host_are_refused(
+    tmp_path, client, scheme, allow, expected, caplog
+):
+    app, _ = make_app(tmp_path, allow_cleartext_admin=allow)
+    transport = httpx.ASGITransport(app=app, client=(client, 40000))
+    caplog.set_level(logging.WARNING, logger="exporter.audit")
+
+    async def call() -> httpx.Response:
+        async with httpx.AsyncClient(transport=transport, base_url=f"{scheme}://exporter") as c:
+            return await c.post("/snapshot", headers=AUTH, json={})
+
+    import asyncio
+
+    response = asyncio.run(call())
+    assert response.status_code in ((expected,) if expected == 403 else (200, 201, 202)), (
+        response.text
+    )
+    if expected == 403:
+        assert "plain HTTP" in response.json()["detail"]
+        assert TOKEN not in caplog.text
+        assert any(
+            "cleartext" in r.getMessage() and client in r.getMessage() for r in caplog.records
+        )
+
+
+def test_metrics_say_whether_admin_credentials_are_taken_in_clear(tmp_path):
+    with served(tmp_path) as (server, runtime):
+        body = _request(server, "GET", "/metrics")[2]
+    assert b'admin_cleartext="loopback-only"' in body and b'tls="off"' in body
+    with served(tmp_path, allow_cleartext_admin=True) as (server, runtime):
+        body = _request(server, "GET", "/metrics")[2]
+    assert b'admin_cleartext="allowed"' in body

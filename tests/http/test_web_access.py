@@ -155,9 +155,9 @@ def test_admin_credentials_over_cleartext_from_another_host_are_refused(
 
 
 def test_metrics_say_whether_admin_credentials_are_taken_in_clear(tmp_path):
-    with served(tmp_path) as (server, runtime):
+    with served(tmp_path) as (server, _):
         body = _request(server, "GET", "/metrics")[2]
     assert b'admin_cleartext="loopback-only"' in body and b'tls="off"' in body
-    with served(tmp_path, allow_cleartext_admin=True) as (server, runtime):
+    with served(tmp_path, allow_cleartext_admin=True) as (server, _runtime):
         body = _request(server, "GET", "/metrics")[2]
     assert b'admin_cleartext="allowed"' in body

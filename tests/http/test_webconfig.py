@@ -147,7 +147,7 @@ def pki(tmp_path):
 
 
 def _tls_file(tmp_path, pki, extra: str = "", **paths: str) -> Path:
-    ca, server = pki
+    _ca, server = pki
     cert = paths.get("cert", str(server.cert))
     key = paths.get("key", str(server.key))
     return web_config(
@@ -204,7 +204,8 @@ def test_bad_input_is_one_line_naming_it(tmp_path, pki, problem, expected):
         (tmp_path / "ca.pem").write_text(
             "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"
         )
-        extra = f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {tmp_path / 'ca.pem'}\n"
+        ca_file = tmp_path / "ca.pem"
+        extra = f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {ca_file}\n"
     elif problem == "unknown_key":
         extra = "  cert_flie: x\n"
     elif problem == "min_above_max":

@@ -8,6 +8,7 @@ FastAPI app as well.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import logging
@@ -195,6 +196,22 @@ def _is_admin(app: FastAPI, scope: dict[str, Any]) -> bool:
     return False
 
 
+class _TlsProtocol(SSLProtocol):
+    """asyncio's TLS protocol, which drops the connection on a failed handshake without
+    sending OpenSSL's alert: the client then sees a reset instead of "certificate required"
+    or "handshake failure". The alert is sent first (best effort: private attributes of
+    asyncio's TLS protocol, 3.11 on)."""
+
+    def _on_handshake_complete(self, handshake_exc: BaseException | None) -> None:
+        if handshake_exc is not None:
+            with contextlib.suppress(Exception):
+                alert = self._outgoing.read()  # type: ignore[attr-defined]
+                transport: Any = self._transport
+                if alert and transport is not None:
+                    transport.write(alert)
+        super()._on_handshake_complete(handshake_exc)
+
+
 def _protocol_factory(
     routes: Routes, loopback_only: bool, web: WebSecurity | None
 ) -> Callable[..., asyncio.Protocol]:
@@ -208,7 +225,7 @@ def _protocol_factory(
         context = web.context_for_connection() if web is not None else None
         if context is None:
             return protocol
-        return SSLProtocol(
+        return _TlsProtocol(
             asyncio.get_running_loop(),
             protocol,
             context,

@@ -1,0 +1,132 @@
+"""A real Prometheus (Debian package `prometheus`) scrapes the exporter over TLS with a client
+certificate and with basic auth, with its own `tls_config` and `basic_auth`; a job with the wrong
+password, and one without a client certificate, are refused and shown down with the reason."""
+
+from __future__ import annotations
+
+import shutil
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import bcrypt
+import pytest
+import yaml
+
+from tests.conftest import require_tool
+from tests.helpers import free_port, prometheus_api, start_prometheus, stop_processes
+from tests.support.pki import Authority, web_config
+
+pytestmark = pytest.mark.e2e
+
+
+def _wait_https(url: str, context: ssl.SSLContext, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1, context=context):
+                return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                out = proc.stdout.read() if proc.stdout else ""
+                raise AssertionError(f"{url} never answered: {out[-3000:]}") from None
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory) -> Iterator[dict[str, dict]]:
+    prometheus = require_tool("prometheus")
+    tmp = tmp_path_factory.mktemp("e2e-tls")
+    ca = Authority(tmp / "pki")
+    server, client = ca.issue("exporter"), ca.issue("prometheus", "DNS:prometheus")
+    (tmp / "password").write_text("scrape-password\n")
+    (tmp / "wrong").write_text("not-it\n")
+    hashed = bcrypt.hashpw(b"scrape-password", bcrypt.gensalt(10)).decode()
+    config = web_config(
+        tmp,
+        f"tls_server_config:\n  cert_file: {server.cert}\n  key_file: {server.key}\n"
+        f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {ca.cert}\n"
+        "  client_allowed_sans: [prometheus]\n"
+        f"basic_auth_users:\n  prometheus: {hashed}\n",
+    )
+    exporter_port, prometheus_port = free_port(), free_port()
+    exporter = subprocess.Popen(
+        [sys.executable, "-m", "exporter.cli", "demo", "--port", str(exporter_port),
+         "--web-config-file", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    tls = {
+        "ca_file": str(ca.cert),
+        "cert_file": str(client.cert),
+        "key_file": str(client.key),
+        "server_name": "localhost",
+    }
+
+    def job(name: str, **more: object) -> dict:
+        return {
+            "job_name": name,
+            "scheme": "https",
+            "static_configs": [{"targets": [f"127.0.0.1:{exporter_port}"]}],
+            **more,
+        }
+
+    good_auth = {"username": "prometheus", "password_file": str(tmp / "password")}
+    scrape = {
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [
+            job("secured", tls_config=tls, basic_auth=good_auth),
+            job("wrong-password", tls_config=tls,
+                basic_auth={"username": "prometheus", "password_file": str(tmp / "wrong")}),
+            job("no-client-cert", tls_config={"ca_file": str(ca.cert), "server_name": "localhost"},
+                basic_auth=good_auth),
+        ],
+    }  # fmt: skip
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(scrape))
+    server_proc = start_prometheus(prometheus, tmp, prometheus_port)
+    context = ssl.create_default_context(cafile=str(ca.cert))
+    context.load_cert_chain(client.cert, client.key)
+    context.check_hostname = False
+    try:
+        _wait_https(f"https://127.0.0.1:{exporter_port}/readyz", context, exporter)
+        url = f"http://127.0.0.1:{prometheus_port}"
+        deadline = time.monotonic() + 60
+        while True:
+            active = prometheus_api(url, "targets")["activeTargets"]
+            by_job = {t["labels"]["job"]: t for t in active}
+            if len(by_job) == 3 and all(t["health"] != "unknown" for t in by_job.values()):
+                break
+            assert time.monotonic() < deadline, active
+            time.sleep(0.5)
+        time.sleep(2)  # a few scrapes each
+        by_job = {t["labels"]["job"]: t for t in prometheus_api(url, "targets")["activeTargets"]}
+        by_job["_prometheus"] = {"url": url}
+        yield by_job
+    finally:
+        stop_processes((server_proc, exporter))
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_prometheus_scrapes_over_tls_with_its_client_certificate_and_basic_auth(targets):
+    assert targets["secured"]["health"] == "up", targets["secured"]["lastError"]
+    result = prometheus_api(
+        targets["_prometheus"]["url"], "query", query='gpumem_exporter_web_info{job="secured"}'
+    )["result"]
+    assert len(result) == 1
+    labels = result[0]["metric"]
+    assert labels["tls"] == "on" and labels["basic_auth"] == "on"
+    assert labels["client_auth"] == "RequireAndVerifyClientCert"
+
+
+def test_the_wrong_password_is_down_with_401(targets):
+    target = targets["wrong-password"]
+    assert target["health"] == "down" and "401" in target["lastError"]
+
+
+def test_no_client_certificate_is_refused_at_the_handshake(targets):
+    target = targets["no-client-cert"]
+    assert target["health"] == "down"
+    # The TLS alert reaches the client (asyncio alone would reset the connection).
+    assert "certificate required" in target["lastError"], target["lastError"]

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -174,6 +175,7 @@ def _add_record_command(commands: argparse._SubParsersAction[argparse.ArgumentPa
     record.add_argument(
         "--interval-s", type=float, default=1.0, help="seconds between scrapes (default 1)"
     )
+    _add_transport_flags(record)
 
 
 def _add_run_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -311,6 +313,22 @@ def _add_view_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
     view.add_argument("-o", "--output", required=True, type=Path, help="HTML file to write")
 
 
+def _add_transport_flags(parser: argparse.ArgumentParser) -> None:
+    """How to reach an exporter whose web config asks for TLS, a client certificate or
+    basic auth (docs/deploy.md)."""
+    parser.add_argument(
+        "--ca-file", type=Path, help="CA certificates that signed the exporter's (https URLs)"
+    )
+    parser.add_argument("--cert", type=Path, help="client certificate to show (with --key)")
+    parser.add_argument("--key", type=Path, help="the client certificate's key")
+    parser.add_argument(
+        "--user",
+        help="basic auth user of the exporter's web config; the password comes from "
+        "--password-file, else GPUMEM_PASSWORD",
+    )
+    parser.add_argument("--password-file", type=Path, help="file holding the --user's password")
+
+
 def _add_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url",
@@ -327,6 +345,13 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
         "server. With none, requests go without a token (the demo and servers with admin "
         "open to loopback need none)",
     )
+    parser.add_argument(
+        "--kubeconfig-token",
+        action="store_true",
+        help="send the current kubeconfig user's token (an exporter with admin_auth "
+        "kubernetes checks it with the API server; RBAC decides)",
+    )
+    _add_transport_flags(parser)
     parser.add_argument(
         "--json",
         action="store_true",
@@ -459,6 +484,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     from exporter.record import RecordError, TargetStopped, record_url
 
     url = _metrics_url(args.url)
+    context, basic = _transport(args)
     if not args.duration_s > 0:
         raise CliError("--duration-s must be positive")
     if not 0.05 <= args.interval_s <= 3600:
@@ -475,7 +501,14 @@ def cmd_record(args: argparse.Namespace) -> int:
         raise CliError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     stopped = error = None
     try:
-        record_url(url, writer, duration_s=args.duration_s, interval_s=args.interval_s)
+        record_url(
+            url,
+            writer,
+            duration_s=args.duration_s,
+            interval_s=args.interval_s,
+            context=context,
+            headers={"Authorization": basic} if basic else None,
+        )
     except TargetStopped as exc:
         stopped = str(exc)
     except RecordError as exc:
@@ -497,10 +530,50 @@ def cmd_record(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client(args: argparse.Namespace) -> AdminClient:
-    from exporter.http.client import AdminClient
+def _transport(args: argparse.Namespace) -> tuple[ssl.SSLContext | None, str | None]:
+    """The TLS context (https URLs) and basic auth header the transport flags ask for."""
+    from exporter.http.client import ClientError, basic_authorization, tls_context
 
-    token = _admin_token(args.token_file, os.environ)
+    if (args.cert is None) != (args.key is None):
+        raise CliError("--cert and --key go together")
+    context = None
+    if urlparse(args.url).scheme == "https":
+        try:
+            context = tls_context(args.ca_file, args.cert, args.key)
+        except ClientError as exc:
+            raise CliError(str(exc)) from None
+    elif args.ca_file or args.cert:
+        raise CliError("--ca-file, --cert and --key need an https:// --url")
+    if args.user is None:
+        if args.password_file is not None:
+            raise CliError("--password-file needs --user")
+        return context, None
+    if args.password_file is not None:
+        try:
+            password = args.password_file.read_text().rstrip("\r\n")
+        except OSError as exc:
+            raise CliError(
+                f"--password-file: cannot read {args.password_file}: {exc.strerror}"
+            ) from None
+    elif "GPUMEM_PASSWORD" in os.environ:
+        password = os.environ["GPUMEM_PASSWORD"]
+    else:
+        raise CliError("--user needs --password-file or GPUMEM_PASSWORD")
+    return context, basic_authorization(args.user, password)
+
+
+def _client(args: argparse.Namespace) -> AdminClient:
+    from exporter.http.client import AdminClient, ClientError, kubeconfig_token
+
+    if args.kubeconfig_token and args.token_file is not None:
+        raise CliError("--kubeconfig-token and --token-file: give one")
+    if args.kubeconfig_token:
+        try:
+            token: str | None = kubeconfig_token(os.environ)
+        except ClientError as exc:
+            raise CliError(str(exc)) from None
+    else:
+        token = _admin_token(args.token_file, os.environ)
     parsed = urlparse(args.url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise CliError(f"--url must be an http(s) URL, got {args.url!r}")
@@ -509,7 +582,8 @@ def _client(args: argparse.Namespace) -> AdminClient:
     base = parsed._replace(path="").geturl()
     if not 0 < args.timeout_s <= 86400:  # also refuses nan and inf
         raise CliError("--timeout-s must be a number of seconds between 0 and 86400")
-    return AdminClient(base, token, timeout_s=args.timeout_s)
+    context, basic = _transport(args)
+    return AdminClient(base, token, timeout_s=args.timeout_s, context=context, basic=basic)
 
 
 def _admin_token(token_file: Path | None, env: Mapping[str, str]) -> str | None:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import http.client
 import math
+import ssl
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -269,9 +270,18 @@ def _self_pid(sample: Sample) -> int | None:
     return None
 
 
-def scrape(url: str, timeout_s: float = 5.0) -> str:
+def scrape(
+    url: str,
+    timeout_s: float = 5.0,
+    *,
+    context: ssl.SSLContext | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> str:
+    """The exposition at `url`; `context` for https (a CA, a client certificate), `headers`
+    for basic auth."""
+    request = urllib.request.Request(url, headers=dict(headers or {}))
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(request, timeout=timeout_s, context=context) as response:
             if response.headers.get_content_type() == "text/html":
                 raise RecordError(f"{url} answered with an HTML page, not metrics")
             return str(response.read().decode("utf-8"))
@@ -285,8 +295,13 @@ def scrape(url: str, timeout_s: float = 5.0) -> str:
         raise RecordError(f"{url} answered with bytes that are not UTF-8 text") from None
 
 
-def _scrape_sample(url: str, clock: Callable[[], float]) -> Sample:
-    text = scrape(url)
+def _scrape_sample(
+    url: str,
+    clock: Callable[[], float],
+    context: ssl.SSLContext | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> Sample:
+    text = scrape(url, context=context, headers=headers)
     try:
         return sample_from_exposition(text, clock())
     except RecordError as exc:
@@ -302,6 +317,8 @@ def record_url(
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
     max_missed: int = MAX_MISSED_SCRAPES,
+    context: ssl.SSLContext | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> int:
     """Scrape `url` every interval for `duration_s`; returns the number of samples written.
 
@@ -314,7 +331,7 @@ def record_url(
     while True:
         started = time.monotonic()
         try:
-            sample = _scrape_sample(url, clock)
+            sample = _scrape_sample(url, clock, context, headers)
         except RecordError as exc:
             missed += 1
             if not recorded:

@@ -6,12 +6,16 @@ same calls work against an embedded exporter, the demo and `gpumem-exporter run`
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
+import os
+import ssl
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -84,12 +88,80 @@ def _selector(target: Target, **fields: Any) -> dict[str, Any]:
     }
 
 
+def tls_context(
+    ca_file: Path | None = None, cert: Path | None = None, key: Path | None = None
+) -> ssl.SSLContext:
+    """How the client checks an https exporter: `ca_file` (else the system's CAs), and the
+    client certificate it shows where the exporter asks for one."""
+    try:
+        context = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+        if cert is not None:
+            context.load_cert_chain(cert, key)
+    except FileNotFoundError as exc:
+        raise ClientError(f"cannot read {exc.filename or 'a TLS file'}: no such file") from None
+    except (OSError, ssl.SSLError) as exc:
+        reason = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or exc
+        raise ClientError(f"cannot use the TLS files given: {reason}") from None
+    return context
+
+
+def basic_authorization(user: str, password: str) -> str:
+    """The Authorization value of basic auth (the web config's basic_auth_users)."""
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+def kubeconfig_token(env: Mapping[str, str]) -> str:
+    """The bearer token of the current context's user in the kubeconfig (KUBECONFIG, else
+    ~/.kube/config): its `token`, or the file its `tokenFile` names. Exec and auth-provider
+    plugins are not run: `kubectl create token` gives a token for those users."""
+    import yaml
+
+    name = (env.get("KUBECONFIG") or "").split(os.pathsep)[0] or str(
+        Path(env.get("HOME", "~")).expanduser() / ".kube" / "config"
+    )
+    try:
+        config = yaml.safe_load(Path(name).read_text()) or {}
+    except OSError as exc:
+        raise ClientError(f"cannot read kubeconfig {name}: {exc.strerror}") from None
+    except yaml.YAMLError:
+        raise ClientError(f"kubeconfig {name} is not YAML") from None
+    try:
+        context_name = config["current-context"]
+        context = next(c["context"] for c in config["contexts"] if c["name"] == context_name)
+        user = next(u["user"] for u in config["users"] if u["name"] == context["user"])
+    except (KeyError, TypeError, StopIteration):
+        raise ClientError(f"kubeconfig {name}: no user for its current context") from None
+    if user.get("token"):
+        return str(user["token"]).strip()
+    if user.get("tokenFile"):
+        try:
+            return Path(user["tokenFile"]).read_text().strip()
+        except OSError as exc:
+            raise ClientError(f"kubeconfig tokenFile {user['tokenFile']}: {exc.strerror}") from None
+    raise ClientError(
+        f"kubeconfig {name}: the current user has no token (exec and auth-provider users are "
+        "not run): use --token-file with `kubectl create token ...`"
+    )
+
+
 class AdminClient:
-    def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 60.0) -> None:
-        """`token`: the admin bearer token; None sends none (the demo, loopback admin)."""
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None,
+        *,
+        timeout_s: float = 60.0,
+        context: ssl.SSLContext | None = None,
+        basic: str | None = None,
+    ) -> None:
+        """`token`: the admin bearer token; None sends none (the demo, loopback admin).
+        `context`: for https; `basic`: an Authorization value for basic auth, sent where no
+        token is (an exporter whose admin API has no credentials of its own asks for it)."""
         self.base_url = base_url.rstrip("/")
         self._token = token
         self.timeout_s = timeout_s
+        self._context = context
+        self._basic = basic
 
     def _request(
         self, method: str, path: str, body: dict[str, Any] | None = None
@@ -103,8 +175,12 @@ class AdminClient:
         )
         if self._token is not None:
             request.add_header("Authorization", f"Bearer {self._token}")
+        elif self._basic is not None:
+            request.add_header("Authorization", self._basic)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            with urllib.request.urlopen(
+                request, timeout=self.timeout_s, context=self._context
+            ) as response:
                 return response.status, response.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")

@@ -51,8 +51,9 @@ def test_admin_commands_over_https_with_a_client_certificate(secured):
 def test_record_with_basic_auth(secured):
     url, tls, tmp = secured
     out = tmp / "trace.jsonl.gz"
-    done = run_cli("record", "--url", url, *tls, "--user", "prometheus", "--password-file",
-                   str(tmp / "password"), "-o", str(out), "--duration-s", "1", env=_env())  # fmt: skip
+    password = ["--user", "prometheus", "--password-file", str(tmp / "password")]
+    done = run_cli("record", "--url", url, *tls, *password, "-o", str(out), "--duration-s", "1",
+                   env=_env())  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert out.exists()
     wrong = run_cli("record", "--url", url, *tls, "--user", "prometheus", "-o",

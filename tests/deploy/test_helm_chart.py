@@ -39,9 +39,42 @@ NAMESPACE = "monitoring"
 # The chart's kubeVersion floor and the newest schema kubernetes-validate ships.
 KUBE_VERSIONS = ("1.25.0", kubernetes_validate.latest_version())
 MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+# Custom resources checked against their CRD schemas (tests/js) with the monitoring kinds.
+CRD_KINDS = MONITORING_KINDS | {"Certificate"}
 CHART_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["version"]
 RUNBOOK_URL_BASE = "https://git.example.com/ml/gpumem-exporter/blob/main/docs/runbooks.md"
 
+BCRYPT = "$2y$10$mDwo.lAisC94iLAyP81MCesa29IzH37oigHC/42V2pdJlUprsJPze"
+# TLS from cert-manager, client certificates, basic auth and Kubernetes admin identities.
+SECURED: dict[str, Any] = {
+    "web": {
+        "tls": {
+            "enabled": True,
+            "certManager": {"enabled": True, "issuerRef": {"name": "cluster-ca"}},
+            "clientAuthType": "RequireAndVerifyClientCert",
+            "clientCA": {"existingSecret": "prometheus-client-ca"},
+            "clientAllowedSans": ["prometheus"],
+        },
+        "basicAuth": {"users": {"prometheus": BCRYPT}},
+    },
+    "serviceMonitor": {
+        "basicAuth": {
+            "username": {"name": "scrape-auth", "key": "username"},
+            "password": {"name": "scrape-auth", "key": "password"},
+        },
+        "tlsConfig": {
+            "ca": {"secret": {"name": "gm-gpumem-exporter-tls", "key": "ca.crt"}},
+            "cert": {"secret": {"name": "prometheus-client", "key": "tls.crt"}},
+            "keySecret": {"name": "prometheus-client", "key": "tls.key"},
+            "serverName": "gm-gpumem-exporter.monitoring.svc",
+        },
+    },
+    "podMonitor": {
+        "scheme": "https",
+        "tlsConfig": {"ca": {"configMap": {"name": "inference-ca", "key": "ca.crt"}}},
+    },
+    "adminAuth": {"kubernetes": {"enabled": True}},
+}
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "host-pid": {"daemonset": {"hostPID": True}},
@@ -60,6 +93,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "existing-secret": {"adminToken": {"existingSecret": "gpumem-admin", "secretKey": "bearer"}},
     "chart-secret": {"adminToken": {"value": "not-a-real-token"}},
     "service-monitor-off": {"serviceMonitor": {"enabled": False}},
+    "tls-existing-secret": {"web": {"tls": {"enabled": True, "existingSecret": "exporter-tls"}}},
+    "secured": SECURED,
     "custom-pod-monitor": {
         "podMonitor": {
             "namespace": "observability",
@@ -316,7 +351,7 @@ def test_core_objects_validate(rendered: dict[str, list[dict[str, Any]]], name: 
     for doc in docs:
         assert doc["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
         assert doc["metadata"]["labels"]["helm.sh/chart"] == f"gpumem-exporter-{CHART_VERSION}"
-        if doc["kind"] in MONITORING_KINDS:
+        if doc["kind"] in CRD_KINDS:
             continue
         for version in KUBE_VERSIONS:
             try:
@@ -329,8 +364,8 @@ def test_core_objects_validate(rendered: dict[str, list[dict[str, Any]]], name: 
 
 
 def _monitoring_objects(rendered: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    objects = [doc for docs in rendered.values() for doc in docs if doc["kind"] in MONITORING_KINDS]
-    assert {doc["kind"] for doc in objects} == MONITORING_KINDS
+    objects = [doc for docs in rendered.values() for doc in docs if doc["kind"] in CRD_KINDS]
+    assert {doc["kind"] for doc in objects} == CRD_KINDS
     return objects
 
 
@@ -502,8 +537,8 @@ def test_security_context(rendered: dict[str, list[dict[str, Any]]]) -> None:
         assert pod["securityContext"]["runAsNonRoot"] is True, name
         assert pod["securityContext"]["runAsUser"] == 10001, name  # the Dockerfile's USER
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
-        # Only the pod reader talks to the Kubernetes API (tested below).
-        assert pod["automountServiceAccountToken"] is (name == "pod-reader"), name
+        # Only the pod reader and the admin identities talk to the Kubernetes API.
+        assert pod["automountServiceAccountToken"] is (name in ("pod-reader", "secured")), name
         assert sc["readOnlyRootFilesystem"] is True, name
         assert sc["allowPrivilegeEscalation"] is False, name
         assert sc["capabilities"] == {"drop": ["ALL"]}, name
@@ -855,3 +890,128 @@ def test_documented_install_builds_pushes_and_uses_the_image(doc: Path) -> None:
         image = container(render(values))["image"]
         assert image in built, f"{doc.name}: {image} is never built"
         assert image in pushed, f"{doc.name}: {image} is never pushed"
+
+
+# --- the endpoint secured (web config, TLS, identities) ----------------------------------
+
+
+def _web_config(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    secret = next(
+        d for d in by_kind(docs, "Secret") if d["metadata"]["name"].endswith("web-config")
+    )
+    config: dict[str, Any] = yaml.safe_load(secret["stringData"]["web.yml"])
+    return config
+
+
+def test_secured_release_renders_a_web_config_the_exporter_loads(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    from exporter.http.webconfig import load_web_config
+
+    docs = rendered["secured"]
+    config = _web_config(docs)
+    tls = config["tls_server_config"]
+    assert tls["client_auth_type"] == "RequireAndVerifyClientCert"
+    assert tls["client_allowed_sans"] == ["prometheus"]
+    assert config["basic_auth_users"] == {"prometheus": BCRYPT}
+    # Same keys and meanings as the exporter reads them (files checked where they are mounted).
+    (tmp_path / "web.yml").write_text(yaml.safe_dump(config))
+    loaded = load_web_config(tmp_path / "web.yml")
+    assert loaded.tls is not None and loaded.tls.client_ca_file == tls["client_ca_file"]
+    # The files it names are where the pod mounts them.
+    mounts = {m["name"]: m["mountPath"] for m in container(docs)["volumeMounts"]}
+    assert tls["cert_file"] == mounts["tls"] + "/tls.crt"
+    assert tls["client_ca_file"] == mounts["client-ca"] + "/ca.crt"
+    env = env_of(docs)
+    assert env["GPUMEM_WEB_CONFIG_FILE"] == mounts["web-config"] + "/web.yml"
+    volumes = {v["name"]: v for v in one(docs, "DaemonSet")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "gm-gpumem-exporter-tls"
+    assert all(
+        volumes[n]["secret"]["defaultMode"] == 0o440 for n in ("tls", "client-ca", "web-config")
+    )
+
+
+def test_secured_release_probes_and_monitors_follow_tls(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    secured, tls_only = container(rendered["secured"]), container(rendered["tls-existing-secret"])
+    # Kubelet probes have no client certificate: TCP where one is required, else HTTPS.
+    assert "tcpSocket" in secured["livenessProbe"] and "tcpSocket" in secured["readinessProbe"]
+    assert tls_only["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert tls_only["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    endpoint = one(rendered["tls-existing-secret"], "ServiceMonitor")["spec"]["endpoints"][0]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == {
+        "ca": {"secret": {"name": "exporter-tls", "key": "ca.crt"}},
+        "serverName": "gm-gpumem-exporter.monitoring.svc",
+    }
+    endpoint = one(rendered["secured"], "ServiceMonitor")["spec"]["endpoints"][0]
+    assert endpoint["basicAuth"]["password"] == {"name": "scrape-auth", "key": "password"}
+    assert endpoint["tlsConfig"]["keySecret"] == {"name": "prometheus-client", "key": "tls.key"}
+    pod_endpoint = one(rendered["secured"], "PodMonitor")["spec"]["podMetricsEndpoints"][0]
+    assert pod_endpoint["scheme"] == "https"
+    certificate = one(rendered["secured"], "Certificate")
+    assert certificate["spec"]["dnsNames"][0] == "gm-gpumem-exporter.monitoring.svc"
+    assert certificate["spec"]["issuerRef"]["name"] == "cluster-ca"
+
+
+def test_kubernetes_admin_identities_get_review_rights_and_on_call_roles(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["secured"]
+    env = env_of(docs)
+    assert env["GPUMEM_ADMIN_AUTH"] == "kubernetes"
+    assert env["GPUMEM_ADMIN_KUBERNETES_AUTHORIZATION"] == "namespace"
+    binding = next(
+        d
+        for d in by_kind(docs, "ClusterRoleBinding")
+        if d["roleRef"]["name"] == "system:auth-delegator"
+    )
+    assert binding["subjects"][0]["name"] == "gm-gpumem-exporter"
+    roles = {d["metadata"]["name"]: d["rules"] for d in by_kind(docs, "ClusterRole")}
+    from exporter.http.identities import GROUP, RESOURCES
+
+    admin = roles["gm-gpumem-exporter-admin"][0]
+    assert admin["apiGroups"] == [GROUP] and set(admin["resources"]) == set(RESOURCES.values())
+    assert "create" not in roles["gm-gpumem-exporter-viewer"][0]["verbs"]
+    notes = render_notes(SECURED)
+    assert "--clusterrole=gm-gpumem-exporter-admin" in notes and "--kubeconfig-token" in notes
+    # Nothing of it without the setting.
+    assert "GPUMEM_ADMIN_AUTH" not in env_of(rendered["defaults"])
+    assert not by_kind(rendered["defaults"], "Certificate")
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"web": {"tls": {"enabled": True}}},
+            "needs web.tls.existingSecret or web.tls.certManager",
+        ),
+        (
+            {
+                "web": {
+                    "tls": {
+                        "enabled": True,
+                        "existingSecret": "s",
+                        "clientAuthType": "RequireAndVerifyClientCert",
+                    }
+                }
+            },
+            "needs web.tls.clientCA.existingSecret",
+        ),
+        ({"web": {"basicAuth": {"users": {"p": BCRYPT}}}}, "needs serviceMonitor.basicAuth"),
+        (
+            {"web": {"tls": {"enabled": True, "certManager": {"enabled": True}}}},
+            "needs web.tls.certManager.issuerRef.name",
+        ),
+    ],
+)
+def test_incomplete_security_values_fail_render(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        render(values)
+
+
+def test_a_password_instead_of_a_bcrypt_hash_is_refused_by_the_schema() -> None:
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError):
+        chart.validate_schema({"web": {"basicAuth": {"users": {"prometheus": "hunter2"}}}})

@@ -1,5 +1,6 @@
-// Validates Prometheus Operator objects (ServiceMonitor, PodMonitor, PrometheusRule) against
-// the CRD schemas shipped in @kubernetes-models/prometheus-operator, offline.
+// Validates Prometheus Operator objects (ServiceMonitor, PodMonitor, PrometheusRule) and
+// cert-manager Certificates against the CRD schemas shipped in
+// @kubernetes-models/prometheus-operator and @kubernetes-models/cert-manager, offline.
 //
 // Usage: node validate-monitoring.mjs FILE...
 // Each FILE is YAML (one or more documents) or JSON (one object or an array of objects).
@@ -12,8 +13,12 @@ import {
   PrometheusRule,
   ServiceMonitor,
 } from "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1";
+import { Certificate } from "@kubernetes-models/cert-manager/cert-manager.io/v1";
 
-const MODELS = { PodMonitor, PrometheusRule, ServiceMonitor };
+const MODELS = {
+  "monitoring.coreos.com/v1": { PodMonitor, PrometheusRule, ServiceMonitor },
+  "cert-manager.io/v1": { Certificate },
+};
 
 function load(path) {
   const text = readFileSync(path, "utf8");
@@ -37,9 +42,9 @@ const problems = [];
 for (const path of files) {
   for (const doc of load(path)) {
     const name = `${path}: ${doc.kind}/${doc.metadata?.name}`;
-    const Model = MODELS[doc.kind];
-    if (doc.apiVersion !== "monitoring.coreos.com/v1" || !Model) {
-      problems.push(`${name}: not a monitoring.coreos.com/v1 ServiceMonitor, PodMonitor or PrometheusRule`);
+    const Model = (MODELS[doc.apiVersion] || {})[doc.kind];
+    if (!Model) {
+      problems.push(`${name}: not a ServiceMonitor, PodMonitor, PrometheusRule or Certificate`);
       continue;
     }
     try {

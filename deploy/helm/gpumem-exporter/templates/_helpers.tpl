@@ -128,3 +128,36 @@ Usage: include "gpumem-exporter.monitoringLabels" (list . "node-daemon" .Values.
 {{- end }}
 {{- toYaml (mergeOverwrite $labels (index . 2 | default dict)) }}
 {{- end }}
+
+{{/*
+The Secret holding the serving certificate: web.tls.existingSecret, else the cert-manager
+Certificate's. Empty when TLS is off.
+*/}}
+{{- define "gpumem-exporter.tlsSecretName" -}}
+{{- $tls := .Values.web.tls }}
+{{- if $tls.enabled }}
+{{- if and $tls.existingSecret $tls.certManager.enabled }}
+{{- fail "web.tls: set either existingSecret or certManager.enabled, not both" }}
+{{- else if $tls.existingSecret }}
+{{- $tls.existingSecret }}
+{{- else if $tls.certManager.enabled }}
+{{- printf "%s-tls" (include "gpumem-exporter.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- fail "web.tls.enabled needs web.tls.existingSecret or web.tls.certManager.enabled" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+"true" when the exporter gets a web config file (TLS or basic auth).
+*/}}
+{{- define "gpumem-exporter.webConfig" -}}
+{{- if or .Values.web.tls.enabled .Values.web.basicAuth.users }}true{{ end }}
+{{- end }}
+
+{{/*
+The Service's DNS name: what the serving certificate names and the ServiceMonitor checks.
+*/}}
+{{- define "gpumem-exporter.serviceDns" -}}
+{{- printf "%s.%s.svc" (include "gpumem-exporter.fullname" .) .Release.Namespace }}
+{{- end }}

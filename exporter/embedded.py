@@ -214,6 +214,7 @@ def _under_run(config: Config) -> Handle:
         oom_snapshot=False,
         history_max_entries=0,
         web_config_file=None,
+        admin_auth=("token",),
     )
     _handle = Handle(build_runtime(idle, mode="embedded", sources=[]))
     log.info(

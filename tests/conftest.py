@@ -13,11 +13,32 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(__file__).resolve().parent / "data"
+
+
+def _local_test_client() -> None:
+    """Starlette's TestClient calls from the host "testclient", which is no address: the
+    admin API refuses credentials in clear from any client that is not loopback
+    (exporter.http.admin), so a TestClient here stands for a local caller, as the tests mean.
+    A test of a remote caller passes client=(address, port) itself."""
+    from starlette.testclient import TestClient
+
+    original = TestClient.__init__
+
+    def local(
+        self: TestClient, *args: Any, client: tuple[str, int] = ("127.0.0.1", 50000), **kw: Any
+    ) -> None:
+        original(self, *args, client=client, **kw)
+
+    TestClient.__init__ = local  # type: ignore[method-assign]
+
+
+_local_test_client()
 
 
 def require_tool(name: str) -> str:

@@ -196,6 +196,13 @@ def _is_admin(app: FastAPI, scope: dict[str, Any]) -> bool:
     return False
 
 
+_PLAIN_BODY = b"Client sent an HTTP request to an HTTPS server.\n"
+PLAIN_HTTP_TO_TLS = (
+    b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
+    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_PLAIN_BODY), _PLAIN_BODY)
+)
+
+
 class _TlsProtocol(SSLProtocol):
     """asyncio's TLS protocol, which drops the connection on a failed handshake without
     sending OpenSSL's alert: the client then sees a reset instead of "certificate required"
@@ -206,6 +213,10 @@ class _TlsProtocol(SSLProtocol):
         if handshake_exc is not None:
             with contextlib.suppress(Exception):
                 alert = self._outgoing.read()  # type: ignore[attr-defined]
+                if getattr(handshake_exc, "reason", "") == "HTTP_REQUEST":
+                    # Plain HTTP to the TLS port (a scrape config without scheme: https):
+                    # say so in HTTP, as Go's servers do, instead of a TLS alert it cannot read.
+                    alert = PLAIN_HTTP_TO_TLS
                 transport: Any = self._transport
                 if alert and transport is not None:
                     transport.write(alert)
@@ -260,7 +271,9 @@ class HttpServer:
         self.host = host
         self.port = self.sock.getsockname()[1]
         # The web config (TLS, basic auth, headers, rate limit), where create_app was given one.
-        self.web: WebSecurity | None = getattr(app.state, "web", None)
+        # Without a file nothing is checked per request: the direct path stays as it was.
+        web: WebSecurity | None = getattr(app.state, "web", None)
+        self.web = web if web is not None and web.path else None
         # On loopback only: every Host must be a loopback name (exporter.http.browser).
         loopback_only = is_loopback(host)
         served: Any = LoopbackHostGuard(app) if loopback_only else app

@@ -66,6 +66,16 @@ def test_metrics_over_tls_and_the_url_says_https(tmp_path, pki):
         assert status == 200 and b'tls="on"' in body
 
 
+def test_plain_http_to_the_tls_port_is_told_so(tmp_path, pki):
+    _, pair = pki
+    with served(tmp_path, web_config_file=str(_tls(tmp_path, pair))) as (server, _):
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+        connection.request("GET", "/metrics", headers={"Host": "localhost"})
+        response = connection.getresponse()
+        assert response.status == 400
+        assert b"HTTP request to an HTTPS server" in response.read()
+
+
 def test_versions_are_held_to_min_and_max(tmp_path, pki):
     ca, pair = pki
     path = _tls(tmp_path, pair, "  min_version: TLS12\n  max_version: TLS12\n")

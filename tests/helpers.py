@@ -40,7 +40,7 @@ from exporter.actions.local import LocalActions
 from exporter.actions.snapshots import SnapshotStore
 from exporter.config import load_config
 from exporter.http.server import HttpServer, create_app
-from exporter.metrics import ActionStats, SampleCollector
+from exporter.metrics import ActionStats, EndpointState, SampleCollector
 from exporter.runtime import build_runtime
 from exporter.sample import (
     ActionCounts,
@@ -564,7 +564,16 @@ def catalog_collector(
     )
     counts = ActionCounts({"manual": 2}, 4096, {"empty_cache/ok": 1})
     process = WORKER if per_process else {}
-    stats = ActionStats([ProcessCounts(process, counts)], {("snapshot", "ok"): 1})
+    # An endpoint with a web config and a certificate: every gpumem_exporter_web* family.
+    endpoint = EndpointState(
+        tls=True,
+        client_auth="RequireAndVerifyClientCert",
+        basic_auth=True,
+        configured=True,
+        reload_ok_at=1.7e9,
+        certificate_not_after=1.8e9,
+    )
+    stats = ActionStats([ProcessCounts(process, counts)], {("snapshot", "ok"): 1}, endpoint)
     alerts = SimpleNamespace(
         evaluations=1,
         firing=lambda: [

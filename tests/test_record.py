@@ -61,7 +61,7 @@ def test_scrape_errors_are_one_line():
 
 def test_record_url_writes_samples(tmp_path, monkeypatch):
     sample = captured_sample("native")
-    monkeypatch.setattr("exporter.record.scrape", lambda url: render(sample))
+    monkeypatch.setattr("exporter.record.scrape", lambda url, **transport: render(sample))
     writer = TraceWriter(tmp_path / "t.gz")
     count = record_url(
         "http://x/metrics", writer, duration_s=0.05, interval_s=0.01, clock=lambda: 5.0

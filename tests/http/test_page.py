@@ -608,6 +608,29 @@ def test_live_page_stays_readable_in_an_oom_storm(tmp_path):
         assert all(a["severity"] == "warning" for a in state["alerts"][1:]), state["alerts"]
 
 
+def test_live_page_works_behind_basic_auth(tmp_path):
+    """The web config asks for a password: the browser's prompt is answered once, the page's
+    own requests carry it, and its admin actions still go with the admin token."""
+    import bcrypt
+
+    from tests.support.pki import web_config
+
+    hashed = bcrypt.hashpw(b"page-pw", bcrypt.gensalt(4)).decode()
+    config = web_config(tmp_path, f"basic_auth_users:\n  oncall: {hashed}\n")
+    runtime = demo_runtime(tmp_path, interval_s=0.5, admin_token=TOKEN, web_config_file=str(config))
+    with serving(runtime) as url:
+        wait_for_points(runtime, 2)
+        credentials = {"username": "oncall", "password": "page-pw"}
+        result = drive(
+            url, tmp_path, "basic", widths=[1000], actions=True, token=TOKEN, basic_auth=credentials
+        )
+    assert result["authPrompts"] >= 1
+    assert unexpected(result["errors"], "status of 401 (Unauthorized) http://127.0.0.1") == []
+    state = result["widths"]["1000"]
+    assert state["pageErrors"] == 0 and state["cards"][0]["points"] >= 2
+    assert "Snapshot" in result["actions"]["snapshot"]["result"]
+
+
 def test_live_page_asks_for_the_token_and_keeps_it_out_of_urls(tmp_path):
     runtime = demo_runtime(tmp_path, interval_s=0.5, admin_token=TOKEN)
     with serving(runtime) as url:

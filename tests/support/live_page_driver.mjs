@@ -172,6 +172,23 @@ try {
   await send("Page.enable");
   await send("Runtime.enable");
   await send("Log.enable");
+  if (options.basic_auth) {
+    // The browser's own basic-auth prompt, answered as a user would type the password.
+    result.authPrompts = 0;
+    listeners.push((message) => {
+      if (message.sessionId !== sessionId) return;
+      if (message.method === "Fetch.authRequired") {
+        result.authPrompts += 1;
+        send("Fetch.continueWithAuth", {
+          requestId: message.params.requestId,
+          authChallengeResponse: { response: "ProvideCredentials", ...options.basic_auth },
+        });
+      } else if (message.method === "Fetch.requestPaused") {
+        send("Fetch.continueRequest", { requestId: message.params.requestId });
+      }
+    });
+    await send("Fetch.enable", { handleAuthRequests: true, patterns: [{ urlPattern: "*" }] });
+  }
   for (const width of options.widths) {
     await send("Emulation.setDeviceMetricsOverride", { width, height: 1000, deviceScaleFactor: 1, mobile: false });
     await send("Page.navigate", { url: options.url });

@@ -1002,6 +1002,13 @@ def test_kubernetes_admin_identities_get_review_rights_and_on_call_roles(
         ),
         ({"web": {"basicAuth": {"users": {"p": BCRYPT}}}}, "needs serviceMonitor.basicAuth"),
         (
+            {
+                "web": {"existingConfigSecret": "mine", "basicAuth": {"users": {"p": BCRYPT}}},
+                "serviceMonitor": {"basicAuth": {"username": {"name": "a", "key": "u"}}},
+            },
+            "put the users in your Secret's web.yml",
+        ),
+        (
             {"web": {"tls": {"enabled": True, "certManager": {"enabled": True}}}},
             "needs web.tls.certManager.issuerRef.name",
         ),
@@ -1010,6 +1017,20 @@ def test_kubernetes_admin_identities_get_review_rights_and_on_call_roles(
 def test_incomplete_security_values_fail_render(values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
         render(values)
+
+
+def test_a_web_config_of_your_own_keeps_users_out_of_the_release() -> None:
+    auth = SECURED["serviceMonitor"]["basicAuth"]
+    docs = render(
+        {
+            "web": {"existingConfigSecret": "my-web-config", "basicAuth": {"enabled": True}},
+            "serviceMonitor": {"basicAuth": auth},
+        }
+    )
+    assert not [d for d in by_kind(docs, "Secret") if d["metadata"]["name"].endswith("web-config")]
+    volumes = {v["name"]: v for v in one(docs, "DaemonSet")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["web-config"]["secret"]["secretName"] == "my-web-config"
+    assert one(docs, "ServiceMonitor")["spec"]["endpoints"][0]["basicAuth"] == auth
 
 
 def test_a_password_instead_of_a_bcrypt_hash_is_refused_by_the_schema() -> None:

@@ -152,7 +152,28 @@ Certificate's. Empty when TLS is off.
 "true" when the exporter gets a web config file (TLS or basic auth).
 */}}
 {{- define "gpumem-exporter.webConfig" -}}
-{{- if or .Values.web.tls.enabled .Values.web.basicAuth.users }}true{{ end }}
+{{- if or .Values.web.tls.enabled .Values.web.basicAuth.users .Values.web.existingConfigSecret }}true{{ end }}
+{{- end }}
+
+{{/*
+The Secret with the web config: the user's, or the one the chart renders.
+*/}}
+{{- define "gpumem-exporter.webConfigSecretName" -}}
+{{- if .Values.web.existingConfigSecret }}
+{{- if .Values.web.basicAuth.users }}
+{{- fail "web.basicAuth.users and web.existingConfigSecret: put the users in your Secret's web.yml" }}
+{{- end }}
+{{- .Values.web.existingConfigSecret }}
+{{- else }}
+{{- printf "%s-web-config" (include "gpumem-exporter.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/*
+"true" when the web config asks for basic auth.
+*/}}
+{{- define "gpumem-exporter.basicAuth" -}}
+{{- if or .Values.web.basicAuth.users .Values.web.basicAuth.enabled }}true{{ end }}
 {{- end }}
 
 {{/*

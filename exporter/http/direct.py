@@ -121,8 +121,10 @@ class DirectH11Protocol(GuardedH11Protocol):
                 return None  # a password not seen yet: checked in a thread by the app's guard
             self._refusal = refusal
         connection = {t.strip().lower() for t in headers.get(b"connection", b"").split(b",")}
-        # As h11 decides: HTTP/1.0 closes, HTTP/1.1 keeps the connection unless told to close.
-        return path, headers, minor == b"1" and b"close" not in connection
+        # As h11 decides: HTTP/1.0 closes, HTTP/1.1 keeps the connection unless told to close;
+        # and a reserved slot serves one request (GuardedH11Protocol).
+        keep_alive = minor == b"1" and b"close" not in connection and not self.one_request
+        return path, headers, keep_alive
 
     def _answer(self, data: bytes) -> bool:
         request = self._direct_request(data)

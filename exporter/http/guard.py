@@ -20,6 +20,9 @@ adds:
   PROBE_RESERVE more slots; anything else, or beyond those, gets 503 with Retry-After and the
   connection is closed after it. A request being answered, and a kept-alive connection
   between two requests (Prometheus between scrapes), are never cut to make room.
+- a reserved slot answers one request and closes (`Connection: close`): clients that keep
+  their connections and ask politely (a fleet of health checkers) can fill every regular slot,
+  but not the reserve, so new scrapes and probes always get in (issue 38).
 """
 
 from __future__ import annotations
@@ -76,6 +79,8 @@ class GuardedH11Protocol(H11Protocol):
         # The first bytes of a connection that found the server full, until its request line
         # says whether it may have a reserved slot; None once admitted.
         self._waiting: bytearray | None = None
+        # Admitted to a reserved slot: one request, then the connection closes.
+        self.one_request = False
 
     @property
     def reading(self) -> bool:
@@ -130,14 +135,24 @@ class GuardedH11Protocol(H11Protocol):
             return
         target = line.split(b" ")[1] if line.count(b" ") >= 2 else b""
         path = target.partition(b"?")[0]
-        room = len(self.connections) <= MAX_CONNECTIONS or (
+        regular = len(self.connections) <= MAX_CONNECTIONS
+        room = regular or (
             path in PROBE_PATHS and len(self.connections) <= MAX_CONNECTIONS + PROBE_RESERVE
         )
         if not room:
             self._busy()
             return
+        self.one_request = not regular
         buffered, self._waiting = bytes(self._waiting), None
         self.data_received(buffered)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        cycle = self.cycle
+        if self.one_request and cycle is not None and not cycle.response_started:
+            # h11 closes the connection after an answer that says Connection: close.
+            if (b"connection", b"close") not in cycle.default_headers:
+                cycle.default_headers = [*cycle.default_headers, (b"connection", b"close")]
 
     def _busy(self) -> None:
         """503 with Retry-After, then close: a full server says so in HTTP (a reset reads as a

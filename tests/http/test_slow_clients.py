@@ -258,3 +258,72 @@ def test_health_answers_while_admin_calls_wait_for_a_stopped_process(run_dir, mo
         worker.wait()
         server.stop()
         aggregator.close()
+
+
+def test_polite_kept_alive_clients_never_lock_out_new_scrapes_and_probes(tmp_path):
+    """100 health checkers that each keep a connection and ask /readyz every half second,
+    reading every answer, take every regular slot and would keep the probes' reserve too: a
+    reserved slot answers one request and closes, so new scrapes and probes always get in."""
+    with served(tmp_path) as (server, _):
+        address = ("127.0.0.1", server.port)
+        stop = threading.Event()
+        polite_answers = [0]
+
+        def polite() -> None:
+            connection = None
+            while not stop.is_set():
+                try:
+                    if connection is None:
+                        connection = http.client.HTTPConnection(*address, timeout=10)
+                    connection.request("GET", "/readyz")
+                    response = connection.getresponse()
+                    response.read()
+                    polite_answers[0] += 1
+                    if response.getheader("Connection") == "close":
+                        connection.close()
+                        connection = None
+                except (OSError, http.client.HTTPException):
+                    connection = None
+                stop.wait(0.5)
+            if connection is not None:
+                connection.close()
+
+        checkers = [threading.Thread(target=polite) for _ in range(100)]
+        for thread in checkers:
+            thread.start()
+        try:
+            time.sleep(2.0)  # every checker connected and asking
+            statuses = []
+            for i in range(60):
+                statuses.append(status_line(address, "/metrics" if i % 2 else "/healthz"))
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            for thread in checkers:
+                thread.join()
+    assert statuses == [b"HTTP/1.1 200 OK"] * 60, sorted(set(statuses))
+    assert polite_answers[0] > 300
+
+
+@pytest.mark.parametrize("through_app", [False, True])
+def test_a_reserved_slot_answers_one_request_then_closes(tmp_path, through_app):
+    with served(tmp_path) as (server, _):
+        address = ("127.0.0.1", server.port)
+        held = []
+        for _ in range(guard.MAX_CONNECTIONS):  # polite: answered, kept alive, idle
+            connection = http.client.HTTPConnection(*address, timeout=10)
+            connection.request("GET", "/readyz")
+            connection.getresponse().read()
+            held.append(connection)
+        try:
+            with socket.create_connection(address, timeout=10) as sock:
+                body = b"Content-Length: 0\r\n" if through_app else b""
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n" + body + b"\r\n")
+                answer = b""
+                while chunk := sock.recv(65536):  # until the server closes
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer
+            assert b"\r\nconnection: close\r\n" in answer.lower()
+        finally:
+            for connection in held:
+                connection.close()

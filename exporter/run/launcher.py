@@ -25,7 +25,7 @@ import signal
 import stat
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -54,8 +54,13 @@ RUN_PREFIX = "gpumem-run-"  # then the launcher's pid
 WITHHELD = ("GPUMEM_ADMIN_TOKEN", "GPUMEM_ADMIN_TOKEN_FILE")
 
 
+def withheld(base: Mapping[str, str]) -> dict[str, str]:
+    """`base` without the secrets (WITHHELD) that only the launcher may hold."""
+    return {k: v for k, v in base.items() if k not in WITHHELD}
+
+
 def child_environment(config: Config, run_dir: str, base: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in base.items() if k not in WITHHELD}
+    env = withheld(base)
     env[RUN_DIR_ENV] = run_dir
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INJECT_DIR), base.get("PYTHONPATH")]))
     env["GPUMEM_EXPORTER_PATH"] = str(Path(__file__).resolve().parents[2])
@@ -94,7 +99,8 @@ def _run(command: Sequence[str], config: Config, supervisor: Supervisor) -> int:
             run_dir = tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-", dir=run_base())
             cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
             cleanup.callback(os.close, hold_lock(run_dir))  # the folder's proof of life
-            keeper = reaper.start(run_dir)  # stops the command if this process is killed
+            # Stops the command if this process is killed; without the admin token.
+            keeper = reaper.start(run_dir, withheld(os.environ))
             supervisor.spared.add(keeper.pid)
             cleanup.callback(reaper.release, keeper)
             write_agent_config(config, run_dir)

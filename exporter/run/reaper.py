@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from typing import IO
 
 import psutil
@@ -27,13 +28,15 @@ import psutil
 GRACE_S = 10.0
 
 
-def start(run_dir: str) -> subprocess.Popen[bytes]:
-    path = os.environ.get("PYTHONPATH")
+def start(run_dir: str, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    """The keeper, with `env` (the launcher's without its secrets: the keeper is dumpable, so
+    any process of the same uid can read its /proc/<pid>/environ)."""
+    path = env.get("PYTHONPATH")
     return subprocess.Popen(
         [sys.executable, "-m", "exporter.run.reaper", run_dir],
         stdin=subprocess.PIPE,
         start_new_session=True,  # Ctrl-C in the terminal goes to the launcher, not here
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, path]))},
+        env={**env, "PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, path]))},
     )
 
 

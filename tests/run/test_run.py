@@ -473,8 +473,14 @@ def test_every_admin_route_and_cli_command_per_process_and_fanned_out(tmp_path):
         )
         assert missing.stderr.count("\n") == 1
 
-        # The admin token never reaches the server's processes.
+        # The admin token never reaches the server's processes, nor the launcher's keeper
+        # (dumpable: any process of the same uid could read its environ).
         environ = Path(f"/proc/{pid['worker0']}/environ").read_bytes()
+        assert TOKEN.encode() not in environ and b"GPUMEM_ADMIN_TOKEN" not in environ
+        (keeper,) = [
+            c for c in psutil.Process(proc.pid).children() if "exporter.run.reaper" in c.cmdline()
+        ]
+        environ = Path(f"/proc/{keeper.pid}/environ").read_bytes()
         assert TOKEN.encode() not in environ and b"GPUMEM_ADMIN_TOKEN" not in environ
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 3

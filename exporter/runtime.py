@@ -265,7 +265,11 @@ def kubelet_source(
     from exporter.sources.kubelet import DEFAULT_RESOURCES, KubeletSource
 
     def pods() -> PodsClient:
-        return PodsClient.in_cluster(env, timeout_s=config.kubelet_timeout_s)
+        return PodsClient.in_cluster(
+            env,
+            timeout_s=config.kubelet_timeout_s,
+            credentials=Path(config.kubernetes_service_account_dir),
+        )
 
     return KubeletSource(
         pids,

@@ -149,10 +149,15 @@ class GuardedH11Protocol(H11Protocol):
     def handle_events(self) -> None:
         super().handle_events()
         cycle = self.cycle
-        if self.one_request and cycle is not None and not cycle.response_started:
-            # h11 closes the connection after an answer that says Connection: close.
-            if (b"connection", b"close") not in cycle.default_headers:
-                cycle.default_headers = [*cycle.default_headers, (b"connection", b"close")]
+        close = (b"connection", b"close")
+        # h11 closes the connection after an answer that says Connection: close.
+        if (
+            self.one_request
+            and cycle is not None
+            and not cycle.response_started
+            and close not in cycle.default_headers
+        ):
+            cycle.default_headers = [*cycle.default_headers, close]
 
     def _busy(self) -> None:
         """503 with Retry-After, then close: a full server says so in HTTP (a reset reads as a

@@ -32,7 +32,8 @@ class ApiServer:
         self,
         url: str,
         *,
-        credentials: Path = SERVICE_ACCOUNT,
+        token_path: Path = SERVICE_ACCOUNT / "token",
+        ca_path: Path | None = SERVICE_ACCOUNT / "ca.crt",
         deadline_s: float = 5.0,
     ) -> None:
         parts = urlsplit(url)
@@ -40,8 +41,8 @@ class ApiServer:
             raise ApiError(f"the Kubernetes API must be an https:// URL, got {url!r}")
         self.host, self.port = parts.hostname, parts.port or 443
         self.url = url.rstrip("/")
-        self._token_path = credentials / "token"
-        self._ca_path = credentials / "ca.crt"
+        self._token_path = token_path
+        self._ca_path = ca_path
         self.deadline_s = deadline_s
         self._context: ssl.SSLContext | None = None
         self._ca_signature: tuple[int, int] | None = None
@@ -54,7 +55,12 @@ class ApiServer:
         if not host or not port:
             raise ApiError("not in a cluster: KUBERNETES_SERVICE_HOST/PORT are not set")
         host = f"[{host}]" if ":" in host else host  # IPv6
-        return cls(f"https://{host}:{port}", credentials=credentials, deadline_s=deadline_s)
+        return cls(
+            f"https://{host}:{port}",
+            token_path=credentials / "token",
+            ca_path=credentials / "ca.crt",
+            deadline_s=deadline_s,
+        )
 
     def namespace(self) -> str:
         """This pod's namespace, from the service account's folder ("" where unknown)."""
@@ -65,33 +71,41 @@ class ApiServer:
 
     def post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         """POST a JSON object; the answer's JSON object (ApiError otherwise)."""
+        return self._call("POST", path, json.dumps(body).encode(), MAX_ANSWER_BYTES)
+
+    def get(self, path: str, *, max_bytes: int = MAX_ANSWER_BYTES) -> dict[str, Any]:
+        """GET a JSON object (ApiError otherwise)."""
+        return self._call("GET", path, None, max_bytes)
+
+    def _call(
+        self, method: str, path: str, payload: bytes | None, max_bytes: int
+    ) -> dict[str, Any]:
         try:
-            token = self._token_path.read_text().strip()
+            token = self._token_path.read_text().strip()  # read each time: tokens rotate
         except OSError as exc:
             raise ApiError(f"service account token: {exc.strerror}") from None
-        payload = json.dumps(body).encode()
         connection = http.client.HTTPSConnection(
             self.host, self.port, timeout=self.deadline_s, context=self._tls()
         )
         # One deadline for the whole exchange: at its end the socket is shut, whatever the
         # call is waiting for (a timeout per read would let a trickle of bytes go on forever).
         expired = threading.Event()
-        watchdog = threading.Timer(self.deadline_s, _cut, (connection, expired))
+        held: list[socket.socket] = []  # the socket, kept: http.client lets go of it early
+        watchdog = threading.Timer(self.deadline_s, _cut, (held, expired))
         watchdog.daemon = True
         watchdog.start()
+        headers = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
+        if payload is not None:
+            headers["Content-Type"] = "application/json"
         try:
-            connection.request(
-                "POST",
-                path,
-                body=payload,
-                headers={
-                    "Authorization": f"Bearer {token}",
-                    "Content-Type": "application/json",
-                    "Accept": "application/json",
-                },
-            )
+            connection.connect()  # bounded by the socket timeout (the deadline)
+            if connection.sock is not None:
+                held.append(connection.sock)
+            if expired.is_set():
+                raise TimeoutError
+            connection.request(method, path, body=payload, headers=headers)
             response = connection.getresponse()
-            data = response.read(MAX_ANSWER_BYTES + 1)
+            data = response.read(max_bytes + 1)
         except (OSError, http.client.HTTPException) as exc:
             if expired.is_set() or isinstance(exc, TimeoutError):
                 raise ApiError(
@@ -106,7 +120,7 @@ class ApiServer:
             connection.close()
         if expired.is_set():
             raise ApiError(f"the API server did not answer within {self.deadline_s:g} s")
-        if len(data) > MAX_ANSWER_BYTES:
+        if len(data) > max_bytes:
             raise ApiError("the API server's answer is too large")
         if not 200 <= response.status < 300:
             # 3xx too: a redirect is not followed with the token.
@@ -122,8 +136,8 @@ class ApiServer:
     def _tls(self) -> ssl.SSLContext:
         """The CA bundle read again when it changes (the cluster CA rotates)."""
         try:
-            info = self._ca_path.stat()
-            signature: tuple[int, int] | None = (info.st_ino, info.st_mtime_ns)
+            info = self._ca_path.stat() if self._ca_path is not None else None
+            signature = (info.st_ino, info.st_mtime_ns) if info is not None else None
         except OSError:
             signature = None
         if self._context is None or signature != self._ca_signature:
@@ -138,9 +152,8 @@ class ApiServer:
         return self._context
 
 
-def _cut(connection: http.client.HTTPConnection, expired: threading.Event) -> None:
+def _cut(held: list[socket.socket], expired: threading.Event) -> None:
     expired.set()
-    sock = connection.sock
-    if sock is not None:
+    for sock in held:
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)

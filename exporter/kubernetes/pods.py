@@ -5,20 +5,19 @@ GPUs too, and a process of a pod that does not hold its GPU is found even where 
 
 In-cluster only: the API server from KUBERNETES_SERVICE_HOST/PORT, the service account's token
 and CA bundle, pods selected by `spec.nodeName` (NODE_NAME, from the Downward API). One GET per
-kubelet refresh, with a deadline. The token is sent as a bearer header and never logged or put
-in an error.
+kubelet refresh, with one deadline for the whole call (exporter.kubernetes.api: a trickling
+answer cannot hold it), no redirect followed, the CA re-read when it rotates. The token is sent
+as a bearer header and never logged or put in an error.
 """
 
 from __future__ import annotations
 
-import json
-import ssl
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from exporter.kubernetes.api import ApiError, ApiServer
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 # A node runs at most a few hundred pods; a list of them is far below this.
@@ -50,44 +49,46 @@ class PodsClient:
         if not node_name:
             raise PodsApiError("NODE_NAME is not set: cannot select this node's pods")
         self.node_name = node_name
-        self.api_url = api_url.rstrip("/")
-        self._token_path = token_path
-        self._timeout_s = timeout_s
-        self._context = ssl.create_default_context(cafile=str(ca_path) if ca_path else None)
+        try:
+            # One deadline for the whole call, no redirect followed, the CA re-read when it
+            # rotates (exporter.kubernetes.api).
+            self._api = ApiServer(
+                api_url, token_path=token_path, ca_path=ca_path, deadline_s=timeout_s
+            )
+        except ApiError as exc:
+            raise PodsApiError(str(exc)) from None
 
     @classmethod
-    def in_cluster(cls, env: Mapping[str, str], *, timeout_s: float = 5.0) -> PodsClient:
+    def in_cluster(
+        cls,
+        env: Mapping[str, str],
+        *,
+        timeout_s: float = 5.0,
+        credentials: Path = SERVICE_ACCOUNT,
+    ) -> PodsClient:
         host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
         if not host or not port:
             raise PodsApiError("not in a cluster: KUBERNETES_SERVICE_HOST/PORT are not set")
         host = f"[{host}]" if ":" in host else host  # IPv6
-        return cls(env.get("NODE_NAME", ""), api_url=f"https://{host}:{port}", timeout_s=timeout_s)
+        return cls(
+            env.get("NODE_NAME", ""),
+            api_url=f"https://{host}:{port}",
+            token_path=credentials / "token",
+            ca_path=credentials / "ca.crt",
+            timeout_s=timeout_s,
+        )
 
     def list(self) -> NodePods:
         selector = urllib.parse.quote(f"spec.nodeName={self.node_name}")
         try:
-            token = self._token_path.read_text().strip()  # read each time: tokens rotate
-        except OSError as exc:
-            raise PodsApiError(f"service account token: {exc.strerror}") from None
-        request = urllib.request.Request(
-            f"{self.api_url}/api/v1/pods?fieldSelector={selector}",
-            headers={"Authorization": f"Bearer {token}", "Accept": "application/json"},
-        )
+            data = self._api.get(
+                f"/api/v1/pods?fieldSelector={selector}", max_bytes=MAX_RESPONSE_BYTES
+            )
+        except ApiError as exc:
+            raise PodsApiError(f"listing pods: {exc}") from None
         try:
-            with urllib.request.urlopen(
-                request, timeout=self._timeout_s, context=self._context
-            ) as response:
-                body = response.read(MAX_RESPONSE_BYTES + 1)
-        except urllib.error.HTTPError as exc:
-            raise PodsApiError(f"listing pods: HTTP {exc.code} {exc.reason}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise PodsApiError(f"listing pods: {reason}") from None
-        if len(body) > MAX_RESPONSE_BYTES:
-            raise PodsApiError("listing pods: answer too large")
-        try:
-            return parse_pods(json.loads(body))
-        except (ValueError, TypeError, AttributeError) as exc:
+            return parse_pods(data)
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
             raise PodsApiError(f"listing pods: not a PodList ({type(exc).__name__})") from None
 
 

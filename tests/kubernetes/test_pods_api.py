@@ -5,6 +5,7 @@ names on shared GPUs, and a process of a pod that does not hold its GPU although
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -84,6 +85,52 @@ def test_an_api_server_not_trusted_is_an_error(api, tmp_path):
     )
     with pytest.raises(PodsApiError, match=r"(?i)certificate"):
         untrusted.list()
+
+
+def test_a_trickling_api_server_is_cut_at_one_deadline_for_the_whole_call(api, tmp_path):
+    """A PodList sent one byte every 0.2 s would take minutes; the call ends at its deadline
+    (per-read timeouts never fire while bytes trickle in)."""
+    api.trickle_s = 0.2
+    started = time.monotonic()
+    with pytest.raises(PodsApiError, match="did not answer within 1 s"):
+        client(api, tmp_path, timeout_s=1.0).list()
+    assert time.monotonic() - started < 3
+
+
+def test_a_redirect_is_not_followed_and_the_token_goes_nowhere_else(api, tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    elsewhere = StandInApi(tmp_path / "elsewhere", TOKEN)
+    try:
+        api.redirect_to = elsewhere.url.replace("https://", "http://")
+        with pytest.raises(PodsApiError, match="HTTP 307"):
+            client(api, tmp_path).list()
+        assert elsewhere.requests == []
+    finally:
+        elsewhere.stop()
+
+
+def test_a_rotated_cluster_ca_is_read_again(api, tmp_path):
+    """After the cluster CA rotates (a new ca.crt in the service account's folder), the next
+    call trusts it: no restart."""
+    ca = tmp_path / "ca.crt"
+    shutil.copy(api.cert, ca)
+    reader = PodsClient("gpu-node-1", api_url=api.url, token_path=tmp_path / "token", ca_path=ca)
+    assert reader.list().pods
+    (tmp_path / "rotated").mkdir()
+    rotated = StandInApi(tmp_path / "rotated", TOKEN)  # a server with another certificate
+    try:
+        rotated.pods = api.pods
+        moved = PodsClient(
+            "gpu-node-1", api_url=rotated.url, token_path=tmp_path / "token", ca_path=ca
+        )
+        with pytest.raises(PodsApiError, match=r"(?i)certificate"):
+            moved.list()
+        staged = tmp_path / ".ca.crt"
+        shutil.copy(rotated.cert, staged)
+        staged.replace(ca)  # as the kubelet swaps the projected volume's files
+        assert moved.list().pods
+    finally:
+        rotated.stop()
 
 
 def test_no_node_name_or_cluster_is_an_error():

@@ -9,6 +9,7 @@ import shutil
 import ssl
 import subprocess
 import threading
+import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -46,11 +47,21 @@ class StandInApi:
         self.cert, key = make_certificate(folder)
         self.pods: list[dict[str, Any]] = []
         self.requests: list[str] = []
+        self.trickle_s = 0.0  # seconds between the bytes of an answer
+        self.redirect_to = ""  # answer 307 to this base URL instead
+        self.authorizations: list[str] = []  # the Authorization header of each request
         api = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 api.requests.append(self.path)
+                api.authorizations.append(self.headers.get("Authorization", ""))
+                if api.redirect_to:
+                    self.send_response(307)
+                    self.send_header("Location", api.redirect_to + self.path)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 url = urllib.parse.urlsplit(self.path)
                 query = urllib.parse.parse_qs(url.query)
                 if self.headers.get("Authorization") != f"Bearer {token}":
@@ -68,7 +79,13 @@ class StandInApi:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                if api.trickle_s:
+                    for i in range(len(data)):
+                        self.wfile.write(data[i : i + 1])
+                        self.wfile.flush()
+                        time.sleep(api.trickle_s)
+                else:
+                    self.wfile.write(data)
 
             def log_message(self, *args: Any) -> None:
                 pass

@@ -3,7 +3,9 @@ pod-resources API) and which container each GPU process runs in (/proc/<pid>/cgr
 
 The kubelet is asked from a thread of this source's own, never from the sampler's tick: a slow
 or hung kubelet costs its call's deadline (seconds) on that thread, and every tick reads the
-latest answer. It asks every `refresh_s`, and at once when the set of GPU processes changes
+latest answer. The Kubernetes API (the pod reader) is asked from a second thread, woken with
+each kubelet refresh: an API server that is slow or trickles its answer never holds up the
+kubelet's (issue 38), and its latest answer is joined to the kubelet's when it comes. It asks every `refresh_s`, and at once when the set of GPU processes changes
 (a pod that starts or stops changes both), so a GPU that moves to another pod is re-attributed
 within one refresh. A missing socket, a kubelet that times out, answers garbage or restarts,
 or a missing grpcio, is a state on the reading (exporter.metrics: gpumem_exporter_kubelet_*)
@@ -66,8 +68,12 @@ class KubeletSource:
         self._pods_client: Any = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._pods_wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pods_thread: threading.Thread | None = None
+        # The pod reader's latest answer: (pods by UID, container names by ID, error).
+        self._pods: tuple[dict[str, tuple[str, str]] | None, dict[str, str], str] = (None, {}, "")
         self._state = KubeletReading(socket=socket_path, up=False, error="not asked yet")
         self._logged_error = ""
         self._logged_pods_error = ""
@@ -114,12 +120,37 @@ class KubeletSource:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="gpumem-kubelet", daemon=True)
             self._thread.start()
+        if self._pods_factory is not None and self._pods_thread is None:
+            self._pods_thread = threading.Thread(
+                target=self._run_pods, name="gpumem-kube-pods", daemon=True
+            )
+            self._pods_thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
             self.refresh()
+            self._pods_wake.set()  # the pods, asked beside (never in the way of) the kubelet
             self._wake.wait(self._refresh_s)
+
+    def _run_pods(self) -> None:
+        while not self._stop.is_set():
+            self._pods_wake.wait(self._refresh_s)
+            self._pods_wake.clear()
+            if self._stop.is_set():
+                return
+            self.refresh_pods()
+
+    def refresh_pods(self) -> None:
+        """One List of the node's pods from the Kubernetes API; joined to the kubelet's
+        latest answer at once."""
+        pods, containers, error = self._list_pods()
+        with self._lock:
+            self._pods = (pods, containers, error)
+            if self._state.devices is not None or self._state.up:
+                self._state = dataclasses.replace(
+                    self._state, pods=pods, containers=containers, pods_error=error
+                )
 
     def refresh(self) -> None:
         """One List call; its outcome becomes the state the next tick reads."""
@@ -128,8 +159,8 @@ class KubeletSource:
         except Exception as exc:  # any failure is a state: this thread must go on
             self._failed(_one_line(exc))
         else:
-            pods, containers, pods_error = self._list_pods()
             with self._lock:
+                pods, containers, pods_error = self._pods
                 self._state = KubeletReading(
                     socket=self.socket_path,
                     up=True,
@@ -196,9 +227,11 @@ class KubeletSource:
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(self._timeout_s + 1)
-            self._thread = None
+        self._pods_wake.set()
+        for thread in (self._thread, self._pods_thread):
+            if thread is not None:
+                thread.join(self._timeout_s + 1)
+        self._thread = self._pods_thread = None
         self._drop_client()
 
 

@@ -263,3 +263,33 @@ def test_the_pod_reader_setting_is_validated():
     assert load_config(env={"GPUMEM_KUBELET_POD_READER": "1"}).kubelet_pod_reader is True
     with pytest.raises(ConfigError, match="GPUMEM_KUBELET_POD_READER"):
         load_config(env={"GPUMEM_KUBELET_POD_READER": "maybe"})
+
+
+def test_a_slow_api_server_never_holds_up_the_kubelets_refresh(api, tmp_path):
+    """The pod reader is asked beside the kubelet: while the API server trickles its answer
+    (held to the reader's deadline), the kubelet's assignments go on being refreshed."""
+    state = tmp_path / "kubelet.json"
+    write_state(state, [kubelet_pod("serving", "llama-0", "server", f"{GPU0}::0")])
+    kubelet = StandInKubelet(tmp_path / "kubelet.sock", state).start()
+    api.trickle_s = 0.5
+    source = KubeletSource(
+        lambda: {PID},
+        socket_path=str(tmp_path / "kubelet.sock"),
+        refresh_s=0.1,
+        proc=str(tmp_path / "proc"),
+        pods=lambda: client(api, tmp_path, timeout_s=5.0),
+    )
+    try:
+        source.read()  # starts both threads
+        time.sleep(1.5)
+        assert source.refreshes >= 5  # not one refresh per 5 s deadline
+        reading = source.read().kubelet
+        assert reading is not None and reading.up and reading.devices
+        write_state(state, [kubelet_pod("batch", "embed-7", "worker", f"{GPU0}::0")])
+        deadline = time.monotonic() + 2
+        while source.read().kubelet.devices[0].pod != "embed-7":  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the kubelet's new answer waited for the API"
+            time.sleep(0.05)
+    finally:
+        source.close()
+        kubelet.stop()

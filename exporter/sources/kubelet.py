@@ -5,9 +5,10 @@ The kubelet is asked from a thread of this source's own, never from the sampler'
 or hung kubelet costs its call's deadline (seconds) on that thread, and every tick reads the
 latest answer. The Kubernetes API (the pod reader) is asked from a second thread, woken with
 each kubelet refresh: an API server that is slow or trickles its answer never holds up the
-kubelet's (issue 38), and its latest answer is joined to the kubelet's when it comes. It asks every `refresh_s`, and at once when the set of GPU processes changes
-(a pod that starts or stops changes both), so a GPU that moves to another pod is re-attributed
-within one refresh. A missing socket, a kubelet that times out, answers garbage or restarts,
+kubelet's (issue 38), and its latest answer is joined to the kubelet's when it comes. The
+kubelet is asked every `refresh_s`, and at once when the set of GPU processes changes (a pod
+that starts or stops changes both), so a GPU that moves to another pod is re-attributed within
+one refresh. A missing socket, a kubelet that times out, answers garbage or restarts,
 or a missing grpcio, is a state on the reading (exporter.metrics: gpumem_exporter_kubelet_*)
 and one log line per change of reason, never an exception into the tick.
 """

@@ -444,7 +444,7 @@ def read_token_file(name: str | os.PathLike[str], *, server: bool = True) -> str
     server warns about a file every user can read (the client's output stays its answer)."""
     path = Path(name)
     try:
-        text = path.read_text()
+        text = _read_small_file(path).decode()
         if server:
             _warn_if_world_readable(path)
     except OSError as exc:
@@ -452,6 +452,25 @@ def read_token_file(name: str | os.PathLike[str], *, server: bool = True) -> str
     except UnicodeDecodeError:
         raise ConfigError(f"admin token file {name} is not text") from None
     return _token(text, f"admin token file {name}")
+
+
+MAX_TOKEN_FILE_BYTES = 64 * 1024
+
+
+def _read_small_file(path: Path) -> bytes:
+    """A regular file's bytes, at most MAX_TOKEN_FILE_BYTES. Opened without blocking and
+    checked before reading: a FIFO would hang start-up (and every request) and /dev/zero would
+    never end; OSError with a one-line strerror otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(0, "not a regular file")
+        data = os.read(fd, MAX_TOKEN_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_TOKEN_FILE_BYTES:
+        raise OSError(0, f"larger than {MAX_TOKEN_FILE_BYTES // 1024} KiB: not a token")
+    return data
 
 
 _warned_world_readable: set[str] = set()

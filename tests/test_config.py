@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import pytest
 
 from exporter.config import Config, ConfigError, load_config
@@ -125,3 +129,24 @@ def test_the_layout_settings_reach_the_allocator_source_and_are_checked():
     for name, value in (("GPUMEM_LAYOUT_INTERVAL_S", "-1"), ("GPUMEM_LAYOUT_MAX_BLOCKS", "x")):
         with pytest.raises(ConfigError, match=name):
             load_config(env={name: value})
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "huge", "directory"])
+def test_a_token_file_that_is_not_a_small_regular_file_fails_at_once(tmp_path, kind):
+    """A FIFO would hang start-up silently and /dev/zero never ends (issue 38)."""
+    path = tmp_path / "token"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev_zero":
+        path = Path("/dev/zero")
+    elif kind == "huge":
+        path.write_bytes(b"x" * (1 << 20))
+    else:
+        path.mkdir()
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as caught:
+        load_config(env={}, admin_token_file=str(path))
+    assert time.monotonic() - started < 2
+    message = str(caught.value)
+    assert "\n" not in message and str(path) in message
+    assert any(w in message for w in ("not a regular file", "larger than", "Is a directory"))

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
+from urllib.parse import ParseResult, urlparse
 
 from exporter import __version__, atomic
 from exporter.actions.base import Target
@@ -456,10 +456,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return _serve(config, [replay], "demo")
 
 
-def _metrics_url(url: str) -> str:
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+def _exporter_url(url: str) -> ParseResult:
+    """--url, parsed: http(s)://HOST[:PORT][/...], or HOST:PORT meaning http:// (as curl and
+    Prometheus's targets take it). A URL that cannot be parsed is a one-line error."""
+    if "://" not in url and url.strip():
+        url = "http://" + url.strip()
+    try:
+        parsed = urlparse(url)
+        parsed.port  # noqa: B018 - parsing the port raises on a bad one
+    except ValueError as exc:
+        raise CliError(f"--url {url!r} is not a URL: {exc}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise CliError(f"--url must be an http(s) URL, got {url!r}")
+    return parsed
+
+
+def _metrics_url(url: str) -> str:
+    parsed = _exporter_url(url)
+    url = parsed.geturl()
     return url if parsed.path.rstrip("/").endswith("/metrics") else url.rstrip("/") + "/metrics"
 
 
@@ -537,7 +551,7 @@ def _transport(args: argparse.Namespace) -> tuple[ssl.SSLContext | None, str | N
     if (args.cert is None) != (args.key is None):
         raise CliError("--cert and --key go together")
     context = None
-    if urlparse(args.url).scheme == "https":
+    if _exporter_url(args.url).scheme == "https":
         try:
             context = tls_context(args.ca_file, args.cert, args.key)
         except ClientError as exc:
@@ -574,9 +588,7 @@ def _client(args: argparse.Namespace) -> AdminClient:
             raise CliError(str(exc)) from None
     else:
         token = _admin_token(args.token_file, os.environ)
-    parsed = urlparse(args.url)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise CliError(f"--url must be an http(s) URL, got {args.url!r}")
+    parsed = _exporter_url(args.url)
     if parsed.query or parsed.fragment or parsed.path.rstrip("/") not in ("", "/metrics"):
         raise CliError(f"--url must be the exporter's base or /metrics URL, got {args.url!r}")
     base = parsed._replace(path="").geturl()

@@ -211,3 +211,20 @@ def test_every_option_of_every_command_says_what_it_does():
 def test_demo_snapshots_without_an_index_is_one_line(tmp_path):
     line = one_error_line(run_cli("demo", "--port", "0", "--snapshots", str(tmp_path)), "demo")
     assert "--snapshots: no index.json in" in line
+
+
+@pytest.mark.parametrize(
+    ("command", "url", "expected"),
+    [
+        ("stats", "http://[::1", "is not a URL: Invalid IPv6 URL"),
+        ("record", "http://[::1", "is not a URL: Invalid IPv6 URL"),
+        ("stats", "http://exporter:99999", "Port out of range"),
+        ("stats", "ftp://exporter", "must be an http(s) URL"),
+        # HOST:PORT means http://HOST:PORT (as Prometheus's targets): asked, not refused.
+        ("stats", "127.0.0.1:9", "cannot reach http://127.0.0.1:9"),
+    ],
+)
+def test_a_url_that_cannot_be_used_is_one_line(tmp_path, command, url, expected):
+    extra = ["-o", str(tmp_path / "t.jsonl.gz"), "--duration-s", "1"] if command == "record" else []
+    result = run_cli(command, "--url", url, *extra)
+    assert expected in one_error_line(result, command)

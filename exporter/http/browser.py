@@ -94,7 +94,10 @@ class LoopbackHostGuard:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and not is_loopback(_header(scope, b"host") or ""):
+        host = _header(scope, b"host")
+        # No Host at all is an HTTP/1.0 client (HTTP/1.1 needs one: h11 answers 400), never a
+        # browser, which always names the host it thinks it talks to.
+        if scope["type"] == "http" and host is not None and not is_loopback(host):
             await _refuse(
                 send,
                 "this exporter listens on loopback only: address it as localhost or "

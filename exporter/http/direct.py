@@ -111,7 +111,7 @@ class DirectH11Protocol(GuardedH11Protocol):
         host = headers.get(b"host")
         if host is None and minor == b"1":
             return None  # h11 answers 400: HTTP/1.1 needs a Host
-        if self.loopback_only and not is_loopback((host or b"").decode("ascii")):
+        if self.loopback_only and host is not None and not is_loopback(host.decode("ascii")):
             return None  # the app's guard answers 403
         self._refusal = None
         if self.web is not None:

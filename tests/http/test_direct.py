@@ -192,3 +192,15 @@ def test_on_every_address_any_host_may_scrape(tmp_path) -> None:
         assert app.calls == 0
     assert response.startswith(b"HTTP/1.1 200 OK\r\n")
     assert hostless.startswith(b"HTTP/1.1 400 Bad Request\r\n"), hostless[:100]
+
+
+@pytest.mark.parametrize("path", [b"/readyz", b"/stats"])
+def test_http_1_0_without_a_host_is_served_on_loopback(tmp_path, path) -> None:
+    """An HTTP/1.0 client sends no Host; a browser always does, so the loopback guard lets
+    it through (issue 38), on the direct path and the app's."""
+    with serving(tmp_path) as (server, _):
+        response = exchange(server.port, b"GET " + path + b" HTTP/1.0\r\n\r\n")
+        named = exchange(server.port, b"GET " + path + b" HTTP/1.0\r\nHost: evil.example\r\n\r\n")
+    assert not response.startswith(b"HTTP/1.1 403"), response[:200]
+    assert response.startswith((b"HTTP/1.1 200", b"HTTP/1.1 401")), response[:200]
+    assert named.startswith(b"HTTP/1.1 403"), named[:200]

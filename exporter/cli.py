@@ -310,7 +310,12 @@ def _add_view_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
         "page that loads nothing from the network.",
     )
     view.add_argument("snapshot", type=Path, help="snapshot pickle")
-    view.add_argument("-o", "--output", required=True, type=Path, help="HTML file to write")
+    view.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        help="HTML file to write (default: the snapshot's name with .html, beside it)",
+    )
 
 
 def _add_transport_flags(parser: argparse.ArgumentParser) -> None:
@@ -774,6 +779,9 @@ def cmd_view(args: argparse.Namespace) -> int:
         snapshot = load_snapshot(args.snapshot)
     except SnapshotError as exc:
         raise CliError(str(exc)) from None
+    if args.output is None:  # snap.pickle(.gz) -> snap.html, beside it
+        name = args.snapshot.name.removesuffix(".gz").removesuffix(".pickle")
+        args.output = args.snapshot.with_name((name or args.snapshot.name) + ".html")
     _writable(args.output, "-o")
     try:
         html = render_html(

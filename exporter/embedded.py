@@ -57,6 +57,13 @@ class Handle:
     _asked: Config | None = field(default=None, repr=False)
     _options: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    def __repr__(self) -> str:
+        # Not the dataclass's: that would print the whole runtime (sampler, registry, ...).
+        state = (
+            "stopped" if self._stopped else ("error: " + self.error if self.error else "running")
+        )
+        return f"<gpumem-exporter {self._call} {state} url={self.url}>"
+
     @property
     def config(self) -> Config:
         return self.runtime.config

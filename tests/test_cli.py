@@ -267,3 +267,17 @@ def test_view_writes_the_users_file_with_the_users_umask(tmp_path):
     proc = run_cli("view", str(demo_snapshot_path()), "-o", str(page), umask=0o002)
     assert proc.returncode == 0, proc.stderr
     assert stat.S_IMODE(page.stat().st_mode) == 0o600
+
+
+def test_view_writes_beside_the_snapshot_without_o(tmp_path):
+    import shutil
+
+    from exporter.actions.replay import demo_snapshot_path
+
+    snapshot = tmp_path / "oom-at-53s.pickle.gz"
+    shutil.copy(demo_snapshot_path(), snapshot)
+    proc = run_cli("view", str(snapshot))
+    assert proc.returncode == 0, proc.stderr
+    page = tmp_path / "oom-at-53s.html"
+    assert proc.stdout.strip() == f"wrote {page}"
+    assert page.read_text().startswith("<!DOCTYPE html>")

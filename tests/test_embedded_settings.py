@@ -84,3 +84,17 @@ def test_invalid_settings_of_a_second_call_still_raise(log):
     exporter.start(**QUIET)
     with pytest.raises(ConfigError, match="port"):
         exporter.start(port="nine", **QUIET)
+
+
+def test_a_handle_prints_as_one_short_line(tmp_path):
+    """print(handle) in a notebook: what it is and where, not the whole runtime (issue 38)."""
+    import exporter
+
+    handle = exporter.start(port=0, snapshot_dir=str(tmp_path / "snaps"), torch=False, nvml=False)
+    try:
+        text = repr(handle)
+        assert text.startswith("<gpumem-exporter start running url=http://127.0.0.1:")
+        assert "\n" not in text and len(text) < 120
+    finally:
+        exporter.stop()
+    assert "stopped" in repr(handle)

@@ -118,6 +118,13 @@ def window_payload(runtime: Served, since: float | None) -> dict[str, Any]:
         "sample_age_s": None if age is None else round(age, 3),
         "stale_after_s": config.stale_threshold_s,
         "sources_up": {name: status.up for name, status in state.sources.items()},
+        # Why a source gives nothing (no NVML, no allocator yet): the page says it where it
+        # would otherwise show only "No GPU reading yet".
+        "sources_why": {
+            name: status.unavailable or status.last_error
+            for name, status in state.sources.items()
+            if status.unavailable or (status.last_error and not status.up)
+        },
         **window.to_dict(since),
         "host": _host(sample),
         "processes": process_rows(sample) if sample else [],

@@ -467,7 +467,11 @@ function updateHeader(entry) {
 
 export function renderGpus() {
   const list = document.getElementById("gpu-list");
-  document.getElementById("no-gpus").hidden = store.gpus.size > 0;
+  const none = document.getElementById("no-gpus");
+  none.hidden = store.gpus.size > 0;
+  const reasons = Object.entries(store.why).map(([source, why]) => `${source}: ${why}`);
+  // The reason the log gives, on the page too (textContent: never markup).
+  none.textContent = reasons.length ? `No GPU reading yet (${reasons.join("; ")}).` : "No GPU reading yet.";
   const entries = [...store.gpus.values()].sort((a, b) => order(a.info) - order(b.info));
   for (const entry of entries) {
     if (!entry.view) list.append(createCard(entry));

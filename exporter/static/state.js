@@ -5,6 +5,7 @@ export const store = {
   gpus: new Map(), // key -> {info, cols: {field: [...]}, view}
   capacity: 600,
   interval: 1,
+  why: {}, // source -> why it gives nothing (api/window's sources_why)
 };
 
 export function lastTimestamp() {
@@ -12,6 +13,7 @@ export function lastTimestamp() {
 }
 
 export function merge(data) {
+  store.why = data.sources_why || {};
   store.capacity = data.capacity;
   store.interval = data.interval_s;
   const before = store.t.length;

@@ -734,3 +734,17 @@ def test_a_retry_alert_on_the_page_says_what_its_process_is_building():
     other = {**labels, "device": "1", "gpu_uuid": "GPU-1", "pid": "2"}
     assert alert_note(sample, "GpuMemAllocRetries", other) == ""  # its cache is in one piece
     assert alert_note(sample, "GpuMemOutOfMemory", labels) == ""
+
+
+def test_the_page_is_told_why_no_gpu_reading_comes(tmp_path):
+    """Under `run` before any agent reports, or a daemon without NVML: the page says why, as
+    the log does, instead of only "No GPU reading yet" (issue 38)."""
+    why = "NVML library not found"
+    runtime = runtime_for(tmp_path, "node", [StubSource("nvml", SourceReading(unavailable=why))])
+    runtime.sampler.tick()
+    body = TestClient(create_app(runtime)).get("/api/window").json()
+    assert body["sources_why"] == {"nvml": why}
+    assert body["gpus"] == []
+    with serving(runtime) as url:
+        result = drive(url, tmp_path, "why", widths=[800], min_gpus=0, min_points=0)
+    assert result["widths"]["800"]["noGpus"] == f"No GPU reading yet (nvml: {why})."

@@ -161,6 +161,7 @@ try {
     result: document.getElementById("action-result").textContent,
     location: location.href,
     status: document.getElementById("status").textContent,
+    noGpus: document.getElementById("no-gpus").hidden ? null : document.getElementById("no-gpus").textContent,
   }))()`;
   const ready = `(() => {
     const cards = [...document.querySelectorAll(".gpu")];

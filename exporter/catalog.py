@@ -185,6 +185,18 @@ FAMILIES: tuple[Family, ...] = (
         per_process=True,
     ),
     Family(
+        "gpumem_exporter_agent_last_report_timestamp_seconds",
+        "gauge",
+        "Unix time of each process's last report to the launcher of `gpumem-exporter run`. A "
+        "process silent for longer than max(3 intervals, 5 s) (stopped, or hung holding its "
+        "GIL) has its allocator series withdrawn and /readyz names it: "
+        "time() - this > 10 finds it.",
+        (),
+        "exporter",
+        ("run",),
+        per_process=True,
+    ),
+    Family(
         "gpumem_exporter_admin_requests",
         "counter",
         "Admin API requests by action and outcome.",

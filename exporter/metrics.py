@@ -317,10 +317,17 @@ class SampleCollector(Collector):
             for key, count in sorted(counts.remediations.items()):
                 action, _, outcome = key.partition("/")
                 remediations.add({**ids, "action": action, "outcome": outcome}, count)
+        reports = self._fill(
+            catalog.family("gpumem_exporter_agent_last_report_timestamp_seconds"), per_process
+        )
+        for entry in stats.processes:
+            if entry.last_report is not None:
+                reports.add(processes.labels(entry.process), entry.last_report)
         admin = self._fill(catalog.family("gpumem_exporter_admin_requests"))
         for (action, outcome), count in sorted(stats.admin_requests.items()):
             admin.add({"action": action, "outcome": outcome}, count)
-        yield from ((snapshots, True), (released, True), (remediations, True), (admin, True))
+        yield from ((snapshots, True), (released, True), (remediations, True), (reports, False))
+        yield admin, True
         if stats.endpoint is not None:
             yield from self._endpoint_families(stats.endpoint)
 

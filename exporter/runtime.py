@@ -53,6 +53,10 @@ class Runtime:
     # TLS, basic auth, headers and rate limit from the web config (exporter.http.web).
     web: WebSecurity | None = None
 
+    def silent_processes(self) -> list[str]:
+        """`run`: the processes that stopped reporting, in words (/healthz lists them)."""
+        return silent_processes(self.sampler)
+
 
 def web_security(config: Config) -> WebSecurity:
     """The endpoint's web config, read and checked now (ConfigError in one line)."""
@@ -286,6 +290,29 @@ def first_sample(sampler: Sampler) -> str | None:
     return "no sample yet" if sampler.latest is None else None
 
 
+def silent_processes(sampler: Sampler) -> list[str]:
+    """The processes of `run` that stopped reporting (exporter.run.aggregator), in words."""
+    found = []
+    for source in sampler.sources:
+        silent = getattr(source, "silent_processes", None)
+        if silent is None:
+            continue
+        for labels, quiet_s in silent():
+            name = labels.get("role") or "process"
+            found.append(f"pid {labels.get('pid', '?')} ({name}) silent for {quiet_s:.0f} s")
+    return found
+
+
+def every_process_reports(sampler: Sampler) -> str | None:
+    """`run`: ready once the first sample is in and while every process of the server
+    reports; a stopped or hung one is named (its numbers are withdrawn meanwhile)."""
+    reason = first_sample(sampler)
+    if reason is not None:
+        return reason
+    silent = silent_processes(sampler)
+    return "not every process reports: " + "; ".join(silent) if silent else None
+
+
 def blind_reason(sampler: Sampler) -> str | None:
     """Why a node daemon cannot see any GPU, or None while it sees one. It exists to read
     NVML: without it (no library, no driver, no GPU visible, a container without the NVIDIA
@@ -359,8 +386,9 @@ MODES = {
             "agent in each",
             "the launcher's HTTP server, one /metrics for every process",
             "each process of the server (or the one chosen), through its agent",
-            "the first sample is in",
-            first_sample,
+            "the first sample is in and every process reports (none silent for "
+            "max(3 intervals, 5 s))",
+            every_process_reports,
             None,
         ),
     )

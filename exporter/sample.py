@@ -245,6 +245,8 @@ class ProcessCounts:
 
     process: dict[str, str] = field(default_factory=dict)
     counts: ActionCounts = field(default_factory=ActionCounts)
+    # Under `run`: Unix time of the process's last report to the launcher (None: none yet).
+    last_report: float | None = None
 
 
 @dataclass

@@ -573,7 +573,11 @@ def catalog_collector(
         reload_ok_at=1.7e9,
         certificate_not_after=1.8e9,
     )
-    stats = ActionStats([ProcessCounts(process, counts)], {("snapshot", "ok"): 1}, endpoint)
+    # Under `run` each process's last report to the launcher.
+    last_report = 1.7e9 if per_process else None
+    stats = ActionStats(
+        [ProcessCounts(process, counts, last_report)], {("snapshot", "ok"): 1}, endpoint
+    )
     alerts = SimpleNamespace(
         evaluations=1,
         firing=lambda: [

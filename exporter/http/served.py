@@ -36,3 +36,7 @@ class Served(Protocol):
     def not_ready(self) -> str | None:
         """Why /readyz answers 503, or None when ready."""
         ...
+
+    def silent_processes(self) -> list[str]:
+        """`run`: the processes that stopped reporting, in words."""
+        ...

@@ -70,6 +70,9 @@ def health_response(runtime: Served) -> JSONResponse:
     unavailable = sampler.unavailable_sources()
     if unavailable:  # no data here, and why: not a failure
         body["unavailable_sources"] = unavailable
+    silent = runtime.silent_processes()
+    if silent:  # `run`: a stopped or hung process (/readyz is 503 meanwhile)
+        body["silent_processes"] = silent
     if failing:
         body["failing_sources"] = {
             name: {"failed_reads": status.failed_reads, "last_error": status.last_error}

@@ -77,6 +77,7 @@ class _Peer:
     process: dict[str, str] = field(default_factory=dict)
     allocators: list[AllocatorReading] = field(default_factory=list)
     sampled_at: float = 0.0  # time.monotonic() when `allocators` arrived
+    reported_at: float | None = None  # the same moment as Unix time, for /metrics
     counts: ActionCounts = field(default_factory=ActionCounts)
     pinned_host: PinnedHostReading | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -119,7 +120,11 @@ class Aggregator:
         max_peers: int = MAX_PEERS,
         hello_timeout_s: float = HELLO_TIMEOUT_S,
         proc: str = "/proc",
+        silent_after_s: float = 5.0,
     ) -> None:
+        # A process that has not reported for this long is silent (stopped, or hung holding
+        # its GIL): its last numbers are withdrawn and /readyz names it (issue 38).
+        self.silent_after_s = silent_after_s
         self.socket_path = Path(run_dir) / SOCKET_NAME
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(str(self.socket_path))
@@ -304,7 +309,7 @@ class Aggregator:
                 if pinned is not None:
                     pinned.process = dict(peer.process)
                 peer.allocators, peer.counts, peer.pinned_host = readings, counts, pinned
-                peer.sampled_at = time.monotonic()
+                peer.sampled_at, peer.reported_at = time.monotonic(), time.time()
             elif kind == "reply":
                 request_id, result = protocol.parse_reply(message)
                 result.process = dict(peer.process)
@@ -346,15 +351,34 @@ class Aggregator:
             peers = list(self._peers.values())
             rejected = dict(self.rejected)
         now = time.monotonic()
+        # A silent process's last numbers are not served as if they were current.
+        peers = [p for p in peers if not self._silent(p, now)]
         return SourceReading(
             allocators=[_aged(a, now - p.sampled_at) for p in peers for a in p.allocators],
             pinned_host=[p.pinned_host for p in peers if p.pinned_host is not None],
             rejected_messages=rejected,
         )
 
+    def _silent(self, peer: _Peer, now: float) -> bool:
+        return now - (peer.sampled_at or peer.connected_at) > self.silent_after_s
+
+    def silent_processes(self) -> list[tuple[dict[str, str], float]]:
+        """(labels, seconds since its last report) of each process that has gone silent."""
+        with self._lock:
+            peers = list(self._peers.values())
+        now = time.monotonic()
+        return [
+            (dict(p.process), now - (p.sampled_at or p.connected_at))
+            for p in peers
+            if self._silent(p, now)
+        ]
+
     def action_counts(self) -> list[ProcessCounts]:
         with self._lock:
-            return [ProcessCounts(dict(p.process), p.counts) for p in self._peers.values()]
+            return [
+                ProcessCounts(dict(p.process), p.counts, p.reported_at)
+                for p in self._peers.values()
+            ]
 
     def close(self) -> None:
         self._closed = True

@@ -104,7 +104,7 @@ def _run(command: Sequence[str], config: Config, supervisor: Supervisor) -> int:
             supervisor.spared.add(keeper.pid)
             cleanup.callback(reaper.release, keeper)
             write_agent_config(config, run_dir)
-            aggregator = Aggregator(run_dir)
+            aggregator = Aggregator(run_dir, silent_after_s=config.stale_threshold_s)
             cleanup.callback(aggregator.close)
         except OSError as exc:  # no process or file to spare, a full or read-only /tmp
             raise ServerStartError(f"cannot set up the run: {exc.strerror or exc}") from None

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -806,3 +807,43 @@ def test_a_temp_dir_too_deep_for_a_socket_path_falls_back_to_tmp(tmp_path):
     done = run_launcher("--", "true", env={"TMPDIR": str(deep)})
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _probe(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_a_frozen_worker_is_named_and_its_numbers_withdrawn(tmp_path):
+    """A worker stopped with SIGSTOP keeps no stale numbers on /metrics: once it has been
+    silent for max(3 intervals, 5 s) its allocator series go, /readyz answers 503 naming it,
+    /healthz lists it, and its last report's time stands still; SIGCONT brings it back."""
+    with launched(tmp_path) as (url, _proc, _control):
+        roles = wait_for_roles(url, {"worker0", "worker1"})
+        frozen = int(roles["worker0"]["pid"])
+        assert _probe(url + "/readyz")[0] == 200
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            status, body = wait_for(
+                lambda: (answer := _probe(url + "/readyz"))[0] == 503 and answer,
+                timeout_s=20,
+                what="readiness to name the silent worker",
+            )
+            assert f"pid {frozen} (worker0) silent for" in body["reason"]
+            health = _probe(url + "/healthz")[1]
+            assert any(f"pid {frozen}" in s for s in health["silent_processes"])
+            served_roles = allocated_by_role(url)
+            assert "worker0" not in served_roles and "worker1" in served_roles
+            reports = {
+                s.labels["role"]: s.value
+                for s in scrape(url)
+                if s.name == "gpumem_exporter_agent_last_report_timestamp_seconds"
+            }
+            assert time.time() - reports["worker0"] > 5 > time.time() - reports["worker1"]
+        finally:
+            os.kill(frozen, signal.SIGCONT)
+        wait_for(lambda: _probe(url + "/readyz")[0] == 200, what="readiness back")
+        assert "worker0" in wait_for_roles(url, {"worker0", "worker1"})

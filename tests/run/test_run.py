@@ -827,7 +827,7 @@ def test_a_frozen_worker_is_named_and_its_numbers_withdrawn(tmp_path):
         assert _probe(url + "/readyz")[0] == 200
         os.kill(frozen, signal.SIGSTOP)
         try:
-            status, body = wait_for(
+            _, body = wait_for(
                 lambda: (answer := _probe(url + "/readyz"))[0] == 503 and answer,
                 timeout_s=20,
                 what="readiness to name the silent worker",

@@ -42,7 +42,7 @@ from exporter.run.supervisor import PR_SET_DUMPABLE, Supervisor, prctl
 from exporter.runtime import build_runtime, sources_for
 from exporter.sources import Source
 from exporter.sources.nvml import NvmlSource
-from exporter.sources.process_memory import ProcessMemorySource, describe, process_tree
+from exporter.sources.process_memory import ProcessMemorySource, describe
 
 log = logging.getLogger("exporter.launcher")
 
@@ -112,9 +112,7 @@ def _run(command: Sequence[str], config: Config, supervisor: Supervisor) -> int:
         def agent_labels() -> dict[int, dict[str, str]]:
             return {int(p["pid"]): p for p in aggregator.processes() if p.get("pid")}
 
-        server_processes = ProcessMemorySource(
-            lambda: process_tree(supervisor.pid), labels=agent_labels
-        )
+        server_processes = ProcessMemorySource(supervisor.tree, labels=agent_labels)
         machine = sources_for("run", config, gpu_users=aggregator.gpu_users)
         nvml = next((s for s in machine if isinstance(s, NvmlSource)), None)
         if nvml is not None:  # which of the processes it stops still held GPU memory

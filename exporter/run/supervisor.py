@@ -152,6 +152,21 @@ class Supervisor:
             if pid == self.pid:
                 self.status = exit_status(wait_status)
 
+    def tree(self) -> list[int]:
+        """The pids of the server: the launcher's descendants, less its own helpers. As a
+        subreaper it adopts the orphans of the command's tree (a worker whose parent exited,
+        a daemon that double-forked), which a walk from the command would miss."""
+        try:
+            descendants = psutil.Process().children(recursive=True)
+        except psutil.Error:
+            return []
+        spared = set(self.spared)
+        for process in descendants:
+            with contextlib.suppress(psutil.Error):
+                if process.ppid() in spared:  # a helper's children are helpers too
+                    spared.add(process.pid)
+        return [p.pid for p in descendants if p.pid not in spared]
+
     def _leftovers(self) -> list[psutil.Process]:
         """Every process of the tree still there: the launcher's descendants (a subreaper's
         include the orphans) and the command's group, less the launcher's own helpers."""

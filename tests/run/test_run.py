@@ -847,3 +847,44 @@ def test_a_frozen_worker_is_named_and_its_numbers_withdrawn(tmp_path):
             os.kill(frozen, signal.SIGCONT)
         wait_for(lambda: _probe(url + "/readyz")[0] == 200, what="readiness back")
         assert "worker0" in wait_for_roles(url, {"worker0", "worker1"})
+
+
+def test_orphans_the_launcher_adopted_are_in_host_memory(tmp_path):
+    """Processes whose parent exited are adopted by the launcher (its subreaper), outside the
+    command's tree: each still appears in the host-memory series (issue 38)."""
+    control = tmp_path / "control"
+    control.mkdir()
+    port = free_port()
+    env = dict(os.environ, GPUMEM_NVML="off", GPUMEM_TORCH="off")
+    command = [sys.executable, str(REPO_ROOT / "tests" / "support" / "orphan_maker.py")]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exporter.cli", "run", "--port", str(port), "--interval-s", "0.2",
+         "--", *command, str(control), "20"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        orphans = wait_for(
+            lambda: len(found := sorted(control.glob("orphan-*"))) == 20 and found,
+            what="20 orphans",
+        )
+        pids = {p.name.removeprefix("orphan-") for p in orphans}
+        for pid in pids:  # adopted by the launcher, not in the command's tree
+            assert psutil.Process(int(pid)).ppid() == proc.pid
+
+        def served_rss() -> dict[str, float]:
+            return {
+                s.labels["pid"]: s.value
+                for s in scrape(url)
+                if s.name == "host_process_resident_memory_bytes"
+            }
+
+        def all_served() -> bool:
+            got = served_rss()
+            return all(got.get(pid, 0) >= 32 << 20 for pid in pids)
+
+        assert wait_for(all_served, what="their RSS, 32 MiB each")
+    finally:
+        (control / "stop").touch()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)

@@ -6,7 +6,9 @@ exporter.metrics renders.
 - A process is named (namespace, pod, container) where that is certain without guessing:
   from the Kubernetes API's pods of the node (the pod reader: exact, on shared GPUs too);
   without it, where it runs in a pod's container, its GPU is assigned to one container of
-  exactly one pod, and every process on that GPU is in that one pod. Elsewhere (shared GPUs:
+  exactly one pod, every process on that GPU is in that one pod, and their containers say
+  they are that pod (hostname and namespace, exporter.kubernetes.cgroup.pod_hints). A process
+  whose container names another pod is that pod's, on a GPU its pod does not hold. Elsewhere (shared GPUs:
   time-slicing, MPS, MIG slices on one GPU; two pods on one exclusive GPU) it keeps its pod
   UID alone.
 - Memory that no pod owns is certain in three cases: a process in no pod (a host process,
@@ -136,12 +138,31 @@ def _holds(
     holders: set[tuple[str, str, str]] | None,
 ) -> bool:
     """Whether a pod holds the GPU a process is on: with the pod reader, the process's own pod
-    (by its pod UID); without, any pod (which one cannot be told)."""
+    (by its pod UID); without, any pod, unless the process's container names a pod that
+    is none of them (its hostname and namespace: _is_holder)."""
     if not holders:
         return False
     if kubelet.pods is None or where is None or where.pod_uid not in kubelet.pods:
+        if where is not None and all(_is_holder(h, where) is False for h in holders):
+            return False  # another pod's process on this GPU: not the holder's memory
         return True
     return kubelet.pods[where.pod_uid] in {(ns, pod) for ns, pod, _ in holders}
+
+
+def _hostname(pod: str) -> str:
+    """A pod's hostname when spec.hostname is not set: its name, cut to 63 characters."""
+    return pod[:63].rstrip("-.")
+
+
+def _is_holder(holder: tuple[str, str, str], where: ProcessContainerReading) -> bool | None:
+    """Whether a process's container says it is in `holder`'s pod: True, False (it names
+    another pod), or None (it says nothing: its hostname is unreadable, or the node's)."""
+    namespace, pod, _ = holder
+    if not where.hostname:
+        return None
+    if where.namespace and where.namespace != namespace:
+        return False
+    return where.hostname == _hostname(pod)
 
 
 def _unattributed_reason(where: ProcessContainerReading | None, assigned: bool) -> str | None:
@@ -158,11 +179,13 @@ def _process_pods(
     holders: dict[str, set[tuple[str, str, str]]],
 ) -> list[ProcessPod]:
     pod_uids_on: dict[str, set[str]] = defaultdict(set)  # GPU -> pod UIDs of its processes
+    on_gpu: dict[str, list[ProcessContainerReading]] = defaultdict(list)
     gpus_of: dict[int, set[str]] = defaultdict(set)
     for entry in sample.processes:
         where = located.get(entry.pid)
         if where is not None and where.pod_uid:
             pod_uids_on[entry.gpu_uuid].add(where.pod_uid)
+            on_gpu[entry.gpu_uuid].append(where)
             gpus_of[entry.pid].add(entry.gpu_uuid)
     result = []
     kubelet = sample.kubelet
@@ -171,7 +194,9 @@ def _process_pods(
         if kubelet is not None and kubelet.pods is not None:
             owner = _owner_from_api(kubelet, where)
         else:
-            names = {_certain_owner(holders.get(g, set()), pod_uids_on[g]) for g in gpus}
+            names = {
+                _certain_owner(holders.get(g, set()), pod_uids_on[g], on_gpu[g]) for g in gpus
+            }
             owner = names.pop() if len(names) == 1 else None
         if owner is None:
             result.append(ProcessPod(pid, where.pod_uid, where.container_id))
@@ -190,11 +215,17 @@ def _owner_from_api(
 
 
 def _certain_owner(
-    holders: set[tuple[str, str, str]], pod_uids: set[str]
+    holders: set[tuple[str, str, str]],
+    pod_uids: set[str],
+    processes: list[ProcessContainerReading],
 ) -> tuple[str, str, str] | None:
-    """(namespace, pod, container) of a GPU's processes where that is certain, else None.
-    (Never a partial name: an empty `container` label would take the scraping target's own
-    under honor_labels.)"""
+    """(namespace, pod, container) of a GPU's processes where that is certain, else None:
+    one pod holds the GPU, its processes are of one pod UID, and their containers say they
+    are that pod (a pod that holds no GPU but uses this one must never be named as the
+    holder, issue 38). Never a partial name: an empty `container` label would take the
+    scraping target's own under honor_labels."""
     if len(holders) != 1 or len(pod_uids) != 1:
         return None
-    return next(iter(holders))
+    holder = next(iter(holders))
+    verdicts = {_is_holder(holder, where) for where in processes}
+    return holder if True in verdicts and False not in verdicts else None

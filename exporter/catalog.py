@@ -679,7 +679,8 @@ FAMILIES: tuple[Family, ...] = (
         "gauge",
         "1 for each GPU process whose pod is certain: named by the Kubernetes API (pod "
         "reader), or the only pod, through one container, holding the GPUs it uses, with "
-        "no other pod's process on them.",
+        "no other pod's process on them, whose container says it is that pod (hostname "
+        "and namespace).",
         ("pid", "namespace", "pod", "container"),
         "kubelet",
         ("node",),

@@ -173,6 +173,10 @@ class ProcessContainerReading:
     pod_uid: str = ""
     container_id: str = ""
     detail: str = ""
+    # What the container says of its pod (exporter.kubernetes.cgroup.pod_hints): its
+    # hostname ("" also where it is the node's, a hostNetwork pod) and namespace.
+    hostname: str = ""
+    namespace: str = ""
 
 
 @dataclass

@@ -55,8 +55,15 @@ def the_process(pid: int = PID, used: int = PID_USED, gpu: int = 0) -> ProcessGp
     return ProcessGpuReading(gpu, (GPU0, GPU1)[gpu], pid, used)
 
 
-def in_pod(pid: int = PID, uid: str = UID_A) -> ProcessContainerReading:
-    return ProcessContainerReading(pid, "container", pod_uid=uid, container_id="c" * 64)
+def in_pod(
+    pid: int = PID, uid: str = UID_A, hostname: str = "llama-0", namespace: str = "serving"
+) -> ProcessContainerReading:
+    """A process in a pod's container, which says it is `namespace`/`hostname` (the files
+    exporter.kubernetes.cgroup.pod_hints reads; "" where unreadable)."""
+    return ProcessContainerReading(
+        pid, "container", pod_uid=uid, container_id="c" * 64, hostname=hostname,
+        namespace=namespace,
+    )  # fmt: skip
 
 
 def llama(device_id: str = GPU0, pod: str = "llama-0") -> PodDevice:
@@ -96,6 +103,39 @@ def test_exclusive_gpu_names_its_process_and_leaves_nothing_unattributed():
     assert result.process_pods == [ProcessPod(PID, UID_A, "c" * 64, "serving", "llama-0", "server")]
     assert result.unattributed_processes == []
     assert result.unattributed_gpus == {GPU0: (0, 0), GPU1: (1, 0)}  # GPU1: no pod, 0 used
+
+
+def test_a_pod_using_a_gpu_it_does_not_hold_is_never_named_as_the_holder():
+    """Pod A holds GPU 0 and runs nothing on it; a process of pod B (which holds no GPU) uses
+    it. Without the pod reader its memory used to be charged to pod A (issue 38): its
+    container says it is pod B, so it is not named, and its memory is held outside the pods
+    that hold the GPU."""
+    intruder = in_pod(uid=UID_B, hostname="notebook-3", namespace="ml")
+    result = attribute(sample([llama()], [the_process()], [intruder]))
+    assert [p.pod for p in result.process_pods] == [""]  # its pod UID alone
+    assert result.container_memory == {}
+    assert result.unattributed_processes == [
+        UnattributedProcess(0, GPU0, PID, "not_assigned", PID_USED)
+    ]
+    assert result.unattributed_gpus[GPU0] == (0, PID_USED)
+    # Same name in another namespace: not the holder either.
+    elsewhere = in_pod(uid=UID_B, hostname="llama-0", namespace="batch")
+    result = attribute(sample([llama()], [the_process()], [elsewhere]))
+    assert [p.pod for p in result.process_pods] == [""]
+    assert result.unattributed_processes[0].reason == "not_assigned"
+
+
+def test_a_container_that_says_nothing_of_its_pod_keeps_its_uid_alone():
+    """Unreadable hints (no hostPID root, a hostNetwork pod with the node's hostname): the
+    pod is not named, and nothing is counted outside the pods (it may be the holder's)."""
+    silent = in_pod(hostname="", namespace="")
+    result = attribute(sample([llama()], [the_process()], [silent]))
+    assert [(p.pod_uid, p.pod) for p in result.process_pods] == [(UID_A, "")]
+    assert result.unattributed_processes == []
+    assert result.unattributed_gpus[GPU0] == (0, 0)
+    # Without a namespace file (automountServiceAccountToken: false) the hostname decides.
+    named = attribute(sample([llama()], [the_process()], [in_pod(namespace="")]))
+    assert [p.pod for p in named.process_pods] == ["llama-0"]
 
 
 def test_a_process_in_no_container_is_held_outside_any_pod():

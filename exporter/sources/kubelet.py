@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-from exporter.kubernetes.cgroup import UnknownCgroupShape, read_cgroup
+from exporter.kubernetes.cgroup import UnknownCgroupShape, pod_hints, read_cgroup
 from exporter.kubernetes.podresources import (
     DEFAULT_SOCKET,
     KubeletClientMissing,
@@ -80,6 +80,9 @@ class KubeletSource:
         self._logged_pods_error = ""
         self._containers: dict[int, ProcessContainerReading] = {}
         self.refreshes = 0  # completed List attempts, for tests and the refresh thread's pace
+        # The node's own names: the hostname of a hostNetwork pod's container, not a pod's.
+        host_hostname, _ = pod_hints(1, proc)
+        self._node_names = {os.environ.get("NODE_NAME", ""), host_hostname} - {""}
 
     # -- the sampler's side: cheap, never blocks on the kubelet ---------------------------
 
@@ -111,8 +114,16 @@ class KubeletSource:
             return ProcessContainerReading(pid, "unknown", detail=str(exc)[:200])
         if container is None:
             return ProcessContainerReading(pid, "no_container")
+        hostname, namespace = pod_hints(pid, self._proc) if container.pod_uid else ("", "")
+        if hostname in self._node_names:
+            hostname = ""  # a hostNetwork pod has the node's hostname: it names no pod
         return ProcessContainerReading(
-            pid, "container", pod_uid=container.pod_uid, container_id=container.container_id
+            pid,
+            "container",
+            pod_uid=container.pod_uid,
+            container_id=container.container_id,
+            hostname=hostname,
+            namespace=namespace,
         )
 
     # -- the refresh thread ---------------------------------------------------------------

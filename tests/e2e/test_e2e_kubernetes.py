@@ -80,6 +80,9 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     proc.mkdir(parents=True)
     # The process holding GPU 0 runs in a pod's container (systemd driver, CRI-O).
     proc.joinpath("cgroup").write_bytes((DATA_DIR / "cgroup" / "v2-systemd-crio.txt").read_bytes())
+    # And says it is that pod: its hostname and namespace (exporter.kubernetes.cgroup).
+    (proc / "root" / "etc").mkdir(parents=True)
+    (proc / "root" / "etc" / "hostname").write_text("llama-0\n")
     state = tmp / "kubelet.json"
     write_state(state, [pod("serving", "llama-0", "server", f"{GPU0}::0")])
     kubelet = StandInKubelet(tmp / "kubelet.sock", state).start()

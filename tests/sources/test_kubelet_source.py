@@ -34,7 +34,17 @@ POD_UID = "2c9f8a79-5391-454b-88cb-86190881cb96"  # in v2-systemd-crio.txt
 def fake_proc(root: Path, cgroup_fixture: str) -> str:
     (root / str(PID)).mkdir(parents=True, exist_ok=True)
     (root / str(PID) / "cgroup").write_bytes((CGROUPS / cgroup_fixture).read_bytes())
+    pod_files(root / str(PID), "llama-0", "serving")
     return str(root)
+
+
+def pod_files(process: Path, hostname: str, namespace: str) -> None:
+    """What a pod's container holds of its pod, under /proc/<pid>/root (pod_hints)."""
+    (process / "root" / "etc").mkdir(parents=True, exist_ok=True)
+    (process / "root" / "etc" / "hostname").write_text(hostname + "\n")
+    account = process / "root" / "var/run/secrets/kubernetes.io/serviceaccount"
+    account.mkdir(parents=True, exist_ok=True)
+    (account / "namespace").write_text(namespace)
 
 
 class Node:
@@ -335,3 +345,22 @@ def test_a_change_of_gpu_processes_asks_the_kubelet_at_once(tmp_path):
     finally:
         source.close()
         kubelet.stop()
+
+
+def test_a_processs_pod_hints_are_read_and_the_nodes_own_name_is_no_hint(tmp_path, monkeypatch):
+    proc = Path(fake_proc(tmp_path / "proc", "v2-systemd-crio.txt"))
+    source = KubeletSource(lambda: {PID}, socket_path=str(tmp_path / "none.sock"), proc=str(proc))
+    try:
+        [where] = source.read().process_containers
+        assert (where.pod_uid, where.hostname, where.namespace) == (POD_UID, "llama-0", "serving")
+    finally:
+        source.close()
+    # A hostNetwork pod's container has the node's hostname: it names no pod.
+    monkeypatch.setenv("NODE_NAME", "gpu-node-1")
+    pod_files(proc / str(PID), "gpu-node-1", "serving")
+    source = KubeletSource(lambda: {PID}, socket_path=str(tmp_path / "none.sock"), proc=str(proc))
+    try:
+        [where] = source.read().process_containers
+        assert (where.hostname, where.namespace) == ("", "serving")
+    finally:
+        source.close()

@@ -8,9 +8,9 @@ exporter.metrics renders.
   without it, where it runs in a pod's container, its GPU is assigned to one container of
   exactly one pod, every process on that GPU is in that one pod, and their containers say
   they are that pod (hostname and namespace, exporter.kubernetes.cgroup.pod_hints). A process
-  whose container names another pod is that pod's, on a GPU its pod does not hold. Elsewhere (shared GPUs:
-  time-slicing, MPS, MIG slices on one GPU; two pods on one exclusive GPU) it keeps its pod
-  UID alone.
+  whose container names another pod is that pod's, on a GPU its pod does not hold. Elsewhere
+  (shared GPUs: time-slicing, MPS, MIG slices on one GPU; two pods on one exclusive GPU) it
+  keeps its pod UID alone.
 - Memory that no pod owns is certain in three cases: a process in no pod (a host process,
   a container of no pod: orphaned workers of a killed server, `docker run`), a pod's process
   on a GPU that no pod holds (with the pod reader: that none of its pods holds, though others
@@ -143,9 +143,8 @@ def _holds(
     if not holders:
         return False
     if kubelet.pods is None or where is None or where.pod_uid not in kubelet.pods:
-        if where is not None and all(_is_holder(h, where) is False for h in holders):
-            return False  # another pod's process on this GPU: not the holder's memory
-        return True
+        # Any pod, unless the process is another pod's: then not the holder's memory.
+        return where is None or not all(_is_holder(h, where) is False for h in holders)
     return kubelet.pods[where.pod_uid] in {(ns, pod) for ns, pod, _ in holders}
 
 

@@ -182,7 +182,7 @@ def test_a_plain_answer_is_written_inside_the_output_folder(tmp_path):
 def test_a_run_that_cannot_start_its_reaper_is_one_line(monkeypatch, capsys):
     from exporter.run import reaper
 
-    def refuse(run_dir: str) -> Any:
+    def refuse(run_dir: str, env: Any) -> Any:
         raise BlockingIOError(11, "Resource temporarily unavailable")
 
     monkeypatch.setattr(reaper, "start", refuse)
@@ -228,3 +228,48 @@ def test_a_url_that_cannot_be_used_is_one_line(tmp_path, command, url, expected)
     extra = ["-o", str(tmp_path / "t.jsonl.gz"), "--duration-s", "1"] if command == "record" else []
     result = run_cli(command, "--url", url, *extra)
     assert expected in one_error_line(result, command)
+
+
+def test_the_cli_never_follows_a_redirect_with_its_token(tmp_path):
+    """An exporter (or something in its place) answering 307 to another server: the token
+    must not go there (issue 38)."""
+    seen: list[str] = []
+
+    class Elsewhere(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization", ""))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    other = ThreadingHTTPServer(("127.0.0.1", 0), Elsewhere)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    target = f"http://127.0.0.1:{other.server_address[1]}"
+
+    class Redirecting(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(307)
+            self.send_header("Location", target + self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Redirecting)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    try:
+        result = run_cli(
+            "stats", "--url", f"http://127.0.0.1:{server.server_address[1]}", "--token-file",
+            str(token),
+        )  # fmt: skip
+    finally:
+        server.shutdown()
+        other.shutdown()
+    line = one_error_line(result, "stats")
+    assert "HTTP 307" in line and "not followed" in line
+    assert seen == []

@@ -144,6 +144,21 @@ def kubeconfig_token(env: Mapping[str, str]) -> str:
     )
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is an error: following it would send the token (or password) to wherever
+    it points, plain http included."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        raise urllib.error.HTTPError(
+            req.full_url, code, f"redirect to {newurl[:200]} not followed", headers, fp
+        )
+
+
+def opener(context: ssl.SSLContext | None = None) -> urllib.request.OpenerDirector:
+    """urllib without redirects (and with `context` for https)."""
+    return urllib.request.build_opener(_NoRedirect, urllib.request.HTTPSHandler(context=context))
+
+
 class AdminClient:
     def __init__(
         self,
@@ -162,6 +177,7 @@ class AdminClient:
         self.timeout_s = timeout_s
         self._context = context
         self._basic = basic
+        self._opener = opener(context)
 
     def _request(
         self, method: str, path: str, body: dict[str, Any] | None = None
@@ -178,14 +194,14 @@ class AdminClient:
         elif self._basic is not None:
             request.add_header("Authorization", self._basic)
         try:
-            with urllib.request.urlopen(
-                request, timeout=self.timeout_s, context=self._context
-            ) as response:
+            with self._opener.open(request, timeout=self.timeout_s) as response:
                 return response.status, response.read()
         except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")
+            detail = exc.read().decode(errors="replace") if exc.fp is not None else ""
             with contextlib.suppress(ValueError, AttributeError):
                 detail = json.loads(detail).get("detail", detail)
+            if 300 <= exc.code < 400:  # _NoRedirect: where it pointed, not its body
+                detail = str(exc.msg)
             if exc.code == 401 and self._token is None:
                 detail = (
                     "the exporter asks for an admin token: pass --token-file, or set "

@@ -90,22 +90,32 @@ class PodResourcesClient:
         self.timeout_s = timeout_s
         classes = messages()
         self._request = classes["ListPodResourcesRequest"]
+        self._response = classes["ListPodResourcesResponse"]
         self._channel = grpc.insecure_channel(
             f"unix://{socket_path}",
             options=[("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)],
         )
+        # The answer comes as bytes and is parsed here: grpc's own deserializing logs an
+        # ERROR with a traceback for every malformed answer (every refresh, issue 38).
         self._list = self._channel.unary_unary(
             LIST_METHOD,
             request_serializer=lambda message: message.SerializeToString(),
-            response_deserializer=classes["ListPodResourcesResponse"].FromString,
+            response_deserializer=None,
         )
 
     def list(self, resources: frozenset[str] | None = None) -> list[PodDevice]:
         """Every device assignment; raises KubeletError with a one-line reason."""
         try:
-            response = self._list(self._request(), timeout=self.timeout_s, wait_for_ready=False)
+            raw = self._list(self._request(), timeout=self.timeout_s, wait_for_ready=False)
         except self._grpc.RpcError as exc:
             raise KubeletError(_describe(exc, self.socket_path)) from None
+        try:
+            response = self._response.FromString(raw)
+        except Exception:  # protobuf's DecodeError, or bytes that are no message at all
+            raise KubeletError(
+                f"kubelet pod-resources at {self.socket_path}: the answer is not a "
+                "ListPodResourcesResponse (malformed protobuf)"
+            ) from None
         return assignments(response, resources)
 
     def close(self) -> None:

@@ -156,3 +156,39 @@ def test_the_proto_is_vendored_unchanged_with_its_origin():
     assert "63b3249724f7d89a8aa48f9acb3811f193c9aa68" in readme
     assert "package v1;" in PROTO.read_text()
     assert Path(podresources.__file__).parent / "podresources_v1" == PROTO.parent
+
+
+def test_a_malformed_answer_is_one_reason_and_nothing_in_grpcs_own_log(tmp_path, caplog):
+    """A kubelet (or something on its socket) answering bytes that are not a
+    ListPodResourcesResponse: one KubeletError, and no ERROR with a traceback from grpc's own
+    logger on every refresh (issue 38)."""
+    import logging
+    from concurrent import futures
+
+    import grpc
+
+    handler = grpc.method_handlers_generic_handler(
+        "v1.PodResourcesLister",
+        {
+            "List": grpc.unary_unary_rpc_method_handler(
+                lambda request, context: b"\x0a\xff\xff\xff\xff\x0f",  # a length past the end
+                request_deserializer=None,
+                response_serializer=None,
+            )
+        },
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((handler,))
+    path = tmp_path / "malformed.sock"
+    server.add_insecure_port(f"unix://{path}")
+    server.start()
+    caplog.set_level(logging.DEBUG)
+    client = PodResourcesClient(str(path), timeout_s=2)
+    try:
+        for _ in range(3):
+            with pytest.raises(KubeletError, match="not a ListPodResourcesResponse"):
+                client.list(GPUS)
+    finally:
+        client.close()
+        server.stop(grace=None).wait()
+    assert [r for r in caplog.records if r.name.startswith("grpc")] == []

@@ -193,9 +193,7 @@ def _process_pods(
         if kubelet is not None and kubelet.pods is not None:
             owner = _owner_from_api(kubelet, where)
         else:
-            names = {
-                _certain_owner(holders.get(g, set()), pod_uids_on[g], on_gpu[g]) for g in gpus
-            }
+            names = {_certain_owner(holders.get(g, set()), pod_uids_on[g], on_gpu[g]) for g in gpus}
             owner = names.pop() if len(names) == 1 else None
         if owner is None:
             result.append(ProcessPod(pid, where.pod_uid, where.container_id))

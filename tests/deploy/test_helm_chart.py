@@ -1036,3 +1036,11 @@ def test_a_web_config_of_your_own_keeps_users_out_of_the_release() -> None:
 def test_a_password_instead_of_a_bcrypt_hash_is_refused_by_the_schema() -> None:
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError):
         chart.validate_schema({"web": {"basicAuth": {"users": {"prometheus": "hunter2"}}}})
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_notes_have_no_stray_whitespace(name: str) -> None:
+    """NOTES.txt as `helm install` prints it: no trailing spaces, no run of blank lines."""
+    notes = render_notes(VALUE_SETS[name])
+    assert [line for line in notes.splitlines() if line != line.rstrip()] == []
+    assert "\n\n\n" not in notes

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter import catalog
 from exporter.catalog import PROCESS_LABELS
+from exporter.no_redirects import opener
 from exporter.oom_verdict import READINGS, OomVerdict, decide
 from exporter.sample import (
     AllocatorReading,
@@ -281,12 +282,14 @@ def scrape(
     for basic auth."""
     request = urllib.request.Request(url, headers=dict(headers or {}))
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s, context=context) as response:
+        # No redirect followed: a basic-auth password must not go where one points.
+        with opener(context).open(request, timeout=timeout_s) as response:
             if response.headers.get_content_type() == "text/html":
                 raise RecordError(f"{url} answered with an HTML page, not metrics")
             return str(response.read().decode("utf-8"))
     except urllib.error.HTTPError as exc:
-        raise RecordError(f"{url} answered HTTP {exc.code}") from None
+        where = f" ({exc.msg})" if 300 <= exc.code < 400 else ""
+        raise RecordError(f"{url} answered HTTP {exc.code}{where}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         # HTTPException: the target died mid-answer (IncompleteRead, a bad status line).
         reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"

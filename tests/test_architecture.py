@@ -14,7 +14,17 @@ ROOT = Path(__file__).resolve().parent.parent / "exporter"
 # Bottom to top. A module may import from its own layer or any below, never from above.
 LAYERS: list[tuple[str, ...]] = [
     # plain values and helpers every part uses
-    ("units", "atomic", "ratelimit", "catalog", "oom_verdict", "sample", "config", "identity"),
+    (
+        "units",
+        "atomic",
+        "ratelimit",
+        "no_redirects",
+        "catalog",
+        "oom_verdict",
+        "sample",
+        "config",
+        "identity",
+    ),
     # reading, keeping and rendering: sources and what turns samples into output
     (
         "sources",

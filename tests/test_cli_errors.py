@@ -230,9 +230,10 @@ def test_a_url_that_cannot_be_used_is_one_line(tmp_path, command, url, expected)
     assert expected in one_error_line(result, command)
 
 
-def test_the_cli_never_follows_a_redirect_with_its_token(tmp_path):
+@pytest.mark.parametrize("command", ["stats", "record"])
+def test_the_cli_never_follows_a_redirect_with_its_token(tmp_path, command):
     """An exporter (or something in its place) answering 307 to another server: the token
-    must not go there (issue 38)."""
+    (or record's basic-auth password) must not go there (issue 38)."""
     seen: list[str] = []
 
     class Elsewhere(BaseHTTPRequestHandler):
@@ -262,14 +263,17 @@ def test_the_cli_never_follows_a_redirect_with_its_token(tmp_path):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     token = tmp_path / "token"
     token.write_text(TOKEN)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    if command == "stats":
+        args = ["stats", "--url", url, "--token-file", str(token)]
+    else:
+        args = ["record", "--url", url, "--user", "prometheus", "-o", str(tmp_path / "t.gz"),
+                "--duration-s", "1"]  # fmt: skip
     try:
-        result = run_cli(
-            "stats", "--url", f"http://127.0.0.1:{server.server_address[1]}", "--token-file",
-            str(token),
-        )  # fmt: skip
+        result = run_cli(*args, env={**os.environ, "GPUMEM_PASSWORD": "pw"})
     finally:
         server.shutdown()
         other.shutdown()
-    line = one_error_line(result, "stats")
+    line = one_error_line(result, command)
     assert "HTTP 307" in line and "not followed" in line
     assert seen == []

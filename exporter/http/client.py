@@ -23,6 +23,7 @@ from exporter import atomic
 from exporter.actions.base import Target
 from exporter.actions.snapshots import ID_PATTERN, STATUSES
 from exporter.actions.spec import SNAPSHOT, STOP_CAPTURE, Action, ParamError
+from exporter.no_redirects import opener
 
 EVERY_PROCESS = Target()
 
@@ -142,21 +143,6 @@ def kubeconfig_token(env: Mapping[str, str]) -> str:
         f"kubeconfig {name}: the current user has no token (exec and auth-provider users are "
         "not run): use --token-file with `kubectl create token ...`"
     )
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A redirect is an error: following it would send the token (or password) to wherever
-    it points, plain http included."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
-        raise urllib.error.HTTPError(
-            req.full_url, code, f"redirect to {newurl[:200]} not followed", headers, fp
-        )
-
-
-def opener(context: ssl.SSLContext | None = None) -> urllib.request.OpenerDirector:
-    """urllib without redirects (and with `context` for https)."""
-    return urllib.request.build_opener(_NoRedirect, urllib.request.HTTPSHandler(context=context))
 
 
 class AdminClient:

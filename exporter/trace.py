@@ -147,6 +147,10 @@ def read_trace(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[Sampl
         text, cut_off = _gunzip(data)
     except zlib.error as exc:
         raise TraceError(f"{path} is not a gzip trace file: {exc}") from None
+    except _TooLarge:
+        raise TraceError(
+            f"{path} decompresses to more than {MAX_TRACE_BYTES >> 20} MiB: not a trace"
+        ) from None
     lines = text.split(b"\n")
     if cut_off:
         lines.pop()  # the line being written when the writer stopped (b"" if it was complete)
@@ -186,13 +190,27 @@ def read_trace(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[Sampl
     return meta, samples
 
 
+# The most a trace may decompress to: hours of samples at 1 Hz are tens of MiB. Past it the
+# file is not a trace (a gzip bomb: a few MiB that would fill memory), and it says so.
+MAX_TRACE_BYTES = 1 << 30
+
+
+class _TooLarge(ValueError):
+    pass
+
+
 def _gunzip(data: bytes) -> tuple[bytes, bool]:
     """Every gzip member's content, and whether the last was cut off before its end (a live
-    recording, or its writer killed): then the content is what was written so far."""
-    parts = []
+    recording, or its writer killed): then the content is what was written so far.
+    _TooLarge past MAX_TRACE_BYTES."""
+    parts, total = [], 0
     while data:
         member = zlib.decompressobj(wbits=31)
-        parts.append(member.decompress(data))
+        part = member.decompress(data, MAX_TRACE_BYTES - total + 1)
+        total += len(part)
+        if total > MAX_TRACE_BYTES:
+            raise _TooLarge
+        parts.append(part)
         if not member.eof:
             return b"".join(parts), True
         data = member.unused_data.lstrip(b"\0")  # gzip allows zero padding after a member

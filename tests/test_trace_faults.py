@@ -444,3 +444,18 @@ def test_an_embedded_recording_survives_its_server_being_killed(tmp_path):
         server.kill()
         server.wait(10)
     assert len(read_trace(trace)[1]) >= 3
+
+
+def test_a_gzip_bomb_is_one_reason_not_a_traceback(tmp_path, monkeypatch):
+    """A small file that decompresses to more than a trace ever is (issue 38: a traceback,
+    and memory without bound): one TraceError, read no further than the limit."""
+    from exporter import trace
+
+    monkeypatch.setattr(trace, "MAX_TRACE_BYTES", 1 << 20)
+    bomb = tmp_path / "bomb.jsonl.gz"
+    bomb.write_bytes(gzip.compress(b"\0" * (8 << 20)))  # 8 KiB on disk
+    with pytest.raises(trace.TraceError, match="decompresses to more than 1 MiB: not a trace"):
+        trace.read_trace(bomb)
+    # Traces under the limit load as before.
+    monkeypatch.setattr(trace, "MAX_TRACE_BYTES", 64 << 20)
+    assert read_trace(demo_trace_path())[1]

@@ -12,6 +12,7 @@ import re
 import stat
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 TEMP_SUFFIX = ".partial"
@@ -25,6 +26,18 @@ _TEMP_NAME = re.compile(r"^\..+\.(?P<pid>[0-9]+)\.[^.]+" + re.escape(TEMP_SUFFIX
 def write_bytes(
     path: str | os.PathLike[str], data: bytes, *, private: bool = True, fsync: bool = True
 ) -> Path:
+    """write_chunks of one piece (below)."""
+    write_chunks(path, (data,), private=private, fsync=fsync)
+    return Path(path)
+
+
+def write_chunks(
+    path: str | os.PathLike[str],
+    chunks: Iterable[bytes],
+    *,
+    private: bool = True,
+    fsync: bool = True,
+) -> int:
     """Write to a temporary file beside `path`, fsync, then rename over it.
 
     `private` (the default) keeps mkstemp's 0600: what the exporter writes for itself
@@ -33,6 +46,8 @@ def write_bytes(
     `record -o`), which they expect to share like any other.
     `fsync=False` skips the flush to disk, for files rewritten every few seconds that nobody
     needs after a crash: readers still see the old content or the new, never half of it.
+    The chunks are written as they come (a download need not be held whole); one that fails
+    leaves nothing at `path`. Returns the bytes written.
     """
     target = Path(path)
     fd, tmp = tempfile.mkstemp(
@@ -42,7 +57,10 @@ def write_bytes(
         with os.fdopen(fd, "wb") as f:
             if not private:
                 os.fchmod(f.fileno(), user_file_mode(target))
-            f.write(data)
+            size = 0
+            for chunk in chunks:
+                f.write(chunk)
+                size += len(chunk)
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -50,7 +68,7 @@ def write_bytes(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return target
+    return size
 
 
 def user_file_mode(target: Path | None = None) -> int:

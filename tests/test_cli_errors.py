@@ -277,3 +277,49 @@ def test_the_cli_never_follows_a_redirect_with_its_token(tmp_path, command):
     line = one_error_line(result, command)
     assert "HTTP 307" in line and "not followed" in line
     assert seen == []
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_a_snapshot_download_is_streamed_and_a_cut_one_leaves_no_file(tmp_path, cut, monkeypatch):
+    """Snapshots can be GBs: the client writes the answer as it comes (issue 38), and a
+    download cut off mid-way is one error with nothing left at the output."""
+    from exporter import atomic
+    from exporter.http.client import AdminClient, ClientError
+
+    body = os.urandom(3 << 20)
+    reads: list[int] = []
+
+    class Snapshots(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(len(body) + (1 << 20 if cut else 0)))
+            self.end_headers()
+            self.wfile.write(body)  # then the connection ends
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Snapshots)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = AdminClient(f"http://127.0.0.1:{server.server_address[1]}", TOKEN, timeout_s=10)
+    output = tmp_path / "snap.pickle"
+    real_write = atomic.write_chunks
+
+    def counting(path: Any, chunks: Any, **kw: Any) -> int:
+        return real_write(path, (reads.append(len(c)) or c for c in chunks), **kw)
+
+    monkeypatch.setattr(atomic, "write_chunks", counting)
+    try:
+        if cut:
+            with pytest.raises(ClientError, match="ended after 3145728 of 4194304 bytes"):
+                client.download("00001.0-manual", output)
+        else:
+            assert client.download("00001.0-manual", output) == len(body)
+    finally:
+        server.shutdown()
+    if cut:
+        assert list(tmp_path.iterdir()) == []  # no file, no temp file
+    else:
+        assert output.read_bytes() == body
+        assert len(reads) >= 3 and max(reads) <= 1 << 20  # in pieces, never whole

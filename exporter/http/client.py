@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
 import json
 import os
 import ssl
@@ -15,7 +16,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from exporter.actions.spec import SNAPSHOT, STOP_CAPTURE, Action, ParamError
 from exporter.no_redirects import opener
 
 EVERY_PROCESS = Target()
+CHUNK_BYTES = 1 << 20  # a download's piece
 
 
 class ClientError(RuntimeError):
@@ -168,6 +170,17 @@ class AdminClient:
     def _request(
         self, method: str, path: str, body: dict[str, Any] | None = None
     ) -> tuple[int, bytes]:
+        return self._exchange(method, path, body, lambda response: response.read())
+
+    def _exchange(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        consume: Callable[[Any], Any],
+    ) -> tuple[int, Any]:
+        """(status, consume(response)); ClientError in one line for any failure, including
+        one while the answer is read."""
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(
             self.base_url + path,
@@ -181,7 +194,7 @@ class AdminClient:
             request.add_header("Authorization", self._basic)
         try:
             with self._opener.open(request, timeout=self.timeout_s) as response:
-                return response.status, response.read()
+                return response.status, consume(response)
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace") if exc.fp is not None else ""
             with contextlib.suppress(ValueError, AttributeError):
@@ -197,9 +210,9 @@ class AdminClient:
             if retry_after:
                 detail = f"{detail} (retry in {retry_after} s)"
             raise ClientError(f"{method} {path}: HTTP {exc.code}: {detail}") from None
-        except (urllib.error.URLError, OSError) as exc:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             raise ClientError(
-                f"cannot reach {self.base_url}: {getattr(exc, 'reason', exc)}"
+                f"cannot reach {self.base_url}: {getattr(exc, 'reason', None) or exc!r}"
             ) from None
 
     def _json(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -277,10 +290,26 @@ class AdminClient:
         return answer
 
     def download(self, snapshot_id: str, output: Path) -> int:
-        """Write the snapshot to `output` atomically; returns its size in bytes."""
-        _, payload = self._request("GET", f"/snapshots/{snapshot_id}")
-        atomic.write_bytes(output, payload)
-        return len(payload)
+        """Write the snapshot to `output` atomically, streamed (a snapshot can be GBs: never
+        held whole in memory); returns its size in bytes. A download cut off leaves no file."""
+
+        def chunks(response: Any) -> Iterable[bytes]:
+            expected, size = response.headers.get("Content-Length"), 0
+            for chunk in iter(lambda: response.read(CHUNK_BYTES), b""):
+                size += len(chunk)
+                yield chunk
+            # http.client ends a read short without a word when the connection closes early.
+            if expected is not None and expected.isdigit() and size != int(expected):
+                raise ClientError(
+                    f"GET /snapshots/{snapshot_id}: the download ended after {size} of "
+                    f"{expected} bytes: nothing written"
+                )
+
+        def save(response: Any) -> int:
+            return atomic.write_chunks(output, chunks(response))
+
+        _, size = self._exchange("GET", f"/snapshots/{snapshot_id}", None, save)
+        return int(size)
 
     def stats(self, target: Target = EVERY_PROCESS) -> dict[str, Any]:
         return self._json("GET", self._query("/stats", target))

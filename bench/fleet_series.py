@@ -99,8 +99,12 @@ def node_sample(server: Sample, recorded: Sample) -> Sample:
             PodDevice("llm", "llama-0", "vllm", "nvidia.com/gpu", g.uuid) for g in server.gpus
         ],
     )
+    # Each says it is llama-0 (its hostname and namespace), as a pod's container does.
     sample.process_containers = [
-        ProcessContainerReading(p.pid, "container", "pod-uid", "container-id") for p in workers
+        ProcessContainerReading(
+            p.pid, "container", "pod-uid", "container-id", hostname="llama-0", namespace="llm"
+        )
+        for p in workers
     ]
     return sample
 

@@ -835,8 +835,13 @@ def test_a_frozen_worker_is_named_and_its_numbers_withdrawn(tmp_path):
             assert f"pid {frozen} (worker0) silent for" in body["reason"]
             health = _probe(url + "/healthz")[1]
             assert any(f"pid {frozen}" in s for s in health["silent_processes"])
-            served_roles = allocated_by_role(url)
-            assert "worker0" not in served_roles and "worker1" in served_roles
+            # Withdrawn from the next sample on (/metrics serves the latest tick's).
+            served_roles = wait_for(
+                lambda: "worker0" not in (roles := allocated_by_role(url)) and roles,
+                timeout_s=2,
+                what="the silent worker's series withdrawn",
+            )
+            assert "worker1" in served_roles
             reports = {
                 s.labels["role"]: s.value
                 for s in scrape(url)

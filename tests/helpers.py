@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -478,12 +479,18 @@ def iter_annotation_queries(path: Path) -> Iterator[tuple[str, str]]:
 # -- a real Prometheus server -------------------------------------------------------------
 
 
-def wait_http(url: str, proc: subprocess.Popen[str], timeout_s: float = 60) -> None:
-    """Until `url` answers; fail with the process's output if it exits or time runs out."""
+def wait_http(
+    url: str,
+    proc: subprocess.Popen[str],
+    timeout_s: float = 60,
+    context: ssl.SSLContext | None = None,
+) -> None:
+    """Until `url` answers (https with `context`); fail with the process's output if it exits
+    or time runs out."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=1):
+            with urllib.request.urlopen(url, timeout=1, context=context):
                 return
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:

@@ -41,18 +41,20 @@ class PodsClient:
         self,
         node_name: str,
         *,
-        api_url: str,
+        api_url: str = "",
         token_path: Path = SERVICE_ACCOUNT / "token",
         ca_path: Path | None = SERVICE_ACCOUNT / "ca.crt",
         timeout_s: float = 5.0,
+        api: ApiServer | None = None,
     ) -> None:
+        """The API server at `api_url` with these credentials, or `api` as given."""
         if not node_name:
             raise PodsApiError("NODE_NAME is not set: cannot select this node's pods")
         self.node_name = node_name
         try:
             # One deadline for the whole call, no redirect followed, the CA re-read when it
             # rotates (exporter.kubernetes.api).
-            self._api = ApiServer(
+            self._api = api or ApiServer(
                 api_url, token_path=token_path, ca_path=ca_path, deadline_s=timeout_s
             )
         except ApiError as exc:
@@ -66,17 +68,11 @@ class PodsClient:
         timeout_s: float = 5.0,
         credentials: Path = SERVICE_ACCOUNT,
     ) -> PodsClient:
-        host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
-        if not host or not port:
-            raise PodsApiError("not in a cluster: KUBERNETES_SERVICE_HOST/PORT are not set")
-        host = f"[{host}]" if ":" in host else host  # IPv6
-        return cls(
-            env.get("NODE_NAME", ""),
-            api_url=f"https://{host}:{port}",
-            token_path=credentials / "token",
-            ca_path=credentials / "ca.crt",
-            timeout_s=timeout_s,
-        )
+        try:
+            api = ApiServer.in_cluster(env, credentials=credentials, deadline_s=timeout_s)
+        except ApiError as exc:
+            raise PodsApiError(str(exc)) from None
+        return cls(env.get("NODE_NAME", ""), api=api)
 
     def list(self) -> NodePods:
         selector = urllib.parse.quote(f"spec.nodeName={self.node_name}")

@@ -9,7 +9,6 @@ import ssl
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import bcrypt
@@ -17,23 +16,16 @@ import pytest
 import yaml
 
 from tests.conftest import require_tool
-from tests.helpers import free_port, prometheus_api, start_prometheus, stop_processes
+from tests.helpers import (
+    free_port,
+    prometheus_api,
+    start_prometheus,
+    stop_processes,
+    wait_http,
+)
 from tests.support.pki import Authority, web_config
 
 pytestmark = pytest.mark.e2e
-
-
-def _wait_https(url: str, context: ssl.SSLContext, proc: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=1, context=context):
-                return
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                out = proc.stdout.read() if proc.stdout else ""
-                raise AssertionError(f"{url} never answered: {out[-3000:]}") from None
-            time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +82,7 @@ def targets(tmp_path_factory) -> Iterator[dict[str, dict]]:
     context.load_cert_chain(client.cert, client.key)
     context.check_hostname = False
     try:
-        _wait_https(f"https://127.0.0.1:{exporter_port}/readyz", context, exporter)
+        wait_http(f"https://127.0.0.1:{exporter_port}/readyz", exporter, context=context)
         url = f"http://127.0.0.1:{prometheus_port}"
         deadline = time.monotonic() + 60
         while True:

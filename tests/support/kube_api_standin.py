@@ -32,6 +32,24 @@ def make_certificate(folder: Path) -> tuple[Path, Path]:
     return cert, key
 
 
+def answer_json(
+    handler: BaseHTTPRequestHandler, code: int, body: dict[str, Any], trickle_s: float = 0.0
+) -> None:
+    """A JSON answer as the API server sends it; one byte every `trickle_s` where set."""
+    data = json.dumps(body).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    if not trickle_s:
+        handler.wfile.write(data)
+        return
+    for i in range(len(data)):
+        handler.wfile.write(data[i : i + 1])
+        handler.wfile.flush()
+        time.sleep(trickle_s)
+
+
 def pod(namespace: str, name: str, uid: str, containers: dict[str, str]) -> dict[str, Any]:
     """A v1 Pod as the API serves it, with `containers` {name: containerd ID}."""
     statuses = [{"name": n, "containerID": f"containerd://{i}"} for n, i in containers.items()]
@@ -74,18 +92,7 @@ class StandInApi:
                     self._answer(200, {"kind": "PodList", "apiVersion": "v1", "items": api.pods})
 
             def _answer(self, code: int, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if api.trickle_s:
-                    for i in range(len(data)):
-                        self.wfile.write(data[i : i + 1])
-                        self.wfile.flush()
-                        time.sleep(api.trickle_s)
-                else:
-                    self.wfile.write(data)
+                answer_json(self, code, body, api.trickle_s)
 
             def log_message(self, *args: Any) -> None:
                 pass

@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import ssl
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from tests.support.kube_api_standin import make_certificate
+from tests.support.kube_api_standin import answer_json, make_certificate
 
 
 class StandInAuthApi:
@@ -69,18 +68,7 @@ class StandInAuthApi:
                     self._answer(404, {"kind": "Status", "reason": "NotFound"})
 
             def _answer(self, code: int, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if api.trickle_s:
-                    for i in range(len(data)):
-                        self.wfile.write(data[i : i + 1])
-                        self.wfile.flush()
-                        time.sleep(api.trickle_s)
-                else:
-                    self.wfile.write(data)
+                answer_json(self, code, body, api.trickle_s)
 
             def log_message(self, *args: Any) -> None:
                 pass

@@ -118,16 +118,11 @@ class WebSecurity:
                         f"web config {self.path}: TLS cannot be turned "
                         f"{'on' if config.tls else 'off'} without a restart"
                     )
-            except WebConfigError as exc:
-                if str(exc) != self.last_error:  # one line per new problem, not per handshake
-                    log.error("web config not reloaded, the last good one stays: %s", exc)
-                self.reload_ok, self.last_error = False, str(exc)
-                return
             except Exception as exc:  # never into a handshake or a request
-                log.error(
-                    "web config not reloaded, the last good one stays: %s", type(exc).__name__
-                )
-                self.reload_ok, self.last_error = False, type(exc).__name__
+                problem = str(exc) if isinstance(exc, WebConfigError) else type(exc).__name__
+                if problem != self.last_error:  # one line per new problem, not per handshake
+                    log.error("web config not reloaded, the last good one stays: %s", problem)
+                self.reload_ok, self.last_error = False, problem
                 return
             rate_changed = (config.rate_interval_s, config.rate_burst) != (
                 self.config.rate_interval_s,

@@ -16,6 +16,12 @@ exporter.metrics renders.
   on a GPU that no pod holds (with the pod reader: that none of its pods holds, though others
   may), and the GPU memory of a GPU that no pod holds. A process whose
   cgroup could not be read is listed with reason "unknown" and not counted.
+- Never from a reading older than the process (issue 38): a pod's process first seen after
+  the kubelet's latest List was asked may be of a pod that List did not know (a GPU that
+  moved pods; a kubelet that is down). It is not named from the assignment nor judged
+  against it: listed with reason "pending", not counted, until a List asked after it
+  answers. Its pod UID (its own cgroup) and, with the pod reader, the names the API gives
+  that UID stay exact.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from exporter.sample import KubeletReading, ProcessContainerReading, Sample
 NO_POD = "no_pod"  # a host process or a container of no pod
 NOT_ASSIGNED = "not_assigned"  # a pod's process on a GPU no pod holds
 UNKNOWN = "unknown"  # its cgroup could not be read: listed, not counted
+PENDING = "pending"  # a pod's process newer than the kubelet's answer: listed, not counted
 COUNTED_REASONS = (NO_POD, NOT_ASSIGNED)
 
 
@@ -108,7 +115,9 @@ def attribute(sample: Sample) -> Attribution | None:
             result.container_memory[key] = result.container_memory.get(key, 0) + entry.used_bytes
     for entry in sample.processes:
         where = located.get(entry.pid)
-        reason = _unattributed_reason(where, _holds(kubelet, where, holders.get(entry.gpu_uuid)))
+        reason = _unattributed_reason(
+            where, _holds(kubelet, where, holders.get(entry.gpu_uuid)), _fresh(kubelet, where)
+        )
         if reason is not None:
             result.unattributed_processes.append(
                 UnattributedProcess(
@@ -164,11 +173,23 @@ def _is_holder(holder: tuple[str, str, str], where: ProcessContainerReading) -> 
     return where.hostname == _hostname(pod)
 
 
-def _unattributed_reason(where: ProcessContainerReading | None, assigned: bool) -> str | None:
+def _fresh(kubelet: KubeletReading, where: ProcessContainerReading | None) -> bool:
+    """Whether the kubelet's assignment was asked after the process was first seen: only
+    then does it know the process's pod (a running container's devices never change)."""
+    if where is None:
+        return False
+    return kubelet.asked_s is not None and where.first_seen_s <= kubelet.asked_s
+
+
+def _unattributed_reason(
+    where: ProcessContainerReading | None, assigned: bool, fresh: bool
+) -> str | None:
     if where is None or where.state == "unknown":
         return UNKNOWN
     if where.state == "no_container" or not where.pod_uid:
         return NO_POD
+    if not fresh:
+        return PENDING
     return None if assigned else NOT_ASSIGNED
 
 
@@ -192,6 +213,8 @@ def _process_pods(
         where = located[pid]
         if kubelet is not None and kubelet.pods is not None:
             owner = _owner_from_api(kubelet, where)
+        elif kubelet is None or not _fresh(kubelet, where):
+            owner = None  # its pod UID alone until a List asked after it answers
         else:
             names = {_certain_owner(holders.get(g, set()), pod_uids_on[g], on_gpu[g]) for g in gpus}
             owner = names.pop() if len(names) == 1 else None

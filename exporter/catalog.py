@@ -708,7 +708,8 @@ FAMILIES: tuple[Family, ...] = (
         "gpu_process_memory_unattributed_bytes",
         "gauge",
         "GPU memory of a process outside every pod that holds its GPU (reason: no_pod, "
-        "not_assigned; unknown: its cgroup could not be read, not counted as unattributed).",
+        "not_assigned; listed but not counted as unattributed: unknown, its cgroup could not "
+        "be read, and pending, a pod's process newer than the kubelet's latest answer).",
         (*GPU_LABELS, "pid", "reason"),
         "kubelet",
         ("node",),

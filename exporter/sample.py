@@ -151,6 +151,9 @@ class KubeletReading:
     up: bool  # the latest List succeeded
     error: str = ""  # why the latest List failed, in one line
     last_success_s: float | None = None  # Unix time of the latest successful List
+    # Unix time that List was asked: a process first seen after it may hold a GPU the List
+    # gave another pod (exporter.attribution never names it from this reading).
+    asked_s: float | None = None
     refresh_errors: int = 0
     # From the latest successful List (kept while the kubelet is down); None before one.
     devices: list[PodDevice] | None = None
@@ -177,6 +180,7 @@ class ProcessContainerReading:
     # hostname ("" also where it is the node's, a hostNetwork pod) and namespace.
     hostname: str = ""
     namespace: str = ""
+    first_seen_s: float = 0.0  # Unix time the daemon first saw it use a GPU
 
 
 @dataclass

@@ -627,6 +627,7 @@ def node_shaped(sample: Sample) -> Sample:
         up=False,
         error="deadline exceeded",
         last_success_s=1.0,
+        asked_s=1.0,
         refresh_errors=1,
         devices=[PodDevice("ml", "llama-0", "server", "nvidia.com/gpu", gpu.uuid)],
         pods={"uid-1": ("ml", "llama-0")},

@@ -46,7 +46,7 @@ def sample(devices, processes, located) -> Sample:
         timestamp=0.0,
         gpus=gpus(),
         processes=processes,
-        kubelet=KubeletReading(socket="/k.sock", up=True, devices=devices),
+        kubelet=KubeletReading(socket="/k.sock", up=True, devices=devices, asked_s=1.0),
         process_containers=located,
     )
 
@@ -201,3 +201,38 @@ def test_a_lost_gpu_is_not_judged():
     s = sample([], [], [])
     s.gpus[1].up = False
     assert GPU1 not in attribute(s).unattributed_gpus
+
+
+def test_a_process_newer_than_the_kubelets_answer_is_pending_never_named():
+    """The GPU moved from llama-0 to another pod; the kubelet's latest answer (asked at 1.0)
+    still says llama-0, and a process of the new pod appears at 2.0 whose container says
+    nothing of its pod (issue 38: it was named llama-0 for ~0.8 s, and for as long as the
+    kubelet was down). It keeps its pod UID alone, is listed "pending" and not counted."""
+    newcomer = in_pod(uid=UID_B, hostname="", namespace="")
+    newcomer.first_seen_s = 2.0
+    result = attribute(sample([llama()], [the_process()], [newcomer]))
+    assert result.process_pods == [ProcessPod(PID, UID_B, "c" * 64)]
+    assert result.container_memory == {}
+    assert result.unattributed_processes == [UnattributedProcess(0, GPU0, PID, "pending", PID_USED)]
+    assert result.unattributed_gpus[GPU0] == (0, 0)  # not counted: its pod may hold the GPU
+    # Once a List asked after it answers, it is judged as any other.
+    s = sample([llama()], [the_process()], [newcomer])
+    s.kubelet.asked_s = 2.5
+    assert attribute(s).unattributed_processes == []
+    # A StatefulSet's pod recreated under the same name (another UID) says it is llama-0:
+    # still not named from an answer that predates it (its container may differ).
+    recreated = in_pod(uid=UID_B)
+    recreated.first_seen_s = 2.0
+    result = attribute(sample([llama()], [the_process()], [recreated]))
+    assert [p.pod for p in result.process_pods] == [""]
+    assert result.unattributed_processes[0].reason == "pending"
+    # Never asked: nothing is named either.
+    s.kubelet.asked_s = None
+    assert [p.pod for p in attribute(s).process_pods] == [""]
+
+
+def test_a_pending_process_still_counts_where_no_pod_could_hold_it():
+    """A host process is outside every pod whatever the kubelet says: never pending."""
+    host = ProcessContainerReading(PID, "no_container", first_seen_s=2.0)
+    result = attribute(sample([llama()], [the_process()], [host]))
+    assert result.unattributed_processes[0].reason == "no_pod"

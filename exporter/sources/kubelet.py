@@ -92,10 +92,11 @@ class KubeletSource:
         if pids != self._containers.keys():
             # Processes came or went: who holds the GPUs may have changed pods too.
             known = self._containers
+            now = time.time()
             self._containers = {
                 pid: known[pid]
                 if pid in known and known[pid].state != "unknown"
-                else self._locate(pid)
+                else dataclasses.replace(self._locate(pid), first_seen_s=now)
                 for pid in sorted(pids)
             }
             self._wake.set()
@@ -166,6 +167,7 @@ class KubeletSource:
 
     def refresh(self) -> None:
         """One List call; its outcome becomes the state the next tick reads."""
+        asked = time.time()  # before the call: what it answers is at least this fresh
         try:
             devices = self._list()
         except Exception as exc:  # any failure is a state: this thread must go on
@@ -177,6 +179,7 @@ class KubeletSource:
                     socket=self.socket_path,
                     up=True,
                     last_success_s=time.time(),
+                    asked_s=asked,
                     refresh_errors=self._state.refresh_errors,
                     devices=devices,
                     pods=pods,

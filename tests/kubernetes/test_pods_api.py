@@ -159,6 +159,7 @@ def shared_gpu_sample(pods: dict[str, tuple[str, str]] | None) -> Sample:
         kubelet=KubeletReading(
             socket="/k.sock",
             up=True,
+            asked_s=1.0,  # after the processes were first seen (at 0.0)
             devices=devices,
             pods=pods,
             containers={CRIO_ID: "server", "b" * 64: "worker", "c" * 64: "jupyter"},

@@ -5,6 +5,7 @@ routes."""
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -55,7 +56,8 @@ class Node:
         self.socket = tmp / "kubelet.sock"
         write_state(self.state, [pod("serving", "llama-0", "server", f"{GPU0}::0")])
         self.kubelet = StandInKubelet(self.socket, self.state).start()
-        self.nvml = NvmlSource(FakeNvml(RAW))
+        self.fake = FakeNvml(copy.deepcopy(RAW))  # a test may start and stop processes
+        self.nvml = NvmlSource(self.fake, process_interval_s=0.0)  # every tick: see it at once
         self.source = KubeletSource(
             lambda: self.nvml.last_pids,
             socket_path=str(self.socket),
@@ -129,6 +131,69 @@ def test_the_gpu_and_its_process_are_named_and_move_with_the_assignment(node):
     assert time.monotonic() - started < 2.0
 
 
+NEW_PID = PID + 1000
+
+
+def replace_the_process(node: Node, tmp: Path) -> None:
+    """The GPU's process exits and a process of pod batch/embed-7 (another pod UID, its
+    container saying it is embed-7) starts on the same GPU."""
+    process = tmp / "proc" / str(NEW_PID)
+    process.mkdir(parents=True)
+    (process / "cgroup").write_bytes((CGROUPS / "v2-cgroupfs-burstable.txt").read_bytes())
+    pod_files(process, "embed-7", "batch")
+    node.fake.raw["devices"][0]["processes"][0]["pid"] = NEW_PID
+
+
+def judged(families) -> dict[str, str]:
+    return {
+        s.labels["pid"]: s.labels["reason"]
+        for s in families.get("gpu_process_memory_unattributed_bytes", [])
+    }
+
+
+def unattributed_on_gpu0(families) -> float:
+    return {s.labels["gpu_uuid"]: s.value for s in families["gpu_memory_unattributed_bytes"]}[
+        GPU0
+    ]
+
+
+def test_a_process_newer_than_the_kubelets_answer_is_never_judged_by_it(node, tmp_path):
+    """The GPU moves from llama-0 to embed-7 while the kubelet takes 0.8 s to answer: every
+    scrape in that window used to judge embed-7's process by the old assignment (not
+    assigned: its memory charged as nobody's). It is "pending", not counted, until a List
+    asked after it answers; then it is named."""
+    node.wait_for(lambda f: f.get("gpu_process_pod_info"))
+    write_state(node.state, [pod("batch", "embed-7", "worker", f"{GPU0}::0")], delay_s=0.8)
+    replace_the_process(node, tmp_path)
+    started = time.monotonic()
+    while time.monotonic() - started < 0.6:
+        families = node.metrics()
+        assert judged(families) == {str(NEW_PID): "pending"}
+        assert unattributed_on_gpu0(families) == 0.0
+        assert families.get("gpu_process_pod_info", []) == []
+        time.sleep(0.1)
+    families = node.wait_for(lambda f: f.get("gpu_process_pod_info"))
+    [named] = families["gpu_process_pod_info"]
+    assert (named.labels["pid"], named.labels["pod"]) == (str(NEW_PID), "embed-7")
+    assert judged(families) == {}
+
+
+def test_while_the_kubelet_is_down_a_new_process_stays_pending(node, tmp_path):
+    node.wait_for(lambda f: f.get("gpu_process_pod_info"))
+    node.kubelet.stop()
+    node.socket.unlink(missing_ok=True)
+    replace_the_process(node, tmp_path)
+    families = node.wait_for(lambda f: up(f) == 0.0)
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        families = node.metrics()
+        assert judged(families) == {str(NEW_PID): "pending"}
+        assert unattributed_on_gpu0(families) == 0.0
+        time.sleep(0.1)
+    # The old assignment is still served, aged by the last success.
+    assert pods_of(families) == {(GPU0, "serving", "llama-0", "server")}
+
+
 def test_at_the_basic_level_a_containers_gpu_memory_is_keyed_by_the_container(tmp_path):
     """The default level serves no per-pid series for pods' processes: their GPU memory is
     summed per GPU and container, an identity a restart of the server keeps."""
@@ -151,6 +216,7 @@ def test_at_the_basic_level_a_containers_gpu_memory_is_keyed_by_the_container(tm
 
 
 def test_a_gpu_assigned_elsewhere_leaves_this_gpus_memory_unattributed(node):
+    node.metrics()  # the process is seen first: the List below is asked after it
     write_state(node.state, [pod("serving", "llama-0", "server", "GPU-on-another-node")])
     node.source.refresh()
     families = node.metrics()

@@ -152,9 +152,7 @@ def judged(families) -> dict[str, str]:
 
 
 def unattributed_on_gpu0(families) -> float:
-    return {s.labels["gpu_uuid"]: s.value for s in families["gpu_memory_unattributed_bytes"]}[
-        GPU0
-    ]
+    return {s.labels["gpu_uuid"]: s.value for s in families["gpu_memory_unattributed_bytes"]}[GPU0]
 
 
 def test_a_process_newer_than_the_kubelets_answer_is_never_judged_by_it(node, tmp_path):

@@ -8,7 +8,9 @@ Shapes handled (tests/data/cgroup/ has one file per shape, with where each comes
 - cgroupfs driver: `/kubepods/<qos>/pod<uid with dashes>/<id>` (Guaranteed pods: no <qos>).
 - Docker and Podman outside Kubernetes: `/docker/<id>`, `docker-<id>.scope`, `libpod-<id>.scope`.
 - A private cgroup namespace shows other cgroups as `/../../<path>`: nothing is anchored at
-  the start. Nested clusters (kind) hold several IDs: the deepest is the process's own.
+  the start. Nested clusters (kind) hold several IDs: the container is the first inside the
+  pod. Of several pod UIDs the outermost is the process's (the kubelet's cgroup; one nested
+  under a container is the container's own making): a node daemon runs on the outer node.
 """
 
 from __future__ import annotations
@@ -70,16 +72,23 @@ def parse_cgroup(text: str) -> Container | None:
 
 
 def _parse_path(path: str) -> Container | None:
-    pods = _POD_UID.findall(path)
-    containers = _CONTAINER.findall(path)
-    if not pods and not containers:
-        return None
-    pod_uid = pods[-1].replace("_", "-") if pods else ""
-    runtime, container_id = containers[-1] if containers else ("", "")
-    # The ID must be inside the pod's cgroup (kind: the node's own container is outside).
-    if pod_uid and containers and path.rfind(container_id) < path.rfind(pods[-1]):
-        runtime, container_id = "", ""
-    return Container(pod_uid, container_id, _RUNTIMES.get(runtime, runtime))
+    pods = list(_POD_UID.finditer(path))
+    containers = list(_CONTAINER.finditer(path))
+    if not pods:
+        if not containers:
+            return None
+        runtime, container_id = containers[-1].groups()  # Docker in Docker: the innermost
+        return Container("", container_id, _RUNTIMES.get(runtime or "", runtime or ""))
+    # The outermost pod is the process's: the kubelet made that cgroup. One nested deeper
+    # was made inside a container (a privileged or cgroup-writable one) and may name any
+    # pod (issue 38). Its container is the first ID between that pod and the next pod
+    # UID: never the node's own container outside it (kind), never a nested one.
+    pod = pods[0]
+    end = pods[1].start() if len(pods) > 1 else len(path)
+    inside = [c for c in containers if pod.end() <= c.start() < end]
+    runtime, container_id = inside[0].groups() if inside else ("", "")
+    runtime = runtime or ""
+    return Container(pod.group(1).replace("_", "-"), container_id, _RUNTIMES.get(runtime, runtime))
 
 
 def read_cgroup(pid: int, proc: str = "/proc") -> Container | None:

@@ -27,6 +27,11 @@ EXPECTED = {
         "99f3a16ea25b7724cb56a4f0c0df1113ad9474fbf5545bead97fd5c7f61c13f4",
         "containerd",
     ),
+    # Issue 38: the deepest pod UID used to win, so a container could claim another pod.
+    "hostile-nested-in-container.txt": Container(
+        "2c9f8a79-5391-454b-88cb-86190881cb96", CRIO_ID, "cri-o"
+    ),
+    "hostile-nested-in-pod.txt": Container("2c9f8a79-5391-454b-88cb-86190881cb96", "", ""),
     "v2-nested-kind-pod-level.txt": Container("eab5a334-93fe-48a8-b139-9e8079c1f163", "", ""),
     "v2-cgroupfs-burstable.txt": Container(
         "5a89bcaa-3509-4375-83e1-b9e7a5712123",

@@ -26,6 +26,10 @@ LIST_METHOD = "/v1.PodResourcesLister/List"
 # A List answer on a node with hundreds of pods is a few hundred KiB; anything near this is
 # not a kubelet.
 MAX_RESPONSE_BYTES = 16 << 20
+# GPU device assignments one node can have: 500 pods (5x the kubelet's default maxPods) each
+# holding 8 GPUs, time-slicing replicas and MIG slices included, is 4,000. An answer with more
+# is refused whole (issue 38: 100k rows became 100k series and ~260 MB kept in the daemon).
+MAX_ASSIGNMENTS = 8192
 
 
 class KubeletClientMissing(RuntimeError):
@@ -55,8 +59,21 @@ def messages() -> dict[str, Any]:
 
 def assignments(response: Any, resources: frozenset[str] | None = None) -> list[PodDevice]:
     """The device assignments in a ListPodResourcesResponse, only for `resources` (exact
-    names, or prefixes ending in '*') when given."""
+    names, or prefixes ending in '*') when given. KubeletError for more than MAX_ASSIGNMENTS,
+    counted before any row is built."""
     result = []
+    rows = sum(
+        len(devices.device_ids)
+        for pod in response.pod_resources
+        for container in pod.containers
+        for devices in container.devices
+        if resources is None or resource_matches(devices.resource_name, resources)
+    )
+    if rows > MAX_ASSIGNMENTS:
+        raise KubeletError(
+            f"the kubelet answered {rows} GPU assignments, more than one node can have "
+            f"({MAX_ASSIGNMENTS}): answer ignored, the last one kept"
+        )
     for pod in response.pod_resources:
         for container in pod.containers:
             for devices in container.devices:

@@ -26,7 +26,8 @@ def wait_for(url: str, check, timeout_s: float = 60.0) -> dict[str, list]:
         families = scrape(url)
         if check(families):
             return families
-        assert time.monotonic() < deadline, f"never: {families.get('gpumem_exporter_kubelet_error_info')}"
+        why = families.get("gpumem_exporter_kubelet_error_info")
+        assert time.monotonic() < deadline, f"never; kubelet error: {why}"
         time.sleep(0.2)
 
 

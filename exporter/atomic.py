@@ -2,7 +2,9 @@
 
 A writer killed mid-write (SIGKILL, OOM kill) leaves its temp file behind. The temp file's
 name carries the writer's pid, so that a sweep can remove leftovers without touching a file
-another live process is still writing (`gpumem-exporter run` processes share one folder).
+another live process is still writing (`gpumem-exporter run` processes share one folder), and
+its PID namespace: two containers sharing one volume have pids that mean nothing to each
+other (issue 38), so a file of another namespace's writer is left over only once it is stale.
 """
 
 from __future__ import annotations
@@ -13,14 +15,42 @@ import stat
 import tempfile
 import time
 from collections.abc import Iterable
+from functools import cache
 from pathlib import Path
 
 TEMP_SUFFIX = ".partial"
 # A temp file nobody has written to for this long is left over, whatever its name says: the
 # pid may have been reused, or the file predates pids in names.
 STALE_TEMP_S = 600.0
-# .<target name>.<writer pid>.<random>.partial (mkstemp's random part has no dot).
-_TEMP_NAME = re.compile(r"^\..+\.(?P<pid>[0-9]+)\.[^.]+" + re.escape(TEMP_SUFFIX) + "$")
+# .<target name>.<writer pid>[n<its PID namespace>].<random>.partial (mkstemp's random part
+# has no dot; names without the namespace are older versions').
+_TEMP_NAME = re.compile(
+    r"^\..+\.(?P<pid>[0-9]+)(?:n(?P<namespace>[0-9]+))?\.[^.]+" + re.escape(TEMP_SUFFIX) + "$"
+)
+
+
+@cache
+def pid_namespace() -> str:
+    """This process's PID namespace (the inode number of /proc/self/ns/pid), "" where it
+    cannot be read. Fixed for a process's life: a fork stays in its parent's."""
+    try:
+        link = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        return ""
+    inode = link.partition("[")[2].rstrip("]")
+    return inode if inode.isdigit() else ""
+
+
+def same_pid_namespace(namespace: str) -> bool:
+    """Whether a writer that recorded `namespace` ("" where it did not) had pids of ours:
+    only then can kill(pid, 0) say whether it lives."""
+    return not namespace or not pid_namespace() or namespace == pid_namespace()
+
+
+def writer_tag() -> str:
+    """This process as a temp file's name says it: pid, then its PID namespace."""
+    namespace = pid_namespace()
+    return f"{os.getpid()}n{namespace}" if namespace else str(os.getpid())
 
 
 def write_bytes(
@@ -51,7 +81,7 @@ def write_chunks(
     """
     target = Path(path)
     fd, tmp = tempfile.mkstemp(
-        prefix=f".{target.name}.{os.getpid()}.", suffix=TEMP_SUFFIX, dir=target.parent
+        prefix=f".{target.name}.{writer_tag()}.", suffix=TEMP_SUFFIX, dir=target.parent
     )
     try:
         with os.fdopen(fd, "wb") as f:
@@ -117,9 +147,13 @@ def writer_alive(pid: int) -> bool:
 
 def abandoned(path: Path, *, stale_s: float = STALE_TEMP_S) -> bool:
     """Whether the temp file `path` was left behind: its writer is dead, or it has not been
-    written to for `stale_s` seconds."""
+    written to for `stale_s` seconds (the only sign for a writer of another PID namespace)."""
     match = _TEMP_NAME.match(path.name)
-    if match is not None and not writer_alive(int(match["pid"])):
+    if (
+        match is not None
+        and same_pid_namespace(match["namespace"] or "")
+        and not writer_alive(int(match["pid"]))
+    ):
         return True
     try:
         return time.time() - path.lstat().st_mtime > stale_s

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from exporter import atomic
+from exporter.actions.base import MAX_RECORD_S
 from exporter.actions.errors import ActionInsufficientStorage
 from exporter.config import ConfigError, make_private_folder, private_folder_problem
 from exporter.identity import pod_name, process_labels
@@ -135,10 +136,31 @@ def _read_json(path: Path) -> Any:
     return json.loads(raw)
 
 
+# How long past its recording time a capture by another PID namespace's writer may take to be
+# written before it is taken as abandoned.
+OVERDUE_S = 120.0
+
+
+def _forget_writer(meta: dict[str, Any]) -> None:
+    """A capture that is written no longer needs its writer's identity."""
+    meta.pop("writer_pid", None)
+    meta.pop("writer_pid_namespace", None)
+
+
 def _writer_gone(info: SnapshotInfo) -> bool:
-    """Whether the process that reserved a capture has exited (or is not known)."""
+    """Whether the process that reserved a capture has exited (or is not known). One of
+    another PID namespace (another container on this volume) cannot be asked: it is gone
+    once its capture is overdue."""
     writer = info.meta.get("writer_pid")
-    return not isinstance(writer, int) or writer <= 0 or not atomic.writer_alive(writer)
+    if not isinstance(writer, int) or writer <= 0:
+        return True
+    namespace = info.meta.get("writer_pid_namespace")
+    if not atomic.same_pid_namespace(namespace if isinstance(namespace, str) else ""):
+        record_s = info.meta.get("record_s")
+        if not isinstance(record_s, (int, float)) or not 0 < record_s <= MAX_RECORD_S:
+            record_s = MAX_RECORD_S
+        return time.time() - info.created > record_s + OVERDUE_S
+    return not atomic.writer_alive(writer)
 
 
 class SnapshotStore:
@@ -244,7 +266,7 @@ class SnapshotStore:
         elif info.status == "recording" and _writer_gone(info):
             if data is not None and stat.S_ISREG(data.st_mode):  # renamed in before the kill
                 info.status, info.size_bytes = "ready", data.st_size
-                info.meta.pop("writer_pid", None)
+                _forget_writer(info.meta)
             else:
                 info.status = "failed"
                 info.meta["error"] = "the process exited while recording"
@@ -367,7 +389,11 @@ class SnapshotStore:
             trigger=trigger,
             created=time.time(),
             status="recording",
-            meta={**(meta or {}), "writer_pid": os.getpid()},
+            meta={
+                **(meta or {}),
+                "writer_pid": os.getpid(),
+                "writer_pid_namespace": atomic.pid_namespace(),
+            },
         )
         info.filename = self._filename(info, None)
         with self._storage("capture not started"):
@@ -418,7 +444,7 @@ class SnapshotStore:
         payload = pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL)
         info = info or SnapshotInfo(id=new_id(), trigger=trigger, created=time.time())
         info.meta.update(meta or {})
-        info.meta.pop("writer_pid", None)
+        _forget_writer(info.meta)
         info.filename = info.filename or self._filename(info, device)
         with self._storage("snapshot not written"):
             self._writable_folder()

@@ -100,7 +100,7 @@ def _run(command: Sequence[str], config: Config, supervisor: Supervisor) -> int:
             cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
             cleanup.callback(os.close, hold_lock(run_dir))  # the folder's proof of life
             # Stops the command if this process is killed; without the admin token.
-            keeper = reaper.start(run_dir, withheld(os.environ))
+            keeper = reaper.start(run_dir, withheld(os.environ), f"{RUN_DIR_ENV}={run_dir}")
             supervisor.spared.add(keeper.pid)
             cleanup.callback(reaper.release, keeper)
             write_agent_config(config, run_dir)

@@ -8,6 +8,7 @@ spawned and forked by multiprocessing, sitecustomize injection, Unix sockets, HT
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -893,3 +894,126 @@ def test_orphans_the_launcher_adopted_are_in_host_memory(tmp_path):
         (control / "stop").touch()
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+# A server that leaves two daemons behind its own tree: one setsid'd after a double fork (its
+# parent exits, so it is re-parented to the launcher), one that also scrubs its environment.
+DAEMONS = """
+import os, sys, time
+folder = sys.argv[1]
+def daemon(argv, name):
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.execvp(argv[0], argv)
+        os._exit(0)
+    os.wait()
+daemon(["sh", "-c", f"echo $$ > {folder}/kept.pid; exec sleep 300"], "kept")
+daemon(["env", "-i", "sh", "-c", f"echo $$ > {folder}/scrubbed.pid; exec sleep 300"], "scrubbed")
+print("started", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_killed_launcher_takes_daemons_it_adopted_with_it(tmp_path, short_tmp):
+    """Issue 38: the keeper stopped the command's tree only; a setsid'd daemon re-parented to
+    the launcher outlived a SIGKILLed launcher."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exporter.cli", "run", "--port", str(free_port()), "--",
+         sys.executable, "-c", DAEMONS, str(tmp_path)],
+        env=dict(os.environ, GPUMEM_NVML="off", TMPDIR=str(short_tmp)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        while (line := proc.stdout.readline()) and line.strip() != "started":
+            pass  # the launcher's log
+        wait_for(lambda: all(p.read_text() for p in tmp_path.glob("*.pid")), 10, "the daemons")
+        wait_for(lambda: len(list(tmp_path.glob("*.pid"))) == 2, 10, "the daemons")
+        daemons = [int(p.read_text()) for p in sorted(tmp_path.glob("*.pid"))]
+        [command] = [c for c in psutil.Process(proc.pid).children() if c.cmdline()[1:2] == ["-c"]]
+        for pid in daemons:  # adopted by the launcher, outside the command's tree and group
+            wait_for(lambda pid=pid: psutil.Process(pid).ppid() == proc.pid, 10, "adoption")
+            assert os.getpgid(pid) != command.pid
+        time.sleep(1.5)  # the keeper looks at the launcher's children once a second
+        proc.kill()
+        proc.wait(10)
+        wait_for(lambda: not any(_alive(pid) for pid in daemons), 30, "the daemons to stop")
+    finally:
+        proc.kill()
+        for pid_file in tmp_path.glob("*.pid"):
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+# A launcher killed while its command's execve has not returned (a binary on a hung network
+# mount): the keeper was never sent the command's pid. Here the child never execs at all.
+STALLED = """
+import os, sys, time
+from exporter.run import reaper
+keeper = reaper.start(sys.argv[1], dict(os.environ), "GPUMEM_RUN_DIR=" + sys.argv[1])
+child = os.fork()
+if child == 0:
+    os.closerange(3, 1 << 16)  # as subprocess's child does before its execve
+    time.sleep(300)  # where execve would be stuck
+    os._exit(0)
+print(keeper.pid, child, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_command_the_keeper_was_never_told_of_is_stopped_with_the_launcher(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", STALLED, str(run_dir)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+    )
+    try:
+        keeper, child = map(int, launcher.stdout.readline().split())
+        time.sleep(1.5)  # one look of the keeper at the launcher's children
+        launcher.kill()
+        launcher.wait(10)
+        wait_for(lambda: not _alive(child), 30, "the stalled command to stop")
+        wait_for(lambda: not _alive(keeper) and not run_dir.exists(), 15, "the keeper to end")
+    finally:
+        launcher.kill()
+        with contextlib.suppress(ProcessLookupError, NameError):
+            os.kill(child, signal.SIGKILL)
+
+
+# The launcher's parent is a subreaper (as a container's init is) with another child; the
+# launcher starts its keeper and dies before the keeper is up: the keeper's parent is then
+# the subreaper, whose other children are no part of the run.
+EARLY = """
+import ctypes, os, subprocess, sys, time
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+bystander = subprocess.Popen(["sleep", "30"])
+launcher = subprocess.Popen([sys.executable, "-c",
+    "import os, sys; from exporter.run import reaper; "
+    "reaper.start(sys.argv[1], dict(os.environ), 'GPUMEM_RUN_DIR=' + sys.argv[1]); os._exit(0)",
+    sys.argv[1]])
+launcher.wait()
+time.sleep(3)
+os.waitpid(-1, os.WNOHANG)  # the keeper, adopted here, has ended
+print("bystander", "alive" if bystander.poll() is None else "killed", flush=True)
+bystander.kill()
+"""
+
+
+def test_a_launcher_dead_before_its_keeper_starts_costs_nobody_else(tmp_path):
+    """The keeper used to take its parent at start-up for the launcher: with the launcher
+    already gone, that was the subreaper above it, whose other children it then stopped."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-c", EARLY, str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+    )
+    assert "bystander alive" in result.stdout, result.stdout + result.stderr

@@ -95,6 +95,7 @@ def node_sample(server: Sample, recorded: Sample) -> Sample:
         "/var/lib/kubelet/pod-resources/kubelet.sock",
         up=True,
         last_success_s=server.timestamp,
+        asked_s=server.timestamp,  # after the processes were first seen
         devices=[
             PodDevice("llm", "llama-0", "vllm", "nvidia.com/gpu", g.uuid) for g in server.gpus
         ],

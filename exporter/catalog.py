@@ -158,6 +158,17 @@ FAMILIES: tuple[Family, ...] = (
         ("run",),
     ),
     Family(
+        "gpumem_exporter_readings_over_budget",
+        "gauge",
+        "Readings left out of this scrape because a series budget is full (budget: "
+        "per_process, an agent's allocators over 16; per_endpoint, all agents' allocators "
+        "over 256, the first connected kept; host_processes, host-memory rows over 256, the "
+        "largest kept). 0 while everything is served.",
+        ("budget",),
+        "exporter",
+        ("run", "node"),
+    ),
+    Family(
         "gpumem_exporter_snapshots",
         "counter",
         "Allocator snapshots written.",

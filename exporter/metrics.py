@@ -294,6 +294,11 @@ class SampleCollector(Collector):
             for reason, count in sorted(sample.rejected_messages.items()):
                 rejected.add({"reason": reason}, count)
             yield rejected, True
+        if sample is not None and sample.over_budget:
+            over = self._fill(catalog.family("gpumem_exporter_readings_over_budget"))
+            for name, count in sorted(sample.over_budget.items()):
+                over.add({"budget": name}, count)
+            yield over, False
         if stats is not None:
             yield from self._action_families(stats, processes)
         if sample is not None:

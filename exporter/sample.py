@@ -271,6 +271,8 @@ class SourceReading:
     self_pid: int | None = None
     # Messages from agents that were rejected, by reason (gpumem-exporter run).
     rejected_messages: dict[str, int] = field(default_factory=dict)
+    # Readings not served because a series budget is full, by budget (exporter.budget).
+    over_budget: dict[str, int] = field(default_factory=dict)
     # `processes` repeat an earlier read: NVML's process list is its costliest call (~35 us
     # per GPU), so it is read every few seconds, not every tick.
     processes_cached: bool = False
@@ -295,6 +297,7 @@ class Sample:
     pinned_host: list[PinnedHostReading] = field(default_factory=list)
     self_pid: int | None = None
     rejected_messages: dict[str, int] = field(default_factory=dict)
+    over_budget: dict[str, int] = field(default_factory=dict)  # SourceReading.over_budget
     processes_cached: bool = False  # SourceReading.processes_cached
     # Kubernetes attribution (node daemon only; not part of a trace).
     kubelet: KubeletReading | None = None

@@ -122,6 +122,7 @@ class Sampler:
             sample.host_processes.extend(reading.host_processes)
             sample.pinned_host.extend(reading.pinned_host)
             sample.rejected_messages.update(reading.rejected_messages)
+            sample.over_budget.update(reading.over_budget)
             if reading.host is not None:
                 sample.host = reading.host
             if reading.kubelet is not None:

@@ -609,6 +609,7 @@ def run_shaped(sample: Sample) -> Sample:
     for reading in [*sample.allocators, *sample.pinned_host]:
         reading.process = dict(WORKER)
     sample.rejected_messages = {"bad_json": 1}
+    sample.over_budget = {"per_process": 0, "per_endpoint": 0, "host_processes": 0}
     sample.host_processes.append(HostProcessReading(100, "worker", "0", 1 << 30, 1 << 31, 0))
     return sample
 

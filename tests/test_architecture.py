@@ -17,6 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "units",
         "atomic",
+        "budget",
         "ratelimit",
         "no_redirects",
         "catalog",

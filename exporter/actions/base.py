@@ -21,6 +21,7 @@ from exporter.actions.errors import (  # noqa: F401 - where callers have always 
     ActionInsufficientStorage,
     ActionUnavailable,
 )
+from exporter.actions.snapshots import MAX_RECORD_S  # noqa: F401 - where callers find it
 from exporter.sample import ProcessCounts
 
 if TYPE_CHECKING:
@@ -29,9 +30,6 @@ if TYPE_CHECKING:
     from exporter.sampler import Listener
 
 DEFAULT_HISTORY_ENTRIES = 100_000
-# A windowed capture blocks every other snapshot of its process until it ends: long enough for
-# a few minutes of serving steps; stop_capture ends it early.
-MAX_RECORD_S = 300
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from exporter import atomic
-from exporter.actions.base import MAX_RECORD_S
 from exporter.actions.errors import ActionInsufficientStorage
 from exporter.config import ConfigError, make_private_folder, private_folder_problem
 from exporter.identity import pod_name, process_labels
@@ -136,6 +135,9 @@ def _read_json(path: Path) -> Any:
     return json.loads(raw)
 
 
+# A windowed capture blocks every other snapshot of its process until it ends: long enough for
+# a few minutes of serving steps; stop_capture ends it early.
+MAX_RECORD_S = 300
 # How long past its recording time a capture by another PID namespace's writer may take to be
 # written before it is taken as abandoned.
 OVERDUE_S = 120.0

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from exporter import budget
 from exporter.actions.base import ProcessResult, Target
 from exporter.ratelimit import RateLimitedLog
 from exporter.run import protocol
@@ -353,10 +354,26 @@ class Aggregator:
         now = time.monotonic()
         # A silent process's last numbers are not served as if they were current.
         peers = [p for p in peers if not self._silent(p, now)]
+        allocators: list[AllocatorReading] = []
+        over = {"per_process": 0, "per_endpoint": 0}
+        for peer in sorted(peers, key=lambda p: p.id):  # the first connected keep their place
+            mine, dropped = budget.take(peer.allocators, budget.PER_PROCESS)
+            over["per_process"] += dropped
+            mine, dropped = budget.take(mine, budget.PER_ENDPOINT - len(allocators))
+            over["per_endpoint"] += dropped
+            allocators.extend(_aged(a, now - peer.sampled_at) for a in mine)
+        if any(over.values()):
+            self._log.warning(
+                "budget",
+                f"agents sent more allocator readings than one endpoint serves: "
+                f"{over['per_process']} over {budget.PER_PROCESS} a process, "
+                f"{over['per_endpoint']} over {budget.PER_ENDPOINT} in all; left out",
+            )
         return SourceReading(
-            allocators=[_aged(a, now - p.sampled_at) for p in peers for a in p.allocators],
+            allocators=allocators,
             pinned_host=[p.pinned_host for p in peers if p.pinned_host is not None],
             rejected_messages=rejected,
+            over_budget=over,
         )
 
     def _silent(self, peer: _Peer, now: float) -> bool:

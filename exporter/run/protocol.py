@@ -278,6 +278,9 @@ def parse_sample(message: Mapping[str, Any]) -> tuple[list[AllocatorReading], Ac
     if not isinstance(allocators, list) or len(allocators) > MAX_ALLOCATORS:
         raise _fail(f"allocators: expected a list of at most {MAX_ALLOCATORS}")
     readings = [parse_allocator(a) for a in allocators]
+    devices = [r.device for r in readings]
+    if len(set(devices)) != len(devices):  # the same series twice: a scrape Prometheus drops
+        raise _fail("allocators: a device appears twice")
     actions = _object(message.get("actions", {}), "actions")
     counts = ActionCounts(
         snapshots=_counts(actions.get("snapshots", {}), "actions.snapshots", None),

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import psutil
 
+from exporter import budget
 from exporter.identity import process_title
 from exporter.sample import HostProcessReading, SourceReading
 
@@ -104,7 +105,11 @@ class ProcessMemorySource:
             )
         for gone in set(self._described) - set(pids):  # pids are reused: forget the exited
             del self._described[gone]
-        return SourceReading(host_processes=readings)
+        largest = sorted(readings, key=lambda r: -r.resident_bytes)
+        served, dropped = budget.take(largest, budget.HOST_PROCESSES)
+        if dropped:
+            readings = sorted(served, key=lambda r: r.pid)  # back in pid order
+        return SourceReading(host_processes=readings, over_budget={"host_processes": dropped})
 
     def close(self) -> None:
         pass

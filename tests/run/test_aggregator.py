@@ -241,3 +241,103 @@ def test_a_rank_the_environment_contradicts_is_the_environments(run_dir):
         liar.kill()
         unset.kill()
         aggregator.close()
+
+
+# One process of the server: says hello, then sends `count` allocator readings (devices
+# 0..count-1) and stays connected.
+GREEDY = """
+import json, socket, sys, time
+count = int(sys.argv[2])
+conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+conn.connect(sys.argv[1])
+allocators = [
+    {"device": d, "gpu_uuid": f"GPU-{d}", "backend": "native", "expandable_segments": False}
+    for d in range(count)
+]
+for message in (
+    {"type": "hello", "version": 1, "process": {"role": "greedy"}},
+    {"type": "sample", "allocators": allocators, "actions": {}},
+):
+    conn.sendall(json.dumps(message).encode() + b"\\n")
+print("sent", flush=True)
+sys.stdin.read()
+"""
+
+
+def greedy(aggregator: Aggregator, count: int) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", GREEDY, str(aggregator.socket_path), str(count)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "sent"
+    return proc
+
+
+def test_series_have_a_budget_per_process_and_per_endpoint(run_dir):
+    """Issue 38: processes of the same uid made one endpoint serve 243k series. A process
+    serves at most 16 allocator readings, the endpoint 256, the first connected keeping
+    theirs; what is left out is counted."""
+    aggregator = Aggregator(run_dir, silent_after_s=60)
+    processes = []
+    try:
+        processes.append(greedy(aggregator, 64))
+        assert wait_for(lambda: len(aggregator.read().allocators) == 16)
+        reading = aggregator.read()
+        assert reading.over_budget == {"per_process": 48, "per_endpoint": 0}
+        first = reading.allocators[0].process["pid"]
+        for _ in range(16):  # 17 processes of 16 readings: 272, over the endpoint's 256
+            processes.append(greedy(aggregator, 16))
+        assert wait_for(lambda: len(aggregator.processes()) == 17)
+        reading = wait_for(lambda: (r := aggregator.read()).over_budget["per_endpoint"] == 16 and r)
+        assert len(reading.allocators) == 256
+        assert reading.over_budget["per_process"] == 48
+        served = {a.process["pid"] for a in reading.allocators}
+        assert first in served and len(served) == 16  # the newest is the one left out
+    finally:
+        for proc in processes:
+            proc.kill()
+            proc.wait()
+        aggregator.close()
+
+
+def test_a_device_twice_in_one_sample_is_rejected(run_dir):
+    """Two readings of one device would be the same series twice: Prometheus drops such a
+    scrape whole, everyone's series with it."""
+    aggregator = Aggregator(run_dir)
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(str(aggregator.socket_path))
+        twice = {
+            "device": 0,
+            "gpu_uuid": "GPU-a",
+            "backend": "native",
+            "expandable_segments": False,
+        }
+        for message in (
+            {"type": "hello", "version": 1, "process": {"role": "w"}},
+            {"type": "sample", "allocators": [twice, twice], "actions": {}},
+        ):
+            conn.sendall(json.dumps(message).encode() + b"\n")
+        assert wait_for(lambda: aggregator.rejected)
+        assert aggregator.read().allocators == []
+        conn.close()
+    finally:
+        aggregator.close()
+
+
+def test_host_memory_rows_have_a_budget_the_largest_kept(tmp_path):
+    """2,000 processes in the server's tree would be 6,000 host-memory series: the 256
+    largest are served, the rest counted."""
+    from exporter import budget
+    from exporter.sources.process_memory import ProcessMemorySource
+
+    count = budget.HOST_PROCESSES + 44
+    for pid in range(1, count + 1):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "status").write_text(f"VmRSS:\t{pid} kB\nVmHWM:\t{pid} kB\n")
+    source = ProcessMemorySource(lambda: range(1, count + 1), proc=str(tmp_path))
+    reading = source.read()
+    assert reading.over_budget == {"host_processes": 44}
+    assert [r.pid for r in reading.host_processes] == list(range(45, count + 1))

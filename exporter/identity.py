@@ -10,14 +10,53 @@ import sys
 from collections.abc import Mapping
 
 
+def command_line(pid: int | str = "self", proc: str = "/proc") -> list[str]:
+    """A process's arguments, as setproctitle() may have rewritten them; [] if unreadable."""
+    try:
+        with open(f"{proc}/{pid}/cmdline", "rb") as f:
+            raw = f.read(1 << 16)
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.rstrip(b"\0").split(b"\0")] if raw else []
+
+
 def process_title(pid: int | str = "self", proc: str = "/proc") -> str:
     """The base name of arg 0 of a process's command line, which reflects setproctitle()
     (servers like vLLM name their processes with it); "" if it cannot be read."""
-    try:
-        with open(f"{proc}/{pid}/cmdline", "rb") as f:
-            return os.path.basename(f.read().split(b"\0")[0].decode(errors="replace"))
-    except OSError:
-        return ""
+    args = command_line(pid, proc)
+    return os.path.basename(args[0]) if args else ""
+
+
+# What Python's multiprocessing runs with `python -c` (spawn and forkserver start methods):
+# its helpers and its workers, named as a role (issue 38: under torch.multiprocessing.spawn
+# the parent, the resource tracker and the workers were all "python").
+_MULTIPROCESSING_CODE = (
+    ("multiprocessing.resource_tracker", "resource_tracker"),
+    ("multiprocessing.forkserver", "forkserver"),
+    ("multiprocessing.spawn", "spawn_worker"),
+)
+_OPTIONS_WITH_VALUE = {"-W", "-X", "-Q"}
+
+
+def interpreter_role(args: list[str]) -> str:
+    """What a Python interpreter's command line says it runs: the script's base name, the
+    module of -m, or a multiprocessing helper or worker of -c; "" where it says nothing."""
+    rest = iter(args[1:])
+    for arg in rest:
+        if arg == "-c":
+            code = next(rest, "")
+            return next((role for marker, role in _MULTIPROCESSING_CODE if marker in code), "")
+        if arg == "-m":
+            return next(rest, "")[:64]
+        if arg in _OPTIONS_WITH_VALUE:
+            next(rest, "")
+        elif not arg.startswith("-"):
+            return os.path.basename(arg)
+    return ""
+
+
+def is_interpreter(title: str) -> bool:
+    return title.startswith("python") or not title
 
 
 def multiprocessing_name() -> str:
@@ -36,23 +75,45 @@ def multiprocessing_name() -> str:
 
 def process_role() -> str:
     """GPUMEM_ROLE, else the process title where the process set one (setproctitle: vLLM's
-    "VLLM::EngineCore"), else its multiprocessing name, else the interpreter's name."""
-    title = process_title()
-    interpreter = title.startswith("python") or not title
+    "VLLM::EngineCore"), else its multiprocessing name, else what its interpreter runs
+    (interpreter_role), else the interpreter's name."""
+    args = command_line()
+    title = os.path.basename(args[0]) if args else ""
     role = os.environ.get("GPUMEM_ROLE", "") or (
-        (multiprocessing_name() or title) if interpreter else title
+        (multiprocessing_name() or interpreter_role(args) or title)
+        if is_interpreter(title)
+        else title
     )
     if not role:
         role = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     return role[:64]
 
 
+def spawn_index() -> str:
+    """The index torch.multiprocessing.spawn gave this worker (the `i` its function gets,
+    by convention the local rank), or "". Read from the Process object multiprocessing
+    made of this process; never imports torch or multiprocessing."""
+    module = sys.modules.get("multiprocessing")
+    if module is None:
+        return ""
+    try:
+        process = module.current_process()
+        target = getattr(process, "_target", None)
+        if getattr(target, "__module__", "") != "torch.multiprocessing.spawn":
+            return ""
+        index = tuple(getattr(process, "_args", ()))[1]
+    except Exception:  # another shape of a private attribute: no index
+        return ""
+    return str(index) if isinstance(index, int) and not isinstance(index, bool) else ""
+
+
 def process_labels() -> dict[str, str]:
-    """pid, rank, local_rank and role of this process (catalog.PROCESS_LABELS)."""
+    """pid, rank, local_rank and role of this process (catalog.PROCESS_LABELS). local_rank:
+    LOCAL_RANK, else torch.multiprocessing.spawn's index for its worker."""
     return {
         "pid": str(os.getpid()),
         "rank": os.environ.get("RANK", ""),
-        "local_rank": os.environ.get("LOCAL_RANK", ""),
+        "local_rank": os.environ.get("LOCAL_RANK", "") or spawn_index(),
         "role": process_role(),
     }
 

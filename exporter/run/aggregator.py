@@ -82,6 +82,9 @@ class _Peer:
     counts: ActionCounts = field(default_factory=ActionCounts)
     pinned_host: PinnedHostReading | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Labels the process claimed that its start-up environment does not show (RANK set by
+    # the process itself): they stand only while no other process has them (_hello).
+    unbacked: set[str] = field(default_factory=set)
 
     def send(self, message: dict[str, Any]) -> None:
         with self.lock:
@@ -92,7 +95,7 @@ def _environment_labels(pid: int, proc: str = "/proc") -> dict[str, str]:
     """rank and local_rank as the process was started with them (RANK, LOCAL_RANK in
     /proc/<pid>/environ): what a hello's claims are checked against. Only the variables that
     are there: a process may set RANK itself after it started (torch.multiprocessing workers
-    often do), which /proc cannot show, and then its claim stands."""
+    often do), which /proc cannot show; such a claim is unbacked (Aggregator._hello)."""
     env = read_environ(pid, proc)
     return {
         label: env[name].decode(errors="replace")[:64]
@@ -276,21 +279,54 @@ class Aggregator:
         self._log.warning(f"agent:{exc.reason}", f"rejected a message from pid {who}: {exc}")
 
     def _hello(self, peer: _Peer, process: dict[str, str]) -> None:
+        backed: dict[str, str] = {}
         if peer.pid:
             process["pid"] = str(peer.pid)  # the socket's word, not the agent's
-            for name, value in _environment_labels(peer.pid, self._proc).items():
+            backed = _environment_labels(peer.pid, self._proc)
+            for name, value in backed.items():
                 if process.get(name, "") != value:  # a claim its environment does not back
                     self._count("claim", f"pid {peer.pid} claimed {name}={process.get(name)!r}")
                     process[name] = value
         key = peer.sock.fileno()
+        refused: list[str] = []
         with self._lock:
             taken = peer.pid and any(p.pid == peer.pid and k != key for k, p in self._peers.items())
             if not taken:
+                refused = self._settle_claims(peer, process, backed)
                 self._peers[key] = peer
                 peer.process = process
+        for claim in refused:
+            self._count("claim", claim)
         if taken:
             raise protocol.ProtocolError("duplicate", f"pid {peer.pid} is registered already")
         log.info("process %s (%s) joined", process.get("pid"), process.get("role"))
+
+    def _settle_claims(
+        self, peer: _Peer, process: dict[str, str], backed: dict[str, str]
+    ) -> list[str]:
+        """A rank its environment does not show stands only if it is a number no other
+        process has: never a second rank 0 beside the real one (issue 38). A backed rank
+        takes the label from an unbacked claim of it. Under self._lock; returns what it
+        refused, to be counted."""
+        refused = []
+        for name in ("rank", "local_rank"):
+            value = process.get(name, "")
+            if not value:
+                continue
+            holders = [p for p in self._peers.values() if p.process.get(name) == value]
+            if name in backed:
+                for other in holders:
+                    if name in other.unbacked:  # the environment's word over a claim
+                        other.process[name] = ""
+                        other.unbacked.discard(name)
+                        refused.append(f"pid {other.pid} lost unbacked {name}={value!r}")
+                continue
+            if value.isdigit() and not holders:
+                peer.unbacked.add(name)
+            else:
+                process[name] = ""
+                refused.append(f"pid {peer.pid} claimed {name}={value!r}, unbacked and taken")
+        return refused
 
     def _handle(self, peer: _Peer, line: bytes) -> None:
         try:

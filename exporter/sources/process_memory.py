@@ -9,12 +9,13 @@ holding the host's RAM can be told apart from the one growing GPU memory.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Mapping
 
 import psutil
 
 from exporter import budget
-from exporter.identity import process_title
+from exporter.identity import command_line, interpreter_role, is_interpreter
 from exporter.sample import HostProcessReading, SourceReading
 
 _STATUS_FIELDS = {b"VmRSS": "rss", b"VmHWM": "hwm", b"VmSwap": "swap"}
@@ -46,9 +47,13 @@ def read_environ(pid: int, proc: str = "/proc") -> dict[bytes, bytes]:
 
 
 def describe(pid: int, proc: str = "/proc") -> dict[str, str]:
-    """role (GPUMEM_ROLE, else the process title) and rank (RANK) as the process started."""
+    """role (GPUMEM_ROLE, else the process title, else what its interpreter runs) and rank
+    (RANK) as the process started."""
     env = read_environ(pid, proc)
-    role = env.get(b"GPUMEM_ROLE", b"").decode(errors="replace") or process_title(pid, proc)
+    args = command_line(pid, proc)
+    title = os.path.basename(args[0]) if args else ""
+    runs = interpreter_role(args) if is_interpreter(title) else ""
+    role = env.get(b"GPUMEM_ROLE", b"").decode(errors="replace") or runs or title
     return {"role": role[:64], "rank": env.get(b"RANK", b"").decode(errors="replace")[:16]}
 
 

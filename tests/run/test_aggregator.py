@@ -341,3 +341,33 @@ def test_host_memory_rows_have_a_budget_the_largest_kept(tmp_path):
     reading = source.read()
     assert reading.over_budget == {"host_processes": 44}
     assert [r.pid for r in reading.host_processes] == list(range(45, count + 1))
+
+
+def test_an_unbacked_rank_stands_only_while_no_other_process_has_it(run_dir):
+    """A rank the process's start-up environment does not show (set at run time, as
+    torch.multiprocessing workers do) cannot be checked (issue 38): it stands only as a
+    number no other process has, and gives way to a process whose environment backs it."""
+    aggregator = Aggregator(run_dir)
+    peers = []
+    try:
+        claimer = peer(aggregator.socket_path, "answer", "0")
+        peers.append(claimer)
+        assert wait_for(lambda: registered(aggregator).get(str(claimer.pid), {}).get("rank"))
+        real = peer(aggregator.socket_path, "answer", "0", RANK="0")
+        second = peer(aggregator.socket_path, "answer", "0")  # unbacked, and taken
+        word = peer(aggregator.socket_path, "answer", "zero")  # unbacked, and no number
+        peers += [real, second, word]
+        assert wait_for(lambda: len(registered(aggregator)) == 4)
+        ranks = {pid: p["rank"] for pid, p in registered(aggregator).items()}
+        assert ranks == {
+            str(claimer.pid): "",
+            str(real.pid): "0",
+            str(second.pid): "",
+            str(word.pid): "",
+        }
+        assert aggregator.rejected["claim"] == 3
+    finally:
+        for proc in peers:
+            proc.kill()
+            proc.wait()
+        aggregator.close()

@@ -1017,3 +1017,54 @@ def test_a_launcher_dead_before_its_keeper_starts_costs_nobody_else(tmp_path):
         env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
     )
     assert "bystander alive" in result.stdout, result.stdout + result.stderr
+
+
+# torch.multiprocessing.spawn with two workers; each says what the exporter would call it.
+SPAWNED = """
+import sys, time
+import torch.multiprocessing as mp
+
+def work(index, folder):
+    from exporter.identity import process_labels
+    labels = process_labels()
+    with open(f"{folder}/worker-{index}", "w") as f:
+        f.write(f"{labels['role']} {labels['local_rank']}")
+    time.sleep(120)
+
+if __name__ == "__main__":
+    mp.spawn(work, args=(sys.argv[1],), nprocs=2)
+"""
+
+
+def test_torch_multiprocessing_spawn_roles_tell_the_processes_apart(tmp_path):
+    """Issue 38: under torch.multiprocessing.spawn every process was role "python" and rank
+    empty. The host-memory rows name the parent by its script, the resource tracker and the
+    workers; a worker's own labels carry its multiprocessing name and spawn index."""
+    pytest.importorskip("torch")
+    script = tmp_path / "train.py"
+    script.write_text(SPAWNED)
+    port = free_port()
+    env = dict(os.environ, GPUMEM_NVML="off", GPUMEM_TORCH="off", PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exporter.cli", "run", "--port", str(port), "--interval-s", "0.2",
+         "--", sys.executable, str(script), str(tmp_path)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: len(list(tmp_path.glob("worker-*"))) == 2, 60, "the workers")
+        said = sorted(p.read_text() for p in tmp_path.glob("worker-*"))
+        assert said == ["SpawnProcess-1 0", "SpawnProcess-2 1"]
+
+        def roles() -> list[str]:
+            return sorted(
+                s.labels["role"]
+                for s in scrape(url)
+                if s.name == "host_process_resident_memory_bytes"
+            )
+
+        expected = ["resource_tracker", "spawn_worker", "spawn_worker", "train.py"]
+        assert wait_for(lambda: roles() == expected, 30, f"roles {expected}, not {roles()}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)

@@ -23,6 +23,12 @@ adds:
 - a reserved slot answers one request and closes (`Connection: close`): clients that keep
   their connections and ask politely (a fleet of health checkers) can fill every regular slot,
   but not the reserve, so new scrapes and probes always get in (issue 38).
+- a connection closed to make room, or answered 503, is closed the way Apache and nginx do
+  ("lingering close"): its 503 written, then FIN, then whatever the client still sends is
+  read and dropped for up to LINGER_S. Closing a socket whose client's bytes are unread
+  sends a reset, which destroys the 503 in flight: under 1,200 simultaneous connections, 153
+  clients got resets instead of 503 (issue 38), their requests still unread behind a busy
+  event loop when their connections were picked to make room.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ PROBE_PATHS = (b"/metrics", b"/healthz", b"/readyz")
 # The longest request line a full server waits for before it answers 503.
 MAX_REQUEST_LINE = 8192
 RETRY_AFTER_S = 1
+# How long a connection being closed is drained of what its client still sends (after the
+# 503 and a FIN) before it is closed for good.
+LINGER_S = 2.0
 
 _BUSY_BODY = b"the exporter has too many connections; retry shortly\n"
 BUSY_RESPONSE = (
@@ -81,6 +90,8 @@ class GuardedH11Protocol(H11Protocol):
         self._waiting: bytearray | None = None
         # Admitted to a reserved slot: one request, then the connection closes.
         self.one_request = False
+        # Answered and half-closed: what the client still sends is dropped (_linger).
+        self._lingering: asyncio.TimerHandle | None = None
 
     @property
     def reading(self) -> bool:
@@ -101,9 +112,14 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._disarm_write()
+        if self._lingering is not None:
+            self._lingering.cancel()
+            self._lingering = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:
+            return  # the connection is being closed: read, so that closing sends no reset
         if self._waiting is not None:
             self._admit(data)
             return
@@ -161,12 +177,23 @@ class GuardedH11Protocol(H11Protocol):
 
     def _busy(self) -> None:
         """503 with Retry-After, then close: a full server says so in HTTP (a reset reads as a
-        dead target). The request was read, so closing sends FIN, not RST."""
+        dead target)."""
         _dropped.warning("busy", "HTTP connections at the limit: answered 503 to a newcomer")
         self._waiting = None
+        self._linger(BUSY_RESPONSE)
+
+    def _linger(self, answer: bytes) -> None:
+        """Write `answer`, send FIN, drain the client for up to LINGER_S, then close."""
         self._disarm()
-        self.transport.write(BUSY_RESPONSE)
-        self.transport.close()
+        transport = self.transport
+        if transport.is_closing():
+            return
+        transport.write(answer)
+        if not transport.can_write_eof():  # TLS: close_notify, then close
+            transport.close()
+            return
+        transport.write_eof()  # after the buffered answer
+        self._lingering = self.loop.call_later(LINGER_S, transport.close)
 
     # -- deadlines -----------------------------------------------------------------------
 
@@ -194,12 +221,15 @@ class GuardedH11Protocol(H11Protocol):
 
     def _drop(self) -> None:
         """Close now. A stalled answer is aborted: close() would wait for a buffer that never
-        drains. Otherwise close() (FIN; an idle scraper just reconnects)."""
+        drains. One still reading its request is told 503 (it may be a client whose request
+        the busy server has not read yet) and closed lingering."""
         stalled = self.stalled
         self._disarm()
         self._disarm_write()
         if stalled:
             self.transport.abort()
+        elif self.cycle is None or not self.cycle.response_started:
+            self._linger(BUSY_RESPONSE)
         else:
             self.transport.close()
 

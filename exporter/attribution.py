@@ -2,7 +2,10 @@
 joined with NVML's readings of one sample. Pure: reads a Sample, returns plain values that
 exporter.metrics renders.
 
-- Every assignment becomes a row of gpu_pod_info, whether or not NVML sees that GPU.
+- Every assignment becomes a row of gpu_pod_info, whether or not NVML sees that GPU: a device
+  plugin's device and a device a ResourceClaim gave (DRA) alike, so that everything built on
+  gpu_pod_info (the unattributed memory, the rules, the alerts) counts both; a DRA device also
+  gets a gpu_dra_claim_info row with its claim and the driver's names.
 - A process is named (namespace, pod, container) where that is certain without guessing:
   from the Kubernetes API's pods of the node (the pod reader: exact, on shared GPUs too);
   without it, where it runs in a pod's container, its GPU is assigned to one container of
@@ -29,7 +32,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from exporter.kubernetes.device_ids import base_device_id, resolve_gpu_uuid
+from exporter.kubernetes.device_ids import base_device_id, device_gpu_uuid
 from exporter.sample import KubeletReading, ProcessContainerReading, Sample
 
 # Reasons a process's GPU memory belongs to no pod that holds its GPU.
@@ -48,6 +51,23 @@ class GpuPod:
     namespace: str
     pod: str
     container: str
+
+
+@dataclass(frozen=True)
+class DraClaim:
+    """A GPU (or MIG device) a ResourceClaim gave a pod's container, as the kubelet reports
+    it: the claim and the DRA driver's own names, beside its gpu_pod_info row."""
+
+    gpu_uuid: str  # "" where the device resolves to no GPU NVML reported
+    namespace: str
+    pod: str
+    container: str
+    claim: str
+    claim_namespace: str
+    driver: str
+    pool: str
+    device: str
+    share_id: str  # "" unless several claims share the device (consumable capacity)
 
 
 @dataclass(frozen=True)
@@ -72,6 +92,7 @@ class UnattributedProcess:
 @dataclass
 class Attribution:
     gpu_pods: list[GpuPod] = field(default_factory=list)
+    dra_claims: list[DraClaim] = field(default_factory=list)
     process_pods: list[ProcessPod] = field(default_factory=list)
     # By GPU UUID: (NVML index, bytes no pod owns). Only once the kubelet has answered.
     unattributed_gpus: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -92,7 +113,7 @@ def attribute(sample: Sample) -> Attribution | None:
     seen = set()
     for device in kubelet.devices:
         row = GpuPod(
-            resolve_gpu_uuid(device.device_id, sample.gpus),
+            device_gpu_uuid(device, sample.gpus),
             base_device_id(device.device_id),
             device.resource,
             device.namespace,
@@ -102,6 +123,21 @@ def attribute(sample: Sample) -> Attribution | None:
         if row not in seen:  # time-slicing gives one container several replicas
             seen.add(row)
             result.gpu_pods.append(row)
+        if device.dynamic:
+            result.dra_claims.append(
+                DraClaim(
+                    row.gpu_uuid,
+                    device.namespace,
+                    device.pod,
+                    device.container,
+                    device.claim,
+                    device.claim_namespace,
+                    device.resource,
+                    device.pool,
+                    device.device_id,
+                    device.share_id,
+                )
+            )
     holders: dict[str, set[tuple[str, str, str]]] = defaultdict(set)
     for row in result.gpu_pods:
         if row.gpu_uuid:

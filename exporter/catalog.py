@@ -677,6 +677,28 @@ FAMILIES: tuple[Family, ...] = (
         ("node",),
     ),
     Family(
+        "gpu_dra_claim_info",
+        "gauge",
+        "1 for each device a ResourceClaim gave a pod's container (Dynamic Resource "
+        "Allocation, as the kubelet's pod-resources API reports it): the claim, the driver's "
+        "pool and device names, and share_id where several claims share the device. Its "
+        "gpu_pod_info row has resource=<driver>, device_id=<device>.",
+        (
+            "gpu_uuid",
+            "namespace",
+            "pod",
+            "container",
+            "claim",
+            "claim_namespace",
+            "driver",
+            "pool",
+            "device",
+            "share_id",
+        ),
+        "kubelet",
+        ("node",),
+    ),
+    Family(
         "gpu_process_container_info",
         "gauge",
         "1 for each GPU process in a pod: its pod UID and container ID (from its cgroup).",

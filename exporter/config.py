@@ -290,8 +290,8 @@ class Config:
     )
     kubelet_resources: tuple[str, ...] = setting(
         (),
-        "device-plugin resource names besides nvidia.com/gpu and nvidia.com/mig-* "
-        "(comma-separated; a trailing * matches a prefix)",
+        "device-plugin resource names (and DRA driver names) besides nvidia.com/gpu, "
+        "nvidia.com/mig-* and gpu.nvidia.com (comma-separated; a trailing * matches a prefix)",
         _resources,
     )
     kubelet_pod_reader: bool = setting(

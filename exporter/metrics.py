@@ -525,6 +525,9 @@ class SampleCollector(Collector):
         gpu_pods = self._fill(catalog.family("gpu_pod_info"))
         for row in attribution.gpu_pods:
             gpu_pods.add(vars(row), 1.0)
+        claims = self._fill(catalog.family("gpu_dra_claim_info"))
+        for claim in attribution.dra_claims:
+            claims.add(vars(claim), 1.0)
         containers = self._fill(catalog.family("gpu_process_container_info"))
         named = self._fill(catalog.family("gpu_process_pod_info"))
         for process in attribution.process_pods:
@@ -549,7 +552,7 @@ class SampleCollector(Collector):
                 "reason": entry.reason,
             }
             per_process.add(labels, entry.used_bytes)
-        families = (gpu_pods, containers, named, by_container, unattributed, per_process)
+        families = (gpu_pods, claims, containers, named, by_container, unattributed, per_process)
         yield from ((family, False) for family in families)
 
     def _host_families(

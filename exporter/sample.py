@@ -134,13 +134,28 @@ class ProcessGpuReading:
 
 @dataclass(frozen=True)
 class PodDevice:
-    """One device the kubelet assigned to one container (pod-resources API, List)."""
+    """One device the kubelet assigned to one container (pod-resources API, List): by a
+    device plugin, or by Dynamic Resource Allocation through a ResourceClaim."""
 
     namespace: str
     pod: str
     container: str
-    resource: str  # nvidia.com/gpu, nvidia.com/mig-1g.10gb, ...
-    device_id: str  # as the device plugin wrote it (exporter.kubernetes.device_ids)
+    # A device plugin's resource (nvidia.com/gpu, nvidia.com/mig-1g.10gb, ...), or a DRA
+    # driver's name (gpu.nvidia.com).
+    resource: str
+    # As the device plugin wrote it, or the DRA device's name in its pool (gpu-0,
+    # gpu-0-mig-1g.10gb-19-0): exporter.kubernetes.device_ids resolves both.
+    device_id: str
+    # DRA only ("" for a device plugin's device): the ResourceClaim, the driver's pool (the
+    # node's name for NVIDIA's driver) and the share of a device several claims consume.
+    claim: str = ""
+    claim_namespace: str = ""
+    pool: str = ""
+    share_id: str = ""
+
+    @property
+    def dynamic(self) -> bool:
+        return bool(self.claim)
 
 
 @dataclass

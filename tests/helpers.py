@@ -630,7 +630,20 @@ def node_shaped(sample: Sample) -> Sample:
         last_success_s=1.0,
         asked_s=1.0,
         refresh_errors=1,
-        devices=[PodDevice("ml", "llama-0", "server", "nvidia.com/gpu", gpu.uuid)],
+        devices=[
+            PodDevice("ml", "llama-0", "server", "nvidia.com/gpu", gpu.uuid),
+            # A GPU a ResourceClaim gave (DRA): NVIDIA's driver names it by its minor.
+            PodDevice(
+                "ml",
+                "notebook-1",
+                "jupyter",
+                "gpu.nvidia.com",
+                "gpu-1",
+                claim="notebook-gpu",
+                claim_namespace="ml",
+                pool="gpu-node-1",
+            ),
+        ],
         pods={"uid-1": ("ml", "llama-0")},
         containers={"cid-1": "server"},
         pods_api=True,

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from exporter.attribution import GpuPod, ProcessPod, UnattributedProcess, attribute
-from exporter.kubernetes.device_ids import base_device_id, resolve_gpu_uuid
+from exporter.attribution import DraClaim, GpuPod, ProcessPod, UnattributedProcess, attribute
+from exporter.kubernetes.device_ids import base_device_id, resolve_dra_gpu_uuid, resolve_gpu_uuid
 from exporter.sample import (
     GpuReading,
     KubeletReading,
@@ -236,3 +236,87 @@ def test_a_pending_process_still_counts_where_no_pod_could_hold_it():
     host = ProcessContainerReading(PID, "no_container", first_seen_s=2.0)
     result = attribute(sample([llama()], [the_process()], [host]))
     assert result.unattributed_processes[0].reason == "no_pod"
+
+
+def claimed(device: str, pod: str = "notebook-1", share_id: str = "") -> PodDevice:
+    """A device a ResourceClaim gave a container, as the kubelet reports DRA devices."""
+    return PodDevice(
+        "research", pod, "jupyter", "gpu.nvidia.com", device,
+        claim=f"{pod}-gpu", claim_namespace="research", pool="gpu-node-1", share_id=share_id,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("driver", "device", "expected"),
+    [
+        ("gpu.nvidia.com", "gpu-0", GPU0),
+        ("gpu.nvidia.com", "gpu-1", GPU1),
+        # A MIG device of NVIDIA's driver: gpu-<parent minor>-mig-<profile>-<id>-<start>.
+        ("gpu.nvidia.com", "gpu-1-mig-1g10gb-19-0", GPU1),
+        ("gpu.nvidia.com", "gpu-7", ""),  # no GPU has that minor
+        ("gpu.nvidia.com", "gpu0", ""),  # a shape NVIDIA's driver does not write
+        ("gpu.example.com", "gpu-0", ""),  # another driver's names are never guessed
+    ],
+)
+def test_dra_device_names_resolve_through_the_minor_number(driver, device, expected):
+    assert resolve_dra_gpu_uuid(driver, device, gpus()) == expected
+
+
+def test_a_dra_device_is_named_by_minor_not_index():
+    """On this node GPU index 0 is /dev/nvidia1: NVIDIA's DRA driver calls it gpu-1."""
+    swapped = gpus()
+    swapped[0].minor_number, swapped[1].minor_number = 1, 0
+    assert resolve_dra_gpu_uuid("gpu.nvidia.com", "gpu-1", swapped) == GPU0
+
+
+def test_a_gpu_a_claim_gave_is_attributed_like_a_device_plugins():
+    """The GPU's gpu_pod_info row is the same shape (resource: the driver, device_id: the
+    DRA device), its process is named, nothing is unattributed; the claim is published."""
+    notebook = in_pod(hostname="notebook-1", namespace="research")
+    result = attribute(sample([claimed("gpu-0")], [the_process()], [notebook]))
+    assert result.gpu_pods == [
+        GpuPod(GPU0, "gpu-0", "gpu.nvidia.com", "research", "notebook-1", "jupyter")
+    ]
+    assert [p.pod for p in result.process_pods] == ["notebook-1"]
+    assert result.unattributed_processes == [] and result.unattributed_gpus[GPU0] == (0, 0)
+    assert result.dra_claims == [
+        DraClaim(GPU0, "research", "notebook-1", "jupyter", "notebook-1-gpu", "research",
+                 "gpu.nvidia.com", "gpu-node-1", "gpu-0", "")
+    ]  # fmt: skip
+
+
+def test_a_node_of_device_plugin_and_dra_gpus_and_a_gpu_in_no_claim():
+    """GPU 0 by the device plugin, GPU 1 by a claim; then the claim goes: GPU 1 is held by no
+    pod and its memory unattributed."""
+    processes = [the_process(), the_process(pid=PID + 1, used=1 << 30, gpu=1)]
+    located = [in_pod(), in_pod(PID + 1, UID_B, hostname="notebook-1", namespace="research")]
+    result = attribute(sample([llama(), claimed("gpu-1")], processes, located))
+    assert {(p.gpu_uuid, p.pod) for p in result.gpu_pods} == {
+        (GPU0, "llama-0"),
+        (GPU1, "notebook-1"),
+    }
+    assert sorted(p.pod for p in result.process_pods) == ["llama-0", "notebook-1"]
+    assert result.unattributed_gpus == {GPU0: (0, 0), GPU1: (1, 0)}
+    result = attribute(sample([llama()], processes, located))
+    assert result.unattributed_gpus[GPU1] == (1, gpus()[1].used_bytes)
+
+
+def test_two_claims_sharing_one_gpu_keep_pod_uids_only():
+    """Consumable capacity: two claims share GPU 0 (share_id each). Like time-slicing, a
+    process is not named without the pod reader, and nothing is counted outside the pods."""
+    devices = [claimed("gpu-0", "notebook-1", "a1"), claimed("gpu-0", "notebook-2", "b2")]
+    processes = [the_process(), the_process(pid=PID + 1, used=1 << 30)]
+    located = [
+        in_pod(hostname="notebook-1", namespace="research"),
+        in_pod(PID + 1, UID_B, hostname="notebook-2", namespace="research"),
+    ]
+    result = attribute(sample(devices, processes, located))
+    assert {p.pod for p in result.process_pods} == {""}
+    assert result.unattributed_gpus[GPU0] == (0, 0)
+    assert sorted(c.share_id for c in result.dra_claims) == ["a1", "b2"]
+
+
+def test_a_dra_device_that_resolves_to_no_gpu_is_listed_with_its_raw_names():
+    result = attribute(sample([claimed("gpu-9")], [], []))
+    assert [(p.gpu_uuid, p.device_id) for p in result.gpu_pods] == [("", "gpu-9")]
+    assert [(c.gpu_uuid, c.device) for c in result.dra_claims] == [("", "gpu-9")]

@@ -6,6 +6,13 @@ replica. GKE's plugin writes `nvidia<minor>` (the /dev/nvidia<minor> node), `nvi
 for time-sharing and `nvidia<minor>/gi<n>` for MIG. Every form is matched through what NVML
 says about the GPU (UUID, MIG device UUIDs, minor number), never through an index: NVML's order
 is PCI order and CUDA_VISIBLE_DEVICES renumbers.
+
+Dynamic Resource Allocation names devices per driver. NVIDIA's DRA driver (`gpu.nvidia.com`)
+names a whole GPU `gpu-<minor>` and a MIG device `gpu-<parent minor>-mig-<profile without
+dots>-<profile ID>-<placement start>` (its MigSpecTuple.ToCanonicalName); both resolve
+through the minor number, a MIG device to the GPU it is on. Another driver's names, or a
+shape this module does not know, resolve to nothing: listed with their raw names, never
+guessed.
 """
 
 from __future__ import annotations
@@ -13,15 +20,33 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from exporter.sample import GpuReading
+from exporter.sample import GpuReading, PodDevice
 
 _GKE = re.compile(r"nvidia(\d+)(?:/(?:gi|vgpu)\d+)*")
+NVIDIA_DRA_DRIVER = "gpu.nvidia.com"
+_NVIDIA_DRA = re.compile(r"gpu-(\d+)(?:-mig-[0-9a-z-]+-\d+-\d+)?")
 _OLD_MIG = re.compile(r"MIG-(GPU-[0-9a-fA-F-]+)/\d+/\d+")
 
 
 def base_device_id(device_id: str) -> str:
     """The device without its time-slicing replica suffix (`GPU-x::3` -> `GPU-x`)."""
     return device_id.partition("::")[0]
+
+
+def device_gpu_uuid(device: PodDevice, gpus: Iterable[GpuReading]) -> str:
+    """The NVML UUID of the GPU an assigned device is on, by device plugin or by DRA; ""
+    where nothing NVML reported matches."""
+    if device.dynamic:
+        return resolve_dra_gpu_uuid(device.resource, device.device_id, gpus)
+    return resolve_gpu_uuid(device.device_id, gpus)
+
+
+def resolve_dra_gpu_uuid(driver: str, device: str, gpus: Iterable[GpuReading]) -> str:
+    """A DRA device's GPU, for the drivers whose names this module knows (NVIDIA's)."""
+    if driver != NVIDIA_DRA_DRIVER or (named := _NVIDIA_DRA.fullmatch(device)) is None:
+        return ""
+    minor = int(named.group(1))
+    return next((g.uuid for g in gpus if g.minor_number == minor), "")
 
 
 def resolve_gpu_uuid(device_id: str, gpus: Iterable[GpuReading]) -> str:

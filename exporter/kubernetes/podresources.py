@@ -15,6 +15,7 @@ channel is kept and every call has its own deadline (seconds), made off the samp
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -58,30 +59,57 @@ def messages() -> dict[str, Any]:
 
 
 def assignments(response: Any, resources: frozenset[str] | None = None) -> list[PodDevice]:
-    """The device assignments in a ListPodResourcesResponse, only for `resources` (exact
-    names, or prefixes ending in '*') when given. KubeletError for more than MAX_ASSIGNMENTS,
-    counted before any row is built."""
-    result = []
+    """The device assignments in a ListPodResourcesResponse: device plugins' devices whose
+    resource, and DRA devices whose driver, is in `resources` (exact names, or prefixes
+    ending in '*') when given. KubeletError for more than MAX_ASSIGNMENTS, counted before any
+    row is built."""
+
+    def wanted(name: str) -> bool:
+        return resources is None or resource_matches(name, resources)
+
+    def containers() -> Iterator[tuple[Any, Any]]:  # walked, never held: 100k rows are MBs
+        for pod in response.pod_resources:
+            for container in pod.containers:
+                yield pod, container
+
     rows = sum(
         len(devices.device_ids)
-        for pod in response.pod_resources
-        for container in pod.containers
+        for _, container in containers()
         for devices in container.devices
-        if resources is None or resource_matches(devices.resource_name, resources)
+        if wanted(devices.resource_name)
+    ) + sum(
+        1
+        for _, container in containers()
+        for claim in container.dynamic_resources
+        for device in claim.claim_resources
+        if wanted(device.driver_name)
     )
     if rows > MAX_ASSIGNMENTS:
         raise KubeletError(
             f"the kubelet answered {rows} GPU assignments, more than one node can have "
             f"({MAX_ASSIGNMENTS}): answer ignored, the last one kept"
         )
-    for pod in response.pod_resources:
-        for container in pod.containers:
-            for devices in container.devices:
-                if resources is not None and not resource_matches(devices.resource_name, resources):
-                    continue
+    result = []
+    for pod, container in containers():
+        names = (pod.namespace, pod.name, container.name)
+        for devices in container.devices:
+            if wanted(devices.resource_name):
                 for device_id in devices.device_ids:
-                    names = (pod.namespace, pod.name, container.name)
                     result.append(PodDevice(*names, devices.resource_name, device_id))
+        for claim in container.dynamic_resources:  # DRA (pod-resources v1, Kubernetes 1.34+)
+            for device in claim.claim_resources:
+                if wanted(device.driver_name):
+                    result.append(
+                        PodDevice(
+                            *names,
+                            device.driver_name,
+                            device.device_name,
+                            claim=claim.claim_name,
+                            claim_namespace=claim.claim_namespace or pod.namespace,
+                            pool=device.pool_name,
+                            share_id=device.share_id if device.HasField("share_id") else "",
+                        )
+                    )
     return result
 
 

@@ -37,7 +37,8 @@ from exporter.sample import KubeletReading, PodDevice, ProcessContainerReading, 
 log = logging.getLogger(__name__)
 
 # Resources that are GPUs (device-plugin names); more with GPUMEM_KUBELET_RESOURCES.
-DEFAULT_RESOURCES = ("nvidia.com/gpu", "nvidia.com/mig-*")
+# Device plugins' resource names, and DRA drivers' names (NVIDIA's DRA driver).
+DEFAULT_RESOURCES = ("nvidia.com/gpu", "nvidia.com/mig-*", "gpu.nvidia.com")
 
 
 class KubeletSource:

@@ -9,7 +9,9 @@ deploy/prometheus/ rules every second:
 - "GPU memory by namespace" and by pod/container come out of the recording rules;
 - the GPU moves to another pod and the answer follows;
 - a GPU that no pod holds fires GpuMemoryHeldOutsideAnyPod (its `for:` shortened to 3 s);
-- every dashboard query on attribution series returns data (the demo has no kubelet).
+- every dashboard query on attribution series returns data (the demo has no kubelet);
+- a GPU a ResourceClaim gave (DRA, NVIDIA's driver naming it by its minor) counts in the same
+  rules, and is unattributed once the claim goes.
 """
 
 from __future__ import annotations
@@ -40,7 +42,13 @@ from tests.helpers import (
     stop_processes,
     wait_http,
 )
-from tests.support.kubelet_standin import StandInKubelet, pod, write_state
+from tests.support.kubelet_standin import (
+    StandInKubelet,
+    claim_pod,
+    dra_device,
+    pod,
+    write_state,
+)
 from tests.support.nvml_double import FakeNvml
 
 pytestmark = pytest.mark.e2e
@@ -86,7 +94,9 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     state = tmp / "kubelet.json"
     write_state(state, [pod("serving", "llama-0", "server", f"{GPU0}::0")])
     kubelet = StandInKubelet(tmp / "kubelet.sock", state).start()
-    nvml = NvmlSource(FakeNvml(RAW))
+    fake = FakeNvml(RAW)
+    fake.minor_numbers = {0: 1, 1: 0}  # GPU 0 is /dev/nvidia1: DRA names it gpu-1
+    nvml = NvmlSource(fake)
     source = KubeletSource(
         lambda: nvml.last_pids,
         socket_path=str(tmp / "kubelet.sock"),
@@ -198,3 +208,31 @@ def test_every_attribution_query_of_the_dashboards_has_data(cluster):
         if not cluster.wait(expr, timeout_s=10):
             empty.append(f"{name}: {title}: {expr}")
     assert not empty, "queries without data:\n" + "\n".join(empty)
+
+
+def test_a_gpu_a_claim_gave_counts_in_the_rules_like_any_other(cluster):
+    """Issue 37: on a DRA node every GPU was "held by no pod". The claim's GPU 0 (gpu-1: its
+    minor) counts for its pod's namespace; the claim gone, its memory is unattributed."""
+    claim = claim_pod("research", "notebook-1", "jupyter", "notebook-gpu", dra_device("gpu-1"))
+    write_state(cluster.state, [claim])
+    by_namespace = cluster.wait(
+        'namespace:gpu_memory_used_bytes:sum{namespace="research"}', timeout_s=15
+    )
+    assert values(by_namespace, "namespace") == {"research": USED0}
+    [info] = cluster.wait("gpu_dra_claim_info")
+    assert (info["metric"]["claim"], info["metric"]["gpu_uuid"]) == ("notebook-gpu", GPU0)
+    # docs/deploy.md's query of GPU memory by claim.
+    deploy = (REPO_ROOT / "docs" / "deploy.md").read_text()
+    query = deploy.split("# GPU memory by ResourceClaim", 1)[1].split("\n", 1)[1]
+    query = query.split("```", 1)[0]
+    [by_claim] = cluster.wait(query)
+    assert by_claim["metric"] == {"claim_namespace": "research", "claim": "notebook-gpu"}
+    assert float(by_claim["value"][1]) == USED0
+    write_state(cluster.state, [])
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        [outside] = cluster.query(f'gpu_memory_unattributed_bytes{{gpu_uuid="{GPU0}"}}')
+        if float(outside["value"][1]) == USED0:
+            break
+        time.sleep(0.5)
+    assert float(outside["value"][1]) == USED0

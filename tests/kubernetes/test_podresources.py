@@ -18,7 +18,15 @@ from exporter.kubernetes import podresources
 from exporter.kubernetes.podresources import KubeletError, PodResourcesClient
 from exporter.sample import PodDevice
 from tests.conftest import REPO_ROOT
-from tests.support.kubelet_standin import PROTO, StandInKubelet, generated, pod, write_state
+from tests.support.kubelet_standin import (
+    PROTO,
+    StandInKubelet,
+    claim_pod,
+    dra_device,
+    generated,
+    pod,
+    write_state,
+)
 
 GPUS = frozenset({"nvidia.com/gpu", "nvidia.com/mig-*"})
 
@@ -87,6 +95,50 @@ def test_list_returns_gpu_assignments_only(kubelet):
             PodDevice("ml", "mig-job", "train", "nvidia.com/mig-1g.10gb", "MIG-b"),
         ]
         assert len(client.list()) == 4
+    finally:
+        client.close()
+
+
+def test_list_returns_dra_devices_of_gpu_drivers_with_their_claims(kubelet):
+    """ContainerResources.dynamic_resources as a 1.34 kubelet fills it: a whole GPU, a MIG
+    device, two claims sharing one GPU (share_id), and another driver's device (a NIC)."""
+    write_state(
+        kubelet.state_path,
+        [
+            claim_pod("research", "nb-1", "jupyter", "nb-1-gpu", dra_device("gpu-0")),
+            claim_pod("research", "mig", "train", "mig-claim", dra_device("gpu-1-mig-1g10gb-19-0")),
+            claim_pod("shared", "a", "srv", "a-share", dra_device("gpu-2", share_id="7f3a")),
+            claim_pod("shared", "b", "srv", "b-share", dra_device("gpu-2", share_id="9c1e")),
+            claim_pod("net", "dpdk", "app", "nic", dra_device("nic-0", driver="net.example.com")),
+        ],
+    )
+    client = PodResourcesClient(str(kubelet.socket_path), timeout_s=2)
+    try:
+        wanted = frozenset({*GPUS, "gpu.nvidia.com"})
+        found = client.list(wanted)
+        assert [(d.pod, d.resource, d.device_id, d.claim, d.share_id) for d in found] == [
+            ("nb-1", "gpu.nvidia.com", "gpu-0", "nb-1-gpu", ""),
+            ("mig", "gpu.nvidia.com", "gpu-1-mig-1g10gb-19-0", "mig-claim", ""),
+            ("a", "gpu.nvidia.com", "gpu-2", "a-share", "7f3a"),
+            ("b", "gpu.nvidia.com", "gpu-2", "b-share", "9c1e"),
+        ]
+        assert found[0] == PodDevice(
+            "research", "nb-1", "jupyter", "gpu.nvidia.com", "gpu-0",
+            claim="nb-1-gpu", claim_namespace="research", pool="gpu-node-1",
+        )  # fmt: skip
+        assert len(client.list()) == 5  # every driver's, unfiltered
+    finally:
+        client.close()
+
+
+def test_dra_devices_count_toward_the_bound_of_one_answer(kubelet, monkeypatch):
+    monkeypatch.setattr(podresources, "MAX_ASSIGNMENTS", 3)
+    claims = [claim_pod("x", f"p{i}", "c", f"k{i}", dra_device(f"gpu-{i}")) for i in range(4)]
+    write_state(kubelet.state_path, claims)
+    client = PodResourcesClient(str(kubelet.socket_path), timeout_s=2)
+    try:
+        with pytest.raises(KubeletError, match="4 GPU assignments"):
+            client.list(frozenset({"gpu.nvidia.com"}))
     finally:
         client.close()
 

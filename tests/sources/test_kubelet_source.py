@@ -20,7 +20,13 @@ from exporter.runtime import Runtime, build_runtime, kubelet_source
 from exporter.sources.kubelet import KubeletSource
 from exporter.sources.nvml import NvmlSource
 from tests.conftest import DATA_DIR
-from tests.support.kubelet_standin import StandInKubelet, pod, write_state
+from tests.support.kubelet_standin import (
+    StandInKubelet,
+    claim_pod,
+    dra_device,
+    pod,
+    write_state,
+)
 from tests.support.nvml_double import FakeNvml
 
 RAW = json.loads((DATA_DIR / "allocator_native.json").read_text())["nvml_raw"]
@@ -428,3 +434,40 @@ def test_a_processs_pod_hints_are_read_and_the_nodes_own_name_is_no_hint(tmp_pat
         assert (where.hostname, where.namespace) == ("", "serving")
     finally:
         source.close()
+
+
+def test_a_gpu_a_claim_gave_is_attributed_and_unattributed_once_the_claim_goes(tmp_path):
+    """A 1.34 kubelet reports the GPU NVIDIA's DRA driver gave a ResourceClaim as `gpu-<minor>`
+    (here GPU 0 is /dev/nvidia1: minor and NVML index differ). Attributed by the GPU's UUID
+    like a device plugin's GPU; with the claim gone its memory is unattributed at the next
+    refresh (issue 37)."""
+    node = Node(tmp_path)
+    try:
+        node.fake.minor_numbers = {0: 1, 1: 0}
+        pod_files(tmp_path / "proc" / str(PID), "notebook-1", "research")
+        write_state(
+            node.state,
+            [claim_pod("research", "notebook-1", "jupyter", "notebook-gpu", dra_device("gpu-1"))],
+        )
+        families = node.wait_for(lambda f: f.get("gpu_process_pod_info"))
+        assert pods_of(families) == {(GPU0, "research", "notebook-1", "jupyter")}
+        [row] = families["gpu_pod_info"]
+        assert (row.labels["resource"], row.labels["device_id"]) == ("gpu.nvidia.com", "gpu-1")
+        [claim] = families["gpu_dra_claim_info"]
+        assert claim.labels == {
+            "gpu_uuid": GPU0, "namespace": "research", "pod": "notebook-1",
+            "container": "jupyter", "claim": "notebook-gpu", "claim_namespace": "research",
+            "driver": "gpu.nvidia.com", "pool": "gpu-node-1", "device": "gpu-1", "share_id": "",
+        }  # fmt: skip
+        [named] = families["gpu_process_pod_info"]
+        assert named.labels["pod"] == "notebook-1"
+        assert unattributed_on_gpu0(families) == 0.0
+
+        write_state(node.state, [])  # the claim is deallocated
+        started = time.monotonic()
+        families = node.wait_for(lambda f: unattributed_on_gpu0(f) > 0)
+        assert unattributed_on_gpu0(families) == RAW["devices"][0]["memory_v2"]["used"]
+        assert "gpu_dra_claim_info" not in families or not families["gpu_dra_claim_info"]
+        assert time.monotonic() - started < 2.0  # one refresh is 0.5 s here
+    finally:
+        node.close()

@@ -77,6 +77,55 @@ def pod(namespace: str, name: str, container: str, *ids: str, resource: str = "n
     }
 
 
+def claim_pod(
+    namespace: str, name: str, container: str, claim: str, *devices: dict[str, str]
+) -> dict[str, Any]:
+    """One pod with one container holding DRA `devices` of one ResourceClaim, as a 1.34
+    kubelet reports them in ContainerResources.dynamic_resources (see dra_device)."""
+    return {
+        "namespace": namespace,
+        "name": name,
+        "containers": [
+            {"name": container, "claims": [{"name": claim, "namespace": namespace,
+                                            "devices": list(devices)}]}
+        ],
+    }  # fmt: skip
+
+
+def dra_device(
+    device: str,
+    *,
+    driver: str = "gpu.nvidia.com",
+    pool: str = "gpu-node-1",
+    share_id: str | None = None,
+    claim_uid: str = "5e4c0f4e-1d2b-4b41-9b43-d0a0c3d2a7b1",
+) -> dict[str, str]:
+    """One device of a claim: NVIDIA's DRA driver's pool is the node's name, its CDI device
+    `k8s.gpu.nvidia.com/claim=<claim UID>-<device>`."""
+    entry = {"driver": driver, "pool": pool, "device": device,
+             "cdi": f"k8s.{driver}/claim={claim_uid}-{device}"}  # fmt: skip
+    if share_id is not None:
+        entry["share_id"] = share_id
+    return entry
+
+
+def _dynamic_resource(pb2: Any, claim: dict[str, Any]) -> Any:
+    resources = []
+    for d in claim["devices"]:
+        resource = pb2.ClaimResource(
+            cdi_devices=[pb2.CDIDevice(name=d["cdi"])],
+            driver_name=d["driver"],
+            pool_name=d["pool"],
+            device_name=d["device"],
+        )
+        if "share_id" in d:
+            resource.share_id = d["share_id"]
+        resources.append(resource)
+    return pb2.DynamicResource(
+        claim_name=claim["name"], claim_namespace=claim["namespace"], claim_resources=resources
+    )
+
+
 class StandInKubelet:
     def __init__(self, socket_path: Path, state_path: Path) -> None:
         pb2, pb2_grpc = generated()
@@ -106,6 +155,10 @@ class StandInKubelet:
                                             resource_name=d["resource"], device_ids=d["ids"]
                                         )
                                         for d in c.get("devices", [])
+                                    ],
+                                    dynamic_resources=[
+                                        _dynamic_resource(pb2, claim)
+                                        for claim in c.get("claims", [])
                                     ],
                                 )
                                 for c in p["containers"]

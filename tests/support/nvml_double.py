@@ -24,6 +24,9 @@ class FakeNvml:
         self.failures: dict[tuple[str, int], Exception] = {}
         self.calls: list[str] = []
         self.init_error: Exception | None = None
+        # /dev/nvidia<minor> of each NVML index, where a test models it (DRA names GPUs by
+        # it; on a real node it need not equal the index). Unset: NVML says NotSupported.
+        self.minor_numbers: dict[int, int] = {}
 
     def _fail(self, name: str, index: int) -> None:
         self.calls.append(f"{name}:{index}")
@@ -52,6 +55,11 @@ class FakeNvml:
             if device["uuid"] == uuid:
                 return index
         raise pynvml.NVMLError_NotFound()
+
+    def nvmlDeviceGetMinorNumber(self, h):
+        if h not in self.minor_numbers:
+            raise pynvml.NVMLError_NotSupported()
+        return self.minor_numbers[h]
 
     def nvmlDeviceGetUUID(self, h):
         return self.raw["devices"][h]["uuid"]

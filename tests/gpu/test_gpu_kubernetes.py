@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO_ROOT
 from tests.helpers import free_port
-from tests.support.kubelet_standin import pod, write_state
+from tests.support.kubelet_standin import claim_pod, dra_device, pod, write_state
 
 torch = pytest.importorskip("torch")
 
@@ -192,6 +192,74 @@ def test_a_cuda_process_on_a_gpu_assigned_to_a_pod(node, tmp_path):
                 "device_used": device_used,
                 "moved_after_s": moved_after_s,
                 "minor": minor,
+            },
+            indent=1,
+        )
+    )
+
+
+def test_a_real_gpu_a_claim_gave_is_attributed_by_its_minor(node, tmp_path):
+    """Issue 37: the stand-in kubelet reports the real GPU as NVIDIA's DRA driver does,
+    `gpu-<its minor>` in a ResourceClaim; the node daemon attributes it to that pod by the
+    GPU's UUID; with the claim gone its memory is unattributed within one refresh."""
+    import pynvml
+
+    uuid, pid, url = node["uuid"], str(node["pid"]), node["url"]
+    pynvml.nvmlInit()
+    minor = pynvml.nvmlDeviceGetMinorNumber(pynvml.nvmlDeviceGetHandleByUUID(uuid.encode()))
+    pynvml.nvmlShutdown()
+    device = f"gpu-{minor}"
+    claim = claim_pod("research", "notebook-1", "jupyter", "notebook-gpu", dra_device(device))
+    write_state(node["state"], [claim])
+    families = wait_for(
+        url,
+        lambda f: (
+            (uuid, "notebook-1", device) in pod_rows(f)
+            and any(s.labels.get("pid") == pid for s in f.get("gpu_process_memory_used_bytes", []))
+        ),
+    )
+    [row] = [s for s in families["gpu_pod_info"] if s.labels["gpu_uuid"] == uuid]
+    assert row.labels["resource"] == "gpu.nvidia.com"
+    [info] = families["gpu_dra_claim_info"]
+    assert (info.labels["gpu_uuid"], info.labels["claim"], info.labels["device"]) == (
+        uuid,
+        "notebook-gpu",
+        device,
+    )
+    used = value(families, "gpu_process_memory_used_bytes", pid=pid, gpu_uuid=uuid)
+    # Held by the claim's pod: only processes in no pod (the holder, a host process) count
+    # outside it, not the whole GPU.
+    held_outside = value(families, "gpu_memory_unattributed_bytes", gpu_uuid=uuid)
+    processes_outside = sum(
+        s.value
+        for s in families["gpu_process_memory_unattributed_bytes"]
+        if s.labels["gpu_uuid"] == uuid and s.labels["reason"] != "unknown"
+    )
+    assert held_outside == processes_outside >= used
+    device_used = value(families, "gpu_memory_used_bytes", gpu_uuid=uuid)
+
+    write_state(node["state"], [])  # the claim is deallocated
+    started = time.monotonic()
+    families = wait_for(
+        url,
+        lambda f: (
+            value(f, "gpu_memory_unattributed_bytes", gpu_uuid=uuid)
+            == value(f, "gpu_memory_used_bytes", gpu_uuid=uuid)
+        ),
+    )
+    released_after_s = time.monotonic() - started
+    assert released_after_s < 3.0  # one refresh (1 s) plus a tick and a scrape
+    out = Path(os.environ.get("OUT", tmp_path))
+    (out / "gpu_dra.json").write_text(
+        json.dumps(
+            {
+                "uuid": uuid,
+                "minor": minor,
+                "device": device,
+                "process_used": used,
+                "held_outside_while_claimed": held_outside,
+                "device_used": device_used,
+                "unattributed_after_release_s": released_after_s,
             },
             indent=1,
         )

@@ -182,7 +182,7 @@ def test_a_plain_answer_is_written_inside_the_output_folder(tmp_path):
 def test_a_run_that_cannot_start_its_reaper_is_one_line(monkeypatch, capsys):
     from exporter.run import reaper
 
-    def refuse(run_dir: str, env: Any) -> Any:
+    def refuse(run_dir: str, env: Any, marker: str) -> Any:
         raise BlockingIOError(11, "Resource temporarily unavailable")
 
     monkeypatch.setattr(reaper, "start", refuse)

@@ -71,6 +71,21 @@ class DraClaim:
 
 
 @dataclass(frozen=True)
+class ClaimMemory:
+    """GPU memory a claim consumed of a shared GPU (its allocation's consumedCapacity), and
+    what its container's processes use there: None where they cannot be named exactly
+    (without the pod reader, the processes on a shared GPU keep their pod UIDs)."""
+
+    gpu_index: int
+    gpu_uuid: str
+    claim_namespace: str
+    claim: str
+    share_id: str
+    claimed_bytes: int
+    used_bytes: int | None
+
+
+@dataclass(frozen=True)
 class ProcessPod:
     pid: int
     pod_uid: str
@@ -93,6 +108,7 @@ class UnattributedProcess:
 class Attribution:
     gpu_pods: list[GpuPod] = field(default_factory=list)
     dra_claims: list[DraClaim] = field(default_factory=list)
+    claim_memory: list[ClaimMemory] = field(default_factory=list)
     process_pods: list[ProcessPod] = field(default_factory=list)
     # By GPU UUID: (NVML index, bytes no pod owns). Only once the kubelet has answered.
     unattributed_gpus: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -160,6 +176,7 @@ def attribute(sample: Sample) -> Attribution | None:
                     entry.gpu_index, entry.gpu_uuid, entry.pid, reason, entry.used_bytes
                 )
             )
+    result.claim_memory = _claim_memory(sample, result)
     for gpu in sample.gpus:
         if not gpu.up:
             continue
@@ -175,6 +192,47 @@ def attribute(sample: Sample) -> Attribution | None:
             continue
         result.unattributed_gpus[gpu.uuid] = (gpu.index, counted)
     return result
+
+
+def _claim_memory(sample: Sample, result: Attribution) -> list[ClaimMemory]:
+    """Claimed against used, for each DRA device whose claim consumed a share of its GPU's
+    memory (the claim reader's allocations)."""
+    kubelet = sample.kubelet
+    if kubelet is None or kubelet.claims is None:
+        return []
+    index = {g.uuid: g.index for g in sample.gpus}
+    found = []
+    for claim in result.dra_claims:
+        if claim.gpu_uuid not in index:
+            continue
+        allocated = kubelet.claims.get((claim.claim_namespace, claim.claim), [])
+        memory = next(
+            (
+                d.memory_bytes
+                for d in allocated
+                if (d.driver, d.pool, d.device, d.share_id)
+                == (claim.driver, claim.pool, claim.device, claim.share_id)
+            ),
+            None,
+        )
+        if memory is None:
+            continue  # not allocated (yet), or the whole device: nothing claimed to hold against
+        used = None
+        if kubelet.pods is not None:  # names exact: the container's processes on this GPU
+            key = (index[claim.gpu_uuid], claim.gpu_uuid, claim.namespace, claim.pod)
+            used = result.container_memory.get((*key, claim.container), 0)
+        found.append(
+            ClaimMemory(
+                index[claim.gpu_uuid],
+                claim.gpu_uuid,
+                claim.claim_namespace,
+                claim.claim,
+                claim.share_id,
+                memory,
+                used,
+            )
+        )
+    return found
 
 
 def _holds(

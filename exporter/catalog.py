@@ -699,6 +699,43 @@ FAMILIES: tuple[Family, ...] = (
         ("node",),
     ),
     Family(
+        "gpu_dra_claim_memory_claimed_bytes",
+        "gauge",
+        "GPU memory a ResourceClaim consumed of a GPU several claims share (its allocation's "
+        "consumedCapacity memory; with the claim reader).",
+        (*GPU_LABELS, "claim_namespace", "claim", "share_id"),
+        "kubelet",
+        ("node",),
+    ),
+    Family(
+        "gpu_dra_claim_memory_used_bytes",
+        "gauge",
+        "GPU memory the processes of a ResourceClaim's container use on the GPU it shares "
+        "(with the claim reader and the pod reader, which names processes on shared GPUs). "
+        "Above gpu_dra_claim_memory_claimed_bytes the claim starves its neighbours.",
+        (*GPU_LABELS, "claim_namespace", "claim", "share_id"),
+        "kubelet",
+        ("node",),
+    ),
+    Family(
+        "gpumem_exporter_claims_api_up",
+        "gauge",
+        "1 if the latest list of this node's ResourceClaims from the Kubernetes API "
+        "succeeded (the claim reader).",
+        (),
+        "kubelet",
+        ("node",),
+    ),
+    Family(
+        "gpumem_exporter_claims_api_error",
+        "info",
+        "Why the latest list of this node's ResourceClaims from the Kubernetes API failed.",
+        (),
+        "kubelet",
+        ("node",),
+        info_labels=("error",),
+    ),
+    Family(
         "gpu_process_container_info",
         "gauge",
         "1 for each GPU process in a pod: its pod UID and container ID (from its cgroup).",

@@ -300,6 +300,13 @@ class Config:
         "so that processes on shared GPUs are named",
         _boolean,
     )
+    kubelet_claim_reader: bool = setting(
+        False,
+        "read the ResourceClaims of this node's DRA devices from the Kubernetes API (needs "
+        "RBAC: the chart's claimReader), so that GPU memory a claim consumed of a shared GPU "
+        "is held against what its processes use",
+        _boolean,
+    )
     stop_grace_s: float = setting(
         10.0,
         "`run`: seconds between SIGTERM and SIGKILL for what is left of the command's process "

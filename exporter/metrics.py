@@ -516,6 +516,14 @@ class SampleCollector(Collector):
                 pods_error = self._fill(catalog.family("gpumem_exporter_pods_api_error"))
                 pods_error.add_info({}, {"error": kubelet.pods_error})
                 yield pods_error, True
+        if kubelet.claims_api:
+            claims_up = self._fill(catalog.family("gpumem_exporter_claims_api_up"))
+            claims_up.add({}, 1.0 if kubelet.claims is not None else 0.0)
+            yield claims_up, True
+            if kubelet.claims_error:
+                claims_error = self._fill(catalog.family("gpumem_exporter_claims_api_error"))
+                claims_error.add_info({}, {"error": kubelet.claims_error})
+                yield claims_error, True
         attribution = attribute(sample)
         if attribution is not None:
             yield from self._attribution_families(attribution)
@@ -528,6 +536,19 @@ class SampleCollector(Collector):
         claims = self._fill(catalog.family("gpu_dra_claim_info"))
         for claim in attribution.dra_claims:
             claims.add(vars(claim), 1.0)
+        claimed = self._fill(catalog.family("gpu_dra_claim_memory_claimed_bytes"))
+        claim_used = self._fill(catalog.family("gpu_dra_claim_memory_used_bytes"))
+        for share in attribution.claim_memory:
+            labels = {
+                "gpu": share.gpu_index,
+                "gpu_uuid": share.gpu_uuid,
+                "claim_namespace": share.claim_namespace,
+                "claim": share.claim,
+                "share_id": share.share_id,
+            }
+            claimed.add(labels, share.claimed_bytes)
+            if share.used_bytes is not None:
+                claim_used.add(labels, share.used_bytes)
         containers = self._fill(catalog.family("gpu_process_container_info"))
         named = self._fill(catalog.family("gpu_process_pod_info"))
         for process in attribution.process_pods:
@@ -552,7 +573,17 @@ class SampleCollector(Collector):
                 "reason": entry.reason,
             }
             per_process.add(labels, entry.used_bytes)
-        families = (gpu_pods, claims, containers, named, by_container, unattributed, per_process)
+        families = (
+            gpu_pods,
+            claims,
+            claimed,
+            claim_used,
+            containers,
+            named,
+            by_container,
+            unattributed,
+            per_process,
+        )
         yield from ((family, False) for family in families)
 
     def _host_families(

@@ -265,6 +265,8 @@ def kubelet_source(
         if "KUBERNETES_SERVICE_HOST" not in env and not os.path.exists(DEFAULT_SOCKET):
             return None
         socket = DEFAULT_SOCKET
+    from exporter.kubernetes.api import ApiServer
+    from exporter.kubernetes.claims import ClaimsClient
     from exporter.kubernetes.pods import PodsClient
     from exporter.sources.kubelet import DEFAULT_RESOURCES, KubeletSource
 
@@ -275,6 +277,14 @@ def kubelet_source(
             credentials=Path(config.kubernetes_service_account_dir),
         )
 
+    def claims() -> ClaimsClient:
+        api = ApiServer.in_cluster(
+            env,
+            credentials=Path(config.kubernetes_service_account_dir),
+            deadline_s=config.kubelet_timeout_s,
+        )
+        return ClaimsClient(api)
+
     return KubeletSource(
         pids,
         socket_path=socket,
@@ -282,6 +292,7 @@ def kubelet_source(
         timeout_s=config.kubelet_timeout_s,
         resources=(*DEFAULT_RESOURCES, *config.kubelet_resources),
         pods=pods if config.kubelet_pod_reader else None,
+        claims=claims if config.kubelet_claim_reader else None,
     )
 
 

@@ -178,6 +178,11 @@ class KubeletReading:
     containers: dict[str, str] = field(default_factory=dict)
     pods_api: bool = False  # the pod reader is on
     pods_error: str = ""  # why the latest pod list failed
+    # With the claim reader (exporter.kubernetes.claims): (namespace, claim) -> its allocated
+    # devices (ClaimedDevice), for the claims of this node's DRA devices; None without.
+    claims: dict[tuple[str, str], list[Any]] | None = None
+    claims_api: bool = False  # the claim reader is on
+    claims_error: str = ""  # why the latest claims list failed
 
 
 @dataclass

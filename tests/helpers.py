@@ -41,6 +41,7 @@ from exporter.actions.local import LocalActions
 from exporter.actions.snapshots import SnapshotStore
 from exporter.config import load_config
 from exporter.http.server import HttpServer, create_app
+from exporter.kubernetes.claims import ClaimedDevice
 from exporter.metrics import ActionStats, EndpointState, SampleCollector
 from exporter.runtime import build_runtime
 from exporter.sample import (
@@ -615,10 +616,12 @@ def run_shaped(sample: Sample) -> Sample:
 
 
 def node_shaped(sample: Sample) -> Sample:
-    """The node daemon: NVML, the kubelet's devices and the processes' cgroups."""
+    """The node daemon: NVML, the kubelet's devices (one by the device plugin, a share of
+    the same GPU by a ResourceClaim), the processes' cgroups, and the claims' allocations."""
     sample = copy.deepcopy(sample)
     sample.allocators, sample.pinned_host = [], []
     gpu = sample.gpus[0]
+    gpu.minor_number = 0
     sample.processes = [
         ProcessGpuReading(gpu.index, gpu.uuid, 4242, 1 << 30),
         ProcessGpuReading(gpu.index, gpu.uuid, 4343, 1 << 20),
@@ -632,22 +635,30 @@ def node_shaped(sample: Sample) -> Sample:
         refresh_errors=1,
         devices=[
             PodDevice("ml", "llama-0", "server", "nvidia.com/gpu", gpu.uuid),
-            # A GPU a ResourceClaim gave (DRA): NVIDIA's driver names it by its minor.
+            # A share of the GPU a ResourceClaim gave (DRA): NVIDIA's driver names it by
+            # its minor.
             PodDevice(
                 "ml",
                 "notebook-1",
                 "jupyter",
                 "gpu.nvidia.com",
-                "gpu-1",
+                "gpu-0",
                 claim="notebook-gpu",
                 claim_namespace="ml",
                 pool="gpu-node-1",
+                share_id="s1",
             ),
         ],
         pods={"uid-1": ("ml", "llama-0")},
         containers={"cid-1": "server"},
         pods_api=True,
         pods_error="403 Forbidden",
+        claims={
+            ("ml", "notebook-gpu"): [
+                ClaimedDevice("gpu.nvidia.com", "gpu-node-1", "gpu-0", "s1", 8 << 30)
+            ]
+        },
+        claims_api=True,
     )
     sample.process_containers = [
         ProcessContainerReading(4242, "container", "uid-1", "cid-1"),
@@ -671,4 +682,8 @@ def every_family_cases() -> list[tuple[str, bool, dict[str, str], Sample]]:
         found.append(("demo", False, {}, sample))
         found.append(("run", True, {}, run_shaped(sample)))
     found.append(("node", False, {}, node_shaped(demo[0])))
+    refused = node_shaped(demo[0])  # the claim reader without RBAC
+    assert refused.kubelet is not None
+    refused.kubelet.claims, refused.kubelet.claims_error = None, "HTTP 403 Forbidden"
+    found.append(("node", False, {}, refused))
     return found

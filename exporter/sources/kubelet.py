@@ -25,6 +25,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from exporter.kubernetes.cgroup import UnknownCgroupShape, pod_hints, read_cgroup
+from exporter.kubernetes.claims import ClaimsApiError
 from exporter.kubernetes.podresources import (
     DEFAULT_SOCKET,
     KubeletClientMissing,
@@ -55,6 +56,7 @@ class KubeletSource:
         proc: str = "/proc",
         client_factory: Callable[..., Any] = PodResourcesClient,
         pods: Callable[[], Any] | None = None,
+        claims: Callable[[], Any] | None = None,
     ) -> None:
         self._pids = pids  # host PIDs with GPU memory (NvmlSource.last_pids)
         self.socket_path = socket_path
@@ -68,6 +70,12 @@ class KubeletSource:
         # on; raises PodsApiError where it cannot be made (then a state, like the kubelet's).
         self._pods_factory = pods
         self._pods_client: Any = None
+        # Makes the ResourceClaims client (exporter.kubernetes.claims), where the claim reader
+        # is on: asked beside the pods, for the namespaces of this node's DRA devices.
+        self._claims_factory = claims
+        self._claims_client: Any = None
+        self._claims: tuple[dict[tuple[str, str], list[Any]] | None, str] = (None, "")
+        self._logged_claims_error = ""
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._pods_wake = threading.Event()
@@ -134,7 +142,8 @@ class KubeletSource:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="gpumem-kubelet", daemon=True)
             self._thread.start()
-        if self._pods_factory is not None and self._pods_thread is None:
+        readers = self._pods_factory is not None or self._claims_factory is not None
+        if readers and self._pods_thread is None:
             self._pods_thread = threading.Thread(
                 target=self._run_pods, name="gpumem-kube-pods", daemon=True
             )
@@ -156,14 +165,23 @@ class KubeletSource:
             self.refresh_pods()
 
     def refresh_pods(self) -> None:
-        """One List of the node's pods from the Kubernetes API; joined to the kubelet's
-        latest answer at once."""
+        """One List of the node's pods from the Kubernetes API, and of the ResourceClaims of
+        its DRA devices; joined to the kubelet's latest answer at once."""
         pods, containers, error = self._list_pods()
         with self._lock:
+            devices = self._state.devices or []
+        claims, claims_error = self._list_claims({d.claim_namespace for d in devices if d.claim})
+        with self._lock:
             self._pods = (pods, containers, error)
+            self._claims = (claims, claims_error)
             if self._state.devices is not None or self._state.up:
                 self._state = dataclasses.replace(
-                    self._state, pods=pods, containers=containers, pods_error=error
+                    self._state,
+                    pods=pods,
+                    containers=containers,
+                    pods_error=error,
+                    claims=claims,
+                    claims_error=claims_error,
                 )
 
     def refresh(self) -> None:
@@ -176,6 +194,7 @@ class KubeletSource:
         else:
             with self._lock:
                 pods, containers, pods_error = self._pods
+                claims, claims_error = self._claims
                 self._state = KubeletReading(
                     socket=self.socket_path,
                     up=True,
@@ -187,6 +206,9 @@ class KubeletSource:
                     containers=containers,
                     pods_api=self._pods_factory is not None,
                     pods_error=pods_error,
+                    claims=claims,
+                    claims_api=self._claims_factory is not None,
+                    claims_error=claims_error,
                 )
             if self._logged_error:
                 log.info("kubelet pod-resources at %s answers again", self.socket_path)
@@ -221,6 +243,27 @@ class KubeletSource:
         self._logged_pods_error = ""
         return listed.pods, listed.containers, ""
 
+    def _list_claims(
+        self, namespaces: set[str]
+    ) -> tuple[dict[tuple[str, str], list[Any]] | None, str]:
+        """(claims, error) from the Kubernetes API, if the claim reader is on."""
+        if self._claims_factory is None:
+            return None, ""
+        if not namespaces:
+            return {}, ""
+        try:
+            if self._claims_client is None:
+                self._claims_client = self._claims_factory()
+            claims = self._claims_client.list(namespaces)
+        except Exception as exc:  # a state on /metrics; attribution goes on without it
+            error = _one_line(exc)
+            if error != self._logged_claims_error:
+                log.warning("no ResourceClaims from the Kubernetes API: %s", error)
+                self._logged_claims_error = error
+            return None, error
+        self._logged_claims_error = ""
+        return claims, ""
+
     def _failed(self, error: str) -> None:
         with self._lock:
             # The last known assignment (and pods) stay, aged on /metrics by last_success_s.
@@ -252,6 +295,6 @@ class KubeletSource:
 
 
 def _one_line(exc: BaseException) -> str:
-    ours = (KubeletError, KubeletClientMissing, PodsApiError)
+    ours = (KubeletError, KubeletClientMissing, PodsApiError, ClaimsApiError)
     text = str(exc) if isinstance(exc, ours) else f"{type(exc).__name__}: {exc}"
     return " ".join(text.split())[:300]

@@ -80,6 +80,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "host-pid": {"daemonset": {"hostPID": True}},
     "no-kubelet": {"daemonset": {"kubelet": {"enabled": False}}},
     "pod-reader": {"daemonset": {"kubelet": {"podReader": True}}},
+    "claim-reader": {"daemonset": {"kubelet": {"podReader": True, "claimReader": True}}},
     "microk8s-kubelet": {
         "daemonset": {
             "kubelet": {
@@ -515,6 +516,26 @@ def test_the_pod_reader_may_list_pods_and_nothing_else(
     assert "GPUMEM_KUBELET_POD_READER" not in env_of(rendered["defaults"])
 
 
+def test_the_claim_reader_may_list_resourceclaims_and_nothing_else(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["claim-reader"]
+    roles = {d["metadata"]["name"]: d["rules"] for d in by_kind(docs, "ClusterRole")}
+    [claims] = [rules for name, rules in roles.items() if name.endswith("-claim-reader")]
+    assert claims == [
+        {
+            "apiGroups": ["resource.k8s.io"],
+            "resources": ["resourceclaims"],
+            "verbs": ["get", "list"],
+        }
+    ]
+    bound = {d["roleRef"]["name"] for d in by_kind(docs, "ClusterRoleBinding")}
+    assert bound == set(roles)
+    assert env_of(docs)["GPUMEM_KUBELET_CLAIM_READER"] == "1"
+    assert "GPUMEM_KUBELET_CLAIM_READER" not in env_of(rendered["pod-reader"])
+    assert len(by_kind(rendered["pod-reader"], "ClusterRole")) == 1
+
+
 def test_kubelet_values_are_validated() -> None:
     for bad, where in (
         ({"hostPath": "relative/path"}, "hostPath"),
@@ -538,7 +559,8 @@ def test_security_context(rendered: dict[str, list[dict[str, Any]]]) -> None:
         assert pod["securityContext"]["runAsUser"] == 10001, name  # the Dockerfile's USER
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
         # Only the pod reader and the admin identities talk to the Kubernetes API.
-        assert pod["automountServiceAccountToken"] is (name in ("pod-reader", "secured")), name
+        readers = ("pod-reader", "claim-reader", "secured")
+        assert pod["automountServiceAccountToken"] is (name in readers), name
         assert sc["readOnlyRootFilesystem"] is True, name
         assert sc["allowPrivilegeEscalation"] is False, name
         assert sc["capabilities"] == {"drop": ["ALL"]}, name

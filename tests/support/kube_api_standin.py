@@ -5,6 +5,7 @@ for a bearer token it was given; 401 for any other token, 400 for any other quer
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import ssl
 import subprocess
@@ -64,6 +65,9 @@ class StandInApi:
     def __init__(self, folder: Path, token: str, node: str = "gpu-node-1") -> None:
         self.cert, key = make_certificate(folder)
         self.pods: list[dict[str, Any]] = []
+        # resource.k8s.io/v1 ResourceClaims by namespace (resource_claim() makes one).
+        self.claims: dict[str, list[dict[str, Any]]] = {}
+        self.forbid_claims = False  # answer 403 to resourceclaims (RBAC without the rule)
         self.requests: list[str] = []
         self.trickle_s = 0.0  # seconds between the bytes of an answer
         self.redirect_to = ""  # answer 307 to this base URL instead
@@ -82,8 +86,17 @@ class StandInApi:
                     return
                 url = urllib.parse.urlsplit(self.path)
                 query = urllib.parse.parse_qs(url.query)
+                claims = re.fullmatch(
+                    r"/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resourceclaims", url.path
+                )
                 if self.headers.get("Authorization") != f"Bearer {token}":
                     self._answer(401, {"kind": "Status", "reason": "Unauthorized"})
+                elif claims is not None and api.forbid_claims:
+                    self._answer(403, {"kind": "Status", "reason": "Forbidden"})
+                elif claims is not None:
+                    items = api.claims.get(urllib.parse.unquote(claims.group(1)), [])
+                    body = {"kind": "ResourceClaimList", "apiVersion": "resource.k8s.io/v1"}
+                    self._answer(200, {**body, "items": items})
                 elif url.path != "/api/v1/pods" or query != {
                     "fieldSelector": [f"spec.nodeName={node}"]
                 }:
@@ -107,3 +120,31 @@ class StandInApi:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def resource_claim(
+    namespace: str, name: str, *devices: tuple[str, str, str | None], pool: str = "gpu-node-1"
+) -> dict[str, Any]:
+    """A resource.k8s.io/v1 ResourceClaim allocated `devices` of NVIDIA's driver, each
+    (device, shareID or "", consumed memory quantity or None) as the scheduler writes
+    status.allocation with consumable capacity (DRAConsumableCapacity)."""
+    results = []
+    for device, share_id, memory in devices:
+        result: dict[str, Any] = {
+            "request": "gpu",
+            "driver": "gpu.nvidia.com",
+            "pool": pool,
+            "device": device,
+        }
+        if share_id:
+            result["shareID"] = share_id
+        if memory is not None:
+            result["consumedCapacity"] = {"memory": memory}
+        results.append(result)
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}"},
+        "spec": {"devices": {"requests": [{"name": "gpu"}]}},
+        "status": {"allocation": {"devices": {"results": results}}},
+    }

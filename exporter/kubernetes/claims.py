@@ -1,0 +1,117 @@
+"""What each ResourceClaim of this node's pods consumed, from the Kubernetes API
+(resource.k8s.io/v1): for a device several claims share (consumable capacity, the
+DRAConsumableCapacity feature), each allocation result carries its `shareID` and
+`consumedCapacity`, NVIDIA's driver's `memory` among them. The node daemon holds it against
+the memory the claim's processes use on that GPU (exporter.attribution): a claim whose
+processes use more than they claimed starves its neighbours on the GPU.
+
+Optional (the chart's `daemonset.kubelet.claimReader`, GPUMEM_KUBELET_CLAIM_READER), with the
+pod reader's credentials and RBAC to list resourceclaims: one list per namespace that has a
+claim on this node, each bounded in size and by the API client's one deadline.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+from dataclasses import dataclass
+
+from exporter.kubernetes.api import ApiError, ApiServer
+
+# One namespace's claims; 10,000 claims of a few KiB each stay under it.
+MAX_RESPONSE_BYTES = 64 << 20
+# Namespaces asked per refresh: a node runs a few hundred pods at most.
+MAX_NAMESPACES = 256
+
+_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+_FACTORS = {
+    None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
+    "Ei": 1 << 60, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+}  # fmt: skip
+
+
+class ClaimsApiError(RuntimeError):
+    """The claims could not be read; str() is one line without secrets."""
+
+
+@dataclass(frozen=True)
+class ClaimedDevice:
+    """One device of one claim's allocation, with the memory it consumed where the driver
+    counts memory as consumable capacity (None otherwise: the whole device)."""
+
+    driver: str
+    pool: str
+    device: str
+    share_id: str
+    memory_bytes: int | None
+
+
+def parse_quantity(text: str) -> int:
+    """A Kubernetes quantity of bytes ("10Gi", "1500M", "1073741824") as a whole number of
+    bytes, rounded up; ValueError for anything else (milli-bytes and exponents included)."""
+    match = _QUANTITY.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"not a quantity of bytes: {text[:40]!r}")
+    number, suffix = match.groups()
+    whole, _, fraction = number.partition(".")
+    factor = _FACTORS[suffix]
+    scale = 10 ** len(fraction)
+    return -(-(int(whole + fraction) * factor) // scale)
+
+
+def parse_claims(data: dict) -> dict[str, list[ClaimedDevice]]:
+    """A ResourceClaimList's allocations by claim name (claims not yet allocated have none)."""
+    result: dict[str, list[ClaimedDevice]] = {}
+    for item in data["items"]:
+        name = str(item["metadata"]["name"])
+        allocation = (item.get("status") or {}).get("allocation") or {}
+        devices = []
+        for entry in (allocation.get("devices") or {}).get("results") or []:
+            consumed = entry.get("consumedCapacity") or {}
+            memory = consumed.get("memory")
+            devices.append(
+                ClaimedDevice(
+                    str(entry["driver"]),
+                    str(entry["pool"]),
+                    str(entry["device"]),
+                    str(entry.get("shareID") or ""),
+                    parse_quantity(str(memory)) if memory is not None else None,
+                )
+            )
+        result[name] = devices
+    return result
+
+
+class ClaimsClient:
+    def __init__(self, api: ApiServer) -> None:
+        self._api = api
+
+    def list(self, namespaces: set[str]) -> dict[tuple[str, str], list[ClaimedDevice]]:
+        """(namespace, claim) -> its allocated devices, for the claims of `namespaces`."""
+        if len(namespaces) > MAX_NAMESPACES:
+            raise ClaimsApiError(
+                f"{len(namespaces)} namespaces with claims on this node, over {MAX_NAMESPACES}"
+            )
+        found: dict[tuple[str, str], list[ClaimedDevice]] = {}
+        for namespace in sorted(namespaces):
+            path = (
+                f"/apis/resource.k8s.io/v1/namespaces/{urllib.parse.quote(namespace, safe='')}"
+                "/resourceclaims"
+            )
+            try:
+                data = self._api.get(path, max_bytes=MAX_RESPONSE_BYTES)
+            except ApiError as exc:
+                raise ClaimsApiError(f"listing resourceclaims in {namespace}: {exc}") from None
+            try:
+                claims = parse_claims(data)
+            except (ValueError, TypeError, AttributeError, KeyError) as exc:
+                why = (
+                    f"{type(exc).__name__}: {exc}"
+                    if isinstance(exc, ValueError)
+                    else (type(exc).__name__)
+                )
+                raise ClaimsApiError(
+                    f"listing resourceclaims in {namespace}: not a ResourceClaimList ({why})"
+                ) from None
+            found.update({(namespace, name): devices for name, devices in claims.items()})
+        return found

@@ -1,0 +1,205 @@
+"""The claim reader: the ResourceClaims of this node's DRA devices from a stand-in Kubernetes
+API (real HTTPS, tests/support/kube_api_standin.py), the memory each claim consumed of a GPU
+several claims share held against what its processes use (issue 37)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.config import load_config
+from exporter.http.server import create_app
+from exporter.kubernetes.api import ApiServer
+from exporter.kubernetes.claims import (
+    ClaimedDevice,
+    ClaimsApiError,
+    ClaimsClient,
+    parse_claims,
+    parse_quantity,
+)
+from exporter.kubernetes.pods import PodsClient
+from exporter.runtime import build_runtime
+from exporter.sources.kubelet import KubeletSource
+from exporter.sources.nvml import NvmlSource
+from tests.conftest import DATA_DIR
+from tests.support.kube_api_standin import StandInApi, pod, resource_claim
+from tests.support.kubelet_standin import StandInKubelet, claim_pod, dra_device, write_state
+from tests.support.nvml_double import FakeNvml
+
+TOKEN = "sa-token-not-for-logs"
+UID_A = "2c9f8a79-5391-454b-88cb-86190881cb96"  # tests/data/cgroup/v2-systemd-crio.txt
+CRIO_ID = "a09343ca97901516c25036e2b954421254f8c68b384b536064e8999f0c4ed18d"
+UID_B = "7922aa99-d4aa-4885-a953-82976860b23a"
+RAW = json.loads((DATA_DIR / "allocator_native.json").read_text())["nvml_raw"]
+GPU0 = RAW["devices"][0]["uuid"]
+PID = RAW["devices"][0]["processes"][0]["pid"]
+PID_USED = RAW["devices"][0]["processes"][0]["usedGpuMemory"]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("10Gi", 10 << 30),
+        ("1536Mi", 1536 << 20),
+        ("1.5Gi", 3 << 29),
+        ("1500M", 1_500_000_000),
+        ("1073741824", 1 << 30),
+        ("0.5", 1),  # rounded up to a whole byte
+    ],
+)
+def test_quantities_of_bytes(text, expected):
+    assert parse_quantity(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "10GiB", "-1Gi", "100m", "1e3", "ten"])
+def test_what_is_no_quantity_of_bytes_is_refused(text):
+    with pytest.raises(ValueError):
+        parse_quantity(text)
+
+
+def test_a_claim_list_gives_each_claims_devices_and_memory():
+    data = {
+        "items": [
+            resource_claim("research", "a", ("gpu-0", "7f3a", "10Gi")),
+            resource_claim("research", "whole", ("gpu-1", "", None)),
+            {"metadata": {"name": "pending"}, "status": {}},  # not allocated yet
+        ]
+    }
+    assert parse_claims(data) == {
+        "a": [ClaimedDevice("gpu.nvidia.com", "gpu-node-1", "gpu-0", "7f3a", 10 << 30)],
+        "whole": [ClaimedDevice("gpu.nvidia.com", "gpu-node-1", "gpu-1", "", None)],
+        "pending": [],
+    }
+
+
+@pytest.fixture
+def api(tmp_path):
+    server = StandInApi(tmp_path, TOKEN)
+    server.pods = [
+        pod("research", "notebook-a", UID_A, {"jupyter": CRIO_ID}),
+        pod("research", "notebook-b", UID_B, {"jupyter": "b" * 64}),
+    ]
+    server.claims = {
+        "research": [
+            resource_claim("research", "a-share", ("gpu-0", "7f3a", "10Gi")),
+            resource_claim("research", "b-share", ("gpu-0", "9c1e", "1Mi")),
+        ]
+    }
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    yield server
+    server.stop()
+
+
+def pods_client(api: StandInApi, tmp_path) -> PodsClient:
+    return PodsClient(
+        "gpu-node-1", api_url=api.url, token_path=tmp_path / "token", ca_path=api.cert
+    )
+
+
+def claims_client(api: StandInApi, tmp_path) -> ClaimsClient:
+    return ClaimsClient(
+        ApiServer(api.url, token_path=tmp_path / "token", ca_path=api.cert, deadline_s=5)
+    )
+
+
+def test_a_forbidden_or_malformed_claim_list_is_one_line(api, tmp_path):
+    api.forbid_claims = True
+    with pytest.raises(ClaimsApiError, match=r"resourceclaims in research: .*HTTP 403"):
+        claims_client(api, tmp_path).list({"research"})
+    api.forbid_claims = False
+    api.claims = {"research": [{"metadata": {"name": "x"}, "status": {"allocation": {
+        "devices": {"results": [{"driver": "gpu.nvidia.com", "pool": "p", "device": "gpu-0",
+                                 "consumedCapacity": {"memory": "lots"}}]}}}}]}  # fmt: skip
+    with pytest.raises(ClaimsApiError, match="not a ResourceClaimList"):
+        claims_client(api, tmp_path).list({"research"})
+
+
+def test_claimed_memory_is_held_against_what_the_claims_processes_use(api, tmp_path):
+    """Two claims share GPU 0 (consumable capacity): notebook-a claimed 10 GiB, notebook-b
+    1 MiB. notebook-a's process uses PID_USED (under 10 GiB); notebook-b uses nothing. Then
+    notebook-b's claim is the one the process is in: it uses more than it claimed. The API
+    forbidding resourceclaims is a state, and the claimed series go."""
+    proc = tmp_path / "proc" / str(PID)
+    proc.mkdir(parents=True)
+    proc.joinpath("cgroup").write_bytes((DATA_DIR / "cgroup" / "v2-systemd-crio.txt").read_bytes())
+    state = tmp_path / "kubelet.json"
+    shares = [
+        claim_pod("research", name, "jupyter", claim, dra_device("gpu-0", share_id=share))
+        for name, claim, share in (
+            ("notebook-a", "a-share", "7f3a"),
+            ("notebook-b", "b-share", "9c1e"),
+        )
+    ]
+    write_state(state, shares)
+    kubelet = StandInKubelet(tmp_path / "kubelet.sock", state).start()
+    fake = FakeNvml(RAW)
+    fake.minor_numbers = {0: 0, 1: 1}
+    nvml = NvmlSource(fake)
+    source = KubeletSource(
+        lambda: nvml.last_pids,
+        socket_path=str(tmp_path / "kubelet.sock"),
+        refresh_s=0.2,
+        proc=str(tmp_path / "proc"),
+        pods=lambda: pods_client(api, tmp_path),
+        claims=lambda: claims_client(api, tmp_path),
+    )
+    runtime = build_runtime(load_config(env={}), mode="node", sources=[nvml, source])
+    http = TestClient(create_app(runtime))
+
+    def scrape() -> dict:
+        runtime.sampler.tick()
+        text = http.get("/metrics").text
+        return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+    def by_claim(families, name) -> dict[str, float]:
+        return {s.labels["claim"]: s.value for s in families.get(name, [])}
+
+    def wait(check) -> dict:
+        deadline = time.monotonic() + 10
+        while not check(families := scrape()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return families
+
+    try:
+        families = wait(lambda f: by_claim(f, "gpu_dra_claim_memory_used_bytes").get("a-share"))
+        assert by_claim(families, "gpu_dra_claim_memory_claimed_bytes") == {
+            "a-share": 10 << 30,
+            "b-share": 1 << 20,
+        }
+        assert by_claim(families, "gpu_dra_claim_memory_used_bytes") == {
+            "a-share": PID_USED,
+            "b-share": 0.0,
+        }
+        assert families["gpumem_exporter_claims_api_up"][0].value == 1.0
+        [share] = [
+            s for s in families["gpu_dra_claim_memory_claimed_bytes"]
+            if s.labels["claim"] == "a-share"
+        ]  # fmt: skip
+        assert share.labels["gpu_uuid"] == GPU0 and share.labels["share_id"] == "7f3a"
+
+        # The process is notebook-b's now (its pod UID): it uses far more than its 1 MiB.
+        api.pods = [
+            pod("research", "notebook-a", UID_B, {"jupyter": "b" * 64}),
+            pod("research", "notebook-b", UID_A, {"jupyter": CRIO_ID}),
+        ]
+        families = wait(lambda f: by_claim(f, "gpu_dra_claim_memory_used_bytes").get("b-share"))
+        assert (
+            by_claim(families, "gpu_dra_claim_memory_used_bytes")["b-share"]
+            == PID_USED
+            > (by_claim(families, "gpu_dra_claim_memory_claimed_bytes")["b-share"])
+        )
+
+        api.forbid_claims = True
+        families = wait(lambda f: "gpumem_exporter_claims_api_error_info" in f)
+        assert families["gpumem_exporter_claims_api_up"][0].value == 0.0
+        [error] = families["gpumem_exporter_claims_api_error_info"]
+        assert "HTTP 403" in error.labels["error"]
+        assert "gpu_dra_claim_memory_claimed_bytes" not in families
+        assert families["gpu_dra_claim_info"]  # the kubelet's view stands without the API
+    finally:
+        runtime.sampler.stop()
+        kubelet.stop()

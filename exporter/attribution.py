@@ -129,7 +129,7 @@ def attribute(sample: Sample) -> Attribution | None:
     seen = set()
     for device in kubelet.devices:
         row = GpuPod(
-            device_gpu_uuid(device, sample.gpus),
+            device_gpu_uuid(device, sample.gpus, kubelet.slices),
             base_device_id(device.device_id),
             device.resource,
             device.namespace,

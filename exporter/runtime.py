@@ -283,7 +283,7 @@ def kubelet_source(
             credentials=Path(config.kubernetes_service_account_dir),
             deadline_s=config.kubelet_timeout_s,
         )
-        return ClaimsClient(api)
+        return ClaimsClient(api, env.get("NODE_NAME", ""))
 
     return KubeletSource(
         pids,

@@ -183,6 +183,9 @@ class KubeletReading:
     claims: dict[tuple[str, str], list[Any]] | None = None
     claims_api: bool = False  # the claim reader is on
     claims_error: str = ""  # why the latest claims list failed
+    # With the claim reader, where a DRA device's name does not resolve through NVML: this
+    # node's ResourceSlices' (driver, pool, device) -> GPU UUID; None otherwise.
+    slices: dict[tuple[str, str, str], str] | None = None
 
 
 @dataclass

@@ -82,9 +82,47 @@ def parse_claims(data: dict) -> dict[str, list[ClaimedDevice]]:
     return result
 
 
+def parse_slices(data: dict) -> dict[tuple[str, str, str], str]:
+    """A ResourceSliceList's devices: (driver, pool, device) -> the UUID of the GPU it is on
+    (NVIDIA's driver: `uuid` of a GPU, `parentUUID` of a MIG device)."""
+    found: dict[tuple[str, str, str], str] = {}
+    for item in data["items"]:
+        spec = item["spec"]
+        driver, pool = str(spec["driver"]), str((spec.get("pool") or {}).get("name", ""))
+        for device in spec.get("devices") or []:
+            attributes = device.get("attributes") or {}
+            for key in ("parentUUID", "uuid"):  # a MIG device is on its parent GPU
+                value = (attributes.get(key) or {}).get("string")
+                if value:
+                    found[(driver, pool, str(device["name"]))] = str(value)
+                    break
+    return found
+
+
 class ClaimsClient:
-    def __init__(self, api: ApiServer) -> None:
+    def __init__(self, api: ApiServer, node_name: str = "") -> None:
         self._api = api
+        self.node_name = node_name
+
+    def slices(self) -> dict[tuple[str, str, str], str]:
+        """This node's ResourceSlices' devices (parse_slices): asked only for a DRA device
+        whose name does not resolve through NVML (exporter.kubernetes.device_ids)."""
+        if not self.node_name:
+            raise ClaimsApiError("NODE_NAME is not set: cannot select this node's ResourceSlices")
+        selector = urllib.parse.quote(f"spec.nodeName={self.node_name}")
+        try:
+            data = self._api.get(
+                f"/apis/resource.k8s.io/v1/resourceslices?fieldSelector={selector}",
+                max_bytes=MAX_RESPONSE_BYTES,
+            )
+        except ApiError as exc:
+            raise ClaimsApiError(f"listing resourceslices: {exc}") from None
+        try:
+            return parse_slices(data)
+        except (TypeError, AttributeError, KeyError) as exc:
+            raise ClaimsApiError(
+                f"listing resourceslices: not a ResourceSliceList ({type(exc).__name__})"
+            ) from None
 
     def list(self, namespaces: set[str]) -> dict[tuple[str, str], list[ClaimedDevice]]:
         """(namespace, claim) -> its allocated devices, for the claims of `namespaces`."""

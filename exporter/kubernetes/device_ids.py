@@ -18,7 +18,7 @@ guessed.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from exporter.sample import GpuReading, PodDevice
 
@@ -33,12 +33,29 @@ def base_device_id(device_id: str) -> str:
     return device_id.partition("::")[0]
 
 
-def device_gpu_uuid(device: PodDevice, gpus: Iterable[GpuReading]) -> str:
+def device_gpu_uuid(
+    device: PodDevice,
+    gpus: Iterable[GpuReading],
+    slices: Mapping[tuple[str, str, str], str] | None = None,
+) -> str:
     """The NVML UUID of the GPU an assigned device is on, by device plugin or by DRA; ""
-    where nothing NVML reported matches."""
-    if device.dynamic:
-        return resolve_dra_gpu_uuid(device.resource, device.device_id, gpus)
-    return resolve_gpu_uuid(device.device_id, gpus)
+    where nothing NVML reported matches. A DRA device whose name does not resolve here is
+    looked up in this node's ResourceSlices (`slices`: (driver, pool, device) -> UUID, from
+    the claim reader), and taken only where NVML reports that UUID: NVML is the truth, a
+    slice that disagrees with it names nothing."""
+    gpus = list(gpus)
+    if not device.dynamic:
+        return resolve_gpu_uuid(device.device_id, gpus)
+    found = resolve_dra_gpu_uuid(device.resource, device.device_id, gpus)
+    if not found and slices:
+        uuid = slices.get((device.resource, device.pool, device.device_id), "")
+        found = next((g.uuid for g in gpus if uuid and g.uuid == uuid), "")
+    return found
+
+
+def known_dra_name(driver: str, device: str) -> bool:
+    """Whether resolve_dra_gpu_uuid can read this DRA device's name (else the slices may)."""
+    return driver == NVIDIA_DRA_DRIVER and _NVIDIA_DRA.fullmatch(device) is not None
 
 
 def resolve_dra_gpu_uuid(driver: str, device: str, gpus: Iterable[GpuReading]) -> str:

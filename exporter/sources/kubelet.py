@@ -26,6 +26,7 @@ from typing import Any
 
 from exporter.kubernetes.cgroup import UnknownCgroupShape, pod_hints, read_cgroup
 from exporter.kubernetes.claims import ClaimsApiError
+from exporter.kubernetes.device_ids import known_dra_name
 from exporter.kubernetes.podresources import (
     DEFAULT_SOCKET,
     KubeletClientMissing,
@@ -76,6 +77,7 @@ class KubeletSource:
         self._claims_client: Any = None
         self._claims: tuple[dict[tuple[str, str], list[Any]] | None, str] = (None, "")
         self._logged_claims_error = ""
+        self._slices: dict[tuple[str, str, str], str] | None = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._pods_wake = threading.Event()
@@ -171,9 +173,12 @@ class KubeletSource:
         with self._lock:
             devices = self._state.devices or []
         claims, claims_error = self._list_claims({d.claim_namespace for d in devices if d.claim})
+        slices, slices_error = self._list_slices(devices)
+        claims_error = claims_error or slices_error
         with self._lock:
             self._pods = (pods, containers, error)
             self._claims = (claims, claims_error)
+            self._slices = slices
             if self._state.devices is not None or self._state.up:
                 self._state = dataclasses.replace(
                     self._state,
@@ -182,6 +187,7 @@ class KubeletSource:
                     pods_error=error,
                     claims=claims,
                     claims_error=claims_error,
+                    slices=slices,
                 )
 
     def refresh(self) -> None:
@@ -195,6 +201,7 @@ class KubeletSource:
             with self._lock:
                 pods, containers, pods_error = self._pods
                 claims, claims_error = self._claims
+                slices = self._slices
                 self._state = KubeletReading(
                     socket=self.socket_path,
                     up=True,
@@ -209,6 +216,7 @@ class KubeletSource:
                     claims=claims,
                     claims_api=self._claims_factory is not None,
                     claims_error=claims_error,
+                    slices=slices,
                 )
             if self._logged_error:
                 log.info("kubelet pod-resources at %s answers again", self.socket_path)
@@ -263,6 +271,26 @@ class KubeletSource:
             return None, error
         self._logged_claims_error = ""
         return claims, ""
+
+    def _list_slices(
+        self, devices: list[PodDevice]
+    ) -> tuple[dict[tuple[str, str, str], str] | None, str]:
+        """This node's ResourceSlices, only where a DRA device's name cannot be read here
+        (another driver named in the resources, a naming NVIDIA's driver may adopt)."""
+        if self._claims_factory is None or all(
+            known_dra_name(d.resource, d.device_id) for d in devices if d.dynamic
+        ):
+            return None, ""
+        try:
+            if self._claims_client is None:
+                self._claims_client = self._claims_factory()
+            return self._claims_client.slices(), ""
+        except Exception as exc:  # a state on /metrics, with the claims'
+            error = _one_line(exc)
+            if error != self._logged_claims_error:
+                log.warning("no ResourceSlices from the Kubernetes API: %s", error)
+                self._logged_claims_error = error
+            return None, error
 
     def _failed(self, error: str) -> None:
         with self._lock:

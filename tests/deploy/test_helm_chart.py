@@ -525,7 +525,7 @@ def test_the_claim_reader_may_list_resourceclaims_and_nothing_else(
     assert claims == [
         {
             "apiGroups": ["resource.k8s.io"],
-            "resources": ["resourceclaims"],
+            "resources": ["resourceclaims", "resourceslices"],
             "verbs": ["get", "list"],
         }
     ]

@@ -26,7 +26,7 @@ from exporter.runtime import build_runtime
 from exporter.sources.kubelet import KubeletSource
 from exporter.sources.nvml import NvmlSource
 from tests.conftest import DATA_DIR
-from tests.support.kube_api_standin import StandInApi, pod, resource_claim
+from tests.support.kube_api_standin import StandInApi, pod, resource_claim, resource_slice
 from tests.support.kubelet_standin import StandInKubelet, claim_pod, dra_device, write_state
 from tests.support.nvml_double import FakeNvml
 
@@ -202,4 +202,76 @@ def test_claimed_memory_is_held_against_what_the_claims_processes_use(api, tmp_p
         assert families["gpu_dra_claim_info"]  # the kubelet's view stands without the API
     finally:
         runtime.sampler.stop()
+        kubelet.stop()
+
+
+def test_a_dra_device_named_in_no_known_shape_resolves_through_the_nodes_resource_slices(
+    api, tmp_path
+):
+    """Another DRA driver (named in GPUMEM_KUBELET_RESOURCES) names GPU 0 `accel-3`: the
+    local map misses, the node's ResourceSlices say its UUID, and NVML reports that GPU. A
+    slice naming a UUID NVML does not report names nothing."""
+    api.slices = [
+        resource_slice(
+            "dra.example.com", "gpu-node-1", {"accel-3": GPU0, "accel-4": "GPU-not-here"}
+        )
+    ]
+    state = tmp_path / "kubelet.json"
+    write_state(
+        state,
+        [
+            claim_pod("research", "a", "c", "ka", dra_device("accel-3", driver="dra.example.com")),
+            claim_pod("research", "b", "c", "kb", dra_device("accel-4", driver="dra.example.com")),
+        ],
+    )
+    kubelet = StandInKubelet(tmp_path / "kubelet.sock", state).start()
+    nvml = NvmlSource(FakeNvml(RAW))
+    source = KubeletSource(
+        lambda: nvml.last_pids,
+        socket_path=str(tmp_path / "kubelet.sock"),
+        refresh_s=0.2,
+        resources=("gpu.nvidia.com", "dra.example.com"),
+        claims=lambda: ClaimsClient(
+            ApiServer(api.url, token_path=tmp_path / "token", ca_path=api.cert, deadline_s=5),
+            "gpu-node-1",
+        ),
+    )
+    runtime = build_runtime(load_config(env={}), mode="node", sources=[nvml, source])
+    http = TestClient(create_app(runtime))
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            runtime.sampler.tick()
+            text = http.get("/metrics").text
+            families = {f.name: f.samples for f in text_string_to_metric_families(text)}
+            rows = {
+                s.labels["device_id"]: s.labels["gpu_uuid"]
+                for s in families.get("gpu_pod_info", [])
+            }
+            if rows.get("accel-3") or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert rows == {"accel-3": GPU0, "accel-4": ""}
+        assert any("resourceslices" in r for r in api.requests)
+    finally:
+        runtime.sampler.stop()
+        kubelet.stop()
+
+
+def test_nvidias_own_names_never_ask_for_resource_slices(api, tmp_path):
+    state = tmp_path / "kubelet.json"
+    write_state(state, [claim_pod("research", "a", "c", "ka", dra_device("gpu-0"))])
+    kubelet = StandInKubelet(tmp_path / "kubelet.sock", state).start()
+    source = KubeletSource(
+        lambda: set(),
+        socket_path=str(tmp_path / "kubelet.sock"),
+        claims=lambda: claims_client(api, tmp_path),
+    )
+    try:
+        source.refresh()
+        source.refresh_pods()
+        assert not any("resourceslices" in r for r in api.requests)
+        assert any("resourceclaims" in r for r in api.requests)
+    finally:
+        source.close()
         kubelet.stop()

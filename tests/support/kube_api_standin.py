@@ -68,6 +68,7 @@ class StandInApi:
         # resource.k8s.io/v1 ResourceClaims by namespace (resource_claim() makes one).
         self.claims: dict[str, list[dict[str, Any]]] = {}
         self.forbid_claims = False  # answer 403 to resourceclaims (RBAC without the rule)
+        self.slices: list[dict[str, Any]] = []  # this node's ResourceSlices (resource_slice())
         self.requests: list[str] = []
         self.trickle_s = 0.0  # seconds between the bytes of an answer
         self.redirect_to = ""  # answer 307 to this base URL instead
@@ -97,6 +98,11 @@ class StandInApi:
                     items = api.claims.get(urllib.parse.unquote(claims.group(1)), [])
                     body = {"kind": "ResourceClaimList", "apiVersion": "resource.k8s.io/v1"}
                     self._answer(200, {**body, "items": items})
+                elif url.path == "/apis/resource.k8s.io/v1/resourceslices" and query == {
+                    "fieldSelector": [f"spec.nodeName={node}"]
+                }:
+                    body = {"kind": "ResourceSliceList", "apiVersion": "resource.k8s.io/v1"}
+                    self._answer(200, {**body, "items": api.slices})
                 elif url.path != "/api/v1/pods" or query != {
                     "fieldSelector": [f"spec.nodeName={node}"]
                 }:
@@ -147,4 +153,22 @@ def resource_claim(
         "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}"},
         "spec": {"devices": {"requests": [{"name": "gpu"}]}},
         "status": {"allocation": {"devices": {"results": results}}},
+    }
+
+
+def resource_slice(driver: str, pool: str, devices: dict[str, str]) -> dict[str, Any]:
+    """A resource.k8s.io/v1 ResourceSlice of this node: device name -> its `uuid` attribute."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": f"{pool}-{driver}"},
+        "spec": {
+            "driver": driver,
+            "nodeName": "gpu-node-1",
+            "pool": {"name": pool, "generation": 1, "resourceSliceCount": 1},
+            "devices": [
+                {"name": name, "attributes": {"uuid": {"string": uuid}}}
+                for name, uuid in devices.items()
+            ],
+        },
     }

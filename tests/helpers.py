@@ -437,7 +437,8 @@ def iter_panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
 ATTRIBUTION_SERIES = re.compile(
     r"\b(gpu_pod_info|gpu_process_pod_info|gpu_process_container_info"
     r"|gpu_memory_unattributed_bytes|gpu_process_memory_unattributed_bytes"
-    r"|gpu_container_memory_used_bytes|namespace(_pod)?:gpu_memory_used_bytes:sum)\b"
+    r"|gpu_container_memory_used_bytes|namespace(_pod)?:gpu_memory_used_bytes:sum"
+    r"|gpu_dra_claim_\w+)\b"
 )
 
 

@@ -28,6 +28,9 @@ import yaml
 
 from exporter.config import load_config
 from exporter.http.server import HttpServer, create_app
+from exporter.kubernetes.api import ApiServer
+from exporter.kubernetes.claims import ClaimsClient
+from exporter.kubernetes.pods import PodsClient
 from exporter.runtime import Runtime, build_runtime
 from exporter.sources.kubelet import KubeletSource
 from exporter.sources.nvml import NvmlSource
@@ -42,6 +45,8 @@ from tests.helpers import (
     stop_processes,
     wait_http,
 )
+from tests.support.kube_api_standin import StandInApi, resource_claim
+from tests.support.kube_api_standin import pod as api_pod
 from tests.support.kubelet_standin import (
     StandInKubelet,
     claim_pod,
@@ -52,6 +57,10 @@ from tests.support.kubelet_standin import (
 from tests.support.nvml_double import FakeNvml
 
 pytestmark = pytest.mark.e2e
+TOKEN = "sa-token-not-for-logs"
+UID_A = "2c9f8a79-5391-454b-88cb-86190881cb96"  # tests/data/cgroup/v2-systemd-crio.txt
+CRIO_ID = "a09343ca97901516c25036e2b954421254f8c68b384b536064e8999f0c4ed18d"
+UID_B = "7922aa99-d4aa-4885-a953-82976860b23a"
 
 RAW = json.loads((DATA_DIR / "allocator_native.json").read_text())["nvml_raw"]
 GPU0, GPU1 = (d["uuid"] for d in RAW["devices"])
@@ -66,6 +75,7 @@ DAEMON_TARGET = {"cluster": "e2e", "namespace": "monitoring", "pod": "gpumem-nod
 class Cluster:
     prometheus: str
     state: Path
+    api: StandInApi
 
     def query(self, expr: str) -> list[dict]:
         result: list[dict] = prometheus_api(self.prometheus, "query", query=expr)["result"]
@@ -94,6 +104,17 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     state = tmp / "kubelet.json"
     write_state(state, [pod("serving", "llama-0", "server", f"{GPU0}::0")])
     kubelet = StandInKubelet(tmp / "kubelet.sock", state).start()
+    # The Kubernetes API (real HTTPS) for the pod reader and the claim reader.
+    api = StandInApi(tmp, TOKEN)
+    api.pods = [
+        api_pod("serving", "llama-0", UID_A, {"server": CRIO_ID}),
+        api_pod("research", "notebook-b", UID_B, {"jupyter": "b" * 64}),
+    ]
+    (tmp / "token").write_text(TOKEN)
+
+    def api_server() -> ApiServer:
+        return ApiServer(api.url, token_path=tmp / "token", ca_path=api.cert, deadline_s=5)
+
     fake = FakeNvml(RAW)
     fake.minor_numbers = {0: 1, 1: 0}  # GPU 0 is /dev/nvidia1: DRA names it gpu-1
     nvml = NvmlSource(fake)
@@ -102,6 +123,8 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         socket_path=str(tmp / "kubelet.sock"),
         refresh_s=0.5,
         proc=str(tmp / "proc"),
+        pods=lambda: PodsClient("gpu-node-1", api=api_server()),
+        claims=lambda: ClaimsClient(api_server(), "gpu-node-1"),
     )
     runtime: Runtime = build_runtime(
         load_config(env={}, interval_s=0.5), mode="node", sources=[nvml, source]
@@ -127,8 +150,9 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     server = start_prometheus(prometheus, tmp, prometheus_port)
     try:
         wait_http(f"http://127.0.0.1:{prometheus_port}/-/ready", server)
-        yield Cluster(f"http://127.0.0.1:{prometheus_port}", state)
+        yield Cluster(f"http://127.0.0.1:{prometheus_port}", state, api)
     finally:
+        api.stop()
         stop_processes((server,))
         http.stop()
         runtime.sampler.stop()
@@ -197,8 +221,11 @@ def test_every_attribution_query_of_the_dashboards_has_data(cluster):
         (path.name, title, expr)
         for path in sorted((REPO_ROOT / "dashboards").glob("*.json"))
         for title, expr in iter_panel_queries(path)
-        # A pod's own GPUs by container: checked above, while a pod holds the GPU.
-        if needs_kubelet(expr) and "gpu_container_memory_used_bytes" not in expr
+        # A pod's own GPUs by container: checked above, while a pod holds the GPU; claims:
+        # checked below, while claims share a GPU.
+        if needs_kubelet(expr)
+        and "gpu_container_memory_used_bytes" not in expr
+        and "gpu_dra_claim_memory" not in expr
     ]
     assert queries, "the dashboards have no attribution panel"
     empty = []
@@ -236,3 +263,37 @@ def test_a_gpu_a_claim_gave_counts_in_the_rules_like_any_other(cluster):
             break
         time.sleep(0.5)
     assert float(outside["value"][1]) == USED0
+
+
+def test_claims_sharing_a_gpu_show_claimed_against_used(cluster):
+    """Two claims share GPU 0 (consumable capacity): llama-0's process (its pod UID, named by
+    the pod reader) uses PID_USED of its 1 MiB claim: the fleet dashboard's panel draws
+    both claims, and GpuDraClaimOverMemory's expression finds llama-0's."""
+    cluster.api.claims = {
+        "serving": [resource_claim("serving", "llama-share", ("gpu-1", "7f3a", "1Mi"))],
+        "research": [resource_claim("research", "nb-share", ("gpu-1", "9c1e", "20Gi"))],
+    }
+    share = {"serving": "7f3a", "research": "9c1e"}
+    write_state(
+        cluster.state,
+        [
+            claim_pod(ns, name, container, claim, dra_device("gpu-1", share_id=share[ns]))
+            for ns, name, container, claim in (
+                ("serving", "llama-0", "server", "llama-share"),
+                ("research", "notebook-b", "jupyter", "nb-share"),
+            )
+        ],
+    )
+    [(title, claimed), (_, used)] = [
+        (title, expr)
+        for title, expr in iter_panel_queries(REPO_ROOT / "dashboards" / "gpumem-fleet.json")
+        if "gpu_dra_claim_memory" in expr
+    ]
+    claimed = claimed.replace("$cluster", ".*")
+    used = used.replace("$cluster", ".*")
+    rows = cluster.wait(claimed, timeout_s=20)
+    assert values(rows, "claim") == {"llama-share": 1 << 20, "nb-share": 20 << 30}, title
+    rows = cluster.wait(used, timeout_s=20)
+    assert values(rows, "claim") == {"llama-share": PID_USED, "nb-share": 0.0}, title
+    over = cluster.wait("gpu_dra_claim_memory_used_bytes > gpu_dra_claim_memory_claimed_bytes")
+    assert [r["metric"]["claim"] for r in over] == ["llama-share"]

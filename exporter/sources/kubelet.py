@@ -78,6 +78,7 @@ class KubeletSource:
         self._claims: tuple[dict[tuple[str, str], list[Any]] | None, str] = (None, "")
         self._logged_claims_error = ""
         self._slices: dict[tuple[str, str, str], str] | None = None
+        self._logged_slices_error = ""
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._pods_wake = threading.Event()
@@ -284,13 +285,15 @@ class KubeletSource:
         try:
             if self._claims_client is None:
                 self._claims_client = self._claims_factory()
-            return self._claims_client.slices(), ""
+            slices = self._claims_client.slices()
         except Exception as exc:  # a state on /metrics, with the claims'
             error = _one_line(exc)
-            if error != self._logged_claims_error:
+            if error != self._logged_slices_error:
                 log.warning("no ResourceSlices from the Kubernetes API: %s", error)
-                self._logged_claims_error = error
+                self._logged_slices_error = error
             return None, error
+        self._logged_slices_error = ""
+        return slices, ""
 
     def _failed(self, error: str) -> None:
         with self._lock:

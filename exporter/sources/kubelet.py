@@ -22,8 +22,9 @@ import os
 import threading
 import time
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, TypeVar
 
+from exporter.kubernetes.api import ApiError
 from exporter.kubernetes.cgroup import UnknownCgroupShape, pod_hints, read_cgroup
 from exporter.kubernetes.claims import ClaimsApiError
 from exporter.kubernetes.device_ids import known_dra_name
@@ -37,6 +38,7 @@ from exporter.kubernetes.pods import PodsApiError
 from exporter.sample import KubeletReading, PodDevice, ProcessContainerReading, SourceReading
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Resources that are GPUs (device-plugin names); more with GPUMEM_KUBELET_RESOURCES.
 # Device plugins' resource names, and DRA drivers' names (NVIDIA's DRA driver).
@@ -67,29 +69,25 @@ class KubeletSource:
         self._proc = proc
         self._client_factory = client_factory
         self._client: Any = None
-        # Makes the Kubernetes API client (exporter.kubernetes.pods), where the pod reader is
-        # on; raises PodsApiError where it cannot be made (then a state, like the kubelet's).
-        self._pods_factory = pods
-        self._pods_client: Any = None
-        # Makes the ResourceClaims client (exporter.kubernetes.claims), where the claim reader
-        # is on: asked beside the pods, for the namespaces of this node's DRA devices.
-        self._claims_factory = claims
-        self._claims_client: Any = None
-        self._claims: tuple[dict[tuple[str, str], list[Any]] | None, str] = (None, "")
-        self._logged_claims_error = ""
-        self._slices: dict[tuple[str, str, str], str] | None = None
-        self._logged_slices_error = ""
+        # Make the Kubernetes API's clients, where the pod reader (exporter.kubernetes.pods)
+        # and the claim reader (exporter.kubernetes.claims) are on; one that cannot be made
+        # raises, a state like the kubelet's. Each client is made at its first use.
+        self._api_factories = {
+            kind: factory for kind, factory in (("pods", pods), ("claims", claims)) if factory
+        }
+        self._api_clients: dict[str, Any] = {}
+        # The API's latest answers as KubeletReading fields (pods, containers, claims, slices
+        # and their errors): joined to every kubelet answer, and to the latest when they come.
+        self._from_api: dict[str, Any] = {}
+        self._logged_api: dict[str, str] = {}  # what was asked -> the reason last logged
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._pods_wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pods_thread: threading.Thread | None = None
-        # The pod reader's latest answer: (pods by UID, container names by ID, error).
-        self._pods: tuple[dict[str, tuple[str, str]] | None, dict[str, str], str] = (None, {}, "")
         self._state = KubeletReading(socket=socket_path, up=False, error="not asked yet")
         self._logged_error = ""
-        self._logged_pods_error = ""
         self._containers: dict[int, ProcessContainerReading] = {}
         self.refreshes = 0  # completed List attempts, for tests and the refresh thread's pace
         # The node's own names: the hostname of a hostNetwork pod's container, not a pod's.
@@ -145,8 +143,7 @@ class KubeletSource:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="gpumem-kubelet", daemon=True)
             self._thread.start()
-        readers = self._pods_factory is not None or self._claims_factory is not None
-        if readers and self._pods_thread is None:
+        if self._api_factories and self._pods_thread is None:
             self._pods_thread = threading.Thread(
                 target=self._run_pods, name="gpumem-kube-pods", daemon=True
             )
@@ -168,28 +165,32 @@ class KubeletSource:
             self.refresh_pods()
 
     def refresh_pods(self) -> None:
-        """One List of the node's pods from the Kubernetes API, and of the ResourceClaims of
-        its DRA devices; joined to the kubelet's latest answer at once."""
-        pods, containers, error = self._list_pods()
+        """The Kubernetes API's view: the node's pods (pod reader), the ResourceClaims of its
+        DRA devices and, where a device's name needs them, its ResourceSlices (claim
+        reader); joined to the kubelet's latest answer at once."""
         with self._lock:
             devices = self._state.devices or []
-        claims, claims_error = self._list_claims({d.claim_namespace for d in devices if d.claim})
-        slices, slices_error = self._list_slices(devices)
-        claims_error = claims_error or slices_error
-        with self._lock:
-            self._pods = (pods, containers, error)
-            self._claims = (claims, claims_error)
-            self._slices = slices
-            if self._state.devices is not None or self._state.up:
-                self._state = dataclasses.replace(
-                    self._state,
-                    pods=pods,
-                    containers=containers,
-                    pods_error=error,
-                    claims=claims,
-                    claims_error=claims_error,
-                    slices=slices,
+        found: dict[str, Any] = {}
+        if "pods" in self._api_factories:
+            listed, found["pods_error"] = self._ask("pod names", lambda: self._api("pods").list())
+            found["pods"] = listed.pods if listed is not None else None
+            found["containers"] = listed.containers if listed is not None else {}
+        if "claims" in self._api_factories:
+            namespaces = {d.claim_namespace for d in devices if d.claim}
+            found["claims"], found["claims_error"] = self._ask(
+                "ResourceClaims", lambda: self._api("claims").list(namespaces) if namespaces else {}
+            )
+            # Only where a DRA device's name cannot be read here (another driver named in the
+            # resources, a naming NVIDIA's driver may adopt).
+            if not all(known_dra_name(d.resource, d.device_id) for d in devices if d.dynamic):
+                found["slices"], error = self._ask(
+                    "ResourceSlices", lambda: self._api("claims").slices()
                 )
+                found["claims_error"] = found["claims_error"] or error
+        with self._lock:
+            self._from_api = found
+            if self._state.devices is not None or self._state.up:
+                self._state = dataclasses.replace(self._state, **found)
 
     def refresh(self) -> None:
         """One List call; its outcome becomes the state the next tick reads."""
@@ -200,9 +201,6 @@ class KubeletSource:
             self._failed(_one_line(exc))
         else:
             with self._lock:
-                pods, containers, pods_error = self._pods
-                claims, claims_error = self._claims
-                slices = self._slices
                 self._state = KubeletReading(
                     socket=self.socket_path,
                     up=True,
@@ -210,14 +208,9 @@ class KubeletSource:
                     asked_s=asked,
                     refresh_errors=self._state.refresh_errors,
                     devices=devices,
-                    pods=pods,
-                    containers=containers,
-                    pods_api=self._pods_factory is not None,
-                    pods_error=pods_error,
-                    claims=claims,
-                    claims_api=self._claims_factory is not None,
-                    claims_error=claims_error,
-                    slices=slices,
+                    pods_api="pods" in self._api_factories,
+                    claims_api="claims" in self._api_factories,
+                    **self._from_api,
                 )
             if self._logged_error:
                 log.info("kubelet pod-resources at %s answers again", self.socket_path)
@@ -235,65 +228,26 @@ class KubeletSource:
             self._drop_client()  # a restarted kubelet's new socket: connect afresh next time
             raise
 
-    def _list_pods(self) -> tuple[dict[str, tuple[str, str]] | None, dict[str, str], str]:
-        """(pods by UID, container names by ID, error) from the Kubernetes API, if on."""
-        if self._pods_factory is None:
-            return None, {}, ""
-        try:
-            if self._pods_client is None:
-                self._pods_client = self._pods_factory()
-            listed = self._pods_client.list()
-        except Exception as exc:  # a state on /metrics; the kubelet's answer still counts
-            error = _one_line(exc)
-            if error != self._logged_pods_error:
-                log.warning("no pod names from the Kubernetes API: %s", error)
-                self._logged_pods_error = error
-            return None, {}, error
-        self._logged_pods_error = ""
-        return listed.pods, listed.containers, ""
+    def _api(self, kind: str) -> Any:
+        """The client of the pod reader ("pods") or the claim reader ("claims")."""
+        if kind not in self._api_clients:
+            self._api_clients[kind] = self._api_factories[kind]()
+        return self._api_clients[kind]
 
-    def _list_claims(
-        self, namespaces: set[str]
-    ) -> tuple[dict[tuple[str, str], list[Any]] | None, str]:
-        """(claims, error) from the Kubernetes API, if the claim reader is on."""
-        if self._claims_factory is None:
-            return None, ""
-        if not namespaces:
-            return {}, ""
+    def _ask(self, what: str, call: Callable[[], T]) -> tuple[T | None, str]:
+        """One question to the Kubernetes API: (its answer, "") or (None, why), the why a
+        state on /metrics and logged once per reason; the kubelet's answer counts either
+        way."""
         try:
-            if self._claims_client is None:
-                self._claims_client = self._claims_factory()
-            claims = self._claims_client.list(namespaces)
-        except Exception as exc:  # a state on /metrics; attribution goes on without it
+            answer = call()
+        except Exception as exc:
             error = _one_line(exc)
-            if error != self._logged_claims_error:
-                log.warning("no ResourceClaims from the Kubernetes API: %s", error)
-                self._logged_claims_error = error
+            if error != self._logged_api.get(what):
+                log.warning("no %s from the Kubernetes API: %s", what, error)
+                self._logged_api[what] = error
             return None, error
-        self._logged_claims_error = ""
-        return claims, ""
-
-    def _list_slices(
-        self, devices: list[PodDevice]
-    ) -> tuple[dict[tuple[str, str, str], str] | None, str]:
-        """This node's ResourceSlices, only where a DRA device's name cannot be read here
-        (another driver named in the resources, a naming NVIDIA's driver may adopt)."""
-        if self._claims_factory is None or all(
-            known_dra_name(d.resource, d.device_id) for d in devices if d.dynamic
-        ):
-            return None, ""
-        try:
-            if self._claims_client is None:
-                self._claims_client = self._claims_factory()
-            slices = self._claims_client.slices()
-        except Exception as exc:  # a state on /metrics, with the claims'
-            error = _one_line(exc)
-            if error != self._logged_slices_error:
-                log.warning("no ResourceSlices from the Kubernetes API: %s", error)
-                self._logged_slices_error = error
-            return None, error
-        self._logged_slices_error = ""
-        return slices, ""
+        self._logged_api.pop(what, None)
+        return answer, ""
 
     def _failed(self, error: str) -> None:
         with self._lock:
@@ -326,6 +280,6 @@ class KubeletSource:
 
 
 def _one_line(exc: BaseException) -> str:
-    ours = (KubeletError, KubeletClientMissing, PodsApiError, ClaimsApiError)
+    ours = (KubeletError, KubeletClientMissing, PodsApiError, ClaimsApiError, ApiError)
     text = str(exc) if isinstance(exc, ours) else f"{type(exc).__name__}: {exc}"
     return " ".join(text.split())[:300]

@@ -14,10 +14,12 @@ import json
 import socket
 import ssl
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
+
+T = TypeVar("T")
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 MAX_ANSWER_BYTES = 1 << 20  # a TokenReview or SubjectAccessReview is a few KiB
@@ -76,6 +78,22 @@ class ApiServer:
     def get(self, path: str, *, max_bytes: int = MAX_ANSWER_BYTES) -> dict[str, Any]:
         """GET a JSON object (ApiError otherwise)."""
         return self._call("GET", path, None, max_bytes)
+
+    def get_list(
+        self, path: str, kind: str, parse: Callable[[dict[str, Any]], T], *, max_bytes: int
+    ) -> T:
+        """GET a list and parse it; ApiError (one line) where `parse` cannot read the answer
+        as a `kind` (a PodList, a ResourceClaimList)."""
+        data = self.get(path, max_bytes=max_bytes)
+        try:
+            return parse(data)
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            why = (
+                f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, ValueError)
+                else (type(exc).__name__)
+            )
+            raise ApiError(f"not a {kind} ({why})") from None
 
     def _call(
         self, method: str, path: str, payload: bytes | None, max_bytes: int

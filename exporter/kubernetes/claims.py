@@ -110,19 +110,13 @@ class ClaimsClient:
         if not self.node_name:
             raise ClaimsApiError("NODE_NAME is not set: cannot select this node's ResourceSlices")
         selector = urllib.parse.quote(f"spec.nodeName={self.node_name}")
+        path = f"/apis/resource.k8s.io/v1/resourceslices?fieldSelector={selector}"
         try:
-            data = self._api.get(
-                f"/apis/resource.k8s.io/v1/resourceslices?fieldSelector={selector}",
-                max_bytes=MAX_RESPONSE_BYTES,
+            return self._api.get_list(
+                path, "ResourceSliceList", parse_slices, max_bytes=MAX_RESPONSE_BYTES
             )
         except ApiError as exc:
             raise ClaimsApiError(f"listing resourceslices: {exc}") from None
-        try:
-            return parse_slices(data)
-        except (TypeError, AttributeError, KeyError) as exc:
-            raise ClaimsApiError(
-                f"listing resourceslices: not a ResourceSliceList ({type(exc).__name__})"
-            ) from None
 
     def list(self, namespaces: set[str]) -> dict[tuple[str, str], list[ClaimedDevice]]:
         """(namespace, claim) -> its allocated devices, for the claims of `namespaces`."""
@@ -137,19 +131,10 @@ class ClaimsClient:
                 "/resourceclaims"
             )
             try:
-                data = self._api.get(path, max_bytes=MAX_RESPONSE_BYTES)
+                claims = self._api.get_list(
+                    path, "ResourceClaimList", parse_claims, max_bytes=MAX_RESPONSE_BYTES
+                )
             except ApiError as exc:
                 raise ClaimsApiError(f"listing resourceclaims in {namespace}: {exc}") from None
-            try:
-                claims = parse_claims(data)
-            except (ValueError, TypeError, AttributeError, KeyError) as exc:
-                why = (
-                    f"{type(exc).__name__}: {exc}"
-                    if isinstance(exc, ValueError)
-                    else (type(exc).__name__)
-                )
-                raise ClaimsApiError(
-                    f"listing resourceclaims in {namespace}: not a ResourceClaimList ({why})"
-                ) from None
             found.update({(namespace, name): devices for name, devices in claims.items()})
         return found

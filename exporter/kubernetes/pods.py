@@ -76,16 +76,11 @@ class PodsClient:
 
     def list(self) -> NodePods:
         selector = urllib.parse.quote(f"spec.nodeName={self.node_name}")
+        path = f"/api/v1/pods?fieldSelector={selector}"
         try:
-            data = self._api.get(
-                f"/api/v1/pods?fieldSelector={selector}", max_bytes=MAX_RESPONSE_BYTES
-            )
+            return self._api.get_list(path, "PodList", parse_pods, max_bytes=MAX_RESPONSE_BYTES)
         except ApiError as exc:
             raise PodsApiError(f"listing pods: {exc}") from None
-        try:
-            return parse_pods(data)
-        except (ValueError, TypeError, AttributeError, KeyError) as exc:
-            raise PodsApiError(f"listing pods: not a PodList ({type(exc).__name__})") from None
 
 
 def parse_pods(data: dict) -> NodePods:

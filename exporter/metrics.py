@@ -509,24 +509,27 @@ class SampleCollector(Collector):
             error.add_info({}, {"error": kubelet.error, "socket": kubelet.socket})
             yield error, True
         if kubelet.pods_api:
-            pods_up = self._fill(catalog.family("gpumem_exporter_pods_api_up"))
-            pods_up.add({}, 1.0 if kubelet.pods is not None else 0.0)
-            yield pods_up, True
-            if kubelet.pods_error:
-                pods_error = self._fill(catalog.family("gpumem_exporter_pods_api_error"))
-                pods_error.add_info({}, {"error": kubelet.pods_error})
-                yield pods_error, True
+            yield from self._reader_state("pods", kubelet.pods is not None, kubelet.pods_error)
         if kubelet.claims_api:
-            claims_up = self._fill(catalog.family("gpumem_exporter_claims_api_up"))
-            claims_up.add({}, 1.0 if kubelet.claims is not None else 0.0)
-            yield claims_up, True
-            if kubelet.claims_error:
-                claims_error = self._fill(catalog.family("gpumem_exporter_claims_api_error"))
-                claims_error.add_info({}, {"error": kubelet.claims_error})
-                yield claims_error, True
+            yield from self._reader_state(
+                "claims", kubelet.claims is not None, kubelet.claims_error
+            )
         attribution = attribute(sample)
         if attribution is not None:
             yield from self._attribution_families(attribution)
+
+    def _reader_state(
+        self, reader: str, answered: bool, error: str
+    ) -> Iterator[tuple[FamilyRows, bool]]:
+        """gpumem_exporter_<reader>_api_up, and _error_info where it failed: the pod reader's
+        and the claim reader's state."""
+        up = self._fill(catalog.family(f"gpumem_exporter_{reader}_api_up"))
+        up.add({}, 1.0 if answered else 0.0)
+        yield up, True
+        if error:
+            info = self._fill(catalog.family(f"gpumem_exporter_{reader}_api_error"))
+            info.add_info({}, {"error": error})
+            yield info, True
 
     def _attribution_families(self, attribution: Attribution) -> Iterator[tuple[FamilyRows, bool]]:
         """Which pod holds each GPU and process, and the memory no pod owns."""

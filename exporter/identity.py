@@ -38,7 +38,18 @@ _MULTIPROCESSING_CODE = (
 _OPTIONS_WITH_VALUE = {"-W", "-X", "-Q"}
 
 
-def interpreter_role(args: list[str]) -> str:
+def command_role(args: list[str], own_name: str = "") -> str:
+    """The role a command line gives a process: its title where it set one (setproctitle:
+    vLLM's "VLLM::EngineCore"); for a Python interpreter, `own_name` (its multiprocessing
+    name, where the process itself can say it), else what it runs (_interpreter_role), else
+    the interpreter's name."""
+    title = os.path.basename(args[0]) if args else ""
+    if title.startswith("python") or not title:
+        return own_name or _interpreter_role(args) or title
+    return title
+
+
+def _interpreter_role(args: list[str]) -> str:
     """What a Python interpreter's command line says it runs: the script's base name, the
     module of -m, or a multiprocessing helper or worker of -c; "" where it says nothing."""
     rest = iter(args[1:])
@@ -53,10 +64,6 @@ def interpreter_role(args: list[str]) -> str:
         elif not arg.startswith("-"):
             return os.path.basename(arg)
     return ""
-
-
-def is_interpreter(title: str) -> bool:
-    return title.startswith("python") or not title
 
 
 def multiprocessing_name() -> str:
@@ -74,16 +81,9 @@ def multiprocessing_name() -> str:
 
 
 def process_role() -> str:
-    """GPUMEM_ROLE, else the process title where the process set one (setproctitle: vLLM's
-    "VLLM::EngineCore"), else its multiprocessing name, else what its interpreter runs
-    (interpreter_role), else the interpreter's name."""
-    args = command_line()
-    title = os.path.basename(args[0]) if args else ""
-    role = os.environ.get("GPUMEM_ROLE", "") or (
-        (multiprocessing_name() or interpreter_role(args) or title)
-        if is_interpreter(title)
-        else title
-    )
+    """GPUMEM_ROLE, else what its command line and multiprocessing name say (command_role),
+    else the name it was started as."""
+    role = os.environ.get("GPUMEM_ROLE", "") or command_role(command_line(), multiprocessing_name())
     if not role:
         role = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     return role[:64]

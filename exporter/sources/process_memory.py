@@ -9,13 +9,12 @@ holding the host's RAM can be told apart from the one growing GPU memory.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Mapping
 
 import psutil
 
 from exporter import budget
-from exporter.identity import command_line, interpreter_role, is_interpreter
+from exporter.identity import command_line, command_role
 from exporter.sample import HostProcessReading, SourceReading
 
 _STATUS_FIELDS = {b"VmRSS": "rss", b"VmHWM": "hwm", b"VmSwap": "swap"}
@@ -47,13 +46,12 @@ def read_environ(pid: int, proc: str = "/proc") -> dict[bytes, bytes]:
 
 
 def describe(pid: int, proc: str = "/proc") -> dict[str, str]:
-    """role (GPUMEM_ROLE, else the process title, else what its interpreter runs) and rank
+    """role (GPUMEM_ROLE, else what its command line says: identity.command_role) and rank
     (RANK) as the process started."""
     env = read_environ(pid, proc)
-    args = command_line(pid, proc)
-    title = os.path.basename(args[0]) if args else ""
-    runs = interpreter_role(args) if is_interpreter(title) else ""
-    role = env.get(b"GPUMEM_ROLE", b"").decode(errors="replace") or runs or title
+    role = env.get(b"GPUMEM_ROLE", b"").decode(errors="replace") or command_role(
+        command_line(pid, proc)
+    )
     return {"role": role[:64], "rank": env.get(b"RANK", b"").decode(errors="replace")[:16]}
 
 

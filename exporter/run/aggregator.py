@@ -104,6 +104,11 @@ def _environment_labels(pid: int, proc: str = "/proc") -> dict[str, str]:
     }
 
 
+def _quiet_s(peer: _Peer, now: float) -> float:
+    """Seconds since the process last reported (or connected, before its first report)."""
+    return now - (peer.sampled_at or peer.connected_at)
+
+
 def _aged(reading: AllocatorReading, waited_s: float) -> AllocatorReading:
     """A peer's reading with its ages as of now: it was sent `waited_s` ago."""
     ages = {}
@@ -413,18 +418,14 @@ class Aggregator:
         )
 
     def _silent(self, peer: _Peer, now: float) -> bool:
-        return now - (peer.sampled_at or peer.connected_at) > self.silent_after_s
+        return _quiet_s(peer, now) > self.silent_after_s
 
     def silent_processes(self) -> list[tuple[dict[str, str], float]]:
         """(labels, seconds since its last report) of each process that has gone silent."""
         with self._lock:
             peers = list(self._peers.values())
         now = time.monotonic()
-        return [
-            (dict(p.process), now - (p.sampled_at or p.connected_at))
-            for p in peers
-            if self._silent(p, now)
-        ]
+        return [(dict(p.process), _quiet_s(p, now)) for p in peers if self._silent(p, now)]
 
     def action_counts(self) -> list[ProcessCounts]:
         with self._lock:

@@ -153,37 +153,32 @@ class Supervisor:
                 self.status = exit_status(wait_status)
 
     def tree(self) -> list[int]:
-        """The pids of the server: the launcher's descendants, less its own helpers. As a
-        subreaper it adopts the orphans of the command's tree (a worker whose parent exited,
-        a daemon that double-forked), which a walk from the command would miss."""
+        """The pids of the server (_server)."""
+        return [p.pid for p in self._server()]
+
+    def _server(self) -> list[psutil.Process]:
+        """The launcher's descendants less its own helpers (the keeper and what it starts).
+        As a subreaper it adopts the orphans of the command's tree (a worker whose parent
+        exited, a daemon that double-forked), which a walk from the command would miss."""
+        spared = set(self.spared)
+        with contextlib.suppress(psutil.Error):
+            for helper in [psutil.Process(p) for p in self.spared if psutil.pid_exists(p)]:
+                spared.update(c.pid for c in helper.children(recursive=True))
         try:
             descendants = psutil.Process().children(recursive=True)
         except psutil.Error:
             return []
-        spared = set(self.spared)
-        for process in descendants:
-            with contextlib.suppress(psutil.Error):
-                if process.ppid() in spared:  # a helper's children are helpers too
-                    spared.add(process.pid)
-        return [p.pid for p in descendants if p.pid not in spared]
+        return [p for p in descendants if p.pid not in spared]
 
     def _leftovers(self) -> list[psutil.Process]:
-        """Every process of the tree still there: the launcher's descendants (a subreaper's
-        include the orphans) and the command's group, less the launcher's own helpers."""
-        spared = set(self.spared)
-        found: dict[int, psutil.Process] = {}
-        with contextlib.suppress(psutil.Error):
-            for helper in [psutil.Process(p) for p in self.spared if psutil.pid_exists(p)]:
-                spared.update(c.pid for c in helper.children(recursive=True))
-        with contextlib.suppress(psutil.Error):
-            for process in psutil.Process().children(recursive=True):
-                found[process.pid] = process
+        """Every process of the server still there (_server) and of the command's group."""
+        found = {p.pid: p for p in self._server()}
         if self.pid is not None:
             for process in psutil.process_iter():
                 with contextlib.suppress(psutil.Error, OSError):
-                    if os.getpgid(process.pid) == self.pid:
+                    if os.getpgid(process.pid) == self.pid and process.pid not in self.spared:
                         found[process.pid] = process
-        return [p for pid, p in sorted(found.items()) if pid not in spared and _running(p)]
+        return [p for _, p in sorted(found.items()) if _running(p)]
 
     def _signal(self, processes: list[psutil.Process], signum: int) -> None:
         self._to_group(signum)

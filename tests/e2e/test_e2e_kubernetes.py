@@ -28,7 +28,6 @@ import yaml
 
 from exporter.config import load_config
 from exporter.http.server import HttpServer, create_app
-from exporter.kubernetes.api import ApiServer
 from exporter.kubernetes.claims import ClaimsClient
 from exporter.kubernetes.pods import PodsClient
 from exporter.runtime import Runtime, build_runtime
@@ -45,7 +44,7 @@ from tests.helpers import (
     stop_processes,
     wait_http,
 )
-from tests.support.kube_api_standin import StandInApi, resource_claim
+from tests.support.kube_api_standin import CRIO_ID, TOKEN, UID_A, UID_B, StandInApi, resource_claim
 from tests.support.kube_api_standin import pod as api_pod
 from tests.support.kubelet_standin import (
     StandInKubelet,
@@ -57,10 +56,6 @@ from tests.support.kubelet_standin import (
 from tests.support.nvml_double import FakeNvml
 
 pytestmark = pytest.mark.e2e
-TOKEN = "sa-token-not-for-logs"
-UID_A = "2c9f8a79-5391-454b-88cb-86190881cb96"  # tests/data/cgroup/v2-systemd-crio.txt
-CRIO_ID = "a09343ca97901516c25036e2b954421254f8c68b384b536064e8999f0c4ed18d"
-UID_B = "7922aa99-d4aa-4885-a953-82976860b23a"
 
 RAW = json.loads((DATA_DIR / "allocator_native.json").read_text())["nvml_raw"]
 GPU0, GPU1 = (d["uuid"] for d in RAW["devices"])
@@ -112,9 +107,6 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     ]
     (tmp / "token").write_text(TOKEN)
 
-    def api_server() -> ApiServer:
-        return ApiServer(api.url, token_path=tmp / "token", ca_path=api.cert, deadline_s=5)
-
     fake = FakeNvml(RAW)
     fake.minor_numbers = {0: 1, 1: 0}  # GPU 0 is /dev/nvidia1: DRA names it gpu-1
     nvml = NvmlSource(fake)
@@ -123,8 +115,8 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         socket_path=str(tmp / "kubelet.sock"),
         refresh_s=0.5,
         proc=str(tmp / "proc"),
-        pods=lambda: PodsClient("gpu-node-1", api=api_server()),
-        claims=lambda: ClaimsClient(api_server(), "gpu-node-1"),
+        pods=lambda: PodsClient("gpu-node-1", api=api.client_api(tmp / "token")),
+        claims=lambda: ClaimsClient(api.client_api(tmp / "token"), "gpu-node-1"),
     )
     runtime: Runtime = build_runtime(
         load_config(env={}, interval_s=0.5), mode="node", sources=[nvml, source]

@@ -13,7 +13,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.config import load_config
 from exporter.http.server import create_app
-from exporter.kubernetes.api import ApiServer
 from exporter.kubernetes.claims import (
     ClaimedDevice,
     ClaimsApiError,
@@ -26,14 +25,19 @@ from exporter.runtime import build_runtime
 from exporter.sources.kubelet import KubeletSource
 from exporter.sources.nvml import NvmlSource
 from tests.conftest import DATA_DIR
-from tests.support.kube_api_standin import StandInApi, pod, resource_claim, resource_slice
+from tests.support.kube_api_standin import (
+    CRIO_ID,
+    TOKEN,
+    UID_A,
+    UID_B,
+    StandInApi,
+    pod,
+    resource_claim,
+    resource_slice,
+)
 from tests.support.kubelet_standin import StandInKubelet, claim_pod, dra_device, write_state
 from tests.support.nvml_double import FakeNvml
 
-TOKEN = "sa-token-not-for-logs"
-UID_A = "2c9f8a79-5391-454b-88cb-86190881cb96"  # tests/data/cgroup/v2-systemd-crio.txt
-CRIO_ID = "a09343ca97901516c25036e2b954421254f8c68b384b536064e8999f0c4ed18d"
-UID_B = "7922aa99-d4aa-4885-a953-82976860b23a"
 RAW = json.loads((DATA_DIR / "allocator_native.json").read_text())["nvml_raw"]
 GPU0 = RAW["devices"][0]["uuid"]
 PID = RAW["devices"][0]["processes"][0]["pid"]
@@ -95,15 +99,11 @@ def api(tmp_path):
 
 
 def pods_client(api: StandInApi, tmp_path) -> PodsClient:
-    return PodsClient(
-        "gpu-node-1", api_url=api.url, token_path=tmp_path / "token", ca_path=api.cert
-    )
+    return PodsClient("gpu-node-1", api=api.client_api(tmp_path / "token"))
 
 
 def claims_client(api: StandInApi, tmp_path) -> ClaimsClient:
-    return ClaimsClient(
-        ApiServer(api.url, token_path=tmp_path / "token", ca_path=api.cert, deadline_s=5)
-    )
+    return ClaimsClient(api.client_api(tmp_path / "token"), "gpu-node-1")
 
 
 def test_a_forbidden_or_malformed_claim_list_is_one_line(api, tmp_path):
@@ -231,10 +231,7 @@ def test_a_dra_device_named_in_no_known_shape_resolves_through_the_nodes_resourc
         socket_path=str(tmp_path / "kubelet.sock"),
         refresh_s=0.2,
         resources=("gpu.nvidia.com", "dra.example.com"),
-        claims=lambda: ClaimsClient(
-            ApiServer(api.url, token_path=tmp_path / "token", ca_path=api.cert, deadline_s=5),
-            "gpu-node-1",
-        ),
+        claims=lambda: claims_client(api, tmp_path),
     )
     runtime = build_runtime(load_config(env={}), mode="node", sources=[nvml, source])
     http = TestClient(create_app(runtime))

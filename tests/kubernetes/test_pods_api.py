@@ -29,15 +29,11 @@ from exporter.sample import (
 from exporter.sources.kubelet import KubeletSource
 from exporter.sources.nvml import NvmlSource
 from tests.conftest import DATA_DIR
-from tests.support.kube_api_standin import StandInApi, pod
+from tests.support.kube_api_standin import CRIO_ID, TOKEN, UID_A, UID_B, StandInApi, pod
 from tests.support.kubelet_standin import StandInKubelet, write_state
 from tests.support.kubelet_standin import pod as kubelet_pod
 from tests.support.nvml_double import FakeNvml
 
-TOKEN = "sa-token-not-for-logs"
-UID_A = "2c9f8a79-5391-454b-88cb-86190881cb96"  # tests/data/cgroup/v2-systemd-crio.txt
-CRIO_ID = "a09343ca97901516c25036e2b954421254f8c68b384b536064e8999f0c4ed18d"
-UID_B = "7922aa99-d4aa-4885-a953-82976860b23a"
 RAW = json.loads((DATA_DIR / "allocator_native.json").read_text())["nvml_raw"]
 GPU0 = RAW["devices"][0]["uuid"]
 PID = RAW["devices"][0]["processes"][0]["pid"]

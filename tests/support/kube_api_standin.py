@@ -1,6 +1,7 @@
 """A stand-in Kubernetes API server: real HTTPS (a certificate made by `openssl` for
 127.0.0.1) answering `GET /api/v1/pods?fieldSelector=spec.nodeName=NODE` with a v1 PodList,
-for a bearer token it was given; 401 for any other token, 400 for any other query."""
+the ResourceClaims of a namespace and this node's ResourceSlices (resource.k8s.io/v1), for a
+bearer token it was given; 401 for any other token, 400 for any other query."""
 
 from __future__ import annotations
 
@@ -17,6 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from exporter.kubernetes.api import ApiServer
+
+TOKEN = "sa-token-not-for-logs"  # the service account's, as the tests write it
+# The pod of tests/data/cgroup/v2-systemd-crio.txt and its container, and another pod.
+UID_A = "2c9f8a79-5391-454b-88cb-86190881cb96"
+CRIO_ID = "a09343ca97901516c25036e2b954421254f8c68b384b536064e8999f0c4ed18d"
+UID_B = "7922aa99-d4aa-4885-a953-82976860b23a"
 
 
 def make_certificate(folder: Path) -> tuple[Path, Path]:
@@ -122,6 +131,10 @@ class StandInApi:
         self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
         self.url = f"https://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def client_api(self, token_path: Path, deadline_s: float = 5.0) -> ApiServer:
+        """The exporter's API client for this stand-in, with the token at `token_path`."""
+        return ApiServer(self.url, token_path=token_path, ca_path=self.cert, deadline_s=deadline_s)
 
     def stop(self) -> None:
         self.server.shutdown()

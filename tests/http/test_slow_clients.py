@@ -109,21 +109,27 @@ def test_seventy_slow_readers_take_neither_scrapes_nor_health_checks_away(tmp_pa
                 sock.close()
 
 
+def burst(address: tuple[str, int], count: int, path: str) -> list[bytes]:
+    """`count` clients connecting at once, each asking for `path`: their status lines."""
+    results: list[bytes] = []
+    start = threading.Barrier(count)
+
+    def client() -> None:
+        start.wait()
+        results.append(status_line(address, path))
+
+    threads = [threading.Thread(target=client) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
 def test_a_burst_of_300_connections_gets_an_http_answer_each(tmp_path):
     with served(tmp_path) as (server, _):
         address = ("127.0.0.1", server.port)
-        results: list[bytes] = []
-        start = threading.Barrier(300)
-
-        def client() -> None:
-            start.wait()
-            results.append(status_line(address, "/metrics"))
-
-        threads = [threading.Thread(target=client) for _ in range(300)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        results = burst(address, 300, "/metrics")
         answers = {line for line in results}
         assert len(results) == 300
         assert answers <= {b"HTTP/1.1 200 OK", b"HTTP/1.1 503 Service Unavailable"}, answers
@@ -141,18 +147,7 @@ def test_1200_simultaneous_page_requests_get_an_http_answer_each_never_a_reset(t
         resource.setrlimit(resource.RLIMIT_NOFILE, (3000, hard))
     with served(tmp_path) as (server, _):
         address = ("127.0.0.1", server.port)
-        results: list[bytes] = []
-        start = threading.Barrier(1200)
-
-        def client() -> None:
-            start.wait()
-            results.append(status_line(address, "/"))  # the page: a slower answer
-
-        threads = [threading.Thread(target=client) for _ in range(1200)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        results = burst(address, 1200, "/")  # the page: a slower answer
         answers = Counter(results)
         assert len(results) == 1200
         assert set(answers) <= {b"HTTP/1.1 200 OK", b"HTTP/1.1 503 Service Unavailable"}, answers

@@ -57,6 +57,15 @@ def registered(aggregator: Aggregator) -> dict[str, dict[str, str]]:
     return {p["pid"]: p for p in aggregator.processes()}
 
 
+def speak(aggregator: Aggregator, *messages: dict) -> socket.socket:
+    """A connection from this process: its hello (role "w"), then `messages`."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(str(aggregator.socket_path))
+    for message in ({"type": "hello", "version": 1, "process": {"role": "w"}}, *messages):
+        conn.sendall(json.dumps(message).encode() + b"\n")
+    return conn
+
+
 def raise_fd_limit(wanted: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < wanted:
@@ -183,8 +192,6 @@ def test_ages_a_process_sent_grow_while_its_reading_waits(run_dir):
     tick comes later, and serves them as of its tick."""
     aggregator = Aggregator(run_dir)
     try:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(str(aggregator.socket_path))
         allocator = {
             "device": 0,
             "gpu_uuid": "GPU-a",
@@ -194,11 +201,7 @@ def test_ages_a_process_sent_grow_while_its_reading_waits(run_dir):
             "non_allocator_age_s": 1.0,
             "layout_age_s": 3.0,
         }
-        for message in (
-            {"type": "hello", "version": 1, "process": {"role": "w"}},
-            {"type": "sample", "allocators": [allocator], "actions": {}},
-        ):
-            conn.sendall(json.dumps(message).encode() + b"\n")
+        conn = speak(aggregator, {"type": "sample", "allocators": [allocator], "actions": {}})
         assert wait_for(lambda: aggregator.read().allocators)
         time.sleep(0.3)
         (reading,) = aggregator.read().allocators
@@ -307,19 +310,13 @@ def test_a_device_twice_in_one_sample_is_rejected(run_dir):
     scrape whole, everyone's series with it."""
     aggregator = Aggregator(run_dir)
     try:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(str(aggregator.socket_path))
         twice = {
             "device": 0,
             "gpu_uuid": "GPU-a",
             "backend": "native",
             "expandable_segments": False,
         }
-        for message in (
-            {"type": "hello", "version": 1, "process": {"role": "w"}},
-            {"type": "sample", "allocators": [twice, twice], "actions": {}},
-        ):
-            conn.sendall(json.dumps(message).encode() + b"\n")
+        conn = speak(aggregator, {"type": "sample", "allocators": [twice, twice], "actions": {}})
         assert wait_for(lambda: aggregator.rejected)
         assert aggregator.read().allocators == []
         conn.close()

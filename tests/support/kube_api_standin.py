@@ -42,6 +42,14 @@ def make_certificate(folder: Path) -> tuple[Path, Path]:
     return cert, key
 
 
+def answer_redirect(handler: BaseHTTPRequestHandler, base: str) -> None:
+    """307 to the same path on `base`: what an API server behind a hostile proxy answers."""
+    handler.send_response(307)
+    handler.send_header("Location", base + handler.path)
+    handler.send_header("Content-Length", "0")
+    handler.end_headers()
+
+
 def answer_json(
     handler: BaseHTTPRequestHandler, code: int, body: dict[str, Any], trickle_s: float = 0.0
 ) -> None:
@@ -89,10 +97,7 @@ class StandInApi:
                 api.requests.append(self.path)
                 api.authorizations.append(self.headers.get("Authorization", ""))
                 if api.redirect_to:
-                    self.send_response(307)
-                    self.send_header("Location", api.redirect_to + self.path)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
+                    answer_redirect(self, api.redirect_to)
                     return
                 url = urllib.parse.urlsplit(self.path)
                 query = urllib.parse.parse_qs(url.query)

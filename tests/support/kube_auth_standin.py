@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from tests.support.kube_api_standin import answer_json, make_certificate
+from tests.support.kube_api_standin import answer_json, answer_redirect, make_certificate
 
 
 class StandInAuthApi:
@@ -37,10 +37,7 @@ class StandInAuthApi:
                     self._answer(401, {"kind": "Status", "reason": "Unauthorized"})
                     return
                 if api.redirect_to:
-                    self.send_response(307)
-                    self.send_header("Location", api.redirect_to + self.path)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
+                    answer_redirect(self, api.redirect_to)
                     return
                 api.reviews.append(body)
                 if self.path == "/apis/authentication.k8s.io/v1/tokenreviews":

@@ -21,7 +21,6 @@ from exporter.actions.errors import (  # noqa: F401 - where callers have always 
     ActionInsufficientStorage,
     ActionUnavailable,
 )
-from exporter.actions.snapshots import MAX_RECORD_S  # noqa: F401 - where callers find it
 from exporter.sample import ProcessCounts
 
 if TYPE_CHECKING:

@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from exporter.actions.base import DEFAULT_HISTORY_ENTRIES, MAX_RECORD_S, HistoryParams
+from exporter.actions.base import DEFAULT_HISTORY_ENTRIES, HistoryParams
+from exporter.actions.snapshots import MAX_RECORD_S
 
 if TYPE_CHECKING:
     from exporter.actions.base import ActionMethods, ProcessResult, Target

@@ -106,7 +106,8 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
-        if len(self.connections) > MAX_CONNECTIONS and not self._make_room():
+        full = len(self.connections) > MAX_CONNECTIONS and self._open() > MAX_CONNECTIONS
+        if full and not self._make_room():
             self._waiting = bytearray()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -151,10 +152,9 @@ class GuardedH11Protocol(H11Protocol):
             return
         target = line.split(b" ")[1] if line.count(b" ") >= 2 else b""
         path = target.partition(b"?")[0]
-        regular = len(self.connections) <= MAX_CONNECTIONS
-        room = regular or (
-            path in PROBE_PATHS and len(self.connections) <= MAX_CONNECTIONS + PROBE_RESERVE
-        )
+        open_now = self._open()
+        regular = open_now <= MAX_CONNECTIONS
+        room = regular or (path in PROBE_PATHS and open_now <= MAX_CONNECTIONS + PROBE_RESERVE)
         if not room:
             self._busy()
             return
@@ -174,6 +174,16 @@ class GuardedH11Protocol(H11Protocol):
             and close not in cycle.default_headers
         ):
             cycle.default_headers = [*cycle.default_headers, close]
+
+    def _open(self) -> int:
+        """The connections that hold a slot: not those being closed lingering (answered,
+        half-closed, drained for up to LINGER_S), which would otherwise keep the slots of
+        clients that have gone and turn the next newcomers away too."""
+        return sum(
+            1
+            for c in self.connections
+            if not (isinstance(c, GuardedH11Protocol) and c._lingering is not None)
+        )
 
     def _busy(self) -> None:
         """503 with Retry-After, then close: a full server says so in HTTP (a reset reads as a

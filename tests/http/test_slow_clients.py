@@ -192,6 +192,31 @@ def test_beyond_the_cap_only_probes_get_the_reserve_and_others_503(tmp_path, mon
                 sock.close()
 
 
+def test_connections_closed_lingering_hold_no_slot(tmp_path, monkeypatch):
+    """A newcomer answered 503 is drained for up to LINGER_S before its close: while it is,
+    it must not count against the reserve, or the 503s of a busy moment turn the next probes
+    away too (seen as 503s to new probes beside 100 polite health checkers)."""
+    monkeypatch.setattr(guard, "READ_GRACE_S", 60.0)
+    with served(tmp_path) as (server, _):
+        address = ("127.0.0.1", server.port)
+        held = []
+        for _ in range(guard.MAX_CONNECTIONS):
+            sock = socket.create_connection(address, timeout=10)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+            held.append(sock)
+        try:
+            time.sleep(0.3)
+            for _ in range(guard.PROBE_RESERVE + 4):  # answered 503, kept open: lingering
+                sock = socket.create_connection(address, timeout=10)
+                sock.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                assert sock.recv(65536).startswith(b"HTTP/1.1 503")
+                held.append(sock)
+            assert status_line(address, "/healthz") == b"HTTP/1.1 200 OK"
+        finally:
+            for sock in held:
+                sock.close()
+
+
 def test_a_kept_alive_scraper_keeps_its_connection_when_the_server_fills(tmp_path, monkeypatch):
     """Prometheus between two scrapes is idle: newcomers never close its connection to make
     room (closing it as it sends the next scrape resets that scrape)."""

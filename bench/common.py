@@ -148,7 +148,7 @@ def scrape_times(url: str, count: int, *, reuse: bool) -> list[float]:
 
     parts = urllib.parse.urlsplit(url)
     times = []
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=10)
     for _ in range(count):
         if not reuse:
             conn.close()

@@ -262,7 +262,7 @@ class Prometheus:
             time.sleep(0.5)
         raise SystemExit("prometheus did not become ready")
 
-    def api(self, path: str, timeout: float = 150, **params: str) -> Any:
+    def api(self, path: str, timeout: float = 150, **params: Any) -> Any:
         url = f"{self.url}/api/v1/{path}?" + urllib.parse.urlencode(params)
         with urllib.request.urlopen(url, timeout=timeout) as response:
             body = json.loads(response.read())
@@ -270,7 +270,7 @@ class Prometheus:
             raise RuntimeError(body)
         return body["data"]
 
-    def timed(self, path: str, **params: str) -> tuple[float, int, str]:
+    def timed(self, path: str, **params: Any) -> tuple[float, int, str]:
         """(seconds, series in the answer, error) of one query, as a client waits for it."""
         started = time.perf_counter()
         try:

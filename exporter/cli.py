@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import ParseResult, urlparse
 
-from exporter import __version__, atomic
+from exporter import atomic
 from exporter.actions.base import Target
 from exporter.actions.spec import (
     EMPTY_CACHE,
@@ -43,6 +43,7 @@ from exporter.identity import describe_process
 from exporter.runtime import build_runtime, sources_for
 from exporter.sources import Source
 from exporter.trace import TraceError, TraceWriter
+from exporter.version import __version__
 
 if TYPE_CHECKING:
     from exporter.http.client import AdminClient

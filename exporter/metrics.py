@@ -23,6 +23,7 @@ from exporter import catalog
 from exporter.attribution import Attribution, attribute
 from exporter.catalog import PROCESS_LABELS, Family
 from exporter.process_labels import ProcessLabels
+from exporter.request_counts import RequestCounts
 from exporter.sample import (
     AllocatorReading,
     ExporterState,
@@ -158,11 +159,9 @@ class EndpointState:
 
 @dataclass
 class ActionStats:
-    """Counts of allocator actions per process, and of admin requests, for /metrics; and the
-    endpoint's security."""
+    """Counts of allocator actions per process for /metrics, and the endpoint's security."""
 
     processes: list[ProcessCounts] = field(default_factory=list)
-    admin_requests: dict[tuple[str, str], int] = field(default_factory=dict)  # (action, outcome)
     endpoint: EndpointState | None = None
 
 
@@ -184,9 +183,11 @@ class SampleCollector(Collector):
         own_process: bool = True,
         alerts: AlertStates | None = None,
         actions: Callable[[], ActionStats] | None = None,
+        admin_requests: RequestCounts | None = None,
         detail: str = "basic",
     ) -> None:
         self._actions = actions
+        self._requests = admin_requests
         # Families this mode does not serve, or not at this detail level (catalog.Family).
         self._left_out = frozenset(
             f.name
@@ -224,7 +225,8 @@ class SampleCollector(Collector):
         object, so the state is compared by identity first, which is cheap."""
         alerts = self._alerts.evaluations if self._alerts is not None else None
         actions = self._actions() if self._actions is not None else None
-        return (self._state(), alerts, actions)
+        requests = self._requests.changes if self._requests is not None else None
+        return (self._state(), alerts, actions, requests)
 
     def collect(self) -> Iterator[Metric]:
         for family in self.families():
@@ -328,11 +330,12 @@ class SampleCollector(Collector):
         for entry in stats.processes:
             if entry.last_report is not None:
                 reports.add(processes.labels(entry.process), entry.last_report)
-        admin = self._fill(catalog.family("gpumem_exporter_admin_requests"))
-        for (action, outcome), count in sorted(stats.admin_requests.items()):
-            admin.add({"action": action, "outcome": outcome}, count)
         yield from ((snapshots, True), (released, True), (remediations, True), (reports, False))
-        yield admin, True
+        if self._requests is not None:
+            admin = self._fill(catalog.family("gpumem_exporter_admin_requests"))
+            for (action, outcome), count in sorted(self._requests.read().items()):
+                admin.add({"action": action, "outcome": outcome}, count)
+            yield admin, True
         if stats.endpoint is not None:
             yield from self._endpoint_families(stats.endpoint)
 

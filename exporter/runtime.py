@@ -13,7 +13,6 @@ from typing import Any
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.registry import Collector
 
-from exporter import __version__
 from exporter.actions.base import Actions
 from exporter.actions.local import LocalActions
 from exporter.actions.snapshots import SnapshotStore
@@ -28,9 +27,11 @@ from exporter.http.webconfig import WebConfigError
 from exporter.identity import identity_labels
 from exporter.kubernetes.api import ApiError, ApiServer
 from exporter.metrics import ActionStats, EndpointState, SampleCollector
+from exporter.request_counts import RequestCounts
 from exporter.sampler import Listener, Sampler
 from exporter.sources import Source
 from exporter.sources.non_allocator import NonAllocatorProbe
+from exporter.version import __version__
 from exporter.window import SampleWindow
 
 
@@ -454,16 +455,19 @@ def build_runtime(
         listeners=[detectors, *features, window, *listeners],
     )
     web = web_security(config)
+    requests = RequestCounts()
     admin = Admin(
-        config, actions, sampler, detectors, mode, identities=kubernetes_identities(config)
+        config,
+        actions,
+        sampler,
+        detectors,
+        mode,
+        identities=kubernetes_identities(config),
+        requests=requests,
     )
 
     def action_stats() -> ActionStats:
-        return ActionStats(
-            processes=actions.counts(),
-            admin_requests=dict(admin.requests),
-            endpoint=endpoint_state(config, web),
-        )
+        return ActionStats(processes=actions.counts(), endpoint=endpoint_state(config, web))
 
     torch_module = sys.modules.get("torch")  # never import torch just to learn its version
     collector = SampleCollector(
@@ -475,6 +479,7 @@ def build_runtime(
         own_process=declared.own_process,
         alerts=detectors,
         actions=action_stats,
+        admin_requests=requests,
         detail=config.detail,
     )
     registry.register(collector)

@@ -33,7 +33,7 @@ def _local_test_client() -> None:
     def local(
         self: TestClient, *args: Any, client: tuple[str, int] = ("127.0.0.1", 50000), **kw: Any
     ) -> None:
-        original(self, *args, client=client, **kw)
+        original(self, *args, client=client, **kw)  # type: ignore[misc]
 
     TestClient.__init__ = local  # type: ignore[method-assign]
 

@@ -43,6 +43,7 @@ from exporter.config import load_config
 from exporter.http.server import HttpServer, create_app
 from exporter.kubernetes.claims import ClaimedDevice
 from exporter.metrics import ActionStats, EndpointState, SampleCollector
+from exporter.request_counts import RequestCounts
 from exporter.runtime import build_runtime
 from exporter.sample import (
     ActionCounts,
@@ -312,7 +313,8 @@ def running(
                     break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"exporter did not start: {proc.stdout.read()}") from None
+                    said = proc.stdout.read() if proc.stdout else ""
+                    raise AssertionError(f"exporter did not start: {said}") from None
                 time.sleep(0.1)
         yield url
     finally:
@@ -584,9 +586,9 @@ def catalog_collector(
     )
     # Under `run` each process's last report to the launcher.
     last_report = 1.7e9 if per_process else None
-    stats = ActionStats(
-        [ProcessCounts(process, counts, last_report)], {("snapshot", "ok"): 1}, endpoint
-    )
+    stats = ActionStats([ProcessCounts(process, counts, last_report)], endpoint)
+    requests = RequestCounts()
+    requests.add("snapshot", "ok")
     alerts = SimpleNamespace(
         evaluations=1,
         firing=lambda: [
@@ -601,6 +603,7 @@ def catalog_collector(
         own_process=mode != "demo",
         alerts=alerts,
         actions=lambda: stats,
+        admin_requests=requests,
         detail=detail,
     )
 
@@ -608,7 +611,8 @@ def catalog_collector(
 def run_shaped(sample: Sample) -> Sample:
     """One endpoint for a server's processes: every reading names its process."""
     sample = copy.deepcopy(sample)
-    for reading in [*sample.allocators, *sample.pinned_host]:
+    readings: list[Any] = [*sample.allocators, *sample.pinned_host]
+    for reading in readings:
         reading.process = dict(WORKER)
     sample.rejected_messages = {"bad_json": 1}
     sample.over_budget = {"per_process": 0, "per_endpoint": 0, "host_processes": 0}

@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent / "exporter"
 LAYERS: list[tuple[str, ...]] = [
     # plain values and helpers every part uses
     (
+        "version",
         "units",
+        "request_counts",
         "atomic",
         "budget",
         "ratelimit",
@@ -81,13 +83,18 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, *([base] if base else [])])
-            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+            # `from exporter import atomic` imports the module atomic; `from exporter import
+            # __version__` (or start, attach) imports the package's face, exporter/__init__.py,
+            # which sits at the top: it counts like any other import.
+            targets = [f"{base}.{alias.name}" for alias in node.names]
+            if base != "exporter":
+                targets.append(base)
         else:
             continue
         for target in targets:
             while target and target not in modules:
                 target = target.rpartition(".")[0]
-            if target and target != name and target != "exporter":
+            if target and target != name:
                 found.add(target)
     return found
 

@@ -306,8 +306,13 @@ def test_a_snapshot_download_is_streamed_and_a_cut_one_leaves_no_file(tmp_path, 
     output = tmp_path / "snap.pickle"
     real_write = atomic.write_chunks
 
+    def counted(chunks: Any) -> Any:
+        for chunk in chunks:
+            reads.append(len(chunk))
+            yield chunk
+
     def counting(path: Any, chunks: Any, **kw: Any) -> int:
-        return real_write(path, (reads.append(len(c)) or c for c in chunks), **kw)
+        return real_write(path, counted(chunks), **kw)
 
     monkeypatch.setattr(atomic, "write_chunks", counting)
     try:

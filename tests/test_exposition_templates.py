@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import gzip
 from collections.abc import Iterable
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
@@ -89,7 +90,8 @@ def test_a_template_made_once_gives_the_encoders_text_as_the_values_move() -> No
         for factor in (1.0, 3.0, 0.0, -1.5, float("inf"), float("nan")):
             changed = copy.deepcopy(sample)
             for reading in changed.allocators:
-                reading.gauges = {key: value * factor for key, value in reading.gauges.items()}
+                scaled: dict[str, Any] = {k: v * factor for k, v in reading.gauges.items()}
+                reading.gauges = scaled
             collector = catalog_collector(changed, mode, const, per_process)
             for accept, renderer in renderers.items():
                 expected = choose_encoder(accept)[0](_registry(collector))

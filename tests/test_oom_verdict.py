@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -82,9 +83,8 @@ def test_other_processes_under_a_tenth_of_the_gpu_are_not_the_cause() -> None:
 def test_a_missing_reading_that_a_rule_needs_is_unknown_and_named(
     scenario: str, cleared: str, needed: str
 ) -> None:
-    verdict = replace(
-        _undecided(_captured(scenario)), **{cleared: None}, missing="other processes: gone"
-    )
+    gone: dict[str, Any] = {cleared: None}
+    verdict = replace(_undecided(_captured(scenario)), **gone, missing="other processes: gone")
     decided = decide(verdict)
     assert decided.verdict == "unknown"
     assert needed in decided.reason and "(other processes: gone)" in decided.reason
@@ -100,6 +100,7 @@ def test_a_verdict_round_trips_and_malformed_ones_are_refused() -> None:
     verdict = _captured("other_processes")
     assert OomVerdict.from_dict(verdict.to_dict()) == verdict
     assert verdict.to_dict()["cap_room_bytes"] is None
+    bad: Any
     for bad in (
         {**verdict.to_dict(), "verdict": "bad luck"},
         {**verdict.to_dict(), "requested_bytes": -1},
@@ -113,7 +114,7 @@ def test_a_verdict_round_trips_and_malformed_ones_are_refused() -> None:
         [],
     ):
         with pytest.raises(ValueError):
-            OomVerdict.from_dict(bad)  # type: ignore[arg-type]
+            OomVerdict.from_dict(bad)
 
 
 def test_describe_is_one_line_with_verdict_reason_and_action() -> None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from exporter.config import load_config
 from exporter.runtime import MODES, SOURCE_KINDS, build_runtime, sources_for
 
 
-def names(mode: str, **settings: object) -> list[str]:
+def names(mode: str, **settings: Any) -> list[str]:
     sources = sources_for(mode, load_config(env={}, **settings))
     try:
         return [source.name for source in sources]

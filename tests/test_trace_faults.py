@@ -389,7 +389,7 @@ def test_one_failing_optional_source_keeps_an_embedded_exporter_healthy():
 
 def test_a_required_source_fails_the_health_check_even_next_to_working_ones():
     required = Source("replay", fails=True)
-    required.required = True  # type: ignore[attr-defined]
+    required.required = True
     sampler = Sampler([required, Source("host")])
     for _ in range(3):
         sampler.tick()

@@ -22,7 +22,6 @@ import hmac
 import logging
 import math
 import threading
-from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any, Literal, TypeVar
 
@@ -42,6 +41,7 @@ from exporter.http.browser import is_loopback
 from exporter.http.identities import RESOURCES, VERBS, IdentityUnavailable, KubernetesIdentities
 from exporter.identity import describe_process, process_labels
 from exporter.ratelimit import RateLimitedLog
+from exporter.request_counts import RequestCounts
 from exporter.sampler import Sampler
 
 log = logging.getLogger("exporter.admin")
@@ -126,6 +126,7 @@ class Admin:
         detectors: Detectors | None = None,
         mode: str = "embedded",
         identities: KubernetesIdentities | None = None,
+        requests: RequestCounts | None = None,
     ) -> None:
         self.config = config
         self.identities = identities
@@ -133,7 +134,8 @@ class Admin:
         self.sampler = sampler
         self.detectors = detectors
         self.mode = mode
-        self.requests: Counter[tuple[str, str]] = Counter()  # (action, outcome)
+        # Counted here, read by /metrics (exporter.request_counts).
+        self.requests = requests if requests is not None else RequestCounts()
         self._render_lock = threading.Lock()
         self._pages: dict[str, str] = {}  # snapshot id -> rendered page, oldest first
         self._token_log = RateLimitedLog(log)
@@ -473,20 +475,20 @@ def _route_class(admin: Admin) -> type[APIRoute]:
                 try:
                     response = await handler(request)
                 except AdminError as exc:
-                    admin.requests[(label, exc.outcome)] += 1
+                    admin.requests.add(label, exc.outcome)
                     _audit(request, label, exc.outcome, exc.status)
                     return JSONResponse(
                         {"detail": exc.detail}, status_code=exc.status, headers=exc.headers
                     )
                 except Exception as exc:
-                    admin.requests[(label, "error")] += 1
+                    admin.requests.add(label, "error")
                     _audit(request, label, "error", 500)
                     log.exception("admin %s failed", label)
                     return JSONResponse(
                         {"detail": f"{label} failed: {type(exc).__name__}"}, status_code=500
                     )
                 outcome = getattr(response, "outcome", "ok")
-                admin.requests[(label, outcome)] += 1
+                admin.requests.add(label, outcome)
                 _audit(request, label, outcome, response.status_code)
                 return response
 

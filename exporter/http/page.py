@@ -23,13 +23,13 @@ from typing import Any
 from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from exporter import __version__
 from exporter.detectors import VALUE_OF
 from exporter.http.runbooks import runbook_url, runbooks_html
 from exporter.http.served import Served
 from exporter.identity import identity_labels
 from exporter.oom_verdict import retry_pressure
 from exporter.sample import Sample
+from exporter.version import __version__
 
 # Styles may be inline because a snapshot view that the page opens with the admin token (a
 # blob: document) inherits this policy, and the viewer's page is styled inline.

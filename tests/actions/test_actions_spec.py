@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.routing import APIRoute
@@ -24,7 +25,7 @@ from tests.helpers import AUTH, make_app, run_cli
 
 FAKE_TORCH = REPO_ROOT / "tests" / "support" / "fake_torch"
 # (action, parameters, what the refusal says): one value out of each kind of bound.
-REFUSED = [
+REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("snapshot", {"record_s": 0}, "record_s: must be above 0"),
     ("snapshot", {"record_s": 301}, "record_s: must be at most 300"),
     ("snapshot", {"stacks": "cpp"}, "stacks: must be one of python, all"),
@@ -53,7 +54,7 @@ def test_each_declared_action_has_its_route_and_its_request_schema(tmp_path) -> 
         (method, route.path): route
         for route in app.routes
         if isinstance(route, APIRoute)
-        for method in route.methods
+        for method in route.methods or ()
     }
     schema = TestClient(app).get("/openapi.json").json()
     for action in ACTIONS:

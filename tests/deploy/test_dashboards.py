@@ -189,7 +189,7 @@ def documented_labels() -> set[str]:
 
 
 def recording_rules() -> set[str]:
-    names = set()
+    names: set[str] = set()
     for path in RULES_DIR.glob("*.yaml"):
         doc = yaml.safe_load(path.read_text())
         for group in (doc or {}).get("groups", []) if isinstance(doc, dict) else []:

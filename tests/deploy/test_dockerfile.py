@@ -128,7 +128,7 @@ def build_context_files() -> list[Path]:
     """Files of the working tree that reach the build context (git-ignored ones included)."""
     rules = dockerignore_rules()
     negated = [pattern for negate, pattern, _ in rules if negate]
-    found = []
+    found: list[Path] = []
     for directory, dirs, files in os.walk(REPO_ROOT):
         base = Path(directory).relative_to(REPO_ROOT).as_posix()
         prefix = "" if base == "." else base + "/"

@@ -209,7 +209,7 @@ def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     with helm.Chart.load(CHART) as chart:
         chart.validate_schema(values)
         manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
-    docs = []
+    docs: list[Any] = []
     for path, text in sorted(manifests.items()):
         if not path.endswith(".yaml"):
             continue
@@ -713,7 +713,7 @@ def test_rules_and_dashboards_are_links_to_the_single_sources() -> None:
 
 
 def source_rule_groups() -> list[dict[str, Any]]:
-    groups = []
+    groups: list[dict[str, Any]] = []
     for path in sorted(RULES_DIR.glob("*.yaml")):
         doc = yaml.safe_load(path.read_text())
         if isinstance(doc, dict):

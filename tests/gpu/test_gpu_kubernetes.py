@@ -50,6 +50,7 @@ def node(tmp_path) -> Iterator[dict]:
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True, env=env()
     )
+    assert holder.stdout is not None
     uuid = "GPU-" + holder.stdout.readline().strip()
     state, sock = tmp_path / "state.json", tmp_path / "kubelet.sock"
     write_state(state, [pod("serving", "llama-0", "server", f"{uuid}::0", f"{uuid}::1")])
@@ -60,6 +61,7 @@ def node(tmp_path) -> Iterator[dict]:
         env=env(),
         cwd=REPO_ROOT,
     )
+    assert kubelet.stdout is not None
     assert kubelet.stdout.readline().strip() == "ready"
     port = free_port()
     serve = subprocess.Popen(

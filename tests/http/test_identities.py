@@ -29,7 +29,7 @@ def api(tmp_path, monkeypatch):
     (account / "namespace").write_text("inference\n")
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(standin.port))
-    standin.account = account  # type: ignore[attr-defined]
+    standin.account = account
     standin.user("alice-token", "alice", ("oncall",))
     standin.user("bob-token", "bob")
     standin.grants.add(("alice", "create", "gpumem-exporter", "snapshots", "inference"))

@@ -223,7 +223,7 @@ def test_a_kept_alive_scraper_keeps_its_connection_when_the_server_fills(tmp_pat
     monkeypatch.setattr(guard, "READ_GRACE_S", 60.0)
     with served(tmp_path) as (server, _):
         address = ("127.0.0.1", server.port)
-        scraper = http.client.HTTPConnection(*address, timeout=10)
+        scraper = http.client.HTTPConnection(address[0], address[1], timeout=10)
         scraper.request("GET", "/metrics")
         assert scraper.getresponse().read()
         local_port = scraper.sock.getsockname()[1]
@@ -285,7 +285,7 @@ def test_health_answers_while_admin_calls_wait_for_a_stopped_process(run_dir, mo
         os.kill(worker.pid, signal.SIGSTOP)
 
         def admin_call() -> None:
-            connection = http.client.HTTPConnection(*address, timeout=30)
+            connection = http.client.HTTPConnection(address[0], address[1], timeout=30)
             connection.request("GET", "/history", headers=AUTH)
             connection.getresponse().read()
 
@@ -324,7 +324,7 @@ def test_polite_kept_alive_clients_never_lock_out_new_scrapes_and_probes(tmp_pat
             while not stop.is_set():
                 try:
                     if connection is None:
-                        connection = http.client.HTTPConnection(*address, timeout=10)
+                        connection = http.client.HTTPConnection(address[0], address[1], timeout=10)
                     connection.request("GET", "/readyz")
                     response = connection.getresponse()
                     response.read()

@@ -40,7 +40,7 @@ def _get(server, path: str, context: ssl.SSLContext, headers=None) -> tuple[int,
     try:
         connection.request("GET", path, headers={"Host": "localhost", **(headers or {})})
         response = connection.getresponse()
-        version = connection.sock.version() if connection.sock else ""
+        version = (connection.sock.version() or "") if connection.sock else ""
         return response.status, response.read(), version
     finally:
         connection.close()
@@ -177,7 +177,8 @@ def _serial(server, ca: Authority) -> int:
         context.wrap_socket(raw, server_hostname="localhost") as tls,
     ):
         cert = tls.getpeercert()
-    return int(cert["serialNumber"], 16)
+    assert cert is not None
+    return int(str(cert["serialNumber"]), 16)
 
 
 def socket_to(port: int):

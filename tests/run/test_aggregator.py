@@ -42,6 +42,7 @@ def peer(sock: Path, mode: str, rank: str, **env: str) -> subprocess.Popen[str]:
         cwd=REPO_ROOT,
         env={**{k: v for k, v in os.environ.items() if k != "RANK"}, **env},
     )
+    assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
     return proc
 
@@ -274,6 +275,7 @@ def greedy(aggregator: Aggregator, count: int) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         text=True,
     )
+    assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "sent"
     return proc
 

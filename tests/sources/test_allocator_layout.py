@@ -147,10 +147,10 @@ def test_too_many_blocks_or_history_recording_skip_the_snapshot():
     r = reader(clock, max_blocks=1000)
     read = r.read(blocks=1001)
     assert read.skipped == "too_many_blocks" and read.layouts == {}
-    assert r.calls == []  # type: ignore[attr-defined]
+    assert r.calls == []
     r2 = reader(clock, history=True)
     assert r2.read(blocks=10).skipped == "history_recording"
-    assert r2.calls == []  # type: ignore[attr-defined]
+    assert r2.calls == []
     assert reader(clock).read(blocks=1000).skipped == ""
 
 

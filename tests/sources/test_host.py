@@ -19,7 +19,7 @@ def test_the_source_reads_what_psutil_reads() -> None:
         ballast = bytearray(64 << 20)  # resident: the next reading must see it
         ballast[::4096] = b"x" * len(ballast[::4096])
         host = source.read().host
-        assert host is not None
+        assert host is not None and host.process_resident_bytes is not None
         rss = psutil.Process().memory_info().rss
         assert abs(host.process_resident_bytes - rss) < 8 << 20
         assert host.process_resident_bytes > 64 << 20

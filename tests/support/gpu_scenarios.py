@@ -33,6 +33,13 @@ def _nvml_pids() -> dict[str, dict[int, int]]:
     return result
 
 
+def _has_primary_context(index: int) -> bool:
+    """Whether CUDA device `index` has a primary context (torch's private binding)."""
+    import torch
+
+    return bool(torch._C._cuda_hasPrimaryContext(index))  # type: ignore[attr-defined]
+
+
 def _sampler(interval_s: float = 0.02) -> Any:
     from exporter.sampler import Sampler
     from exporter.sources.host import HostMemorySource
@@ -124,9 +131,7 @@ def one_device(index: str) -> dict[str, Any]:
     sample = sampler.latest
     # Read NVML and the context flags before anything else could touch another device.
     pid_on_gpus = [u for u, pids in _nvml_pids().items() if os.getpid() in pids]
-    has_context = [
-        bool(torch._C._cuda_hasPrimaryContext(i)) for i in range(torch.cuda.device_count())
-    ]
+    has_context = [bool(_has_primary_context(i)) for i in range(torch.cuda.device_count())]
     return {
         "used": used,
         "used_uuid": f"GPU-{torch.cuda.get_device_properties(used).uuid}",
@@ -326,9 +331,7 @@ def actions_on_device(index: str) -> dict[str, Any]:
     thread.start()
     thread.join()
     pid_on_gpus = [u for u, pids in _nvml_pids().items() if os.getpid() in pids]
-    has_context = [
-        bool(torch._C._cuda_hasPrimaryContext(i)) for i in range(torch.cuda.device_count())
-    ]
+    has_context = [bool(_has_primary_context(i)) for i in range(torch.cuda.device_count())]
     del keep
     return {
         **result,
@@ -389,14 +392,17 @@ def remediation() -> dict[str, Any]:
     )
     runtime.sampler.start()
     # Alternating frees of varied sizes: holes that later, larger requests cannot use.
-    keep, size = [], float(MiB)
+    keep: list[Any] = []
+    size = float(MiB)
     while sum(t.numel() for t in keep) < (1 << 30):
         batch = [torch.empty(int(size), dtype=torch.uint8, device="cuda:0") for _ in range(20)]
         keep.extend(batch[::2])
         del batch
         size *= 1.05
     time.sleep(0.5)
-    reading = runtime.sampler.latest.allocators[0]
+    latest = runtime.sampler.latest
+    assert latest is not None
+    reading = latest.allocators[0]
     frag = runtime.detectors.is_firing(
         "GpuMemFragmentationHigh", {"device": "0", "gpu_uuid": reading.gpu_uuid}
     )
@@ -413,7 +419,7 @@ def remediation() -> dict[str, Any]:
     except torch.cuda.OutOfMemoryError:
         oom = True
     time.sleep(0.5)
-    runtime.actions.remediation.wait_idle()
+    runtime.actions.remediation.wait_idle()  # type: ignore[attr-defined]  # LocalActions'
     runtime.sampler.stop()
     flat = torch.cuda.memory_stats(0)
     counts = runtime.actions.counts()[0].counts
@@ -601,6 +607,7 @@ def host_memory_load() -> dict[str, Any]:
     before = source.read().host
     loaded = [torch.load(path) for path in files]
     after = source.read().host
+    assert before is not None and after is not None
     total = sum(t.numel() * t.element_size() for t in loaded)
     del loaded
     for path in files:
@@ -739,9 +746,7 @@ def layout(index: str = "0") -> dict[str, Any]:
     stats = torch.cuda.memory_stats_as_nested_dict(used)
     host = torch._C._cuda_hostMemoryStats()
     pid_on_gpus = [u for u, pids in _nvml_pids().items() if os.getpid() in pids]
-    has_context = [
-        bool(torch._C._cuda_hasPrimaryContext(i)) for i in range(torch.cuda.device_count())
-    ]
+    has_context = [bool(_has_primary_context(i)) for i in range(torch.cuda.device_count())]
     result = {
         "used": used,
         "used_uuid": f"GPU-{torch.cuda.get_device_properties(used).uuid}",

@@ -134,7 +134,9 @@ class StandInKubelet:
         self.calls = 0
         standin = self
 
-        class Lister(pb2_grpc.PodResourcesListerServicer):
+        servicer: Any = pb2_grpc.PodResourcesListerServicer  # generated at run time
+
+        class Lister(servicer):
             def List(self, request: Any, context: grpc.ServicerContext) -> Any:
                 standin.calls += 1
                 state = json.loads(standin.state_path.read_text())

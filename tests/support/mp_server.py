@@ -30,14 +30,15 @@ def worker(name: str, device: int, rank: int, control: str) -> None:
         Path(control, "embedded-url").write_text(str(handle.url))
     while not Path(control, f"stop-{name}").exists():
         if Path(control, f"oom-{name}").exists():
-            torch._fake_oom(device)  # uncaught: the worker dies of its OOM, as servers do
+            # Uncaught: the worker dies of its OOM, as servers do.
+            torch._fake_oom(device)  # type: ignore[attr-defined]
         time.sleep(0.05)
 
 
 def hog(control: str) -> None:
     """A worker that never uses CUDA and holds host memory, like a validation worker that
     loads captured tensors into a list (2 GiB once CONTROL/hog exists)."""
-    held = []
+    held: list[bytes] = []
     while not Path(control, "stop-hog").exists():
         if Path(control, "hog").exists() and not held:
             held.append(b"\x01" * (2 << 30))  # touched, so resident

@@ -87,7 +87,7 @@ def _arm() -> tuple[Any, Any]:
             others=others,
         )
 
-    torch._C._cuda_attach_out_of_memory_observer(independent)
+    torch._C._cuda_attach_out_of_memory_observer(independent)  # type: ignore[attr-defined]
     return source, (actions, truth, folder)
 
 

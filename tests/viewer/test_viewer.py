@@ -90,6 +90,7 @@ def test_load_errors(tmp_path: Path) -> None:
     empty.write_bytes(b"")
     with pytest.raises(SnapshotError, match="empty"):
         load_snapshot(empty)
+    obj: object
     for obj in ([1, 2, 3], {"device_traces": []}):
         other = tmp_path / "other.pickle"
         other.write_bytes(pickle.dumps(obj))
@@ -255,6 +256,7 @@ def test_render_is_pure(demo: dict[str, Any], demo_html: str) -> None:
 
 
 def test_render_empty_snapshot() -> None:
+    snap: dict[str, Any]
     for snap in ({"segments": []}, {"segments": [], "device_traces": [[], []]}):
         page = render_html(snap)
         assert NO_HISTORY_MESSAGE in page

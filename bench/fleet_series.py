@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.catalog import DETAIL_LEVELS
 from exporter.config import Config
-from exporter.detectors import Detectors, load_thresholds
+from exporter.detectors import Detectors
 from exporter.metrics import ActionStats, SampleCollector
 from exporter.runtime import SOURCE_KINDS
 from exporter.sample import (
@@ -177,8 +177,8 @@ def expositions(gpus: int, detail: str = "basic") -> dict[str, list[str]]:
     _, trace = read_trace(demo_trace_path())
     texts: dict[str, list[str]] = {"run": [], "node": []}
     for pid0 in (1000, 5000):  # the server, then the same server restarted
-        detectors = Detectors(load_thresholds(env={}), log_events=False)
-        node_detectors = Detectors(load_thresholds(env={}), log_events=False)
+        detectors = Detectors(config, log_events=False)
+        node_detectors = Detectors(config, log_events=False)
         for recorded in trace:  # alert states as a day of this trace leaves them
             server = server_sample(recorded, gpus, pid0)
             detectors(server)

@@ -378,12 +378,9 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace) -> Config:
-    from exporter.detectors import load_thresholds
-
     try:
         flags = {name: getattr(args, name) for name, d in SETTINGS.items() if d.flag}
         config = load_config(flags=flags)
-        load_thresholds()  # GPUMEM_DETECT_*: checked before anything starts
     except ConfigError as exc:
         raise CliError(str(exc)) from None
     return config

@@ -207,6 +207,30 @@ def _choice(*choices: str) -> Callable[[Any, str], Any]:
 _COOLDOWN = _seconds(0.0, 86400.0)
 
 
+def _between(low: float, high: float, what: str) -> Callable[[Any, str], Any]:
+    @_expected(f"{what} between {low:g} and {high:g}")
+    def convert(value: Any) -> float:
+        number = float(value)
+        if not low <= number <= high:  # also refuses nan
+            raise ValueError
+        return number
+
+    return convert
+
+
+# The in-process alerts' thresholds (exporter.alerts declares which alert reads which). Not
+# offered as flags: the rules in deploy/prometheus/alerts.yaml carry the same numbers, and a
+# test holds each default equal to its rule's, so they change there and here together.
+_SHARE = _between(0.0, 1.0, "a share")
+_BYTES = _between(0.0, float(1 << 50), "bytes")
+_HOLD = _seconds(0.0, 86400.0)  # how long a condition holds before its alert fires
+_WINDOW = _seconds(1.0, 86400.0)  # a window a rate or trend is read over
+
+
+def _threshold(default: float, help: str, parse: Callable[[Any, str], Any]) -> Any:
+    return setting(default, help, parse, flag=False)
+
+
 @_expected(" or ".join(DETAIL_LEVELS))
 def _detail(value: Any) -> str:
     text = str(value).strip().lower()
@@ -402,6 +426,96 @@ class Config:
         "where the live page's alert links point (+ #<alert>), e.g. your fork's docs/runbooks.md",
         _http_url,
         default_text="the copy served at /runbooks",
+    )
+    # -- in-process alerts (exporter.alerts): each is read by the alerts that name it --------
+    detect_fragmentation_ratio: float = _threshold(
+        0.3, "GpuMemFragmentationHigh: inactive split bytes over reserved above this", _SHARE
+    )
+    detect_fragmentation_min_reserved_bytes: float = _threshold(
+        float(1 << 30), "GpuMemFragmentationHigh: only with more than this reserved", _BYTES
+    )
+    detect_fragmentation_for_s: float = _threshold(
+        600.0, "GpuMemFragmentationHigh: seconds the condition holds before it fires", _HOLD
+    )
+    detect_counter_window_s: float = _threshold(
+        600.0,
+        "GpuMemAllocRetries, GpuMemOutOfMemory, GpuMemOomFragmentation: firing while the "
+        "counter rose within this many seconds",
+        _WINDOW,
+    )
+    detect_cache_gap_bytes: float = _threshold(
+        float(4 << 30), "GpuMemCacheGapHigh: reserved minus allocated above this", _BYTES
+    )
+    detect_cache_gap_ratio: float = _threshold(
+        0.5, "GpuMemCacheGapHigh: and that gap over reserved above this", _SHARE
+    )
+    detect_cache_gap_for_s: float = _threshold(
+        1800.0, "GpuMemCacheGapHigh: seconds the condition holds before it fires", _HOLD
+    )
+    detect_shattered_block_share: float = _threshold(
+        0.25,
+        "GpuMemFreeCacheShattered: the largest free block under this share of the default "
+        "pool's free bytes, and the GPU's room (or the cap's) under it too",
+        _SHARE,
+    )
+    detect_shattered_min_free_bytes: float = _threshold(
+        float(2 << 30), "GpuMemFreeCacheShattered: only with more than this free", _BYTES
+    )
+    detect_shattered_for_s: float = _threshold(
+        900.0, "GpuMemFreeCacheShattered: seconds the condition holds before it fires", _HOLD
+    )
+    detect_headroom_free_ratio: float = _threshold(
+        0.05, "GpuMemHeadroomLow: the GPU's free share under this", _SHARE
+    )
+    detect_headroom_for_s: float = _threshold(
+        600.0, "GpuMemHeadroomLow: seconds the condition holds before it fires", _HOLD
+    )
+    detect_exhaustion_free_ratio: float = _threshold(
+        0.2, "GpuMemExhaustionPredicted: the GPU's free share under this", _SHARE
+    )
+    detect_exhaustion_horizon_s: float = _threshold(
+        3600.0, "GpuMemExhaustionPredicted: free memory reaches zero within this", _WINDOW
+    )
+    detect_exhaustion_window_s: float = _threshold(
+        600.0, "GpuMemExhaustionPredicted: the trend is fitted over this many seconds", _WINDOW
+    )
+    detect_exhaustion_for_s: float = _threshold(
+        900.0, "GpuMemExhaustionPredicted: seconds the condition holds before it fires", _HOLD
+    )
+    detect_host_available_ratio: float = _threshold(
+        0.05, "HostMemoryPressure: available host memory's share under this", _SHARE
+    )
+    detect_host_for_s: float = _threshold(
+        300.0, "HostMemoryPressure: seconds the condition holds before it fires", _HOLD
+    )
+    detect_swap_min_used_bytes: float = _threshold(
+        float(1 << 30), "HostSwapGrowing: only with more swap in use than this", _BYTES
+    )
+    detect_swap_growth_bytes_per_s: float = _threshold(
+        float(256 * 1024), "HostSwapGrowing: swap growing faster than this", _BYTES
+    )
+    detect_swap_window_s: float = _threshold(
+        900.0, "HostSwapGrowing: the growth is fitted over this many seconds", _WINDOW
+    )
+    detect_swap_for_s: float = _threshold(
+        300.0, "HostSwapGrowing: seconds the condition holds before it fires", _HOLD
+    )
+    detect_host_process_share: float = _threshold(
+        0.5,
+        "HostMemoryHeldByProcess: one process resident above this share of the memory in use",
+        _SHARE,
+    )
+    detect_host_process_available_ratio: float = _threshold(
+        0.1, "HostMemoryHeldByProcess: while available host memory is under this share", _SHARE
+    )
+    detect_host_process_for_s: float = _threshold(
+        120.0, "HostMemoryHeldByProcess: seconds the condition holds before it fires", _HOLD
+    )
+    detect_clear_margin: float = _threshold(
+        0.2,
+        "every in-process alert clears only once its value is this much (a share of the "
+        "threshold) on the safe side: a value hovering at a threshold does not flap",
+        _between(0.0, 0.99, "a share"),
     )
 
     @cached_property

@@ -17,7 +17,7 @@ from exporter.actions.base import Actions
 from exporter.actions.local import LocalActions
 from exporter.actions.snapshots import SnapshotStore
 from exporter.config import Config, ConfigError
-from exporter.detectors import Detectors, load_thresholds
+from exporter.detectors import Detectors
 from exporter.detectors import Listener as AlertListener
 from exporter.exposition import ExpositionCache
 from exporter.http.admin import Admin
@@ -446,7 +446,7 @@ def build_runtime(
     if registry is None:
         registry = CollectorRegistry()
         own_collectors = [ProcessCollector(registry=registry), PlatformCollector(registry=registry)]
-    detectors = Detectors(load_thresholds(), listeners=list(on_alert))
+    detectors = Detectors(config, listeners=list(on_alert))
     features = actions.sample_listeners(detectors)
     window = SampleWindow(config.interval_s)
     sampler = Sampler(

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import re
 
 import pytest
-import yaml
 
-from exporter.config import ConfigError
-from exporter.detectors import (
-    SEVERITY,
-    VALUE_OF,
-    AlertEvent,
-    Detectors,
-    Thresholds,
-    load_thresholds,
-)
+from exporter.alerts import BY_NAME
+from exporter.config import ConfigError, load_config
+from exporter.detectors import AlertEvent, Detectors
 from exporter.sample import (
     AllocatorReading,
     GpuReading,
@@ -28,7 +19,6 @@ from exporter.sample import (
 )
 from exporter.sources.replay import demo_trace_path
 from exporter.trace import read_trace
-from tests.conftest import REPO_ROOT
 from tests.helpers import captured_oom_samples
 
 GiB = 1 << 30
@@ -412,64 +402,30 @@ def test_memory_spread_over_many_processes_names_none():
     assert not any(on for alert, _, on in detectors.firing() if alert == "HostMemoryHeldByProcess")
 
 
-def test_thresholds_from_environment():
-    assert load_thresholds({"GPUMEM_DETECT_FRAGMENTATION_RATIO": "0.5"}).fragmentation_ratio == 0.5
+def test_thresholds_are_settings_from_the_environment():
+    """GPUMEM_DETECT_* are ordinary settings (exporter.config): checked with the rest, and in
+    the agents' settings file under `run`."""
+    assert (
+        load_config({"GPUMEM_DETECT_FRAGMENTATION_RATIO": "0.5"}).detect_fragmentation_ratio == 0.5
+    )
     env = {"GPUMEM_DETECT_SHATTERED_BLOCK_SHARE": "0.1", "GPUMEM_DETECT_SHATTERED_FOR_S": "60"}
-    th = load_thresholds(env)
-    assert (th.shattered_block_share, th.shattered_for_s) == (0.1, 60)
-    with pytest.raises(ConfigError, match="GPUMEM_DETECT_HOST_FOR_S: expected a non-negative"):
-        load_thresholds({"GPUMEM_DETECT_HOST_FOR_S": "-1"})
-    with pytest.raises(ConfigError, match="unknown detector threshold"):
-        load_thresholds({}, nope=1)
+    settings = load_config(env)
+    assert (settings.detect_shattered_block_share, settings.detect_shattered_for_s) == (0.1, 60)
+    with pytest.raises(ConfigError, match="GPUMEM_DETECT_HOST_FOR_S: expected seconds between"):
+        load_config({"GPUMEM_DETECT_HOST_FOR_S": "-1"})
+    with pytest.raises(ConfigError, match="GPUMEM_DETECT_HEADROOM_FREE_RATIO: expected a share"):
+        load_config({"GPUMEM_DETECT_HEADROOM_FREE_RATIO": "5"})
 
 
-def _duration_s(text: str) -> float:
-    units = {"s": 1, "m": 60, "h": 3600}
-    return sum(int(n) * units[u] for n, u in re.findall(r"(\d+)([smh])", text))
-
-
-def test_detectors_mirror_the_prometheus_rules():
-    """Names and durations match deploy/prometheus/alerts.yaml, the single source of rules."""
-    rules = yaml.safe_load((REPO_ROOT / "deploy/prometheus/alerts.yaml").read_text())
-    alerts = {r["alert"]: r for g in rules["groups"] for r in g["rules"] if "alert" in r}
-    th = Thresholds()
-    durations = {
-        "GpuMemFragmentationHigh": th.fragmentation_for_s,
-        "GpuMemAllocRetries": 0,
-        "GpuMemOutOfMemory": 0,
-        "GpuMemOomFragmentation": 0,
-        "GpuMemCacheGapHigh": th.cache_gap_for_s,
-        "GpuMemFreeCacheShattered": th.shattered_for_s,
-        "GpuMemHeadroomLow": th.headroom_for_s,
-        "GpuMemExhaustionPredicted": th.exhaustion_for_s,
-        "HostMemoryPressure": th.host_for_s,
-        "HostSwapGrowing": th.swap_for_s,
-        "HostMemoryHeldByProcess": th.host_process_for_s,
-    }
-    assert set(durations) == set(Detectors.ALERTS) == set(SEVERITY) == set(VALUE_OF) <= set(alerts)
-    for name, seconds in durations.items():
-        assert _duration_s(alerts[name].get("for", "0s")) == seconds, name
-        assert alerts[name]["labels"]["severity"] == SEVERITY[name], name
-    expr = " ".join(a["expr"] for a in alerts.values())
-    for value in (
-        th.fragmentation_ratio,
-        th.cache_gap_ratio,
-        th.shattered_block_share,
-        th.headroom_free_ratio,
-        th.exhaustion_free_ratio,
-        th.host_available_ratio,
-        th.host_process_share,
-        th.host_process_available_ratio,
-    ):
-        assert str(value) in expr
-    for value in (
-        th.fragmentation_min_reserved_bytes,
-        th.cache_gap_bytes,
-        th.shattered_min_free_bytes,
-        th.swap_min_used_bytes,
-        th.swap_growth_bytes_per_s,
-    ):
-        assert str(int(value)) in expr
+def test_a_threshold_set_in_the_settings_moves_the_alert():
+    """The detectors read the threshold from the settings they are given."""
+    sample = Sample(timestamp=1000.0, host=HostReading(100 * GiB, 8 * GiB, 0, 0))  # 8% free
+    for ratio, fires in ((0.05, False), (0.1, True)):
+        detectors = Detectors(
+            load_config({}, detect_host_available_ratio=ratio, detect_host_for_s=0)
+        )
+        detectors(sample)
+        assert detectors.is_firing("HostMemoryPressure") is fires, ratio
 
 
 def test_the_recorded_incident_fires_retries_and_oom_under_its_cap():
@@ -478,7 +434,7 @@ def test_the_recorded_incident_fires_retries_and_oom_under_its_cap():
     (inactive_split up to a fifth of reserved) stays under the 0.3 threshold, as a real
     server's usually does, and the host is never short."""
     _, samples = read_trace(demo_trace_path())
-    short = dataclasses.replace(Thresholds(), fragmentation_for_s=5, counter_window_s=30)
+    short = load_config({}, detect_fragmentation_for_s=5, detect_counter_window_s=30)
     events: list[AlertEvent] = []
     detectors = Detectors(short, listeners=[events.append])
     for sample in samples:
@@ -551,4 +507,4 @@ def test_a_fragmentation_oom_fires_its_own_critical_alert_and_other_verdicts_do_
         )
     assert fired[("fragmentation", False)] is True
     assert not any(v for (verdict, _), v in fired.items() if verdict != "fragmentation")
-    assert SEVERITY["GpuMemOomFragmentation"] == "critical"
+    assert BY_NAME["GpuMemOomFragmentation"].severity == "critical"

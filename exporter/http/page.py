@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from exporter.detectors import VALUE_OF
+from exporter.alerts import BY_NAME
 from exporter.http.runbooks import runbook_url, runbooks_html
 from exporter.http.served import Served
 from exporter.identity import identity_labels
@@ -136,8 +136,8 @@ def window_payload(runtime: Served, since: float | None) -> dict[str, Any]:
                 "severity": firing.severity,
                 "since": firing.since,
                 "value": firing.value,
-                "value_label": VALUE_OF[firing.alert][0],
-                "value_unit": VALUE_OF[firing.alert][1],
+                "value_label": BY_NAME[firing.alert].measures,
+                "value_unit": BY_NAME[firing.alert].unit,
                 "runbook_url": runbook_url(config, firing.alert),
                 "note": alert_note(sample, firing.alert, firing.labels),
             }

@@ -94,14 +94,14 @@ class Agent:
         if self.actions is None:
             from exporter.actions.local import LocalActions
             from exporter.actions.snapshots import SnapshotStore
-            from exporter.detectors import Detectors, load_thresholds
+            from exporter.detectors import Detectors
 
             config = self.config
             actions = LocalActions(
                 SnapshotStore.for_config(config), config=config, oom_reader=self.source
             )
             # Detection here serves remediation only; the launcher logs alerts for the pod.
-            detectors = Detectors(load_thresholds(), log_events=False)
+            detectors = Detectors(config, log_events=False)
             features = actions.sample_listeners(detectors)
             self._listeners = [detectors, *features] if config.remediate else features
             self.actions = actions

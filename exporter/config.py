@@ -218,17 +218,19 @@ def _between(low: float, high: float, what: str) -> Callable[[Any, str], Any]:
     return convert
 
 
-# The in-process alerts' thresholds (exporter.alerts declares which alert reads which). Not
-# offered as flags: the rules in deploy/prometheus/alerts.yaml carry the same numbers, and a
-# test holds each default equal to its rule's, so they change there and here together.
+# The in-process alerts' thresholds (exporter.alerts declares which alert reads which). The
+# rules in deploy/prometheus/alerts.yaml carry the same defaults (a test holds them equal):
+# a threshold changed here for one server is changed there for its rules too.
 _SHARE = _between(0.0, 1.0, "a share")
 _BYTES = _between(0.0, float(1 << 50), "bytes")
 _HOLD = _seconds(0.0, 86400.0)  # how long a condition holds before its alert fires
 _WINDOW = _seconds(1.0, 86400.0)  # a window a rate or trend is read over
 
 
-def _threshold(default: float, help: str, parse: Callable[[Any, str], Any]) -> Any:
-    return setting(default, help, parse, flag=False)
+def _threshold(
+    default: float, help: str, parse: Callable[[Any, str], Any], default_text: str = ""
+) -> Any:
+    return setting(default, help, parse, default_text=default_text)
 
 
 @_expected(" or ".join(DETAIL_LEVELS))
@@ -432,7 +434,10 @@ class Config:
         0.3, "GpuMemFragmentationHigh: inactive split bytes over reserved above this", _SHARE
     )
     detect_fragmentation_min_reserved_bytes: float = _threshold(
-        float(1 << 30), "GpuMemFragmentationHigh: only with more than this reserved", _BYTES
+        float(1 << 30),
+        "GpuMemFragmentationHigh: only with more than this reserved",
+        _BYTES,
+        "1 GiB",
     )
     detect_fragmentation_for_s: float = _threshold(
         600.0, "GpuMemFragmentationHigh: seconds the condition holds before it fires", _HOLD
@@ -444,7 +449,7 @@ class Config:
         _WINDOW,
     )
     detect_cache_gap_bytes: float = _threshold(
-        float(4 << 30), "GpuMemCacheGapHigh: reserved minus allocated above this", _BYTES
+        float(4 << 30), "GpuMemCacheGapHigh: reserved minus allocated above this", _BYTES, "4 GiB"
     )
     detect_cache_gap_ratio: float = _threshold(
         0.5, "GpuMemCacheGapHigh: and that gap over reserved above this", _SHARE
@@ -459,7 +464,7 @@ class Config:
         _SHARE,
     )
     detect_shattered_min_free_bytes: float = _threshold(
-        float(2 << 30), "GpuMemFreeCacheShattered: only with more than this free", _BYTES
+        float(2 << 30), "GpuMemFreeCacheShattered: only with more than this free", _BYTES, "2 GiB"
     )
     detect_shattered_for_s: float = _threshold(
         900.0, "GpuMemFreeCacheShattered: seconds the condition holds before it fires", _HOLD
@@ -489,10 +494,10 @@ class Config:
         300.0, "HostMemoryPressure: seconds the condition holds before it fires", _HOLD
     )
     detect_swap_min_used_bytes: float = _threshold(
-        float(1 << 30), "HostSwapGrowing: only with more swap in use than this", _BYTES
+        float(1 << 30), "HostSwapGrowing: only with more swap in use than this", _BYTES, "1 GiB"
     )
     detect_swap_growth_bytes_per_s: float = _threshold(
-        float(256 * 1024), "HostSwapGrowing: swap growing faster than this", _BYTES
+        float(256 * 1024), "HostSwapGrowing: swap growing faster than this", _BYTES, "256 KiB/s"
     )
     detect_swap_window_s: float = _threshold(
         900.0, "HostSwapGrowing: the growth is fitted over this many seconds", _WINDOW

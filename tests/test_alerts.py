@@ -61,7 +61,6 @@ def test_every_declaration_is_well_formed_and_its_settings_are_read() -> None:
         assert alert.on in ON and alert.unit in UNITS and alert.severity in ("warning", "critical")
         named = (*alert.thresholds, *([alert.hold] if alert.hold else []))
         assert set(named) <= set(settings), alert.name
-        assert all(not settings[n].metadata["setting"].flag for n in named)
         read |= set(named)
     detect = {name for name in settings if name.startswith("detect_")}
     # The hysteresis margin is every alert's, and in no rule (Prometheus has none).

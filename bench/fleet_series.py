@@ -35,6 +35,7 @@ from exporter.catalog import DETAIL_LEVELS
 from exporter.config import Config
 from exporter.detectors import Detectors
 from exporter.metrics import ActionStats, SampleCollector
+from exporter.modes import MODES
 from exporter.runtime import SOURCE_KINDS
 from exporter.sample import (
     ExporterState,
@@ -134,7 +135,7 @@ def exposition(
             lambda: state,
             const_labels={},
             version="bench",
-            mode=mode,
+            traits=MODES[mode].traits,
             alerts=detectors,
             actions=lambda: ActionStats(processes=counts),
             detail=config.detail,

@@ -30,6 +30,7 @@ from exporter.sample import (
     ProcessCounts,
     Sample,
 )
+from exporter.traits import Traits
 
 _GPU_MEMORY = catalog.group("gpu_memory")
 _MACHINE_HOST = catalog.group("machine_host")
@@ -178,9 +179,8 @@ class SampleCollector(Collector):
         *,
         const_labels: Mapping[str, str],
         version: str,
-        mode: str,
+        traits: Traits,
         torch_version: str = "",
-        own_process: bool = True,
         alerts: AlertStates | None = None,
         actions: Callable[[], ActionStats] | None = None,
         admin_requests: RequestCounts | None = None,
@@ -189,6 +189,7 @@ class SampleCollector(Collector):
         self._actions = actions
         self._requests = admin_requests
         # Families this mode does not serve, or not at this detail level (catalog.Family).
+        mode = traits.name
         self._left_out = frozenset(
             f.name
             for f in catalog.FAMILIES
@@ -196,12 +197,13 @@ class SampleCollector(Collector):
         )
         self._state = state
         # A replay serves no `process_` family: those belong to the process that serves them.
-        self._host = _MACHINE_HOST + (_OWN_PROCESS_HOST if own_process else ())
+        self._host = _MACHINE_HOST + (_OWN_PROCESS_HOST if traits.own_process else ())
         self._alerts = alerts
         self._const_names = tuple(const_labels)
         self._const_values = tuple(const_labels.values())
         self._version = version
         self._mode = mode
+        self._one_process = traits.one_process
         self._torch_version = torch_version
         # (family, per process) -> (label names, those not constant): the same every tick.
         self._label_names: dict[tuple[str, bool], tuple[tuple[str, ...], tuple[str, ...]]] = {}
@@ -238,7 +240,7 @@ class SampleCollector(Collector):
         state = self._state()
         stats = self._actions() if self._actions is not None else None
         sample = state.sample
-        processes = _processes(sample, stats, every_pid=self._mode != "run")
+        processes = _processes(sample, stats, every_pid=self._one_process)
         served = self._served(self._exporter_families(state, stats, processes))
         if sample is None:
             return served

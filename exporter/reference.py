@@ -1,7 +1,7 @@
 """The reference tables in docs/, written from the declarations they describe.
 
 docs/metrics.md's family table comes from exporter.catalog, docs/settings.md's table from
-exporter.config's Config fields, and docs/architecture.md's modes from exporter.runtime.MODES.
+exporter.config's Config fields, and docs/architecture.md's modes from exporter.modes.MODES.
 Each sits between two markers; `python -m exporter.reference --write` rewrites them and
 `--check` fails while one is out of date (a test runs the check).
 """
@@ -13,13 +13,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from exporter import catalog, config, runtime
+from exporter import catalog, config, modes
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 TABLES: dict[str, Callable[[], str]] = {
     "metrics.md": catalog.markdown_table,
     "settings.md": config.markdown_table,
-    "architecture.md": runtime.markdown_table,
+    "architecture.md": modes.markdown_table,
 }
 BEGIN = "<!-- written by `python -m exporter.reference --write` from the code; do not edit -->"
 END = "<!-- end of the written table -->"

@@ -14,8 +14,6 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 from prometheus_client.registry import Collector
 
 from exporter.actions.base import Actions
-from exporter.actions.local import LocalActions
-from exporter.actions.snapshots import SnapshotStore
 from exporter.config import Config, ConfigError
 from exporter.detectors import Detectors
 from exporter.detectors import Listener as AlertListener
@@ -27,10 +25,13 @@ from exporter.http.webconfig import WebConfigError
 from exporter.identity import identity_labels
 from exporter.kubernetes.api import ApiError, ApiServer
 from exporter.metrics import ActionStats, EndpointState, SampleCollector
+from exporter.modes import MODES, Mode
+from exporter.modes.run import silent_processes
 from exporter.request_counts import RequestCounts
 from exporter.sampler import Listener, Sampler
 from exporter.sources import Source
 from exporter.sources.non_allocator import NonAllocatorProbe
+from exporter.traits import Traits
 from exporter.version import __version__
 from exporter.window import SampleWindow
 
@@ -39,6 +40,7 @@ from exporter.window import SampleWindow
 class Runtime:
     config: Config
     mode: str
+    declared: Mode  # the mode's declaration (exporter.modes): its traits decide, not its name
     sampler: Sampler
     registry: CollectorRegistry
     collector: SampleCollector
@@ -57,6 +59,10 @@ class Runtime:
     def silent_processes(self) -> list[str]:
         """`run`: the processes that stopped reporting, in words (/healthz lists them)."""
         return silent_processes(self.sampler)
+
+    @property
+    def traits(self) -> Traits:
+        return self.declared.traits
 
 
 def web_security(config: Config) -> WebSecurity:
@@ -105,59 +111,6 @@ def endpoint_state(config: Config, web: WebSecurity) -> EndpointState:
         certificate_not_after=web.not_after,
         configured=bool(web.path),
     )
-
-
-def local_actions(config: Config, sources: Sequence[Source]) -> Actions:
-    """This process's own allocator (embedded, and the node daemon's empty one), with the
-    allocator source reading its OOMs where one runs."""
-    from exporter.sources.torch_allocator import TorchAllocatorSource
-
-    readers = [s for s in sources if isinstance(s, TorchAllocatorSource)]
-    return LocalActions(
-        SnapshotStore.for_config(config),
-        config=config,
-        oom_reader=readers[0] if readers else None,
-    )
-
-
-def replay_actions(config: Config, sources: Sequence[Source]) -> Actions:
-    """The demo answers from its recording, at the moment its replay source plays, as the
-    recorded process; it keeps its snapshots in a folder of its own (unless one is set),
-    never among other exporters' in the shared default folder."""
-    from exporter.actions.replay import ReplayActions, recorded_snapshots
-    from exporter.sources.replay import ReplaySource
-
-    replays = [s for s in sources if isinstance(s, ReplaySource)]
-    replay = replays[0] if replays else None
-    snapshots = []
-    if replay is not None and replay.snapshots is not None:
-        try:
-            snapshots = recorded_snapshots(replay.snapshots)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"snapshots of the trace ({replay.snapshots}): {exc}") from None
-    process = replay.recorded_process() if replay else None
-    folder = None if config.snapshot_dir else demo_folder()
-    store = SnapshotStore.for_config(config, directory=folder, process=process)
-    return ReplayActions(
-        store,
-        config=config,
-        moment=replay.moment if replay else None,
-        snapshots=snapshots,
-        ooms=replay.recorded_ooms() if replay else None,
-        process=process,
-    )
-
-
-def demo_folder() -> str:
-    """A private folder for one demo's snapshots, removed when the demo exits (the CLI turns
-    SIGTERM into a normal exit for this)."""
-    import atexit
-    import shutil
-    import tempfile
-
-    folder = tempfile.mkdtemp(prefix="gpumem-demo-")  # 0700, this user's alone
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return folder
 
 
 @dataclass(frozen=True)
@@ -297,127 +250,6 @@ def kubelet_source(
     )
 
 
-def first_sample(sampler: Sampler) -> str | None:
-    """Ready once the first sample is in."""
-    return "no sample yet" if sampler.latest is None else None
-
-
-def silent_processes(sampler: Sampler) -> list[str]:
-    """The processes of `run` that stopped reporting (exporter.run.aggregator), in words."""
-    found = []
-    for source in sampler.sources:
-        silent = getattr(source, "silent_processes", None)
-        if silent is None:
-            continue
-        for labels, quiet_s in silent():
-            name = labels.get("role") or "process"
-            found.append(f"pid {labels.get('pid', '?')} ({name}) silent for {quiet_s:.0f} s")
-    return found
-
-
-def every_process_reports(sampler: Sampler) -> str | None:
-    """`run`: ready once the first sample is in and while every process of the server
-    reports; a stopped or hung one is named (its numbers are withdrawn meanwhile)."""
-    reason = first_sample(sampler)
-    if reason is not None:
-        return reason
-    silent = silent_processes(sampler)
-    return "not every process reports: " + "; ".join(silent) if silent else None
-
-
-def blind_reason(sampler: Sampler) -> str | None:
-    """Why a node daemon cannot see any GPU, or None while it sees one. It exists to read
-    NVML: without it (no library, no driver, no GPU visible, a container without the NVIDIA
-    runtime) it is not ready, whatever else it serves."""
-    state = sampler.state()
-    nvml = state.sources.get("nvml")
-    if nvml is None:
-        return "NVML is turned off (GPUMEM_NVML)"
-    if state.sample is None:
-        return "no sample yet"
-    if nvml.unavailable:
-        return f"NVML: {nvml.unavailable}"
-    if not nvml.up:
-        return f"NVML read failed: {nvml.last_error or 'unknown error'}"
-    if not any(gpu.up for gpu in state.sample.gpus):
-        return "no GPU answers NVML" if state.sample.gpus else "NVML lists no GPU"
-    return None
-
-
-@dataclass(frozen=True)
-class Mode:
-    """One way of running, declared once: where it runs, what serves it, how its admin
-    actions act and when it is ready (docs/architecture.md)."""
-
-    name: str  # the `mode` label of gpumem_exporter_build_info, and the catalog's modes
-    runs: str  # where, in words
-    endpoint: str  # what serves /metrics
-    acts: str  # what its admin actions act on
-    ready_when: str  # when /readyz answers 200
-    ready: Callable[[Sampler], str | None]  # why /readyz answers 503, or None
-    # The mode's actions, from its config and sources; None where the caller owns them (the
-    # launcher of `run` passes its fan-out).
-    actions: Callable[[Config, Sequence[Source]], Actions] | None
-    own_process: bool = True  # the process that serves is one it reports (process_* families)
-
-
-MODES = {
-    mode.name: mode
-    for mode in (
-        Mode(
-            "embedded",
-            "inside a PyTorch server: exporter.start(), or attach() to its own app",
-            "its own HTTP thread (start), or routes on the app and registry it has (attach)",
-            "this process's allocator",
-            "the first sample is in",
-            first_sample,
-            local_actions,
-        ),
-        Mode(
-            "node",
-            "the node daemon, `gpumem-exporter serve`: NVML, host memory, Kubernetes",
-            "its own HTTP server",
-            "its own process, which holds no allocator: actions answer 409",
-            "NVML answers for a GPU (it exists to read NVML)",
-            blind_reason,
-            local_actions,
-        ),
-        Mode(
-            "demo",
-            "`gpumem-exporter demo`: a trace recorded on a real GPU, replayed",
-            "its own HTTP server",
-            "the recording: the snapshot of the replayed moment; nothing changes",
-            "the first sample is in",
-            first_sample,
-            replay_actions,
-            own_process=False,  # the recorded process is served as host_process_*
-        ),
-        Mode(
-            "run",
-            "`gpumem-exporter run -- CMD`: a launcher for every process of a server, an "
-            "agent in each",
-            "the launcher's HTTP server, one /metrics for every process",
-            "each process of the server (or the one chosen), through its agent",
-            "the first sample is in and every process reports (none silent for "
-            "max(3 intervals, 5 s))",
-            every_process_reports,
-            None,
-        ),
-    )
-}
-
-
-def markdown_table() -> str:
-    """The modes, for docs/architecture.md (written by exporter.reference)."""
-    rows = [
-        "| mode | runs | serves /metrics | admin actions act on | ready when |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for m in MODES.values():
-        rows.append(f"| `{m.name}` | {m.runs} | {m.endpoint} | {m.acts} | {m.ready_when} |")
-    return "\n".join(rows)
-
-
 def build_runtime(
     config: Config,
     *,
@@ -437,6 +269,7 @@ def build_runtime(
     declared = MODES.get(mode)
     if declared is None:
         raise ValueError(f"unknown mode {mode!r}")
+    traits = declared.traits
     if actions is None:
         if declared.actions is None:
             raise ValueError(f"the {mode} mode's caller passes its actions")
@@ -461,7 +294,7 @@ def build_runtime(
         actions,
         sampler,
         detectors,
-        mode,
+        traits,
         identities=kubernetes_identities(config),
         requests=requests,
     )
@@ -474,9 +307,8 @@ def build_runtime(
         sampler.state,
         const_labels=identity_labels(os.environ, config.labels),
         version=__version__,
-        mode=mode,
+        traits=traits,
         torch_version=str(getattr(torch_module, "__version__", "")),
-        own_process=declared.own_process,
         alerts=detectors,
         actions=action_stats,
         admin_requests=requests,
@@ -486,6 +318,7 @@ def build_runtime(
     return Runtime(
         config=config,
         mode=mode,
+        declared=declared,
         sampler=sampler,
         registry=registry,
         collector=collector,

@@ -43,6 +43,7 @@ from exporter.config import load_config
 from exporter.http.server import HttpServer, create_app
 from exporter.kubernetes.claims import ClaimedDevice
 from exporter.metrics import ActionStats, EndpointState, SampleCollector
+from exporter.modes import MODES
 from exporter.request_counts import RequestCounts
 from exporter.runtime import build_runtime
 from exporter.sample import (
@@ -202,9 +203,8 @@ def render(
             lambda: state,
             const_labels=labels or {},
             version="0.1.0",
-            mode="demo" if replay else "embedded",
+            traits=MODES["demo" if replay else "embedded"].traits,
             torch_version="2.11.0",
-            own_process=not replay,
             detail=detail,
         )
     )
@@ -599,8 +599,7 @@ def catalog_collector(
         lambda: state,
         const_labels=const,
         version="0",
-        mode=mode,
-        own_process=mode != "demo",
+        traits=MODES[mode].traits,
         alerts=alerts,
         actions=lambda: stats,
         admin_requests=requests,

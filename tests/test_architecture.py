@@ -18,6 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
         "version",
         "units",
         "request_counts",
+        "traits",
         "atomic",
         "budget",
         "ratelimit",
@@ -35,6 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
         "trace",
         "attribution",
         "process_labels",
+        "alerts",
         "detectors",
         "window",
         "metrics",
@@ -139,10 +141,11 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_every_module_and_package_sits_in_a_layer() -> None:
+def test_every_module_and_package_sits_in_a_layer_and_every_layer_entry_exists() -> None:
     placed = {unit for layer in LAYERS for unit in layer}
     units = {_unit(name) for name in _graph()}
     assert units <= placed, f"place these in LAYERS: {sorted(units - placed)}"
+    assert placed <= units, f"LAYERS names what the package lacks: {sorted(placed - units)}"
 
 
 def test_no_module_imports_from_a_layer_above_it() -> None:

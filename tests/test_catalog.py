@@ -97,7 +97,7 @@ def test_the_live_page_draws_declared_values() -> None:
 
 
 def test_the_catalog_names_the_declared_modes() -> None:
-    from exporter.runtime import MODES
+    from exporter.modes import MODES
 
     assert set(catalog.MODES) == set(MODES)
 

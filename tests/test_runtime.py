@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from exporter.config import load_config
-from exporter.runtime import MODES, SOURCE_KINDS, build_runtime, sources_for
+from exporter.modes import MODES
+from exporter.runtime import SOURCE_KINDS, build_runtime, sources_for
 
 
 def names(mode: str, **settings: Any) -> list[str]:

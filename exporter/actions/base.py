@@ -110,7 +110,6 @@ class ActionMethods(Protocol):
 class Actions(Protocol):
     """The allocator actions of a mode, as the admin API calls them."""
 
-    replay: bool
     store: SnapshotStore
 
     def perform(

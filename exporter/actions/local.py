@@ -128,8 +128,6 @@ def when_cuda_ready(action: Callable[[], object], name: str) -> Listener:
 class LocalActions:
     """The actions of this process. Thread-safe; one windowed capture at a time."""
 
-    replay = False
-
     def __init__(
         self,
         store: SnapshotStore,

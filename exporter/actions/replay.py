@@ -59,8 +59,6 @@ def _snapshot_at(snapshots: list[tuple[float, Path]], offset_s: float | None) ->
 
 
 class ReplayActions(LocalActions):
-    replay = True
-
     def __init__(
         self,
         *args: Any,

@@ -43,6 +43,7 @@ from exporter.identity import describe_process, process_labels
 from exporter.ratelimit import RateLimitedLog
 from exporter.request_counts import RequestCounts
 from exporter.sampler import Sampler
+from exporter.traits import Traits
 
 log = logging.getLogger("exporter.admin")
 # Who did what: one line per admin action (docs/reliability.md, the threat model).
@@ -124,7 +125,7 @@ class Admin:
         actions: Actions,
         sampler: Sampler,
         detectors: Detectors | None = None,
-        mode: str = "embedded",
+        traits: Traits | None = None,
         identities: KubernetesIdentities | None = None,
         requests: RequestCounts | None = None,
     ) -> None:
@@ -133,7 +134,8 @@ class Admin:
         self.actions = actions
         self.sampler = sampler
         self.detectors = detectors
-        self.mode = mode
+        self.traits = traits or Traits("embedded")  # what its mode decides (exporter.traits)
+        self.mode = self.traits.name
         # Counted here, read by /metrics (exporter.request_counts).
         self.requests = requests if requests is not None else RequestCounts()
         self._render_lock = threading.Lock()
@@ -163,7 +165,7 @@ class Admin:
         if (
             not expected
             and self.identities is None
-            and self.actions.replay
+            and self.traits.admin_open
             and not self.config.admin_token_file
         ):
             # The demo's actions answer from its recording and change nothing: open without a
@@ -268,8 +270,8 @@ class Admin:
             raise AdminError(422, f"invalid request: {_problems(exc)}", "invalid") from None
 
     def respond(self, body: dict[str, Any], status: int = 200) -> Answer:
-        body = {**body, "replay": self.actions.replay}
-        if self.actions.replay:
+        body = {**body, "replay": self.traits.recorded}
+        if self.traits.recorded:
             body["note"] = REPLAY_NOTE
         return Answer(body, status_code=status)
 
@@ -353,7 +355,7 @@ class Admin:
             "id": info.id,
             "trigger": info.trigger,
             "mode": self.mode,
-            "replay": self.actions.replay,
+            "replay": self.traits.recorded,
             **info.meta,
         }
         try:

@@ -110,7 +110,7 @@ def window_payload(runtime: Served, since: float | None) -> dict[str, Any]:
     return {
         "mode": runtime.mode,
         "version": __version__,
-        "replay": runtime.actions.replay,
+        "replay": runtime.traits.recorded,
         "labels": identity_labels(os.environ, config.labels),
         "interval_s": window.interval_s,
         "capacity": window.capacity,

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from exporter.http.admin import Admin
     from exporter.http.web import WebSecurity
     from exporter.sampler import Sampler
+    from exporter.traits import Traits
     from exporter.window import SampleWindow
 
 
@@ -32,6 +33,11 @@ class Served(Protocol):
     window: SampleWindow  # recent samples, for the live page
     exposition: ExpositionCache | None  # /metrics bytes rendered once per tick, where ours
     web: WebSecurity | None  # TLS, basic auth, headers, rate limit (the web config)
+
+    @property
+    def traits(self) -> Traits:
+        """What its mode decides (exporter.traits)."""
+        ...
 
     def not_ready(self) -> str | None:
         """Why /readyz answers 503, or None when ready."""

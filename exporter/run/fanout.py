@@ -24,8 +24,6 @@ ANSWER_TIMEOUT_S = 60.0
 
 
 class FanOutActions:
-    replay = False
-
     def __init__(self, aggregator: Aggregator, store: SnapshotStore) -> None:
         self.aggregator = aggregator
         self.store = store  # the agents write into the same folder: one listing for the pod

@@ -8,7 +8,9 @@ the same on a dashboard.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
 from exporter import catalog
@@ -280,51 +282,82 @@ class ProcessCounts:
     last_report: float | None = None
 
 
-@dataclass
-class SourceReading:
-    """What one source returns from one read: any subset of the parts of a sample."""
+# How a tick merges one part of the readings across its sources (Readings.merge).
+EXTEND, UPDATE, LATEST, ANY = "extend", "update", "latest", "any"
 
-    allocators: list[AllocatorReading] = field(default_factory=list)
-    gpus: list[GpuReading] = field(default_factory=list)
-    processes: list[ProcessGpuReading] = field(default_factory=list)
-    host: HostReading | None = None
-    host_processes: list[HostProcessReading] = field(default_factory=list)
-    pinned_host: list[PinnedHostReading] = field(default_factory=list)
+
+def part(merge: str, default: Any = None, *, traced: bool = True) -> Any:
+    """One part of the readings, declared once: how a tick merges it across sources (EXTEND a
+    list, UPDATE a dict, LATEST non-None value wins, ANY of the flags) and whether a trace
+    keeps it. The sample, a source's reading, the tick's merge, the replay's split and the
+    trace's codec all come from these declarations."""
+    metadata = {"merge": merge, "traced": traced}
+    if merge == EXTEND:
+        return field(default_factory=list, metadata=metadata)
+    if merge == UPDATE:
+        return field(default_factory=dict, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class Readings:
+    """The parts of what one tick reads: a source returns any subset of them (SourceReading),
+    the sampler merges every source's into one Sample."""
+
+    allocators: list[AllocatorReading] = part(EXTEND)
+    gpus: list[GpuReading] = part(EXTEND)
+    processes: list[ProcessGpuReading] = part(EXTEND)
+    host: HostReading | None = part(LATEST)
+    host_processes: list[HostProcessReading] = part(EXTEND)
+    pinned_host: list[PinnedHostReading] = part(EXTEND)
     # PID that NVML would show for this process; replays carry the recorded one.
-    self_pid: int | None = None
-    # Messages from agents that were rejected, by reason (gpumem-exporter run).
-    rejected_messages: dict[str, int] = field(default_factory=dict)
-    # Readings not served because a series budget is full, by budget (exporter.budget).
-    over_budget: dict[str, int] = field(default_factory=dict)
+    self_pid: int | None = part(LATEST)
+    # Messages from agents that were rejected, by reason (gpumem-exporter run), and readings
+    # not served because a series budget is full, by budget (exporter.budget): the serving
+    # exporter's own bookkeeping, not what it read, so a replay never plays them back.
+    rejected_messages: dict[str, int] = part(UPDATE, traced=False)
+    over_budget: dict[str, int] = part(UPDATE, traced=False)
     # `processes` repeat an earlier read: NVML's process list is its costliest call (~35 us
     # per GPU), so it is read every few seconds, not every tick.
-    processes_cached: bool = False
+    processes_cached: bool = part(ANY, False)
+    # The node daemon's Kubernetes attribution (exporter.sources.kubelet): of this node at
+    # this moment, never part of a trace.
+    kubelet: KubeletReading | None = part(LATEST, traced=False)
+    process_containers: list[ProcessContainerReading] = part(EXTEND, traced=False)
+
+    def merge(self, other: Readings) -> None:
+        """Add another source's readings to these, each part as it declares."""
+        for f in READING_PARTS:
+            theirs = getattr(other, f.name)
+            how = f.metadata["merge"]
+            if how == EXTEND:
+                getattr(self, f.name).extend(theirs)
+            elif how == UPDATE:
+                getattr(self, f.name).update(theirs)
+            elif how == ANY:
+                setattr(self, f.name, getattr(self, f.name) or theirs)
+            elif theirs is not None:  # LATEST
+                setattr(self, f.name, theirs)
+
+    def parts(self) -> dict[str, Any]:
+        """The readings alone, by part (what a source's reading of this sample would be)."""
+        return {f.name: getattr(self, f.name) for f in READING_PARTS}
+
+
+@dataclass
+class SourceReading(Readings):
+    """What one source returns from one read: any subset of the parts of a sample."""
+
     # Why this source has nothing to report on this host (no NVML library, no driver, no
     # GPU): "no data", not a failure. Empty when it reports.
     unavailable: str = ""
-    # The node daemon's Kubernetes attribution (exporter.sources.kubelet).
-    kubelet: KubeletReading | None = None
-    process_containers: list[ProcessContainerReading] = field(default_factory=list)
 
 
 @dataclass
-class Sample:
+class Sample(Readings):
     """Everything read in one tick, merged from all sources."""
 
-    timestamp: float
-    allocators: list[AllocatorReading] = field(default_factory=list)
-    gpus: list[GpuReading] = field(default_factory=list)
-    processes: list[ProcessGpuReading] = field(default_factory=list)
-    host: HostReading | None = None
-    host_processes: list[HostProcessReading] = field(default_factory=list)
-    pinned_host: list[PinnedHostReading] = field(default_factory=list)
-    self_pid: int | None = None
-    rejected_messages: dict[str, int] = field(default_factory=dict)
-    over_budget: dict[str, int] = field(default_factory=dict)  # SourceReading.over_budget
-    processes_cached: bool = False  # SourceReading.processes_cached
-    # Kubernetes attribution (node daemon only; not part of a trace).
-    kubelet: KubeletReading | None = None
-    process_containers: list[ProcessContainerReading] = field(default_factory=list)
+    timestamp: float = field(kw_only=True)
 
     def allocator_pid(self, reading: AllocatorReading) -> int | None:
         """The host PID of the process an allocator reading is from: its `pid` label under
@@ -333,25 +366,55 @@ class Sample:
         return int(pid_text) if pid_text.isdigit() else self.self_pid
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        for name in ("kubelet", "process_containers"):
-            del data[name]
-        return data
+        """One line of a trace (exporter.trace): the timestamp, then every traced part."""
+        return {
+            "timestamp": self.timestamp,
+            **{
+                f.name: _plain(getattr(self, f.name)) for f in READING_PARTS if f.metadata["traced"]
+            },
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Sample:
-        host = data.get("host")
-        return cls(
-            timestamp=float(data["timestamp"]),
-            allocators=[AllocatorReading.from_dict(a) for a in data.get("allocators", [])],
-            gpus=[GpuReading(**g) for g in data.get("gpus", [])],
-            processes=[ProcessGpuReading(**p) for p in data.get("processes", [])],
-            host=HostReading(**host) if host else None,
-            host_processes=[HostProcessReading(**p) for p in data.get("host_processes", [])],
-            pinned_host=[PinnedHostReading(**p) for p in data.get("pinned_host", [])],
-            self_pid=data.get("self_pid"),
-            processes_cached=bool(data.get("processes_cached", False)),
-        )
+        """A trace's line (checked by exporter.trace first); parts it lacks keep their
+        defaults, parts this version does not know are left for newer writers."""
+        hints = typing.get_type_hints(Readings)
+        parts = {
+            f.name: _decode(hints[f.name], data[f.name])
+            for f in READING_PARTS
+            if f.metadata["traced"] and f.name in data
+        }
+        return cls(timestamp=float(data["timestamp"]), **parts)
+
+
+READING_PARTS = fields(Readings)
+
+
+def _plain(value: Any) -> Any:
+    return (
+        asdict(value)
+        if is_dataclass(value) and not isinstance(value, type)
+        else ([_plain(v) for v in value] if isinstance(value, list) else value)
+    )
+
+
+def _decode(hint: Any, value: Any) -> Any:
+    """A traced part from its JSON value, by its declared type."""
+    if value is None:
+        return None
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):  # X | None
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _decode(inner, value)
+    if origin is list:
+        (inner,) = typing.get_args(hint)
+        return [_decode(inner, v) for v in value]
+    if isinstance(hint, type) and is_dataclass(hint):
+        make: Any = getattr(hint, "from_dict", hint)  # a reading with nested parts has one
+        return make(value) if make is not hint else hint(**value)
+    if hint is bool:
+        return bool(value)
+    return dict(value) if origin is dict else value
 
 
 @dataclass

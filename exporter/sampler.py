@@ -116,21 +116,7 @@ class Sampler:
             statuses[source.name] = SourceStatus(
                 True, duration, previous.errors, unavailable=reading.unavailable
             )
-            sample.allocators.extend(reading.allocators)
-            sample.gpus.extend(reading.gpus)
-            sample.processes.extend(reading.processes)
-            sample.host_processes.extend(reading.host_processes)
-            sample.pinned_host.extend(reading.pinned_host)
-            sample.rejected_messages.update(reading.rejected_messages)
-            sample.over_budget.update(reading.over_budget)
-            if reading.host is not None:
-                sample.host = reading.host
-            if reading.kubelet is not None:
-                sample.kubelet = reading.kubelet
-            sample.process_containers.extend(reading.process_containers)
-            if reading.self_pid is not None:
-                sample.self_pid = reading.self_pid
-            sample.processes_cached |= reading.processes_cached
+            sample.merge(reading)
         sample.timestamp = self._clock()
         with self._lock:
             self._state = ExporterState(sample=sample, sources=statuses)

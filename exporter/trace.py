@@ -2,7 +2,12 @@
 
 Format: gzip-compressed JSON lines. The first line is a header
 `{"format": "gpumem-trace", "version": 1, "meta": {...}}`, every further line one sample as
-`Sample.to_dict()` gives it, timestamps strictly increasing.
+`Sample.to_dict()` gives it, timestamps strictly increasing. The lines come from the readings'
+declarations (exporter.sample.Readings): a part added there is written and read with no change
+here, and a reader ignores parts it does not know and keeps the defaults of parts a line
+lacks, so older and newer writers of one version read alike. A change that an older reader
+would misread raises VERSION and adds an upgrade of the older lines to UPGRADES: every trace
+ever written (the packaged demo, the captures under tests/data) keeps loading.
 
 A writer publishes the file in one of two ways. By default it writes to a temporary file next
 to the target and renames it into place when it closes, so a reader never sees half a trace
@@ -35,6 +40,8 @@ from exporter.sample import Sample
 
 FORMAT = "gpumem-trace"
 VERSION = 1
+# Older versions this reader takes: version -> its sample line as this version's.
+UPGRADES: dict[int, typing.Callable[[dict[str, Any]], dict[str, Any]]] = {}
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +166,12 @@ def read_trace(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[Sampl
     header = _json_line(path, 1, lines[0])
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise TraceError(f"{path} is not a {FORMAT} file")
-    if header.get("version") != VERSION:
-        raise TraceError(f"{path}: unsupported trace version {header.get('version')}")
+    version = header.get("version")
+    if version != VERSION and version not in UPGRADES:
+        newer = isinstance(version, int) and version > VERSION
+        why = ": written by a newer gpumem-exporter" if newer else ""
+        raise TraceError(f"{path}: unsupported trace version {version}{why}")
+    upgrade = UPGRADES.get(version) if isinstance(version, int) else None
     meta = header.get("meta", {})
     if not isinstance(meta, dict):
         raise TraceError(f"{path}: malformed trace at line 1: meta is not an object")
@@ -169,6 +180,8 @@ def read_trace(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[Sampl
         if not line.strip():
             continue
         data_line = _json_line(path, number, line)
+        if upgrade is not None and isinstance(data_line, dict):
+            data_line = upgrade(data_line)
         problem = _sample_problem(data_line)
         if problem is None and samples and not data_line["timestamp"] > samples[-1].timestamp:
             problem = (

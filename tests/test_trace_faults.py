@@ -459,3 +459,51 @@ def test_a_gzip_bomb_is_one_reason_not_a_traceback(tmp_path, monkeypatch):
     # Traces under the limit load as before.
     monkeypatch.setattr(trace, "MAX_TRACE_BYTES", 64 << 20)
     assert read_trace(demo_trace_path())[1]
+
+
+def _trace_file(path: Path, version: int, *lines: dict) -> Path:
+    header = {"format": "gpumem-trace", "version": version, "meta": {}}
+    path.write_bytes(
+        gzip.compress(b"".join(json.dumps(x).encode() + b"\n" for x in (header, *lines)))
+    )
+    return path
+
+
+def test_an_older_version_loads_through_its_upgrade_and_a_newer_one_is_named(tmp_path, monkeypatch):
+    """A version this reader knows only through UPGRADES is read as this version's lines; a
+    newer one is refused, saying it is newer."""
+    from exporter import trace
+
+    old = {
+        "time": 5.0,
+        "host": {
+            "total_bytes": 8,
+            "available_bytes": 4,
+            "swap_total_bytes": 0,
+            "swap_used_bytes": 0,
+        },
+    }
+    path = _trace_file(tmp_path / "old.jsonl.gz", 0, old)
+    with pytest.raises(trace.TraceError, match=r"unsupported trace version 0$"):
+        trace.read_trace(path)
+    monkeypatch.setitem(trace.UPGRADES, 0, lambda line: {"timestamp": line.pop("time"), **line})
+    _, [sample] = trace.read_trace(path)
+    assert sample.timestamp == 5.0 and sample.host == HostReading(8, 4, 0, 0)
+    newer = _trace_file(tmp_path / "new.jsonl.gz", trace.VERSION + 1, {"timestamp": 1.0})
+    with pytest.raises(trace.TraceError, match="written by a newer gpumem-exporter"):
+        trace.read_trace(newer)
+
+
+def test_a_trace_line_holds_every_traced_part_and_reads_back_equal():
+    """Sample.to_dict and Sample.from_dict come from the readings' declarations: a recorded
+    sample goes out and back equal, and the node's own parts never enter a trace."""
+    from exporter.sample import READING_PARTS
+    from exporter.sources.replay import demo_trace_path
+    from exporter.trace import read_trace
+
+    traced = {f.name for f in READING_PARTS if f.metadata["traced"]}
+    assert {"kubelet", "process_containers", "rejected_messages"} & traced == set()
+    for sample in read_trace(demo_trace_path())[1]:
+        line = json.loads(json.dumps(sample.to_dict()))
+        assert set(line) == {"timestamp", *traced}
+        assert Sample.from_dict(line) == sample

@@ -144,16 +144,11 @@ class ReplaySource:
                     verdicts[name] = verdicts.get(name, 0) + loop * increase
                 for name, peak in self._peak_max.get(key, {}).items():
                     reading.gauges[name] = max(reading.gauges.get(name, 0), peak)
-        return SourceReading(
-            allocators=allocators,
-            gpus=copy.deepcopy(recorded.gpus),
-            processes=copy.deepcopy(recorded.processes),
-            host=copy.deepcopy(recorded.host),
-            host_processes=copy.deepcopy(recorded.host_processes) or _recorded_process(recorded),
-            pinned_host=copy.deepcopy(recorded.pinned_host),
-            self_pid=recorded.self_pid,
-            processes_cached=recorded.processes_cached,
-        )
+        parts = recorded.parts()
+        del parts["allocators"]  # copied and moved on above
+        played = SourceReading(allocators=allocators, **copy.deepcopy(parts))
+        played.host_processes = played.host_processes or _recorded_process(recorded)
+        return played
 
     def _replay_ooms(self, loop: int, recorded: Sample, allocators: list[AllocatorReading]) -> None:
         """A recorded OOM verdict is dated as long before its replayed moment as it was before

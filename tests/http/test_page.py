@@ -727,7 +727,7 @@ def test_a_retry_alert_on_the_page_says_what_its_process_is_building():
             process={"pid": pid, "rank": "", "local_rank": "", "role": "w"},
         )
 
-    sample = Sample(1.0, allocators=[reading(0, "1"), reading(1, "2")])
+    sample = Sample(timestamp=1.0, allocators=[reading(0, "1"), reading(1, "2")])
     sample.allocators[1].layout["largest_free_block_bytes"] = 2 * GiB
     labels = {"device": "0", "gpu_uuid": "GPU-0", "pid": "1", "role": "w"}
     assert alert_note(sample, "GpuMemAllocRetries", labels).startswith("fragmentation building")

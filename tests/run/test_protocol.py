@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, fields, replace
+
 import pytest
 
 from exporter.run import protocol
-from exporter.sample import ActionCounts
+from exporter.sample import ActionCounts, AllocatorReading
+from exporter.sources.replay import demo_trace_path
+from exporter.trace import read_trace
+from tests.conftest import DATA_DIR
 
 GOOD = {"device": 0, "gpu_uuid": "GPU-a", "backend": "native", "expandable_segments": False}
 
@@ -135,3 +140,23 @@ def test_an_oom_verdict_travels_from_agents_and_a_malformed_one_is_refused():
         {**allocator, "ooms_by_verdict": {"cap": -1}},
     ):
         assert reason(protocol.parse_sample, {"type": "sample", "allocators": [bad]}) == "field"
+
+
+def test_every_part_of_an_allocator_reading_has_its_check_on_the_wire():
+    """AllocatorReading declares the parts; the launcher checks each one an agent sends."""
+    declared = {f.name for f in fields(AllocatorReading)}
+    assert set(protocol.ALLOCATOR_CHECKS) | set(protocol.FROM_LAUNCHER) == declared
+
+
+def test_every_recorded_reading_travels_whole_from_an_agent():
+    """The allocator readings of the recorded traces (layouts, private pools, OOM verdicts),
+    sent as an agent sends them, arrive equal; only the process is the launcher's to set."""
+    sent = 0
+    for path in (demo_trace_path(), DATA_DIR / "h200_oom_storm_trace.jsonl.gz"):
+        for sample in read_trace(path)[1]:
+            message = protocol.sample([asdict(r) for r in sample.allocators], ActionCounts())
+            line = protocol.encode(message).rstrip(b"\n")
+            readings, _ = protocol.parse_sample(protocol.decode(line))
+            assert readings == [replace(r, process={}) for r in sample.allocators]
+            sent += len(readings)
+    assert sent > 500

@@ -175,7 +175,7 @@ def test_replay_reports_the_recorded_process_identity():
     sample = demo_samples()[0]
     reading = ReplaySource(clock=Clock()).read()
     assert reading.self_pid == sample.self_pid
-    assert json.dumps(Sample(0, allocators=reading.allocators).to_dict())  # serialisable
+    assert json.dumps(Sample(timestamp=0, allocators=reading.allocators).to_dict())  # serialisable
 
 
 def test_the_replay_serves_the_recorded_process_host_memory():

@@ -36,7 +36,6 @@ from exporter.config import Config
 from exporter.detectors import Detectors
 from exporter.metrics import ActionStats, SampleCollector
 from exporter.modes import MODES
-from exporter.runtime import SOURCE_KINDS
 from exporter.sample import (
     ExporterState,
     GpuReading,
@@ -49,6 +48,7 @@ from exporter.sample import (
     Sample,
     SourceStatus,
 )
+from exporter.sources.kinds import SOURCE_KINDS
 from exporter.sources.replay import demo_trace_path
 from exporter.trace import read_trace
 
@@ -113,7 +113,8 @@ def node_sample(server: Sample, recorded: Sample) -> Sample:
 
 def source_names(mode: str, config: Config) -> list[str]:
     """The sources a real endpoint of this mode reads with this config."""
-    names = [k.name for k in SOURCE_KINDS if mode in k.modes and k.enabled(config)]
+    reads = set(MODES[mode].reads)
+    names = [k.name for k in SOURCE_KINDS if k.provides & reads and k.enabled(config)]
     return ["agents", *names] if mode == "run" else names
 
 

@@ -278,6 +278,13 @@ class Config:
         agents=False,
     )
     torch: bool = setting(True, "read PyTorch's caching allocator", _boolean)
+    allocator_api: str = setting(
+        "cuda",
+        "how the allocator is read: cuda (torch.cuda: with its layout, OOM verdicts, memory "
+        "cap and pinned host memory) or accelerator (torch.accelerator, for ROCm, XPU and "
+        "other devices: the allocator's numbers only)",
+        _choice("cuda", "accelerator"),
+    )
     nvml: bool = setting(True, "read NVML (device and per-process GPU memory)", _boolean)
     host_memory: bool = setting(True, "read host memory (/proc/meminfo)", _boolean)
     process_interval_s: float = setting(

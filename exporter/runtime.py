@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.registry import Collector
@@ -29,8 +28,7 @@ from exporter.modes import MODES, Mode
 from exporter.modes.run import silent_processes
 from exporter.request_counts import RequestCounts
 from exporter.sampler import Listener, Sampler
-from exporter.sources import Source
-from exporter.sources.non_allocator import NonAllocatorProbe
+from exporter.sources import Source, kinds
 from exporter.traits import Traits
 from exporter.version import __version__
 from exporter.window import SampleWindow
@@ -113,141 +111,13 @@ def endpoint_state(config: Config, web: WebSecurity) -> EndpointState:
     )
 
 
-@dataclass(frozen=True)
-class SourceKind:
-    """One kind of source, declared once: the modes that read it, the setting that turns it
-    off, and how it is made from the config and the sources of the mode made before it."""
-
-    name: str
-    modes: tuple[str, ...]
-    enabled: Callable[[Config], bool]
-    make: Callable[[Config, Mapping[str, Source], Callable[[], Hashable] | None], Source | None]
-
-
-def _allocator(config: Config, made: Mapping[str, Source], users: object) -> Source:
-    from exporter.sources.torch_allocator import TorchAllocatorSource
-
-    return TorchAllocatorSource(
-        layout_interval_s=config.layout_interval_s,
-        layout_max_blocks=config.layout_max_blocks,
-        non_allocator=NonAllocatorProbe.for_config(config),
-    )
-
-
-def _nvml(
-    config: Config, made: Mapping[str, Source], users: Callable[[], Hashable] | None
-) -> Source:
-    """`users` (under `run`: the reporting processes and their GPUs) makes NVML read its
-    process list at once when it changes."""
-    from exporter.sources.nvml import NvmlSource
-
-    # Inside a server, only the GPUs this process uses (read after the allocator, in the
-    # same tick): every GPU of the node in every process would be O(GPUs^2) series per
-    # node. The node daemon and `run` read every GPU they can see.
-    allocator: Any = made.get("torch")
-    uuids = (lambda: allocator.uuids_in_use) if allocator is not None else None
-    return NvmlSource(only_uuids=uuids, process_interval_s=config.process_interval_s, users=users)
-
-
-def _host(config: Config, made: Mapping[str, Source], users: object) -> Source:
-    from exporter.sources.host import HostMemorySource
-
-    return HostMemorySource()
-
-
-def _gpu_pids(made: Mapping[str, Source]) -> Callable[[], Collection[int]] | None:
-    """The host PIDs that held GPU memory at NVML's latest read, where NVML is read."""
-    nvml: Any = made.get("nvml")
-    return (lambda: nvml.last_pids) if nvml is not None else None
-
-
-def _gpu_processes(config: Config, made: Mapping[str, Source], users: object) -> Source | None:
-    """Host memory of every process with GPU memory (host PIDs: the DaemonSet's hostPID)."""
-    from exporter.sources.process_memory import ProcessMemorySource
-
-    pids = _gpu_pids(made)
-    return ProcessMemorySource(pids) if pids is not None else None
-
-
-def _kubelet(config: Config, made: Mapping[str, Source], users: object) -> Source | None:
-    pids = _gpu_pids(made)
-    return kubelet_source(config, pids) if pids is not None else None
-
-
-# In reading order: a tick reads NVML after the allocator, whose GPUs it reads.
-SOURCE_KINDS = (
-    SourceKind("torch", ("embedded",), lambda config: config.torch, _allocator),
-    SourceKind("nvml", ("embedded", "node", "run"), lambda config: config.nvml, _nvml),
-    SourceKind("host", ("embedded", "node", "run"), lambda config: config.host_memory, _host),
-    # What it reads (host_process_* at the node daemon) is served only at the full detail level.
-    SourceKind(
-        "process_memory",
-        ("node",),
-        lambda config: config.host_memory and config.detail == "full",
-        _gpu_processes,
-    ),
-    SourceKind("kubelet", ("node",), lambda config: config.kubelet_socket != "off", _kubelet),
-)
-
-
 def sources_for(
     mode: str, config: Config, *, gpu_users: Callable[[], Hashable] | None = None
 ) -> list[Source]:
-    """The sources of `mode` that read this machine, as the config enables them. (The demo's
-    replay and `run`'s agents and process tree are its caller's, which owns what they read.)"""
-    made: dict[str, Source] = {}
-    for kind in SOURCE_KINDS:
-        if mode in kind.modes and kind.enabled(config):
-            source = kind.make(config, made, gpu_users)
-            if source is not None:
-                made[kind.name] = source
-    return list(made.values())
-
-
-def kubelet_source(
-    config: Config, pids: Callable[[], Collection[int]], env: Mapping[str, str] = os.environ
-) -> Source | None:
-    """The node daemon's Kubernetes attribution, or None where it is off: "off", or no socket
-    configured outside Kubernetes with no kubelet socket at the default path. Inside
-    Kubernetes a missing socket is a state on /metrics, never a silent absence."""
-    from exporter.kubernetes.podresources import DEFAULT_SOCKET
-
-    socket = config.kubelet_socket
-    if socket == "off":
-        return None
-    if not socket:
-        if "KUBERNETES_SERVICE_HOST" not in env and not os.path.exists(DEFAULT_SOCKET):
-            return None
-        socket = DEFAULT_SOCKET
-    from exporter.kubernetes.api import ApiServer
-    from exporter.kubernetes.claims import ClaimsClient
-    from exporter.kubernetes.pods import PodsClient
-    from exporter.sources.kubelet import DEFAULT_RESOURCES, KubeletSource
-
-    def pods() -> PodsClient:
-        return PodsClient.in_cluster(
-            env,
-            timeout_s=config.kubelet_timeout_s,
-            credentials=Path(config.kubernetes_service_account_dir),
-        )
-
-    def claims() -> ClaimsClient:
-        api = ApiServer.in_cluster(
-            env,
-            credentials=Path(config.kubernetes_service_account_dir),
-            deadline_s=config.kubelet_timeout_s,
-        )
-        return ClaimsClient(api, env.get("NODE_NAME", ""))
-
-    return KubeletSource(
-        pids,
-        socket_path=socket,
-        refresh_s=config.kubelet_refresh_s,
-        timeout_s=config.kubelet_timeout_s,
-        resources=(*DEFAULT_RESOURCES, *config.kubelet_resources),
-        pods=pods if config.kubelet_pod_reader else None,
-        claims=claims if config.kubelet_claim_reader else None,
-    )
+    """The sources that `mode` reads from this machine (its Mode's `reads`), as the config
+    enables them (exporter.sources.kinds). The demo's replay and `run`'s agents and process
+    tree are its caller's, which owns what they read."""
+    return kinds.sources_for(MODES[mode].reads, config, gpu_users=gpu_users)
 
 
 def build_runtime(

@@ -97,3 +97,28 @@ def run_support_script(script: str, *args: str, alloc_conf: str = "") -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# The fast lane (pytest -m "not slow") stays fast only if slow tests say so: a run names the
+# tests over this many seconds (setup, call and teardown) that are not marked `slow`.
+UNMARKED_SLOW_S = 2.0
+_took: dict[str, float] = {}
+_slow_marked: set[str] = set()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _took[report.nodeid] = _took.get(report.nodeid, 0.0) + report.duration
+    if "slow" in report.keywords:
+        _slow_marked.add(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    unmarked = sorted(
+        (seconds, nodeid)
+        for nodeid, seconds in _took.items()
+        if seconds > UNMARKED_SLOW_S and nodeid not in _slow_marked
+    )
+    if unmarked:
+        terminalreporter.write_sep("-", "slow tests not marked @pytest.mark.slow")
+        for seconds, nodeid in reversed(unmarked):
+            terminalreporter.write_line(f"{seconds:6.1f}s {nodeid}")

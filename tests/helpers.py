@@ -146,11 +146,21 @@ class FakeCuda:
         return SimpleNamespace(uuid=f"0000-{index}")
 
 
-def fake_torch(cuda: FakeCuda, with_context_api: bool = True):
+def fake_torch(cuda: FakeCuda, with_context_api: bool = True, accelerator: bool = True):
+    """A torch whose CUDA is `cuda`, with torch.accelerator over the same allocator (its
+    `_accelerator_getDeviceStats` is what torch.accelerator.memory_stats reads)."""
     c = SimpleNamespace()
     if with_context_api:
         c._cuda_hasPrimaryContext = lambda i: i in cuda.contexts
-    return SimpleNamespace(cuda=cuda, _C=c)
+    module = SimpleNamespace(cuda=cuda, _C=c)
+    if accelerator:
+        c._accelerator_isAllocatorInitialized = cuda.is_initialized
+        c._accelerator_getDeviceStats = cuda.memory_stats_as_nested_dict
+        module.accelerator = SimpleNamespace(
+            current_accelerator=lambda: SimpleNamespace(type="cuda"),
+            device_count=cuda.device_count,
+        )
+    return module
 
 
 def captured_sample(name: str) -> Sample:

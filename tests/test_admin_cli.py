@@ -31,6 +31,7 @@ def demo_env(tmp_path):
     return env, token_file
 
 
+@pytest.mark.slow
 def test_snapshot_view_and_empty_cache_clients(demo_env, tmp_path):
     env, token_file = demo_env
     with running("demo", env=env) as url:
@@ -71,6 +72,7 @@ def test_snapshot_view_and_empty_cache_clients(demo_env, tmp_path):
     assert page.startswith("<!") and "https://" not in page
 
 
+@pytest.mark.slow
 def test_client_errors_are_one_line(demo_env, tmp_path):
     env, _ = demo_env
     wrong = tmp_path / "wrong"
@@ -93,6 +95,7 @@ def test_client_errors_are_one_line(demo_env, tmp_path):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow
 def test_the_cli_works_with_the_demo_without_a_token(tmp_path):
     """The demo asks for no token (its page buttons need none), and neither does the CLI;
     `snapshot` takes the same URL forms as `record`; lines for people unless --json."""
@@ -122,6 +125,7 @@ def test_the_cli_works_with_the_demo_without_a_token(tmp_path):
         assert bad.returncode == 2 and "base or /metrics URL" in bad.stderr
 
 
+@pytest.mark.slow
 def test_no_request_gets_a_server_error(demo_env, tmp_path):
     # schemathesis is in the test extra: its `st` sits next to this interpreter.
     st = shutil.which("st", path=str(Path(sys.executable).parent)) or require_tool("st")
@@ -161,6 +165,7 @@ def client_env(**variables: str) -> dict[str, str]:
     return {**kept, **variables}
 
 
+@pytest.mark.slow
 def test_the_client_takes_the_token_as_the_server_does(demo_env, tmp_path):
     """--token-file, else the file named by GPUMEM_ADMIN_TOKEN_FILE, else GPUMEM_ADMIN_TOKEN:
     a file over a token, the command line over the environment."""
@@ -223,6 +228,7 @@ def _captured(verdict: str | None):
     raise LookupError(verdict)
 
 
+@pytest.mark.slow
 def test_why_prints_each_process_oom_verdict_with_its_numbers_and_action(tmp_path):
     """`why` against a demo replaying the readings of a fragmentation OOM made on an H100."""
     trace = trace_of_sample(tmp_path / "oom.jsonl.gz", _captured("fragmentation"))
@@ -242,6 +248,7 @@ def test_why_prints_each_process_oom_verdict_with_its_numbers_and_action(tmp_pat
         assert device["ooms_by_verdict"] == {"fragmentation": 1}
 
 
+@pytest.mark.slow
 def test_why_without_an_oom_and_with_oom_counts_that_have_no_verdict(tmp_path):
     from dataclasses import replace
 
@@ -261,6 +268,7 @@ def test_why_without_an_oom_and_with_oom_counts_that_have_no_verdict(tmp_path):
     assert "cuda:0: 3 OOM(s)\n  3 without a verdict" in out
 
 
+@pytest.mark.slow
 def test_the_demo_keeps_its_snapshots_in_a_folder_of_its_own_removed_when_it_stops(tmp_path):
     """No shared per-user folder: a private one per demo, gone after SIGTERM (how `running`
     and Kubernetes stop it)."""

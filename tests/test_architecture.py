@@ -209,3 +209,20 @@ def test_no_test_module_imports_another() -> None:
             ):
                 found.append(str(path.relative_to(TESTS)))
     assert found == []
+
+
+# The sources of one thing a mode reads (an allocator, a device's memory, ...): made only by
+# exporter.sources.kinds and found by what they provide, so that another allocator API or
+# another vendor's device source is one module and one declaration.
+READING_SOURCES = {"torch_allocator", "accelerator_allocator", "nvml", "host", "kubelet"}
+
+
+def test_only_the_source_table_names_a_reading_source() -> None:
+    named = [
+        f"{name} -> {target}"
+        for name, targets in _graph().items()
+        if not name.startswith("exporter.sources")
+        for target in targets
+        if target.removeprefix("exporter.sources.") in READING_SOURCES
+    ]
+    assert named == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.fleet import Fleet, grafana_step, substitute
@@ -21,6 +22,7 @@ def ids(text: str) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
     }
 
 
+@pytest.mark.slow
 def test_each_node_is_the_exporters_exposition_with_its_own_identities() -> None:
     run_text, node_text = measure_texts(8)
     fleet = Fleet(10, run_text, node_text, restart_s=7200)
@@ -37,6 +39,7 @@ def test_each_node_is_the_exporters_exposition_with_its_own_identities() -> None
     assert 'pod="llm-3"' in node and 'namespace="team-3"' in node
 
 
+@pytest.mark.slow
 def test_a_restart_changes_only_the_pids_and_restarts_the_counters() -> None:
     run_text, node_text = measure_texts(8)
     fleet = Fleet(10, run_text, node_text, restart_s=600)
@@ -59,6 +62,7 @@ def test_a_restart_changes_only_the_pids_and_restarts_the_counters() -> None:
     assert counter(after) < counter(before)
 
 
+@pytest.mark.slow
 def test_the_served_text_is_valid_exposition() -> None:
     run_text, node_text = measure_texts(8)
     fleet = Fleet(2, run_text, node_text, restart_s=7200)
@@ -72,6 +76,7 @@ def test_the_served_text_is_valid_exposition() -> None:
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_queries_are_sent_as_grafana_would() -> None:
     fleet = Fleet(2, *measure_texts(8), restart_s=7200)
     assert grafana_step(3 * 3600, 15) == 15 and grafana_step(24 * 3600, 15) == 87

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -38,6 +39,7 @@ def _expositions() -> list[tuple[str, bool, str]]:
     ]
 
 
+@pytest.mark.slow
 def test_every_family_served_is_declared_with_its_type_and_labels() -> None:
     served: set[str] = set()
     for mode, per_process, text in _expositions():

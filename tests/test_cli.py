@@ -35,6 +35,7 @@ def first(values: dict, name: str) -> float:
     return next(v for (n, _), v in values.items() if n == name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "command",
     [[], ["serve"], ["demo"], ["record"], ["run"], ["snapshot"], ["empty-cache"], ["view"]],
@@ -44,6 +45,7 @@ def test_help_everywhere(command):
     assert proc.returncode == 0 and "usage: gpumem-exporter" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -77,6 +79,7 @@ def test_user_errors_are_one_line_and_exit_2(args, message, tmp_path):
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_bad_trace_file_is_a_one_line_error(tmp_path):
     bad = tmp_path / "bad.gz"
     bad.write_text("not a trace")
@@ -84,6 +87,7 @@ def test_a_bad_trace_file_is_a_one_line_error(tmp_path):
     assert proc.returncode == 2 and "is not a gzip trace file" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_taken_port_is_a_one_line_error():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -94,6 +98,7 @@ def test_a_taken_port_is_a_one_line_error():
     assert f"port {port} on 127.0.0.1 is already in use" in proc.stderr
 
 
+@pytest.mark.slow
 def test_demo_serves_moving_allocator_nvml_and_host_metrics_that_promtool_accepts():
     promtool = require_tool("promtool")
     with running("demo", "--interval-s", "0.5") as url:
@@ -136,6 +141,7 @@ def test_demo_serves_moving_allocator_nvml_and_host_metrics_that_promtool_accept
     assert proc.returncode == 0 and proc.stdout + proc.stderr == "", proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_record_a_running_exporter_and_replay_it(tmp_path):
     trace = tmp_path / "incident.jsonl.gz"
     # At the full detail level: a recording keeps every family the server serves.
@@ -175,6 +181,7 @@ def test_record_a_running_exporter_and_replay_it(tmp_path):
     }
 
 
+@pytest.mark.slow
 def test_serve_without_nvml_reports_the_source_down_and_host_up():
     # Healthy (it serves), but a node daemon that sees no GPU is not ready (below).
     with running("serve", wait_for="/healthz") as url:
@@ -217,6 +224,7 @@ def test_serve_without_nvml_reports_the_source_down_and_host_up():
         assert health["unavailable_sources"]["nvml"] == reasons["nvml"]
 
 
+@pytest.mark.slow
 def test_entry_point_is_installed():
     exe = Path(sys.executable).parent / "gpumem-exporter"
     if not exe.exists():
@@ -231,6 +239,7 @@ def flat(text: str) -> str:
     return " ".join(text.split())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "command", [["snapshot"], ["empty-cache"], ["history", "status"], ["reset-peak"], ["stats"]]
 )
@@ -247,6 +256,7 @@ def test_each_option_names_the_variable_it_reads(command):
     assert "[GPUMEM_ADMIN_TOKEN]" not in help_text
 
 
+@pytest.mark.slow
 def test_empty_cache_device_says_which_gpu_in_plain_words():
     help_text = flat(run_cli("empty-cache", "--help").stdout)
     assert (
@@ -256,6 +266,7 @@ def test_empty_cache_device_says_which_gpu_in_plain_words():
     assert "every GPU of the process" in help_text and "guard" not in help_text
 
 
+@pytest.mark.slow
 def test_view_writes_the_users_file_with_the_users_umask(tmp_path):
     from exporter.actions.replay import demo_snapshot_path
 
@@ -269,6 +280,7 @@ def test_view_writes_the_users_file_with_the_users_umask(tmp_path):
     assert stat.S_IMODE(page.stat().st_mode) == 0o600
 
 
+@pytest.mark.slow
 def test_view_writes_beside_the_snapshot_without_o(tmp_path):
     import shutil
 

@@ -34,6 +34,7 @@ def one_error_line(result: Any, command: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["demo", "serve", "run"])
 def test_a_bad_detector_threshold_is_one_line(command):
     args = [command, "--port", "0"] + (["--", "true"] if command == "run" else [])
@@ -42,12 +43,14 @@ def test_a_bad_detector_threshold_is_one_line(command):
     assert "GPUMEM_DETECT_FRAGMENTATION_RATIO" in line and "'lots'" in line
 
 
+@pytest.mark.slow
 def test_a_missing_token_file_stops_the_start(tmp_path):
     env = {**os.environ, "GPUMEM_ADMIN_TOKEN_FILE": str(tmp_path / "not-mounted")}
     line = one_error_line(run_cli("demo", "--port", "0", env=env), "demo")
     assert "cannot read admin token file" in line and "not-mounted" in line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["inf", "nan", "-1", "0"])
 def test_a_timeout_that_is_not_a_number_of_seconds_is_one_line(tmp_path, value):
     token = tmp_path / "token"
@@ -58,6 +61,7 @@ def test_a_timeout_that_is_not_a_number_of_seconds_is_one_line(tmp_path, value):
     assert "--timeout-s" in one_error_line(result, "stats")
 
 
+@pytest.mark.slow
 def test_a_directory_as_the_output_file_is_one_line(tmp_path):
     folder = tmp_path / "out"
     folder.mkdir()
@@ -69,6 +73,7 @@ def test_a_directory_as_the_output_file_is_one_line(tmp_path):
     assert "is a directory" in line
 
 
+@pytest.mark.slow
 def test_an_unwritable_output_is_refused_before_the_exporter_is_asked(tmp_path, small_disk):
     """Before: the snapshot was taken, then lost to a path that could not be written."""
     disk = small_disk("1m")
@@ -155,6 +160,7 @@ def hostile_exporter(answer: Any) -> Iterator[str]:
         server.server_close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_a_hostile_answer_writes_nothing_outside_the_output_folder(tmp_path, case):
     token = tmp_path / "token"
@@ -169,6 +175,7 @@ def test_a_hostile_answer_writes_nothing_outside_the_output_folder(tmp_path, cas
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
+@pytest.mark.slow
 def test_a_plain_answer_is_written_inside_the_output_folder(tmp_path):
     """The same server, answering as the exporter does: the file lands in -o."""
     token = tmp_path / "token"
@@ -208,11 +215,13 @@ def test_every_option_of_every_command_says_what_it_does():
     assert silent == []
 
 
+@pytest.mark.slow
 def test_demo_snapshots_without_an_index_is_one_line(tmp_path):
     line = one_error_line(run_cli("demo", "--port", "0", "--snapshots", str(tmp_path)), "demo")
     assert "--snapshots: no index.json in" in line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("command", "url", "expected"),
     [
@@ -230,6 +239,7 @@ def test_a_url_that_cannot_be_used_is_one_line(tmp_path, command, url, expected)
     assert expected in one_error_line(result, command)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["stats", "record"])
 def test_the_cli_never_follows_a_redirect_with_its_token(tmp_path, command):
     """An exporter (or something in its place) answering 307 to another server: the token
@@ -279,6 +289,7 @@ def test_the_cli_never_follows_a_redirect_with_its_token(tmp_path, command):
     assert seen == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cut", [False, True])
 def test_a_snapshot_download_is_streamed_and_a_cut_one_leaves_no_file(tmp_path, cut, monkeypatch):
     """Snapshots can be GBs: the client writes the answer as it comes (issue 38), and a

@@ -37,6 +37,7 @@ def _env(**more: str) -> dict[str, str]:
     return {**env, **more}
 
 
+@pytest.mark.slow
 def test_admin_commands_over_https_with_a_client_certificate(secured):
     url, tls, tmp = secured
     done = run_cli("stats", "--url", url, *tls, "--token-file", str(tmp / "token"), env=_env())
@@ -48,6 +49,7 @@ def test_admin_commands_over_https_with_a_client_certificate(secured):
     assert "CERTIFICATE_REQUIRED" in refused.stderr and len(refused.stderr.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_record_with_basic_auth(secured):
     url, tls, tmp = secured
     out = tmp / "trace.jsonl.gz"
@@ -62,6 +64,7 @@ def test_record_with_basic_auth(secured):
     assert wrong.returncode == 2 and "HTTP 401" in wrong.stderr
 
 
+@pytest.mark.slow
 def test_the_kubeconfigs_token_is_sent(secured):
     url, tls, tmp = secured
     kubeconfig = tmp / "kubeconfig"
@@ -83,6 +86,7 @@ def test_the_kubeconfigs_token_is_sent(secured):
     assert failed.returncode == 2 and "kubectl create token" in failed.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [

@@ -62,6 +62,7 @@ def _client_python() -> list[Collector]:
     return [Frozen(ProcessCollector(registry=None)), Frozen(PlatformCollector(registry=None))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("detail", ["basic", "full"])
 def test_every_family_in_every_format_is_prometheus_clients_own_text(detail: str) -> None:
     own = _client_python()
@@ -80,6 +81,7 @@ def test_every_family_in_every_format_is_prometheus_clients_own_text(detail: str
             assert zipped.gzipped and gzip.decompress(zipped.data) == body.data
 
 
+@pytest.mark.slow
 def test_a_template_made_once_gives_the_encoders_text_as_the_values_move() -> None:
     """Later renders reuse the templates of the first: values that moved (and a series that
     came) must still come out as the encoder writes them."""

@@ -15,6 +15,7 @@ def basic() -> dict:
     return measure(8)["endpoints"]
 
 
+@pytest.mark.slow
 def test_a_tp8_node_keeps_the_series_budget(basic) -> None:
     assert basic["run"]["series_per_gpu"] <= 40
     assert basic["node"]["series_per_gpu"] <= 10
@@ -31,6 +32,7 @@ def test_only_firing_alert_states_are_series(basic) -> None:
     assert 0 < basic["run"]["by_family"]["gpumem_exporter_alert_firing"] <= 24
 
 
+@pytest.mark.slow
 def test_the_full_level_adds_the_breakdowns() -> None:
     full = measure(8, "full")["endpoints"]
     assert full["run"]["by_family"]["torch_cuda_pool_reserved_bytes"] == 16

@@ -286,6 +286,7 @@ def wait_for(check: Callable[[], object], what: str, timeout_s: float = 60) -> o
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_a_two_worker_server_shows_every_workers_series_and_drops_a_dead_ones(tmp_path):
     promtool = require_tool("promtool")
     folder = tmp_path / "prometheus"
@@ -368,6 +369,7 @@ def test_a_two_worker_server_shows_every_workers_series_and_drops_a_dead_ones(tm
             server.kill()
 
 
+@pytest.mark.slow
 def test_a_process_that_exits_takes_its_series_along(tmp_path):
     code = (
         "import fastapi, exporter\n"

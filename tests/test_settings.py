@@ -18,6 +18,7 @@ def test_every_field_is_a_declared_setting() -> None:
     assert [f.name for f in fields(Config)] == list(SETTINGS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["serve", "demo", "run"])
 def test_every_setting_but_the_token_is_a_flag_of_each_serving_command(command) -> None:
     help_text = " ".join(run_cli(command, "--help").stdout.split())
@@ -30,6 +31,7 @@ def test_every_setting_but_the_token_is_a_flag_of_each_serving_command(command) 
         assert f"[{declared.env(name)}]" in help_text, name
 
 
+@pytest.mark.slow
 def test_a_flag_wins_over_its_variable_and_is_checked_as_it() -> None:
     env = {"GPUMEM_PORT": "9500", "GPUMEM_SNAPSHOT_MAX_COUNT": "3"}
     config = load_config(env=env, flags={"port": "9600", "snapshot_max_count": None})

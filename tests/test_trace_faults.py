@@ -134,6 +134,7 @@ def leftovers(directory: Path) -> list[str]:
 # -- record: a target that dies, a recorder that is killed --------------------------------------
 
 
+@pytest.mark.slow
 def test_record_keeps_the_samples_taken_before_the_target_died(tmp_path):
     """The target answers 5 scrapes of a 20 s recording, then stops listening: the recording
     ends soon after (3 missed scrapes), exit 0, one line naming the count and the file, and
@@ -162,6 +163,7 @@ def test_record_keeps_the_samples_taken_before_the_target_died(tmp_path):
     assert took_s < 12  # stopped when the target died, not at the end of the 20 s
 
 
+@pytest.mark.slow
 def test_a_killed_recorder_leaves_a_loadable_trace(tmp_path):
     output = tmp_path / "t.jsonl.gz"
     with target(good=None) as server:
@@ -179,6 +181,7 @@ def test_a_killed_recorder_leaves_a_loadable_trace(tmp_path):
     assert [s.timestamp for s in samples] == sorted({s.timestamp for s in samples})
 
 
+@pytest.mark.slow
 def test_a_live_trace_cut_anywhere_loads_up_to_its_last_complete_sample(tmp_path):
     samples = read_trace(demo_trace_path())[1][:4]
     path = tmp_path / "live.jsonl.gz"
@@ -212,6 +215,7 @@ def test_the_writer_keeps_timestamps_increasing_when_the_clock_steps_back(tmp_pa
 # -- record: a target that serves something other than its metrics ------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(GARBAGE))
 def test_record_keeps_its_samples_when_the_target_starts_serving_garbage(tmp_path, kind):
     output = tmp_path / "t.jsonl.gz"
@@ -225,6 +229,7 @@ def test_record_keeps_its_samples_when_the_target_starts_serving_garbage(tmp_pat
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(GARBAGE))
 def test_record_of_a_target_serving_garbage_from_the_start_is_a_one_line_error(tmp_path, kind):
     output = tmp_path / "t.jsonl.gz"
@@ -294,6 +299,7 @@ def test_the_validation_accepts_every_trace_the_exporter_writes(tmp_path):
     assert len(read_trace(path)[1]) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("body", "problem"),
     [
@@ -421,6 +427,7 @@ def test_only_reads_failed_in_a_row_count():
     assert sampler.failing_sources()["host"].failed_reads == 3
 
 
+@pytest.mark.slow
 def test_an_embedded_recording_survives_its_server_being_killed(tmp_path):
     """exporter.start(record_to=...) writes as it goes: a server killed mid-run keeps it."""
     trace = tmp_path / "server.trace.gz"

@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from exporter.actions.base import Actions
 from exporter.actions.local import LocalActions
 from exporter.actions.snapshots import SnapshotStore
 from exporter.config import Config
 from exporter.modes.mode import Mode, first_sample
-from exporter.sources import Source
+from exporter.sources import ALLOCATOR, DEVICE_MEMORY, HOST_MEMORY, OOM_VERDICTS, Source, providing
 from exporter.traits import Traits
 
 
 def local_actions(config: Config, sources: Sequence[Source]) -> Actions:
     """This process's own allocator (embedded, and the node daemon's empty one), with the
     allocator source reading its OOMs where one runs."""
-    from exporter.sources.torch_allocator import TorchAllocatorSource
-
-    readers = [s for s in sources if isinstance(s, TorchAllocatorSource)]
+    readers: list[Any] = providing(sources, OOM_VERDICTS)
     return LocalActions(
         SnapshotStore.for_config(config),
         config=config,
@@ -34,4 +33,5 @@ MODE = Mode(
     "the first sample is in",
     first_sample,
     local_actions,
+    reads=(ALLOCATOR, DEVICE_MEMORY, HOST_MEMORY),
 )

@@ -23,6 +23,9 @@ class Mode:
     # The mode's actions, from its config and sources; None where the caller owns them (the
     # launcher of `run` passes its fan-out).
     actions: Callable[[Config, Sequence[Source]], Actions] | None
+    # What it reads from this machine itself (exporter.sources: ALLOCATOR, DEVICE_MEMORY, ...):
+    # the kinds that provide it are made (exporter.sources.kinds).
+    reads: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from exporter.modes.embedded import local_actions
 from exporter.modes.mode import Mode
 from exporter.sampler import Sampler
+from exporter.sources import DEVICE_MEMORY, HOST_MEMORY, HOST_PROCESSES, KUBERNETES
 from exporter.traits import Traits
 
 
@@ -35,4 +36,5 @@ MODE = Mode(
     "NVML answers for a GPU (it exists to read NVML)",
     blind_reason,
     local_actions,
+    reads=(DEVICE_MEMORY, HOST_MEMORY, HOST_PROCESSES, KUBERNETES),
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from exporter.modes.mode import Mode, first_sample
 from exporter.sampler import Sampler
+from exporter.sources import DEVICE_MEMORY, HOST_MEMORY
 from exporter.traits import Traits
 
 
@@ -39,4 +40,6 @@ MODE = Mode(
     "the first sample is in and every process reports (none silent for max(3 intervals, 5 s))",
     every_process_reports,
     None,  # the launcher passes its fan-out to the agents
+    # Besides its agents (each reads its process's allocator) and its process tree.
+    reads=(DEVICE_MEMORY, HOST_MEMORY),
 )

@@ -27,8 +27,8 @@ from exporter.actions.spec import BY_NAME, ParamError
 from exporter.identity import process_labels
 from exporter.run import protocol
 from exporter.sample import ActionCounts, Sample
-from exporter.sources.non_allocator import NonAllocatorProbe
-from exporter.sources.torch_allocator import TorchAllocatorSource
+from exporter.sources import OOM_VERDICTS, provides
+from exporter.sources.kinds import allocator_source
 
 if TYPE_CHECKING:
     from exporter.actions.local import LocalActions
@@ -65,13 +65,10 @@ class Agent:
 
             self.config = Config()
         self.interval_s = self.config.interval_s if interval_s is None else interval_s
-        # The agent takes its process's non-allocator bytes itself: the launcher reads NVML
-        # at other moments than this process reads its allocator.
-        self.source = TorchAllocatorSource(
-            layout_interval_s=self.config.layout_interval_s,
-            layout_max_blocks=self.config.layout_max_blocks,
-            non_allocator=NonAllocatorProbe.for_config(self.config),
-        )
+        # The allocator the settings pick. The agent takes its process's non-allocator bytes
+        # itself: the launcher reads NVML at other moments than this process reads its
+        # allocator.
+        self.source: Any = allocator_source(self.config)
         self.actions: LocalActions | None = None
         self._listeners: list[Listener] = []
         self._sock: socket.socket | None = None
@@ -97,8 +94,11 @@ class Agent:
             from exporter.detectors import Detectors
 
             config = self.config
+            judges_ooms = OOM_VERDICTS in provides(self.source)
             actions = LocalActions(
-                SnapshotStore.for_config(config), config=config, oom_reader=self.source
+                SnapshotStore.for_config(config),
+                config=config,
+                oom_reader=self.source if judges_ooms else None,
             )
             # Detection here serves remediation only; the launcher logs alerts for the pod.
             detectors = Detectors(config, log_events=False)

@@ -41,7 +41,7 @@ from exporter.run.fanout import FanOutActions
 from exporter.run.supervisor import PR_SET_DUMPABLE, Supervisor, prctl
 from exporter.runtime import build_runtime, sources_for
 from exporter.sources import Source
-from exporter.sources.nvml import NvmlSource
+from exporter.sources.kinds import gpu_pids
 from exporter.sources.process_memory import ProcessMemorySource, describe
 
 log = logging.getLogger("exporter.launcher")
@@ -114,10 +114,9 @@ def _run(command: Sequence[str], config: Config, supervisor: Supervisor) -> int:
 
         server_processes = ProcessMemorySource(supervisor.tree, labels=agent_labels)
         machine = sources_for("run", config, gpu_users=aggregator.gpu_users)
-        nvml = next((s for s in machine if isinstance(s, NvmlSource)), None)
-        if nvml is not None:  # which of the processes it stops still held GPU memory
-            reader = nvml
-            supervisor.gpu_pids = lambda: reader.last_pids
+        pids = gpu_pids(machine)
+        if pids is not None:  # which of the processes it stops still held GPU memory
+            supervisor.gpu_pids = pids
         sources: list[Source] = [aggregator, server_processes, *machine]
         actions = FanOutActions(aggregator, SnapshotStore.for_config(config))
         runtime = build_runtime(config, mode="run", sources=sources, actions=actions)

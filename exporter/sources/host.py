@@ -13,6 +13,7 @@ import sys
 import psutil
 
 from exporter.sample import HostReading, SourceReading
+from exporter.sources import HOST_MEMORY
 
 
 def peak_rss_bytes() -> int:
@@ -69,6 +70,7 @@ class ProcFile:
 
 class HostMemorySource:
     name = "host"
+    provides = frozenset({HOST_MEMORY})
 
     def __init__(self) -> None:
         self._meminfo = ProcFile(MEMINFO)

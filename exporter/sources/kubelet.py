@@ -36,6 +36,7 @@ from exporter.kubernetes.podresources import (
 )
 from exporter.kubernetes.pods import PodsApiError
 from exporter.sample import KubeletReading, PodDevice, ProcessContainerReading, SourceReading
+from exporter.sources import KUBERNETES
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,6 +48,7 @@ DEFAULT_RESOURCES = ("nvidia.com/gpu", "nvidia.com/mig-*", "gpu.nvidia.com")
 
 class KubeletSource:
     name = "kubelet"
+    provides = frozenset({KUBERNETES})
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
 from exporter.sample import GpuReading, ProcessGpuReading, SourceReading
+from exporter.sources import DEVICE_MEMORY, PROCESS_MEMORY
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ def _text(value: Any) -> str:
 
 class NvmlSource:
     name = "nvml"
+    provides = frozenset({DEVICE_MEMORY, PROCESS_MEMORY})
 
     def __init__(
         self,

@@ -16,6 +16,7 @@ import psutil
 from exporter import budget
 from exporter.identity import command_line, command_role
 from exporter.sample import HostProcessReading, SourceReading
+from exporter.sources import HOST_PROCESSES
 
 _STATUS_FIELDS = {b"VmRSS": "rss", b"VmHWM": "hwm", b"VmSwap": "swap"}
 
@@ -68,6 +69,7 @@ def process_tree(root: int | None) -> list[int]:
 
 class ProcessMemorySource:
     name = "process_memory"
+    provides = frozenset({HOST_PROCESSES})
 
     def __init__(
         self,

@@ -22,6 +22,7 @@ from typing import Any
 
 from exporter.oom_verdict import MAX_NAMED_PROCESSES, OomLog, OomVerdict
 from exporter.sample import POOL_GAUGES, AllocatorReading, PinnedHostReading, SourceReading
+from exporter.sources import ALLOCATOR, OOM_VERDICTS
 from exporter.sources.allocator_layout import (
     DEFAULT_INTERVAL_S,
     DEFAULT_MAX_BLOCKS,
@@ -180,6 +181,13 @@ def block_count(stats: Mapping[str, Any], expandable_segments: bool) -> int:
         return 0
 
 
+def nvml_uuid(uuid: object) -> str:
+    """A device UUID as torch gives it, in NVML's spelling ("GPU-<uuid>"), so that allocator
+    and device series join on gpu_uuid."""
+    text = str(uuid)
+    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+
+
 # At most one layout read a second for allocation retries (a retry storm must not turn every
 # tick of a 10 Hz exporter into a snapshot).
 RETRY_LAYOUT_MIN_S = 1.0
@@ -192,6 +200,7 @@ class TorchAllocatorSource:
     """Reads every CUDA device this process has already initialized; never initializes one."""
 
     name = "torch"
+    provides = frozenset({ALLOCATOR, OOM_VERDICTS})
 
     def __init__(
         self,
@@ -252,9 +261,7 @@ class TorchAllocatorSource:
 
     def _gpu_uuid(self, torch: Any, index: int) -> str:
         if index not in self._uuids:
-            uuid = str(torch.cuda.get_device_properties(index).uuid)
-            # NVML spells UUIDs "GPU-<uuid>"; use its form so the two join on gpu_uuid.
-            self._uuids[index] = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+            self._uuids[index] = nvml_uuid(torch.cuda.get_device_properties(index).uuid)
         return self._uuids[index]
 
     def _settings(self, torch: Any) -> tuple[str, bool]:

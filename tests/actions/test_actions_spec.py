@@ -78,6 +78,7 @@ def test_the_api_and_the_declaration_refuse_the_same_values(tmp_path, name, para
     assert response.status_code == 422, response.text
 
 
+@pytest.mark.slow
 def test_the_cli_offers_each_flagged_parameter_with_its_declared_help() -> None:
     commands = {"snapshot": "snapshot", "empty_cache": "empty-cache", "set_history": "history"}
     commands["reset_peak"] = "reset-peak"
@@ -89,6 +90,7 @@ def test_the_cli_offers_each_flagged_parameter_with_its_declared_help() -> None:
                 assert param.flag in help_text and words[1:] in help_text, (command, param.name)
 
 
+@pytest.mark.slow
 def test_the_cli_names_the_flag_of_a_value_out_of_bounds() -> None:
     proc = run_cli("history", "start", "--url", "http://127.0.0.1:9", "--max-entries", "0")
     assert proc.returncode == 2

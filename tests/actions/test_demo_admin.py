@@ -25,6 +25,7 @@ def client_for(tmp_path, mode: str, **settings) -> TestClient:
     return TestClient(create_app(runtime))
 
 
+@pytest.mark.slow
 def test_the_demo_without_a_token_answers_every_action_from_its_recording(tmp_path):
     client = client_for(tmp_path, "demo")
     created = client.post("/snapshot")
@@ -77,6 +78,7 @@ def test_every_other_mode_keeps_admin_actions_off_without_a_token(tmp_path, mode
         assert "GPUMEM_ADMIN_TOKEN" in response.json()["detail"]
 
 
+@pytest.mark.slow
 def test_a_demo_snapshot_is_the_recorded_one_of_the_moment_it_replays(tmp_path):
     """The recording asked its exporter for snapshots as it ran: at second 59 of the trace
     (just after its first OOM) the demo answers with the one taken at the OOM, which holds it; at
@@ -106,6 +108,7 @@ def test_a_demo_snapshot_is_the_recorded_one_of_the_moment_it_replays(tmp_path):
     assert "api snapshot" in client.get(f"/snapshots/{taken[200.0]['id']}/view").text
 
 
+@pytest.mark.slow
 def test_the_replayed_oom_snapshot_is_listed_counted_and_linked_from_its_verdict(tmp_path):
     """From the moment the replay reaches the recorded OOM, its snapshot (taken in the recorded
     server's OOM observer) is in the demo's own folder under the id its verdict links to."""

@@ -191,6 +191,7 @@ def test_a_configured_folder_of_ours_open_to_others_is_closed_to_them(tmp_path, 
     assert "was writable by others (mode 777): now 755" in caplog.text
 
 
+@pytest.mark.slow
 def test_the_cli_reports_a_configured_folder_not_ours_in_one_line(tmp_path):
     folder = take_over(tmp_path / "snaps", "owner")
     env = {**os.environ, "GPUMEM_SNAPSHOT_DIR": str(folder)}
@@ -369,6 +370,7 @@ def assert_exactly_the_index(folder: Path, store: SnapshotStore) -> None:
     assert set(os.listdir(folder)) == expected
 
 
+@pytest.mark.slow
 def test_sigkill_mid_write_leaves_nothing_a_restart_does_not_sort_out(tmp_path):
     folder = private_folder(tmp_path / "snaps")
     rng = random.Random(6)

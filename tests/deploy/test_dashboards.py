@@ -482,6 +482,7 @@ def test_documented_names_are_read() -> None:
     )
 
 
+@pytest.mark.slow
 def test_schema_types(tmp_path: Path) -> None:
     """Every dashboard type-checks against @grafana/schema (tests/js/types/dashboard.ts)."""
     sources = {}
@@ -692,6 +693,7 @@ def _substitute(expr: str, values: dict[str, str]) -> str:
 PROBLEM_FILTER = re.compile(r"\s*(==|!=|>=|<=|>|<)\s*[0-9.]+\s*$")
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
 def test_queries_see_series_without_a_cluster_label(

@@ -215,6 +215,7 @@ class _Health(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("status", "healthy"), [(200, True), (503, False)])
 def test_healthcheck_command(status: int, healthy: bool) -> None:
     """The HEALTHCHECK's Python one-liner fails on a 503 from /healthz, passes on 200."""
@@ -276,6 +277,7 @@ def test_smoke_script_is_valid_bash() -> None:
     assert "127.0.0.1:$port:9445" in text, "publish on loopback only"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not PACKAGE_PRESENT, reason="exporter/ and pyproject.toml not there yet")
 def test_install_steps_in_a_clean_venv(tmp_path: Path) -> None:
     """What the builder stage does: pip install the build context into a fresh venv."""

@@ -345,6 +345,7 @@ def test_conflicting_values_fail_render() -> None:
 # --- rendered objects are valid Kubernetes --------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_core_objects_validate(rendered: dict[str, list[dict[str, Any]]], name: str) -> None:
     docs = rendered[name]
@@ -370,6 +371,7 @@ def _monitoring_objects(rendered: dict[str, list[dict[str, Any]]]) -> list[dict[
     return objects
 
 
+@pytest.mark.slow
 def test_monitoring_objects_match_crd_schemas(
     rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
@@ -388,6 +390,7 @@ def test_monitoring_objects_match_crd_schemas(
     assert f"checked {len(objects)} object(s), 0 problem(s)" in result.stdout
 
 
+@pytest.mark.slow
 def test_monitoring_objects_have_no_unknown_keys(
     rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
 ) -> None:

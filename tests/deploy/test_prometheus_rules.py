@@ -68,6 +68,7 @@ def test_promtool_check_rules(rule_file: Path) -> None:
     _run_promtool("check", "rules", str(rule_file))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("test_file", RULE_TEST_FILES, ids=_rel)
 def test_promtool_test_rules(test_file: Path) -> None:
     _run_promtool("test", "rules", str(test_file))

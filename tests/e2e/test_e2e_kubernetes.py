@@ -55,7 +55,7 @@ from tests.support.kubelet_standin import (
 )
 from tests.support.nvml_double import FakeNvml
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 RAW = json.loads((DATA_DIR / "allocator_native.json").read_text())["nvml_raw"]
 GPU0, GPU1 = (d["uuid"] for d in RAW["devices"])

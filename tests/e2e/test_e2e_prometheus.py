@@ -40,7 +40,7 @@ from tests.helpers import (
     wait_http,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TARGET_LABELS = {"cluster": "e2e", "namespace": "demo", "pod": "demo-0"}
 # The recorded server retries allocations and runs out of memory under its cap; its

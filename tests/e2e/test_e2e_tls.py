@@ -25,7 +25,7 @@ from tests.helpers import (
 )
 from tests.support.pki import Authority, web_config
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import REPO_ROOT
 from tests.helpers import free_port, require_module
 
+pytestmark = pytest.mark.slow
+
 EXAMPLE = REPO_ROOT / "examples" / "inference_server"
 MANIFEST = EXAMPLE / "deployment.yaml"
 VALUES = REPO_ROOT / "deploy" / "helm" / "gpumem-exporter" / "values.yaml"

@@ -129,6 +129,7 @@ def test_windowed_capture_is_202_then_ready_and_one_at_a_time(demo):
     assert client.post("/snapshot", headers=AUTH).status_code == 201
 
 
+@pytest.mark.slow
 def test_empty_cache_reports_release_and_enforces_its_cooldown(demo):
     client, _ = demo
     first = client.post("/empty-cache", headers=AUTH)

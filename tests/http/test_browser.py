@@ -61,6 +61,7 @@ def _get(port: int, host: str) -> int:
     return response.status
 
 
+@pytest.mark.slow
 def test_a_loopback_server_refuses_a_rebound_host_name(tmp_path):
     with served(tmp_path) as (server, _):
         port = server.port

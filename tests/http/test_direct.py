@@ -69,6 +69,7 @@ def without_date(response: bytes) -> bytes:
     return response
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("path", "headers"),
     [
@@ -113,6 +114,7 @@ def test_prometheus_kept_alive_scrapes_never_enter_the_app(tmp_path) -> None:
         assert app.calls == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "request_bytes",
     [

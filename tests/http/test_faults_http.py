@@ -41,6 +41,7 @@ def test_a_windowed_capture_can_be_stopped_and_keeps_what_it_recorded(tmp_path):
     assert again.status_code == 409 and "no capture is recording" in again.json()["detail"]
 
 
+@pytest.mark.slow
 def test_the_cli_stops_a_window_and_downloads_what_it_recorded(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("cli-token\n")
@@ -62,6 +63,7 @@ def test_the_cli_stops_a_window_and_downloads_what_it_recorded(tmp_path):
         assert nothing.returncode == 2 and "no capture is recording" in nothing.stderr
 
 
+@pytest.mark.slow
 def test_the_view_page_allows_no_script(tmp_path):
     app, _ = make_app(tmp_path)
     client = TestClient(app)
@@ -83,6 +85,7 @@ def admin_errors(caplog) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content", [None, ""])
 def test_a_token_file_gone_or_emptied_is_logged_once_not_per_request(tmp_path, caplog, content):
     """After start (a rotation in progress, a Secret being updated): admin stays off, and the
@@ -105,6 +108,7 @@ def test_a_token_file_gone_or_emptied_is_logged_once_not_per_request(tmp_path, c
     assert str(token_file) in lines[0]
 
 
+@pytest.mark.slow
 def test_a_world_readable_token_file_is_warned_about_once(tmp_path, caplog):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
@@ -126,6 +130,7 @@ def test_a_world_readable_token_file_is_warned_about_once(tmp_path, caplog):
     assert admin_errors(caplog) == []
 
 
+@pytest.mark.slow
 def test_a_client_that_leaves_mid_body_is_not_a_server_error(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     with served(tmp_path) as (server, runtime):
@@ -144,6 +149,7 @@ def test_a_client_that_leaves_mid_body_is_not_a_server_error(tmp_path, caplog):
     assert not list((tmp_path / "snaps").glob("*.pickle"))
 
 
+@pytest.mark.slow
 def test_a_half_sent_request_is_dropped_after_the_read_deadline(tmp_path, monkeypatch):
     monkeypatch.setattr(guard, "READ_TIMEOUT_S", 0.5)
     with served(tmp_path) as (server, _):
@@ -167,6 +173,7 @@ def test_a_half_sent_request_is_dropped_after_the_read_deadline(tmp_path, monkey
             assert time.monotonic() - began < 5
 
 
+@pytest.mark.slow
 def test_slow_connections_are_capped_and_scrapes_still_answer(tmp_path):
     with served(tmp_path) as (server, _):
         address = ("127.0.0.1", server.port)

@@ -62,6 +62,7 @@ def _settings(api, **more):
     }
 
 
+@pytest.mark.slow
 def test_rbac_decides_who_may_act_and_the_audit_line_names_them(tmp_path, api, caplog):
     caplog.set_level(logging.INFO, logger="exporter.audit")
     with served(tmp_path, **_settings(api)) as (server, _):
@@ -92,6 +93,7 @@ def test_rbac_decides_who_may_act_and_the_audit_line_names_them(tmp_path, api, c
     }
 
 
+@pytest.mark.slow
 def test_reviews_are_remembered_briefly(tmp_path, api):
     with served(tmp_path, **_settings(api)) as (server, _):
         for _ in range(5):
@@ -99,6 +101,7 @@ def test_reviews_are_remembered_briefly(tmp_path, api):
     assert len(api.reviews) == 2  # one TokenReview, one SubjectAccessReview
 
 
+@pytest.mark.slow
 def test_nodes_proxy_authorization_names_the_node(tmp_path, api, monkeypatch):
     monkeypatch.setenv("NODE_NAME", "gpu-node-7")
     api.grants.add(("alice", "get", "", "nodes/proxy", "gpu-node-7"))
@@ -109,6 +112,7 @@ def test_nodes_proxy_authorization_names_the_node(tmp_path, api, monkeypatch):
         assert status == 403 and "nodes/proxy gpu-node-7" in body["detail"]
 
 
+@pytest.mark.slow
 def test_the_shared_token_and_kubernetes_together(tmp_path, api):
     settings = _settings(api, admin_auth="token,kubernetes", admin_token="shared-one")
     with served(tmp_path, **settings) as (server, _):
@@ -117,6 +121,7 @@ def test_the_shared_token_and_kubernetes_together(tmp_path, api):
         assert _call(server, "GET", "/stats", "bob-token")[0] == 403
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trouble", ["down", "trickle", "redirect"])
 def test_an_api_server_that_cannot_answer_is_a_503_in_bounded_time(
     tmp_path, api, trouble, monkeypatch

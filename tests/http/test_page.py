@@ -468,6 +468,7 @@ ALLOCATED = bytes.fromhex("3465d0")  # page.js: the allocated layer of the stack
 CACHED_FREE = bytes.fromhex("f2a33a")
 
 
+@pytest.mark.slow
 def test_live_page_on_the_demo_draws_alerts_and_actions_without_a_token(tmp_path):
     runtime = demo_runtime(tmp_path, interval_s=0.2)  # no admin token: the demo needs none
     with serving(runtime) as url:
@@ -527,6 +528,7 @@ def test_live_page_on_the_demo_draws_alerts_and_actions_without_a_token(tmp_path
     assert actions["sessionToken"] is None
 
 
+@pytest.mark.slow
 def test_live_page_shows_each_oom_verdict_in_a_banner_at_the_top(tmp_path):
     """The readings of a fragmentation OOM made on an H100, replayed: the banner names the
     verdict, the deciding numbers, the action and links the snapshot and the runbook."""
@@ -572,6 +574,7 @@ def _storm_in_window(runtime: Runtime) -> bool:
     return max(ooms) >= 200 and len(runtime.window) > 60
 
 
+@pytest.mark.slow
 def test_live_page_stays_readable_in_an_oom_storm(tmp_path):
     """A real H200 trace with 307 OOMs and as many retries in 30 s (a scripted fragmenter
     under a cap): markers merge and carry their counts, labels neither overlap nor leave the
@@ -608,6 +611,7 @@ def test_live_page_stays_readable_in_an_oom_storm(tmp_path):
         assert all(a["severity"] == "warning" for a in state["alerts"][1:]), state["alerts"]
 
 
+@pytest.mark.slow
 def test_live_page_works_behind_basic_auth(tmp_path):
     """The web config asks for a password: the browser's prompt is answered once, the page's
     own requests carry it, and its admin actions still go with the admin token."""
@@ -631,6 +635,7 @@ def test_live_page_works_behind_basic_auth(tmp_path):
     assert "Snapshot" in result["actions"]["snapshot"]["result"]
 
 
+@pytest.mark.slow
 def test_live_page_asks_for_the_token_and_keeps_it_out_of_urls(tmp_path):
     runtime = demo_runtime(tmp_path, interval_s=0.5, admin_token=TOKEN)
     with serving(runtime) as url:
@@ -652,6 +657,7 @@ def test_live_page_asks_for_the_token_and_keeps_it_out_of_urls(tmp_path):
         assert TOKEN not in state["location"]
 
 
+@pytest.mark.slow
 def test_live_page_in_node_mode_shows_nvml_memory_and_admin_off(tmp_path):
     def node_reading(tick: int) -> SourceReading:
         return SourceReading(
@@ -676,6 +682,7 @@ def test_live_page_in_node_mode_shows_nvml_memory_and_admin_off(tmp_path):
     assert state["processes"] == 4
 
 
+@pytest.mark.slow
 def test_live_page_under_run_stacks_the_processes_of_each_gpu(tmp_path):
     runtime = runtime_for(tmp_path, "run", [StubSource("agents", run_reading)], interval_s=0.2)
     with serving(runtime) as url:
@@ -692,6 +699,7 @@ def test_live_page_under_run_stacks_the_processes_of_each_gpu(tmp_path):
     assert state["processes"] == 5
 
 
+@pytest.mark.slow
 def test_the_page_scripts_are_modules_that_pass_eslint():
     """exporter/static/*.js are ES modules checked by ESLint (tests/js/eslint.config.mjs): a
     name declared twice, an undefined or unused one, loose equality."""
@@ -736,6 +744,7 @@ def test_a_retry_alert_on_the_page_says_what_its_process_is_building():
     assert alert_note(sample, "GpuMemOutOfMemory", labels) == ""
 
 
+@pytest.mark.slow
 def test_the_page_is_told_why_no_gpu_reading_comes(tmp_path):
     """Under `run` before any agent reports, or a daemon without NVML: the page says why, as
     the log does, instead of only "No GPU reading yet" (issue 38)."""

@@ -13,6 +13,8 @@ import threading
 import time
 from email.utils import parsedate_to_datetime
 
+import pytest
+
 from exporter.http.server import HTTP_THREAD
 from tests.helpers import served
 
@@ -23,6 +25,7 @@ def _thread_cpu_s(name: str) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
+@pytest.mark.slow
 def test_an_idle_server_does_not_wake(tmp_path) -> None:
     """uvicorn's own loop woke ten times a second (3 ms of CPU per second in the serving
     process); idle, the HTTP thread now runs nothing. Measured on the thread's CPU clock,
@@ -51,6 +54,7 @@ def test_stop_from_another_thread_is_prompt(tmp_path) -> None:
     assert stopped_in < 1.5, f"stop() took {stopped_in:.2f} s"
 
 
+@pytest.mark.slow
 def test_the_date_header_is_the_current_second(tmp_path) -> None:
     """No timer refreshes it any more: each request does. Two requests seconds apart, on
     the direct path and through the app, each carry their own second."""
@@ -81,6 +85,7 @@ _SERVE_IN_MAIN_THREAD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_signal_stops_a_server_in_the_main_thread(tmp_path) -> None:
     process = subprocess.Popen(
         [sys.executable, "-c", _SERVE_IN_MAIN_THREAD, str(tmp_path)],

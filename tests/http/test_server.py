@@ -177,6 +177,7 @@ def test_on_alert_reaches_the_callers_callback(stopped):
     assert [(e.alert, e.state) for e in events] == [("GpuMemOutOfMemory", "firing")]
 
 
+@pytest.mark.slow
 def test_the_exporter_stays_out_of_a_uvicorn_host_apps_logs(tmp_path):
     """A real uvicorn host app with uvicorn's default logging (its access log on) starts the
     exporter: the host's own requests are in its log, the exporter's scrapes and probes are

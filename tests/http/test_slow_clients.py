@@ -79,6 +79,7 @@ def wait_until_stalled(server: HttpServer, count: int) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_seventy_slow_readers_take_neither_scrapes_nor_health_checks_away(tmp_path, monkeypatch):
     monkeypatch.setattr(guard, "WRITE_TIMEOUT_S", 8.0)
     with served(tmp_path) as (server, _):
@@ -126,6 +127,7 @@ def burst(address: tuple[str, int], count: int, path: str) -> list[bytes]:
     return results
 
 
+@pytest.mark.slow
 def test_a_burst_of_300_connections_gets_an_http_answer_each(tmp_path):
     with served(tmp_path) as (server, _):
         address = ("127.0.0.1", server.port)
@@ -136,6 +138,7 @@ def test_a_burst_of_300_connections_gets_an_http_answer_each(tmp_path):
         assert b"HTTP/1.1 200 OK" in answers
 
 
+@pytest.mark.slow
 def test_1200_simultaneous_page_requests_get_an_http_answer_each_never_a_reset(tmp_path):
     """Issue 38: 153 of 1,200 got resets. Connections picked to make room while the busy
     event loop had not read their requests yet were closed with those bytes unread, which
@@ -153,6 +156,7 @@ def test_1200_simultaneous_page_requests_get_an_http_answer_each_never_a_reset(t
         assert set(answers) <= {b"HTTP/1.1 200 OK", b"HTTP/1.1 503 Service Unavailable"}, answers
 
 
+@pytest.mark.slow
 def test_a_full_server_answers_503_with_retry_after_and_keeps_slots_for_probes(tmp_path):
     with served(tmp_path) as (server, _):
         address = ("127.0.0.1", server.port)
@@ -168,6 +172,7 @@ def test_a_full_server_answers_503_with_retry_after_and_keeps_slots_for_probes(t
                 sock.close()
 
 
+@pytest.mark.slow
 def test_beyond_the_cap_only_probes_get_the_reserve_and_others_503(tmp_path, monkeypatch):
     """With nothing to close (every connection reading a request it started just now), the
     request line decides: a probe path gets a reserved slot, a page gets 503 + Retry-After."""
@@ -192,6 +197,7 @@ def test_beyond_the_cap_only_probes_get_the_reserve_and_others_503(tmp_path, mon
                 sock.close()
 
 
+@pytest.mark.slow
 def test_connections_closed_lingering_hold_no_slot(tmp_path, monkeypatch):
     """A newcomer answered 503 is drained for up to LINGER_S before its close: while it is,
     it must not count against the reserve, or the 503s of a busy moment turn the next probes
@@ -217,6 +223,7 @@ def test_connections_closed_lingering_hold_no_slot(tmp_path, monkeypatch):
                 sock.close()
 
 
+@pytest.mark.slow
 def test_a_kept_alive_scraper_keeps_its_connection_when_the_server_fills(tmp_path, monkeypatch):
     """Prometheus between two scrapes is idle: newcomers never close its connection to make
     room (closing it as it sends the next scrape resets that scrape)."""
@@ -249,6 +256,7 @@ def run_dir():
     shutil.rmtree(folder)
 
 
+@pytest.mark.slow
 def test_health_answers_while_admin_calls_wait_for_a_stopped_process(run_dir, monkeypatch):
     """Under `run`, 45 admin calls wait for a worker that was stopped (SIGSTOP): they hold the
     thread pool, and /healthz and /readyz must not queue behind them."""
@@ -310,6 +318,7 @@ def test_health_answers_while_admin_calls_wait_for_a_stopped_process(run_dir, mo
         aggregator.close()
 
 
+@pytest.mark.slow
 def test_polite_kept_alive_clients_never_lock_out_new_scrapes_and_probes(tmp_path):
     """100 health checkers that each keep a connection and ask /readyz every half second,
     reading every answer, take every regular slot and would keep the probes' reserve too: a

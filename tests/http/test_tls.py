@@ -96,6 +96,7 @@ def _s_client(port: int, ca: Authority, *args: str) -> subprocess.CompletedProce
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_openssl_sees_the_negotiated_version_and_the_refused_ciphers(tmp_path, pki):
     ca, _ = pki
     rsa = ca.issue("rsa-server", rsa=True)
@@ -187,6 +188,7 @@ def socket_to(port: int):
     return socket.create_connection(("127.0.0.1", port), timeout=5)
 
 
+@pytest.mark.slow
 def test_a_rotated_certificate_is_served_from_the_next_handshake_with_no_failed_scrape(
     tmp_path, pki
 ):

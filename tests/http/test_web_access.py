@@ -44,6 +44,7 @@ def users_file(tmp_path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("through_app", [False, True])
 def test_basic_auth_guards_metrics_and_the_page_not_the_probes(tmp_path, users_file, through_app):
     # A body (Content-Length) sends a request to the app instead of the direct path.
@@ -154,6 +155,7 @@ def test_admin_credentials_over_cleartext_from_another_host_are_refused(
         )
 
 
+@pytest.mark.slow
 def test_metrics_say_whether_admin_credentials_are_taken_in_clear(tmp_path):
     with served(tmp_path) as (server, _):
         body = _request(server, "GET", "/metrics")[2]

@@ -106,6 +106,7 @@ def claims_client(api: StandInApi, tmp_path) -> ClaimsClient:
     return ClaimsClient(api.client_api(tmp_path / "token"), "gpu-node-1")
 
 
+@pytest.mark.slow
 def test_a_forbidden_or_malformed_claim_list_is_one_line(api, tmp_path):
     api.forbid_claims = True
     with pytest.raises(ClaimsApiError, match=r"resourceclaims in research: .*HTTP 403"):
@@ -118,6 +119,7 @@ def test_a_forbidden_or_malformed_claim_list_is_one_line(api, tmp_path):
         claims_client(api, tmp_path).list({"research"})
 
 
+@pytest.mark.slow
 def test_claimed_memory_is_held_against_what_the_claims_processes_use(api, tmp_path):
     """Two claims share GPU 0 (consumable capacity): notebook-a claimed 10 GiB, notebook-b
     1 MiB. notebook-a's process uses PID_USED (under 10 GiB); notebook-b uses nothing. Then
@@ -205,6 +207,7 @@ def test_claimed_memory_is_held_against_what_the_claims_processes_use(api, tmp_p
         kubelet.stop()
 
 
+@pytest.mark.slow
 def test_a_dra_device_named_in_no_known_shape_resolves_through_the_nodes_resource_slices(
     api, tmp_path
 ):
@@ -255,6 +258,7 @@ def test_a_dra_device_named_in_no_known_shape_resolves_through_the_nodes_resourc
         kubelet.stop()
 
 
+@pytest.mark.slow
 def test_nvidias_own_names_never_ask_for_resource_slices(api, tmp_path):
     state = tmp_path / "kubelet.json"
     write_state(state, [claim_pod("research", "a", "c", "ka", dra_device("gpu-0"))])

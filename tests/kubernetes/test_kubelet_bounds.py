@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import urllib.request
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import running
@@ -35,6 +36,7 @@ def rss(families) -> float:
     return families["process_resident_memory_bytes"][0].value
 
 
+@pytest.mark.slow
 def test_a_kubelet_answer_of_100k_assignments_is_refused_and_leaves_no_memory(tmp_path):
     state, sock = tmp_path / "state.json", tmp_path / "kubelet.sock"
     one = [pod("serving", "llama-0", "server", GPU)]

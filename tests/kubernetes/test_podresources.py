@@ -143,6 +143,7 @@ def test_dra_devices_count_toward_the_bound_of_one_answer(kubelet, monkeypatch):
         client.close()
 
 
+@pytest.mark.slow
 def test_a_slow_kubelet_costs_the_deadline_not_more(kubelet):
     write_state(kubelet.state_path, [], delay_s=5)
     client = PodResourcesClient(str(kubelet.socket_path), timeout_s=0.5)

@@ -61,6 +61,7 @@ def client(api: StandInApi, tmp_path: Path, **kwargs) -> PodsClient:
     )
 
 
+@pytest.mark.slow
 def test_the_pods_of_this_node(api, tmp_path):
     listed = client(api, tmp_path).list()
     assert listed.pods == {UID_A: ("serving", "llama-0"), UID_B: ("batch", "embed-7")}
@@ -68,6 +69,7 @@ def test_the_pods_of_this_node(api, tmp_path):
     assert api.requests == ["/api/v1/pods?fieldSelector=spec.nodeName%3Dgpu-node-1"]
 
 
+@pytest.mark.slow
 def test_a_refused_token_is_an_error_that_does_not_show_it(api, tmp_path):
     (tmp_path / "token").write_text("stale-token")
     with pytest.raises(PodsApiError, match="HTTP 401") as caught:
@@ -83,6 +85,7 @@ def test_an_api_server_not_trusted_is_an_error(api, tmp_path):
         untrusted.list()
 
 
+@pytest.mark.slow
 def test_a_trickling_api_server_is_cut_at_one_deadline_for_the_whole_call(api, tmp_path):
     """A PodList sent one byte every 0.2 s would take minutes; the call ends at its deadline
     (per-read timeouts never fire while bytes trickle in)."""
@@ -93,6 +96,7 @@ def test_a_trickling_api_server_is_cut_at_one_deadline_for_the_whole_call(api, t
     assert time.monotonic() - started < 3
 
 
+@pytest.mark.slow
 def test_a_redirect_is_not_followed_and_the_token_goes_nowhere_else(api, tmp_path):
     (tmp_path / "elsewhere").mkdir()
     elsewhere = StandInApi(tmp_path / "elsewhere", TOKEN)
@@ -105,6 +109,7 @@ def test_a_redirect_is_not_followed_and_the_token_goes_nowhere_else(api, tmp_pat
         elsewhere.stop()
 
 
+@pytest.mark.slow
 def test_a_rotated_cluster_ca_is_read_again(api, tmp_path):
     """After the cluster CA rotates (a new ca.crt in the service account's folder), the next
     call trusts it: no restart."""
@@ -262,6 +267,7 @@ def test_the_pod_reader_setting_is_validated():
         load_config(env={"GPUMEM_KUBELET_POD_READER": "maybe"})
 
 
+@pytest.mark.slow
 def test_a_slow_api_server_never_holds_up_the_kubelets_refresh(api, tmp_path):
     """The pod reader is asked beside the kubelet: while the API server trickles its answer
     (held to the reader's deadline), the kubelet's assignments go on being refreshed."""

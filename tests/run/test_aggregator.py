@@ -75,6 +75,7 @@ def raise_fd_limit(wanted: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
+@pytest.mark.slow
 def test_an_idle_connection_flood_costs_no_thread_and_a_new_worker_still_joins(run_dir):
     raise_fd_limit(4096)
     aggregator = Aggregator(run_dir, max_peers=64, hello_timeout_s=1.0)
@@ -127,6 +128,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_running_out_of_fds_pauses_accepting_and_never_ends_it(run_dir):
     host = subprocess.Popen(
         [sys.executable, "-c", HOST, str(run_dir)],
@@ -280,6 +282,7 @@ def greedy(aggregator: Aggregator, count: int) -> subprocess.Popen[str]:
     return proc
 
 
+@pytest.mark.slow
 def test_series_have_a_budget_per_process_and_per_endpoint(run_dir):
     """Issue 38: processes of the same uid made one endpoint serve 243k series. A process
     serves at most 16 allocator readings, the endpoint 256, the first connected keeping
@@ -342,6 +345,7 @@ def test_host_memory_rows_have_a_budget_the_largest_kept(tmp_path):
     assert [r.pid for r in reading.host_processes] == list(range(45, count + 1))
 
 
+@pytest.mark.slow
 def test_an_unbacked_rank_stands_only_while_no_other_process_has_it(run_dir):
     """A rank the process's start-up environment does not show (set at run time, as
     torch.multiprocessing workers do) cannot be checked (issue 38): it stands only as a

@@ -148,6 +148,7 @@ def test_every_part_of_an_allocator_reading_has_its_check_on_the_wire():
     assert set(protocol.ALLOCATOR_CHECKS) | set(protocol.FROM_LAUNCHER) == declared
 
 
+@pytest.mark.slow
 def test_every_recorded_reading_travels_whole_from_an_agent():
     """The allocator readings of the recorded traces (layouts, private pools, OOM verdicts),
     sent as an agent sends them, arrive equal; only the process is the launcher's to set."""

@@ -31,6 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import REPO_ROOT
 from tests.helpers import free_port
 
+pytestmark = pytest.mark.slow
+
 FAKE_TORCH = REPO_ROOT / "tests" / "support" / "fake_torch"
 TOKEN = "run-token"
 
@@ -296,6 +298,35 @@ def test_agents_read_the_layout_as_the_launcher_configured(tmp_path, interval, h
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(has_layout)
+
+
+@pytest.mark.parametrize(
+    ("api", "source", "judges_ooms"),
+    [("cuda", "torch", True), ("accelerator", "accelerator", False)],
+)
+def test_agents_read_the_allocator_the_launcher_picked(tmp_path, api, source, judges_ooms):
+    """GPUMEM_ALLOCATOR_API reaches each agent (agent.json): torch.accelerator's source reads
+    the process's allocator there; OOM verdicts come only from the one that judges them."""
+    (tmp_path / "agent.json").write_text(json.dumps({"allocator_api": api}))
+    probe = (
+        "import sys, torch\n"
+        "from exporter.run.agent import Agent\n"
+        "torch.cuda.set_device(0)\n"
+        "agent = Agent(sys.argv[1])\n"
+        "(reading,) = agent.source.read().allocators\n"
+        "actions = agent._arm()\n"
+        "print(agent.source.name, reading.gauges['allocated_bytes'] > 0, "
+        "actions.oom_reader is not None)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_TORCH), str(REPO_ROOT)])},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [source, "True", str(judges_ooms)]
 
 
 def test_port_per_local_rank_without_run(tmp_path):

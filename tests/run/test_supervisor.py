@@ -29,6 +29,8 @@ from exporter.run.supervisor import Supervisor
 from tests.conftest import REPO_ROOT, require_tool
 from tests.helpers import free_port
 
+pytestmark = pytest.mark.slow
+
 GRACE_S = 2.0
 PY = sys.executable
 MP_SERVER = (

@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.config import load_config
 from exporter.http.server import create_app
-from exporter.runtime import Runtime, build_runtime, kubelet_source
+from exporter.runtime import Runtime, build_runtime
+from exporter.sources.kinds import kubelet_source
 from exporter.sources.kubelet import KubeletSource
 from exporter.sources.nvml import NvmlSource
 from tests.conftest import DATA_DIR
@@ -112,6 +113,7 @@ def up(families) -> float:
     return families["gpumem_exporter_kubelet_up"][0].value
 
 
+@pytest.mark.slow
 def test_the_gpu_and_its_process_are_named_and_move_with_the_assignment(node):
     families = node.wait_for(lambda f: pods_of(f))
     assert up(families) == 1.0
@@ -161,6 +163,7 @@ def unattributed_on_gpu0(families) -> float:
     return {s.labels["gpu_uuid"]: s.value for s in families["gpu_memory_unattributed_bytes"]}[GPU0]
 
 
+@pytest.mark.slow
 def test_a_process_newer_than_the_kubelets_answer_is_never_judged_by_it(node, tmp_path):
     """The GPU moves from llama-0 to embed-7 while the kubelet takes 0.8 s to answer: every
     scrape in that window used to judge embed-7's process by the old assignment (not
@@ -182,6 +185,7 @@ def test_a_process_newer_than_the_kubelets_answer_is_never_judged_by_it(node, tm
     assert judged(families) == {}
 
 
+@pytest.mark.slow
 def test_while_the_kubelet_is_down_a_new_process_stays_pending(node, tmp_path):
     node.wait_for(lambda f: f.get("gpu_process_pod_info"))
     node.kubelet.stop()
@@ -250,6 +254,7 @@ def test_a_host_process_is_held_outside_any_pod(tmp_path):
         node.close()
 
 
+@pytest.mark.slow
 def test_a_slow_kubelet_never_stalls_a_tick(node):
     write_state(node.state, [], delay_s=3)
     node.source.read()  # a pid-set change wakes the refresher at once; later ticks too
@@ -263,6 +268,7 @@ def test_a_slow_kubelet_never_stalls_a_tick(node):
     assert "DEADLINE_EXCEEDED" in error.labels["error"]
 
 
+@pytest.mark.slow
 def test_a_kubelet_that_goes_away_and_restarts_is_a_state_then_recovers(node, caplog):
     node.wait_for(lambda f: up(f) == 1.0)
     node.kubelet.stop()
@@ -436,6 +442,7 @@ def test_a_processs_pod_hints_are_read_and_the_nodes_own_name_is_no_hint(tmp_pat
         source.close()
 
 
+@pytest.mark.slow
 def test_a_gpu_a_claim_gave_is_attributed_and_unattributed_once_the_claim_goes(tmp_path):
     """A 1.34 kubelet reports the GPU NVIDIA's DRA driver gave a ResourceClaim as `gpu-<minor>`
     (here GPU 0 is /dev/nvidia1: minor and NVML index differ). Attributed by the GPU's UUID

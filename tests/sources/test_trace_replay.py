@@ -130,6 +130,7 @@ def test_replay_follows_the_recorded_pace():
         assert replay.read().host == samples[index].host
 
 
+@pytest.mark.slow
 def test_counters_stay_monotonic_and_continuous_across_loops():
     samples = demo_samples()
     clock = Clock()

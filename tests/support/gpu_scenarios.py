@@ -767,6 +767,54 @@ def layout(index: str = "0") -> dict[str, Any]:
     return result
 
 
+def accelerator_source(index: str = "0") -> dict[str, Any]:
+    """Today's allocator source and the torch.accelerator one, read back to back (nothing
+    allocated between) while this process uses only cuda:index: their numbers, and which
+    devices have a context after both read."""
+    import torch
+
+    from exporter.sources.accelerator_allocator import AcceleratorAllocatorSource
+    from exporter.sources.torch_allocator import TorchAllocatorSource
+
+    used = int(index)
+    torch.cuda.set_device(used)
+    tensors = [
+        torch.empty(size, dtype=torch.uint8, device=f"cuda:{used}")
+        for size in [3 * MiB, 300 * 1024, 25 * MiB, 7 * MiB, 100 * 1024] * 12
+    ]
+    del tensors[::3]  # holes of both pools
+    torch.cuda.synchronize()
+    cuda_source = TorchAllocatorSource(layout_interval_s=0)
+    accelerator = AcceleratorAllocatorSource()
+    core = (
+        "device",
+        "gpu_uuid",
+        "backend",
+        "expandable_segments",
+        "gauges",
+        "counters",
+        "pools",
+        "max_split_size_bytes",
+        "private_pools",
+    )
+    pairs = []
+    for _ in range(3):
+        a = cuda_source.read().allocators
+        b = accelerator.read().allocators
+        pairs.append([[{k: asdict(r)[k] for k in core} for r in readings] for readings in (a, b)])
+    has_context = [bool(_has_primary_context(i)) for i in range(torch.cuda.device_count())]
+    return {
+        "used": used,
+        "torch": torch.__version__,
+        "pairs": pairs,
+        "uuids_in_use": [sorted(cuda_source.uuids_in_use), sorted(accelerator.uuids_in_use)],
+        "has_context": has_context,
+        "pid_on_gpus": [u for u, pids in _nvml_pids().items() if os.getpid() in pids],
+        "used_uuid": f"GPU-{torch.cuda.get_device_properties(used).uuid}",
+        "kept": len(tensors),
+    }
+
+
 SCENARIOS = {
     name: fn
     for name, fn in list(globals().items())

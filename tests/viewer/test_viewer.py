@@ -60,6 +60,7 @@ def segment(address: int, blocks: list[dict], device: int = 0, **kw: Any) -> dic
 # -- load_snapshot ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_load_real_snapshot(demo: dict[str, Any]) -> None:
     assert set(demo) >= {"segments", "device_traces", "allocator_settings"}
     assert len(demo["segments"]) > 50
@@ -155,6 +156,7 @@ def test_fmt_bytes() -> None:
     assert _fmt_bytes(int(15.6 * (1 << 30))) == "15.6 GiB"
 
 
+@pytest.mark.slow
 def test_render_real_snapshot_summary(demo: dict[str, Any], demo_html: str) -> None:
     segs = demo["segments"]
     reserved = sum(s["total_size"] for s in segs)
@@ -182,6 +184,7 @@ def test_render_real_snapshot_summary(demo: dict[str, Any], demo_html: str) -> N
     assert "node-1" in demo_html and "Replay" in demo_html  # meta and the replay banner
 
 
+@pytest.mark.slow
 def test_render_real_snapshot_allocations_and_stacks(demo: dict[str, Any], demo_html: str) -> None:
     top = demo_html.split('<section id="top">')[1].split("</section>")[0]
     biggest = max(_live(demo), key=lambda b: b["size"])
@@ -237,6 +240,7 @@ def test_page_loads_nothing_external(demo_html: str) -> None:
     assert parser.tags["script"] == 0
 
 
+@pytest.mark.slow
 def test_page_size_and_render_time(demo: dict[str, Any]) -> None:
     started = time.perf_counter()
     page = render_html(demo)
@@ -245,6 +249,7 @@ def test_page_size_and_render_time(demo: dict[str, Any]) -> None:
     assert elapsed < 5.0  # about 0.3 s on a laptop core
 
 
+@pytest.mark.slow
 def test_render_is_pure(demo: dict[str, Any], demo_html: str) -> None:
     before = copy.deepcopy(demo["segments"][:5])
     again = render_html(demo, title="demo", meta={"host": "node-1", "pid": 42, "replay": True})
@@ -385,6 +390,7 @@ def test_tiny_blocks_are_merged() -> None:
 # -- the page in a real browser --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_screenshot_in_headless_chromium(demo_html: str, tmp_path: Path) -> None:
     chromium = require_tool("chromium")
     page = tmp_path / "snapshot.html"

@@ -202,6 +202,7 @@ def test_values_from_the_file_are_never_stringified_whole(tmp_path: Path) -> Non
     assert result["elapsed_s"] < 60, result  # about 0.1 s; before, it never ended
 
 
+@pytest.mark.slow
 def test_a_history_that_does_not_add_up_renders_in_linear_time(tmp_path: Path) -> None:
     # More allocated than freed, yet no segments: the replay goes below zero and is shifted
     # up. The shift took the minimum once per entry (150k entries: about 3 minutes).
@@ -251,6 +252,7 @@ def test_keys_that_collide_are_refused(tmp_path: Path) -> None:
     assert load_snapshot(fine)["ids"][-(1 << 63)] == "b"
 
 
+@pytest.mark.slow
 def test_objects_made_by_the_unpickler_are_counted(tmp_path: Path) -> None:
     # A million empty dicts cost 2 bytes each in the file (EMPTY_DICT, MEMOIZE) and about
     # 150 bytes in memory; each dict and each memo entry counts.
@@ -354,6 +356,7 @@ def large_snapshot(live_blocks: int = 50_000, entries: int = 100_000) -> dict[st
     }
 
 
+@pytest.mark.slow
 def test_a_large_real_shaped_snapshot_renders(tmp_path: Path) -> None:
     # 50k live blocks with 30-frame stacks and a 100k-entry history: 0.16M items, 1.5M frames.
     path = tmp_path / "large.pickle"
@@ -367,6 +370,7 @@ def test_a_large_real_shaped_snapshot_renders(tmp_path: Path) -> None:
 # -- the two front doors ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_view_prints_one_line_and_fails(tmp_path: Path) -> None:
     bomb = tmp_path / "bomb.pickle"
     bomb.write_bytes(memo_bomb())

@@ -141,4 +141,11 @@ _C = SimpleNamespace(
     _cuda_memorySnapshot=_memory_snapshot,
     _cuda_isHistoryEnabled=lambda: False,
     _cuda_hostMemoryStats=lambda: copy.deepcopy(_DATA["host_memory_stats"]),
+    # torch.accelerator reads the same allocator (exporter.sources.accelerator_allocator).
+    _accelerator_isAllocatorInitialized=lambda: bool(_initialized),
+    _accelerator_getDeviceStats=_Cuda.memory_stats_as_nested_dict,
+)
+accelerator = SimpleNamespace(
+    current_accelerator=lambda: SimpleNamespace(type="cuda"),
+    device_count=_Cuda.device_count,
 )

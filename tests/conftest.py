@@ -101,7 +101,7 @@ def run_support_script(script: str, *args: str, alloc_conf: str = "") -> dict:
 
 # The fast lane (pytest -m "not slow") stays fast only if slow tests say so: a run names the
 # tests over this many seconds (setup, call and teardown) that are not marked `slow`.
-UNMARKED_SLOW_S = 2.0
+UNMARKED_SLOW_S = 4.0
 _took: dict[str, float] = {}
 _slow_marked: set[str] = set()
 

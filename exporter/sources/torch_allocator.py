@@ -344,7 +344,9 @@ class TorchAllocatorSource:
         fraction = self._read_fraction
         if not fraction:
             return None
-        return int(fraction(index) * self._total(torch, index))
+        # cudaMallocAsync answers 2^64 / total memory where no cap is set (measured on an
+        # H100, torch 2.11): a cap above the device's memory is the device's memory.
+        return int(min(fraction(index), 1.0) * self._total(torch, index))
 
     def _total(self, torch: Any, index: int) -> int:
         """The device's memory, read once."""

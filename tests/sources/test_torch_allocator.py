@@ -137,6 +137,9 @@ def test_the_memory_cap_is_read_as_the_allocator_computes_it_only_where_torch_ha
     assert limits == {0: 20 << 30, 1: 80 << 30}
     fractions.update({0: 0.5, 1: 0.5})  # set again while serving: seen
     assert {a.gauges["memory_limit_bytes"] for a in source.read().allocators} == {40 << 30}
+    # cudaMallocAsync without a cap answers 2^64 / total (an H100, torch 2.11): the device's.
+    fractions.update({0: (1 << 64) / (80 << 30), 1: 1.0})
+    assert {a.gauges["memory_limit_bytes"] for a in source.read().allocators} == {80 << 30}
     del torch._C._cuda_getMemoryFraction  # torch before 2.8: no getter, no series
     source = TorchAllocatorSource(torch, env={})
     assert all("memory_limit_bytes" not in a.gauges for a in source.read().allocators)

@@ -797,16 +797,20 @@ def accelerator_source(index: str = "0") -> dict[str, Any]:
         "max_split_size_bytes",
         "private_pools",
     )
-    pairs = []
+    pairs, caps = [], []
     for _ in range(3):
         a = cuda_source.read().allocators
         b = accelerator.read().allocators
+        # The memory cap is torch.cuda's alone (its fraction getter): compared without it.
+        caps.append([r.gauges.pop("memory_limit_bytes", None) for r in (*a, *b)])
         pairs.append([[{k: asdict(r)[k] for k in core} for r in readings] for readings in (a, b)])
     has_context = [bool(_has_primary_context(i)) for i in range(torch.cuda.device_count())]
     return {
         "used": used,
         "torch": torch.__version__,
         "pairs": pairs,
+        "caps": caps,
+        "total": torch.cuda.get_device_properties(used).total_memory,
         "uuids_in_use": [sorted(cuda_source.uuids_in_use), sorted(accelerator.uuids_in_use)],
         "has_context": has_context,
         "pid_on_gpus": [u for u, pids in _nvml_pids().items() if os.getpid() in pids],

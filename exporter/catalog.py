@@ -17,6 +17,7 @@ processes (`gpumem-exporter run`). Standard library only: agents import this.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 # Labels that tell the processes of one server apart when one endpoint serves them all.
@@ -27,13 +28,34 @@ HOST_PROCESS_LABELS = ("pid", "role", "rank")
 # gpumem_exporter_alert_firing: one meaning per label, whatever the alert is about.
 ALERT_LABELS = ("alert", "device", "gpu", "gpu_uuid", *PROCESS_LABELS)
 
-MODES = ("embedded", "run", "node", "demo")
 # GPUMEM_DETAIL: "basic" keeps a fleet's series budget (docs/metrics.md, "Detail levels");
-# "full" adds the families declared `detail` below.
+# "full" adds the families declared `full_only` below.
 DETAIL_LEVELS = ("basic", "full")
-EVERY_MODE = MODES
-IN_SERVER = ("embedded", "run", "demo")  # where a PyTorch allocator is read (or replayed)
-LIVE = ("embedded", "run", "node")  # where the exporter's own process is what it reports
+
+# What a family needs of a mode to be served there: a mode has some of these (its
+# exporter.traits.Traits.has, declared in exporter/modes/); a family names one, never a mode.
+ANYWHERE = ""  # needs nothing: the exporter's own health, served everywhere
+ALLOCATOR = "allocator"  # a PyTorch allocator read, or replayed, and actions on it
+DEVICES = "devices"  # GPUs read through NVML (or replayed)
+HOST = "host"  # the host's memory
+OWN_PROCESS = "own_process"  # the process that serves is one it reports
+AGENTS = "agents"  # processes that report through agents (run)
+BUDGETS = "budgets"  # readings of many processes, held to series budgets
+HOST_PROCESSES = "host_processes"  # host memory per process
+GPU_PROCESSES = "gpu_processes"  # every process on the node's GPUs (the node daemon)
+KUBERNETES = "kubernetes"  # the kubelet's and the API server's view of the node
+NEEDS = (
+    ALLOCATOR,
+    DEVICES,
+    HOST,
+    OWN_PROCESS,
+    AGENTS,
+    BUDGETS,
+    HOST_PROCESSES,
+    GPU_PROCESSES,
+    KUBERNETES,
+)
+EVERYWHERE = "*"  # full_only: at the full detail level wherever it is served
 
 
 @dataclass(frozen=True)
@@ -43,14 +65,23 @@ class Family:
     help: str
     labels: tuple[str, ...]
     source: str  # what reads it: torch, nvml, host, process_memory, kubelet, agents, exporter
-    modes: tuple[str, ...]
+    needs: str  # what a mode must have to serve it (NEEDS), or ANYWHERE
     group: str = ""  # the families read from one part of a reading, served alike
     key: str = ""  # the reading's field (or dict key) that holds the value
     per_process: bool = False  # gains PROCESS_LABELS under `gpumem-exporter run`
     info_labels: tuple[str, ...] = ()  # the value labels of an info family
-    # Modes where the family is served only at the full detail level (GPUMEM_DETAIL=full):
-    # breakdowns no shipped rule or dashboard needs, kept off a fleet's series budget.
-    detail: tuple[str, ...] = ()
+    # Served only at the full detail level (GPUMEM_DETAIL=full): EVERYWHERE, or in the modes
+    # that have this (NEEDS); "" never. Breakdowns no shipped rule or dashboard needs, kept
+    # off a fleet's series budget.
+    full_only: str = ""
+
+    def served(self, has: Collection[str]) -> bool:
+        """Whether a mode that has these (Traits.has) serves it, at some detail level."""
+        return self.needs == ANYWHERE or self.needs in has
+
+    def full_only_in(self, has: Collection[str]) -> bool:
+        """Whether such a mode serves it only at the full detail level."""
+        return self.full_only == EVERYWHERE or (bool(self.full_only) and self.full_only in has)
 
     @property
     def exposed(self) -> str:
@@ -65,7 +96,7 @@ def _allocator(
     help: str,
     name: str = "",
     labels: tuple[str, ...] = (),
-    detail: tuple[str, ...] = (),
+    full_only: str = "",
 ) -> Family:
     return Family(
         name or f"torch_cuda_{key}",
@@ -73,11 +104,11 @@ def _allocator(
         help,
         (*ALLOCATOR_LABELS, *labels),
         "torch",
-        IN_SERVER,
+        ALLOCATOR,
         group,
         key,
         per_process=True,
-        detail=detail,
+        full_only=full_only,
     )
 
 
@@ -91,7 +122,7 @@ FAMILIES: tuple[Family, ...] = (
         "gpumem-exporter version and mode.",
         (),
         "exporter",
-        EVERY_MODE,
+        ANYWHERE,
         info_labels=("version", "mode"),
     ),
     Family(
@@ -100,7 +131,7 @@ FAMILIES: tuple[Family, ...] = (
         "1 if the source's last read succeeded.",
         ("source",),
         "exporter",
-        EVERY_MODE,
+        ANYWHERE,
     ),
     Family(
         "gpumem_exporter_source_duration_seconds",
@@ -108,8 +139,8 @@ FAMILIES: tuple[Family, ...] = (
         "Wall time of the source's last read.",
         ("source",),
         "exporter",
-        EVERY_MODE,
-        detail=EVERY_MODE,
+        ANYWHERE,
+        full_only=EVERYWHERE,
     ),
     Family(
         "gpumem_exporter_source_errors",
@@ -117,7 +148,7 @@ FAMILIES: tuple[Family, ...] = (
         "Failed reads of the source.",
         ("source",),
         "exporter",
-        EVERY_MODE,
+        ANYWHERE,
     ),
     Family(
         "gpumem_exporter_source_unavailable",
@@ -126,7 +157,7 @@ FAMILIES: tuple[Family, ...] = (
         "no GPU): no data, not a failure (its source_up stays 1).",
         ("source",),
         "exporter",
-        EVERY_MODE,
+        ANYWHERE,
         info_labels=("reason",),
     ),
     Family(
@@ -136,7 +167,7 @@ FAMILIES: tuple[Family, ...] = (
         "is about (device: CUDA ordinal, gpu: NVML index, process labels).",
         ALERT_LABELS,
         "exporter",
-        EVERY_MODE,
+        ANYWHERE,
     ),
     Family(
         "gpumem_exporter_process",
@@ -146,7 +177,7 @@ FAMILIES: tuple[Family, ...] = (
         "their identity when the server restarts; join on these labels to find the pid.",
         ("rank", "local_rank", "role"),
         "agents",
-        ("run",),
+        AGENTS,
         info_labels=("pid",),
     ),
     Family(
@@ -155,7 +186,7 @@ FAMILIES: tuple[Family, ...] = (
         "Messages from agents of `gpumem-exporter run` dropped as malformed, by reason.",
         ("reason",),
         "agents",
-        ("run",),
+        AGENTS,
     ),
     Family(
         "gpumem_exporter_readings_over_budget",
@@ -166,7 +197,7 @@ FAMILIES: tuple[Family, ...] = (
         "largest kept). 0 while everything is served.",
         ("budget",),
         "exporter",
-        ("run", "node"),
+        BUDGETS,
     ),
     Family(
         "gpumem_exporter_snapshots",
@@ -174,7 +205,7 @@ FAMILIES: tuple[Family, ...] = (
         "Allocator snapshots written.",
         ("trigger",),
         "exporter",
-        IN_SERVER,
+        ALLOCATOR,
         per_process=True,
     ),
     Family(
@@ -183,7 +214,7 @@ FAMILIES: tuple[Family, ...] = (
         "Bytes returned to the driver by empty_cache calls of the exporter.",
         (),
         "exporter",
-        IN_SERVER,
+        ALLOCATOR,
         per_process=True,
     ),
     Family(
@@ -192,7 +223,7 @@ FAMILIES: tuple[Family, ...] = (
         "Automatic remediation actions by outcome.",
         ("action", "outcome"),
         "exporter",
-        IN_SERVER,
+        ALLOCATOR,
         per_process=True,
     ),
     Family(
@@ -204,7 +235,7 @@ FAMILIES: tuple[Family, ...] = (
         "time() - this > 10 finds it.",
         (),
         "exporter",
-        ("run",),
+        AGENTS,
         per_process=True,
     ),
     Family(
@@ -213,7 +244,7 @@ FAMILIES: tuple[Family, ...] = (
         "Admin API requests by action and outcome.",
         ("action", "outcome"),
         "exporter",
-        EVERY_MODE,
+        ANYWHERE,
     ),
     Family(
         "gpumem_exporter_web",
@@ -223,7 +254,7 @@ FAMILIES: tuple[Family, ...] = (
         "hosts (admin_cleartext: loopback-only, allowed, or n/a with TLS).",
         ("tls", "client_auth", "basic_auth", "admin_auth", "admin_cleartext"),
         "exporter",
-        EVERY_MODE,
+        ANYWHERE,
     ),
     Family(
         "gpumem_exporter_web_config_last_reload_successful",
@@ -232,7 +263,7 @@ FAMILIES: tuple[Family, ...] = (
         "0: the last good one is still served.",
         (),
         "exporter",
-        EVERY_MODE,
+        ANYWHERE,
     ),
     Family(
         "gpumem_exporter_web_config_last_reload_success_timestamp_seconds",
@@ -240,7 +271,7 @@ FAMILIES: tuple[Family, ...] = (
         "Unix time of the last successful reading of the web config file.",
         (),
         "exporter",
-        EVERY_MODE,
+        ANYWHERE,
     ),
     Family(
         "gpumem_exporter_tls_certificate_expiry_timestamp_seconds",
@@ -248,7 +279,7 @@ FAMILIES: tuple[Family, ...] = (
         "notAfter of the TLS certificate the endpoint serves, as Unix time.",
         (),
         "exporter",
-        EVERY_MODE,
+        ANYWHERE,
     ),
     Family(
         "gpumem_exporter_last_sample_timestamp_seconds",
@@ -256,7 +287,7 @@ FAMILIES: tuple[Family, ...] = (
         "Unix time of the last completed sample.",
         (),
         "exporter",
-        EVERY_MODE,
+        ANYWHERE,
     ),
     # -- the caching allocator: memory_stats, every tick -------------------------------------
     _allocator(
@@ -354,7 +385,7 @@ FAMILIES: tuple[Family, ...] = (
             f"Per pool: {help}",
             name=f"torch_cuda_pool_{key}",
             labels=("pool",),
-            detail=IN_SERVER,
+            full_only=EVERYWHERE,
         )
         for key, help in (
             ("allocated_bytes", "Bytes of live tensors held by the CUDA caching allocator."),
@@ -393,7 +424,7 @@ FAMILIES: tuple[Family, ...] = (
         "Age of torch_cuda_non_allocator_bytes at this tick: it is taken again whenever "
         "the process's memory moves, and kept while its readings disagree.",
         name="torch_cuda_non_allocator_age_seconds",
-        detail=IN_SERVER,
+        full_only=EVERYWHERE,
     ),
     # -- out-of-memory verdicts: taken in PyTorch's OOM observer (exporter/oom_verdict.py) ---
     _allocator(
@@ -423,7 +454,7 @@ FAMILIES: tuple[Family, ...] = (
         labels=("reading",),
         # Eight series a device after an OOM: past a fleet's budget (the page, `why` and
         # /stats carry them at every level; the demo, one process, serves them).
-        detail=("embedded", "run"),
+        full_only=OWN_PROCESS,
     ),
     # -- the allocator's layout: a segments-only snapshot, every few seconds ----------------
     _allocator(
@@ -463,7 +494,7 @@ FAMILIES: tuple[Family, ...] = (
         "the serving thread; history_recording: it would build every block's stack).",
         ALLOCATOR_LABELS,
         "torch",
-        IN_SERVER,
+        ALLOCATOR,
         "layout_state",
         "layout_skipped",
         per_process=True,
@@ -477,7 +508,7 @@ FAMILIES: tuple[Family, ...] = (
         "reserved_bytes that ordinary allocations cannot reuse.",
         name="torch_cuda_private_pool_reserved_bytes",
         labels=("pool_id",),
-        detail=IN_SERVER,
+        full_only=EVERYWHERE,
     ),
     _allocator(
         "gauge",
@@ -486,7 +517,7 @@ FAMILIES: tuple[Family, ...] = (
         "Bytes of live tensors in one private pool (from an allocator snapshot).",
         name="torch_cuda_private_pool_allocated_bytes",
         labels=("pool_id",),
-        detail=IN_SERVER,
+        full_only=EVERYWHERE,
     ),
     Family(
         "torch_cuda_allocator",
@@ -495,7 +526,7 @@ FAMILIES: tuple[Family, ...] = (
         "reported them, else environment).",
         ALLOCATOR_LABELS,
         "torch",
-        IN_SERVER,
+        ALLOCATOR,
         per_process=True,
         info_labels=(
             "backend",
@@ -514,7 +545,7 @@ FAMILIES: tuple[Family, ...] = (
         "host RAM that cannot be swapped out.",
         (),
         "torch",
-        IN_SERVER,
+        ALLOCATOR,
         "pinned_host",
         "held_bytes",
         per_process=True,
@@ -526,11 +557,11 @@ FAMILIES: tuple[Family, ...] = (
         "next processes its events, so it can lag a free).",
         (),
         "torch",
-        IN_SERVER,
+        ALLOCATOR,
         "pinned_host",
         "in_use_bytes",
         per_process=True,
-        detail=IN_SERVER,
+        full_only=EVERYWHERE,
     ),
     Family(
         "torch_cuda_pinned_host_cached_bytes",
@@ -538,11 +569,11 @@ FAMILIES: tuple[Family, ...] = (
         "Pinned host memory cached for reuse: held minus in use.",
         (),
         "torch",
-        IN_SERVER,
+        ALLOCATOR,
         "pinned_host",
         "cached_bytes",
         per_process=True,
-        detail=IN_SERVER,
+        full_only=EVERYWHERE,
     ),
     # -- NVML ------------------------------------------------------------------------------
     Family(
@@ -551,7 +582,7 @@ FAMILIES: tuple[Family, ...] = (
         "Memory of the GPU that processes can use (NVML).",
         GPU_LABELS,
         "nvml",
-        EVERY_MODE,
+        DEVICES,
         "gpu_memory",
         "total_bytes",
     ),
@@ -561,7 +592,7 @@ FAMILIES: tuple[Family, ...] = (
         "GPU memory in use by every process on the GPU, CUDA contexts included (NVML).",
         GPU_LABELS,
         "nvml",
-        EVERY_MODE,
+        DEVICES,
         "gpu_memory",
         "used_bytes",
     ),
@@ -571,7 +602,7 @@ FAMILIES: tuple[Family, ...] = (
         "GPU memory no process holds (NVML).",
         GPU_LABELS,
         "nvml",
-        EVERY_MODE,
+        DEVICES,
         "gpu_memory",
         "free_bytes",
     ),
@@ -582,10 +613,10 @@ FAMILIES: tuple[Family, ...] = (
         "processes (NVML memory info v2).",
         GPU_LABELS,
         "nvml",
-        EVERY_MODE,
+        DEVICES,
         "gpu_memory",
         "driver_reserved_bytes",
-        detail=EVERY_MODE,
+        full_only=EVERYWHERE,
     ),
     Family(
         "gpu_process_memory_used_bytes",
@@ -593,9 +624,9 @@ FAMILIES: tuple[Family, ...] = (
         "GPU memory used by a process (NVML; host PIDs).",
         (*GPU_LABELS, "pid"),
         "nvml",
-        EVERY_MODE,
+        DEVICES,
         key="used_bytes",
-        detail=EVERY_MODE,
+        full_only=EVERYWHERE,
     ),
     Family(
         "gpu_up",
@@ -603,7 +634,7 @@ FAMILIES: tuple[Family, ...] = (
         "1 while NVML answers for the GPU; 0 when lost or refused.",
         GPU_LABELS,
         "nvml",
-        EVERY_MODE,
+        DEVICES,
         key="up",
     ),
     Family(
@@ -612,7 +643,7 @@ FAMILIES: tuple[Family, ...] = (
         "GPU identity from NVML.",
         GPU_LABELS,
         "nvml",
-        EVERY_MODE,
+        DEVICES,
         info_labels=("name", "driver_version", "pci_bus_id"),
     ),
     # -- Kubernetes attribution (node daemon) ----------------------------------------------
@@ -622,7 +653,7 @@ FAMILIES: tuple[Family, ...] = (
         "1 if the latest List of the kubelet's pod-resources API succeeded.",
         (),
         "kubelet",
-        ("node",),
+        KUBERNETES,
     ),
     Family(
         "gpumem_exporter_kubelet_refresh_errors",
@@ -630,7 +661,7 @@ FAMILIES: tuple[Family, ...] = (
         "Failed Lists of the kubelet's pod-resources API.",
         (),
         "kubelet",
-        ("node",),
+        KUBERNETES,
     ),
     Family(
         "gpumem_exporter_kubelet_last_success_timestamp_seconds",
@@ -638,7 +669,7 @@ FAMILIES: tuple[Family, ...] = (
         "Unix time of the latest successful List: the age of the attribution.",
         (),
         "kubelet",
-        ("node",),
+        KUBERNETES,
     ),
     Family(
         "gpumem_exporter_kubelet_error",
@@ -646,7 +677,7 @@ FAMILIES: tuple[Family, ...] = (
         "Why the latest List of the kubelet's pod-resources API failed.",
         (),
         "kubelet",
-        ("node",),
+        KUBERNETES,
         info_labels=("error", "socket"),
     ),
     Family(
@@ -656,7 +687,7 @@ FAMILIES: tuple[Family, ...] = (
         "(the pod reader names processes on shared GPUs).",
         (),
         "kubelet",
-        ("node",),
+        KUBERNETES,
     ),
     Family(
         "gpumem_exporter_pods_api_error",
@@ -664,7 +695,7 @@ FAMILIES: tuple[Family, ...] = (
         "Why the latest list of this node's pods from the Kubernetes API failed.",
         (),
         "kubelet",
-        ("node",),
+        KUBERNETES,
         info_labels=("error",),
     ),
     Family(
@@ -674,7 +705,7 @@ FAMILIES: tuple[Family, ...] = (
         "device is on, empty where none matches), whether or not NVML sees that GPU.",
         ("gpu_uuid", "device_id", "resource", "namespace", "pod", "container"),
         "kubelet",
-        ("node",),
+        KUBERNETES,
     ),
     Family(
         "gpu_dra_claim_info",
@@ -696,7 +727,7 @@ FAMILIES: tuple[Family, ...] = (
             "share_id",
         ),
         "kubelet",
-        ("node",),
+        KUBERNETES,
     ),
     Family(
         "gpu_dra_claim_memory_claimed_bytes",
@@ -705,7 +736,7 @@ FAMILIES: tuple[Family, ...] = (
         "consumedCapacity memory; with the claim reader).",
         (*GPU_LABELS, "claim_namespace", "claim", "share_id"),
         "kubelet",
-        ("node",),
+        KUBERNETES,
     ),
     Family(
         "gpu_dra_claim_memory_used_bytes",
@@ -715,7 +746,7 @@ FAMILIES: tuple[Family, ...] = (
         "Above gpu_dra_claim_memory_claimed_bytes the claim starves its neighbours.",
         (*GPU_LABELS, "claim_namespace", "claim", "share_id"),
         "kubelet",
-        ("node",),
+        KUBERNETES,
     ),
     Family(
         "gpumem_exporter_claims_api_up",
@@ -724,7 +755,7 @@ FAMILIES: tuple[Family, ...] = (
         "succeeded (the claim reader).",
         (),
         "kubelet",
-        ("node",),
+        KUBERNETES,
     ),
     Family(
         "gpumem_exporter_claims_api_error",
@@ -732,7 +763,7 @@ FAMILIES: tuple[Family, ...] = (
         "Why the latest list of this node's ResourceClaims from the Kubernetes API failed.",
         (),
         "kubelet",
-        ("node",),
+        KUBERNETES,
         info_labels=("error",),
     ),
     Family(
@@ -741,8 +772,8 @@ FAMILIES: tuple[Family, ...] = (
         "1 for each GPU process in a pod: its pod UID and container ID (from its cgroup).",
         ("pid", "pod_uid", "container_id"),
         "kubelet",
-        ("node",),
-        detail=("node",),
+        KUBERNETES,
+        full_only=EVERYWHERE,
     ),
     Family(
         "gpu_process_pod_info",
@@ -753,8 +784,8 @@ FAMILIES: tuple[Family, ...] = (
         "and namespace).",
         ("pid", "namespace", "pod", "container"),
         "kubelet",
-        ("node",),
-        detail=("node",),
+        KUBERNETES,
+        full_only=EVERYWHERE,
     ),
     Family(
         "gpu_memory_unattributed_bytes",
@@ -763,7 +794,7 @@ FAMILIES: tuple[Family, ...] = (
         "pod holds it, else its processes in no pod.",
         GPU_LABELS,
         "kubelet",
-        ("node",),
+        KUBERNETES,
     ),
     Family(
         "gpu_container_memory_used_bytes",
@@ -772,7 +803,7 @@ FAMILIES: tuple[Family, ...] = (
         "(as gpu_process_pod_info says): per-process memory keyed by what survives a restart.",
         (*GPU_LABELS, "namespace", "pod", "container"),
         "kubelet",
-        ("node",),
+        KUBERNETES,
     ),
     Family(
         "gpu_process_memory_unattributed_bytes",
@@ -782,7 +813,7 @@ FAMILIES: tuple[Family, ...] = (
         "be read, and pending, a pod's process newer than the kubelet's latest answer).",
         (*GPU_LABELS, "pid", "reason"),
         "kubelet",
-        ("node",),
+        KUBERNETES,
     ),
     # -- host memory -----------------------------------------------------------------------
     Family(
@@ -791,10 +822,10 @@ FAMILIES: tuple[Family, ...] = (
         "Resident host memory of one process of the server (VmRSS), pinned buffers included.",
         HOST_PROCESS_LABELS,
         "process_memory",
-        ("run", "node", "demo"),
+        HOST_PROCESSES,
         "host_process",
         "resident_bytes",
-        detail=("node",),
+        full_only=GPU_PROCESSES,
     ),
     Family(
         "host_process_resident_memory_peak_bytes",
@@ -803,10 +834,10 @@ FAMILIES: tuple[Family, ...] = (
         "current resident memory.",
         HOST_PROCESS_LABELS,
         "process_memory",
-        ("run", "node", "demo"),
+        HOST_PROCESSES,
         "host_process",
         "resident_peak_bytes",
-        detail=("node",),
+        full_only=GPU_PROCESSES,
     ),
     Family(
         "host_process_swap_bytes",
@@ -814,10 +845,10 @@ FAMILIES: tuple[Family, ...] = (
         "Host memory of one process of the server swapped out (VmSwap).",
         HOST_PROCESS_LABELS,
         "process_memory",
-        ("run", "node", "demo"),
+        HOST_PROCESSES,
         "host_process",
         "swap_bytes",
-        detail=("node",),
+        full_only=GPU_PROCESSES,
     ),
     Family(
         "host_memory_total_bytes",
@@ -825,7 +856,7 @@ FAMILIES: tuple[Family, ...] = (
         "Physical memory of the host (MemTotal in /proc/meminfo).",
         (),
         "host",
-        EVERY_MODE,
+        HOST,
         "machine_host",
         "total_bytes",
     ),
@@ -836,7 +867,7 @@ FAMILIES: tuple[Family, ...] = (
         "for pinned buffers, data loaders and the next process.",
         (),
         "host",
-        EVERY_MODE,
+        HOST,
         "machine_host",
         "available_bytes",
     ),
@@ -846,7 +877,7 @@ FAMILIES: tuple[Family, ...] = (
         "Swap space configured on the host.",
         (),
         "host",
-        EVERY_MODE,
+        HOST,
         "machine_host",
         "swap_total_bytes",
     ),
@@ -857,7 +888,7 @@ FAMILIES: tuple[Family, ...] = (
         "requests slow.",
         (),
         "host",
-        EVERY_MODE,
+        HOST,
         "machine_host",
         "swap_used_bytes",
     ),
@@ -871,7 +902,7 @@ FAMILIES: tuple[Family, ...] = (
         "process_resident_memory_bytes.",
         (),
         "host",
-        LIVE,
+        OWN_PROCESS,
         "own_process_host",
         "process_resident_peak_bytes",
     ),
@@ -900,15 +931,11 @@ def keys(name: str) -> tuple[str, ...]:
 
 # -- docs/metrics.md (written by exporter.reference) ----------------------------------------
 
-_MODE_WORDS = {
-    EVERY_MODE: "every mode",
-    IN_SERVER: "embedded, run, demo",
-    LIVE: "embedded, run, node",
-}
 
-
-def markdown_table() -> str:
-    """Every family as one row: what a scrape shows, its labels and where it is served."""
+def markdown_table(modes: Mapping[str, Collection[str]]) -> str:
+    """Every family as one row: what a scrape shows, its labels and the modes that serve it
+    (`modes`: each mode's name and what it has, exporter.modes; exporter.reference passes
+    them, since the modes sit above this table)."""
     rows = [
         "| family | type | labels | modes | source | help |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -918,23 +945,21 @@ def markdown_table() -> str:
         if entry.per_process:
             labels.append("process labels under `run`")
         labels += [f"`{name}` (value)" for name in entry.info_labels]
-        modes = _MODE_WORDS.get(entry.modes, ", ".join(entry.modes))
-        if entry.detail:
-            detail = _MODE_WORDS.get(entry.detail, ", ".join(entry.detail))
-            modes += (
-                " ("
-                + (
-                    "full detail only"
-                    if entry.detail == entry.modes
-                    else f"full detail only in {detail}"
-                )
-                + ")"
+        serving = [name for name, has in modes.items() if entry.served(has)]
+        full_only = [name for name in serving if entry.full_only_in(modes[name])]
+        words = "every mode" if len(serving) == len(modes) else ", ".join(serving)
+        if full_only:
+            detail = ", ".join(full_only)
+            words += (
+                " (full detail only)"
+                if full_only == serving
+                else f" (full detail only in {detail})"
             )
         cells = (
             f"`{entry.exposed}`",
             entry.kind,
             ", ".join(labels),
-            modes,
+            words,
             entry.source,
             entry.help.replace("|", "\\|"),
         )

@@ -190,10 +190,11 @@ class SampleCollector(Collector):
         self._requests = admin_requests
         # Families this mode does not serve, or not at this detail level (catalog.Family).
         mode = traits.name
+        has = traits.has
         self._left_out = frozenset(
             f.name
             for f in catalog.FAMILIES
-            if mode not in f.modes or (mode in f.detail and detail != "full")
+            if not f.served(has) or (f.full_only_in(has) and detail != "full")
         )
         self._state = state
         # A replay serves no `process_` family: those belong to the process that serves them.

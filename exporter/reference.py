@@ -17,7 +17,9 @@ from exporter import catalog, config, modes
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 TABLES: dict[str, Callable[[], str]] = {
-    "metrics.md": catalog.markdown_table,
+    "metrics.md": lambda: catalog.markdown_table(
+        {name: mode.traits.has for name, mode in modes.MODES.items()}
+    ),
     "settings.md": config.markdown_table,
     "architecture.md": modes.markdown_table,
 }

@@ -463,10 +463,15 @@ def names_detail_family(expr: str, mode: str, only: bool = False) -> bool:
     (only: and that no other mode serves at the default level)."""
     from exporter import catalog
 
+    def full_only(family: catalog.Family, has: frozenset[str]) -> bool:
+        return family.served(has) and family.full_only_in(has)
+
+    every = [m.traits.has for m in MODES.values()]
     names = {
         f.exposed
         for f in catalog.FAMILIES
-        if mode in f.detail and (not only or set(f.detail) >= set(f.modes))
+        if full_only(f, MODES[mode].traits.has)
+        and (not only or all(full_only(f, has) for has in every if f.served(has)))
     }
     return any(re.search(rf"\b{name}\b", expr) for name in names)
 

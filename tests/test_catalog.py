@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter import catalog, reference
 from exporter.catalog import PROCESS_LABELS
+from exporter.modes import MODES
 from exporter.sample import Sample
 from exporter.sources.replay import demo_trace_path
 from exporter.trace import read_trace
@@ -48,7 +49,7 @@ def test_every_family_served_is_declared_with_its_type_and_labels() -> None:
                 continue
             # The text format shows an info family as a gauge named <name>_info.
             entry = _BY_EXPOSED.get(family.name) or catalog.family(family.name)
-            assert mode in entry.modes, f"{entry.name} served in {mode}"
+            assert entry.served(MODES[mode].traits.has), f"{entry.name} served in {mode}"
             assert family.type == ("gauge" if entry.kind == "info" else entry.kind), entry.name
             allowed = {"rank", *entry.labels, *entry.info_labels}
             if per_process and entry.per_process:
@@ -98,10 +99,15 @@ def test_the_live_page_draws_declared_values() -> None:
     assert [f for f in FIELDS if f not in keys | derived] == []
 
 
-def test_the_catalog_names_the_declared_modes() -> None:
-    from exporter.modes import MODES
-
-    assert set(catalog.MODES) == set(MODES)
+def test_families_need_what_modes_have_and_every_need_is_had() -> None:
+    """A family names what it needs (catalog.NEEDS), never a mode; the modes declare what
+    they have: every need is some mode's, and every family is served by some mode."""
+    had = set().union(*(m.traits.has for m in MODES.values()))
+    assert had == set(catalog.NEEDS)
+    for f in catalog.FAMILIES:
+        assert f.needs in (catalog.ANYWHERE, *catalog.NEEDS), f.name
+        assert f.full_only in ("", catalog.EVERYWHERE, *catalog.NEEDS), f.name
+        assert any(f.served(m.traits.has) for m in MODES.values()), f.name
 
 
 def test_the_basic_level_serves_no_detail_family_and_the_full_level_serves_them() -> None:
@@ -111,7 +117,8 @@ def test_the_basic_level_serves_no_detail_family_and_the_full_level_serves_them(
     cases = [("embedded", False, demo[0]), ("run", True, run_shaped(demo[0]))]
     cases.append(("node", False, node_shaped(demo[0])))
     for mode, per_process, sample in cases:
-        detailed = {f.exposed for f in catalog.FAMILIES if mode in f.detail}
+        has = MODES[mode].traits.has
+        detailed = {f.exposed for f in catalog.FAMILIES if f.served(has) and f.full_only_in(has)}
         served = {}
         for detail in ("basic", "full"):
             text = _exposition(sample, mode, {}, per_process, detail)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from exporter.actions.base import Actions
 from exporter.actions.snapshots import SnapshotStore
+from exporter.catalog import ALLOCATOR, DEVICES, HOST, HOST_PROCESSES
 from exporter.config import Config, ConfigError
 from exporter.modes.mode import Mode, first_sample
 from exporter.sources import Source
@@ -53,7 +54,13 @@ def demo_folder() -> str:
 
 
 MODE = Mode(
-    Traits("demo", own_process=False, recorded=True, admin_open=True),
+    # The recording's allocator, GPUs, host and process; the process that serves is not it.
+    Traits(
+        "demo",
+        frozenset({ALLOCATOR, DEVICES, HOST, HOST_PROCESSES}),
+        recorded=True,
+        admin_open=True,
+    ),
     "`gpumem-exporter demo`: a trace recorded on a real GPU, replayed",
     "its own HTTP server",
     "the recording: the snapshot of the replayed moment; nothing changes",

@@ -8,6 +8,8 @@ from typing import Any
 from exporter.actions.base import Actions
 from exporter.actions.local import LocalActions
 from exporter.actions.snapshots import SnapshotStore
+from exporter.catalog import ALLOCATOR as ALLOCATOR_READ
+from exporter.catalog import DEVICES, HOST, OWN_PROCESS
 from exporter.config import Config
 from exporter.modes.mode import Mode, first_sample
 from exporter.sources import ALLOCATOR, DEVICE_MEMORY, HOST_MEMORY, OOM_VERDICTS, Source, providing
@@ -26,7 +28,7 @@ def local_actions(config: Config, sources: Sequence[Source]) -> Actions:
 
 
 MODE = Mode(
-    Traits("embedded"),
+    Traits("embedded", frozenset({ALLOCATOR_READ, DEVICES, HOST, OWN_PROCESS})),
     "inside a PyTorch server: exporter.start(), or attach() to its own app",
     "its own HTTP thread (start), or routes on the app and registry it has (attach)",
     "this process's allocator",

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+from exporter.catalog import (
+    BUDGETS,
+    DEVICES,
+    GPU_PROCESSES,
+    HOST,
+    HOST_PROCESSES,
+    KUBERNETES,
+    OWN_PROCESS,
+)
 from exporter.modes.embedded import local_actions
 from exporter.modes.mode import Mode
 from exporter.sampler import Sampler
-from exporter.sources import DEVICE_MEMORY, HOST_MEMORY, HOST_PROCESSES, KUBERNETES
+from exporter.sources import DEVICE_MEMORY, HOST_MEMORY
+from exporter.sources import HOST_PROCESSES as HOST_PROCESS_MEMORY
+from exporter.sources import KUBERNETES as KUBELET
 from exporter.traits import Traits
 
 
@@ -29,12 +40,15 @@ def blind_reason(sampler: Sampler) -> str | None:
 
 
 MODE = Mode(
-    Traits("node"),
+    Traits(
+        "node",
+        frozenset({DEVICES, HOST, OWN_PROCESS, BUDGETS, HOST_PROCESSES, GPU_PROCESSES, KUBERNETES}),
+    ),
     "the node daemon, `gpumem-exporter serve`: NVML, host memory, Kubernetes",
     "its own HTTP server",
     "its own process, which holds no allocator: actions answer 409",
     "NVML answers for a GPU (it exists to read NVML)",
     blind_reason,
     local_actions,
-    reads=(DEVICE_MEMORY, HOST_MEMORY, HOST_PROCESSES, KUBERNETES),
+    reads=(DEVICE_MEMORY, HOST_MEMORY, HOST_PROCESS_MEMORY, KUBELET),
 )

@@ -3,6 +3,15 @@
 
 from __future__ import annotations
 
+from exporter.catalog import (
+    AGENTS,
+    ALLOCATOR,
+    BUDGETS,
+    DEVICES,
+    HOST,
+    HOST_PROCESSES,
+    OWN_PROCESS,
+)
 from exporter.modes.mode import Mode, first_sample
 from exporter.sampler import Sampler
 from exporter.sources import DEVICE_MEMORY, HOST_MEMORY
@@ -33,7 +42,11 @@ def every_process_reports(sampler: Sampler) -> str | None:
 
 
 MODE = Mode(
-    Traits("run", one_process=False),
+    Traits(
+        "run",
+        frozenset({ALLOCATOR, DEVICES, HOST, OWN_PROCESS, AGENTS, BUDGETS, HOST_PROCESSES}),
+        one_process=False,
+    ),
     "`gpumem-exporter run -- CMD`: a launcher for every process of a server, an agent in each",
     "the launcher's HTTP server, one /metrics for every process",
     "each process of the server (or the one chosen), through its agent",

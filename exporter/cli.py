@@ -38,7 +38,7 @@ from exporter.config import (
     load_config,
     read_token_file,
 )
-from exporter.http.server import HttpServer, ServerStartError, create_app
+from exporter.http.server import ServerStartError
 from exporter.identity import describe_process
 from exporter.runtime import build_runtime, sources_for
 from exporter.sources import Source
@@ -400,9 +400,8 @@ def _writable(path: Path, flag: str, *, folder_ok: bool = False) -> None:
 
 def _serve(config: Config, sources: Sequence[Source], mode: str) -> int:
     runtime = build_runtime(config, mode=mode, sources=sources)
-    app = create_app(runtime)
     try:
-        http = HttpServer(app, config.host, config.port)
+        http = runtime.server()
     except ServerStartError as exc:
         raise CliError(str(exc)) from None
     # uvicorn shuts down on SIGTERM, then raises it again with the handler it found: this one

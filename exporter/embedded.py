@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from exporter.config import Config, load_config
 from exporter.detectors import Listener as AlertListener
-from exporter.http.server import HttpServer, ServerStartError, add_routes, create_app
+from exporter.http.server import HttpServer, ServerStartError, add_routes
 from exporter.multiprocess import MultiprocessBridge, multiprocess_dir
 from exporter.run import agent
 from exporter.run.agent import RUN_DIR_ENV
@@ -232,10 +232,8 @@ def _under_run(config: Config) -> Handle:
 
 
 def _serve(runtime: Runtime, handle: Handle) -> None:
-    config = runtime.config
     try:
-        app = create_app(runtime)
-        http = HttpServer(app, config.host, config.port)
+        http = runtime.server()
     except ServerStartError as exc:
         handle.error = str(exc)
         log.error(

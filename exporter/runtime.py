@@ -19,6 +19,7 @@ from exporter.detectors import Listener as AlertListener
 from exporter.exposition import ExpositionCache
 from exporter.http.admin import Admin
 from exporter.http.identities import KubernetesIdentities
+from exporter.http.server import HttpServer, create_app
 from exporter.http.web import WebSecurity
 from exporter.http.webconfig import WebConfigError
 from exporter.identity import identity_labels
@@ -61,6 +62,13 @@ class Runtime:
     @property
     def traits(self) -> Traits:
         return self.declared.traits
+
+    def server(self) -> HttpServer:
+        """Its own HTTP server (/metrics, health, admin, the live page) on the configured host
+        and port, not started: the entry point runs it in the foreground (serve, demo) or in
+        the background (start(), run's launcher). ServerStartError in one line where the
+        address is taken or invalid."""
+        return HttpServer(create_app(self), self.config.host, self.config.port)
 
 
 def web_security(config: Config) -> WebSecurity:

@@ -33,7 +33,7 @@ import psutil
 from exporter import atomic
 from exporter.actions.snapshots import SnapshotStore
 from exporter.config import SETTINGS, Config
-from exporter.http.server import HttpServer, ServerStartError, create_app
+from exporter.http.server import ServerStartError
 from exporter.run import reaper
 from exporter.run.agent import CONFIG_NAME, RUN_DIR_ENV, SOCKET_NAME
 from exporter.run.aggregator import Aggregator
@@ -120,7 +120,7 @@ def _run(command: Sequence[str], config: Config, supervisor: Supervisor) -> int:
         sources: list[Source] = [aggregator, server_processes, *machine]
         actions = FanOutActions(aggregator, SnapshotStore.for_config(config))
         runtime = build_runtime(config, mode="run", sources=sources, actions=actions)
-        http = HttpServer(create_app(runtime), config.host, config.port)  # ServerStartError
+        http = runtime.server()  # ServerStartError
         cleanup.callback(http.stop)
         runtime.sampler.start()
         cleanup.callback(runtime.sampler.stop)

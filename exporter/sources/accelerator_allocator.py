@@ -24,8 +24,23 @@ from exporter.sources.non_allocator import NonAllocatorProbe
 from exporter.sources.torch_allocator import (
     NATIVE,
     allocator_reading_from_stats,
+    has_context,
     nvml_uuid,
     parse_alloc_conf,
+)
+
+# The parts of an allocator reading it fills: what the allocator's statistics hold, as the
+# torch.cuda source fills them (which adds the layout, the cap, settings and OOM verdicts).
+PARTS = (
+    "device",
+    "gpu_uuid",
+    "backend",
+    "expandable_segments",
+    "gauges",
+    "counters",
+    "pools",
+    "max_split_size_bytes",
+    "private_pools",
 )
 
 
@@ -73,7 +88,7 @@ class AcceleratorAllocatorSource:
         expandable = parse_alloc_conf(self._env).get("expandable_segments", "").lower() == "true"
         readings = []
         for index in range(accelerator.device_count()):
-            if not self._has_context(torch, kind, index):
+            if not has_context(torch, kind, index, self._with_context):
                 continue
             stats = stats_of(index)
             reading = allocator_reading_from_stats(
@@ -90,20 +105,6 @@ class AcceleratorAllocatorSource:
         if self._non_allocator is not None:
             self._non_allocator.apply(readings, lambda i: self._reserved_now(stats_of, i))
         return SourceReading(allocators=readings)
-
-    def _has_context(self, torch: Any, kind: str, index: int) -> bool:
-        """Whether this process initialized device `index`, where the device type can say
-        without initializing it (CUDA and ROCm: the primary context); True where it cannot
-        (then the read is kept only if the allocator ever reserved memory there)."""
-        if index in self._with_context:
-            return True
-        has_context = getattr(torch._C, f"_{kind}_hasPrimaryContext", None)
-        if has_context is None:
-            return True
-        if has_context(index):
-            self._with_context.add(index)
-            return True
-        return False
 
     def _backend(self, torch: Any, kind: str) -> str:
         module = getattr(torch, kind, None)

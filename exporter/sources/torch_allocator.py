@@ -181,6 +181,23 @@ def block_count(stats: Mapping[str, Any], expandable_segments: bool) -> int:
         return 0
 
 
+def has_context(torch: Any, kind: str, index: int, known: set[int]) -> bool:
+    """Whether this process initialized device `index` of this device type (its primary
+    context), asked without initializing it; `known` caches the devices that have one (torch
+    never tears a primary context down). True where torch cannot say (the private API exists
+    in torch 2.4-2.13 for CUDA and ROCm): reading stats is still safe there, and an untouched
+    device reads all zeros, which the caller leaves out."""
+    if index in known:
+        return True
+    check = getattr(torch._C, f"_{kind}_hasPrimaryContext", None)
+    if check is None:
+        return True
+    if check(index):
+        known.add(index)
+        return True
+    return False
+
+
 def nvml_uuid(uuid: object) -> str:
     """A device UUID as torch gives it, in NVML's spelling ("GPU-<uuid>"), so that allocator
     and device series join on gpu_uuid."""
@@ -246,18 +263,7 @@ class TorchAllocatorSource:
         return self._torch
 
     def _has_context(self, torch: Any, index: int) -> bool:
-        # A primary context is never torn down by torch, so a positive answer is cached.
-        if index in self._with_context:
-            return True
-        has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
-        if has_context is None:
-            # Private API gone (it exists in torch 2.4-2.13): reading stats is still safe,
-            # an untouched device just reads all zeros and is filtered out by the caller.
-            return True
-        if has_context(index):
-            self._with_context.add(index)
-            return True
-        return False
+        return has_context(torch, "cuda", index, self._with_context)
 
     def _gpu_uuid(self, torch: Any, index: int) -> str:
         if index not in self._uuids:

@@ -277,27 +277,34 @@ def test_the_agent_is_off_outside_run():
     assert proc.stdout.strip() == "False"
 
 
-@pytest.mark.parametrize(("interval", "has_layout"), [(10.0, True), (0.0, False)])
-def test_agents_read_the_layout_as_the_launcher_configured(tmp_path, interval, has_layout):
-    """The launcher's settings (agent.json) reach each agent's allocator source: with
-    GPUMEM_LAYOUT_INTERVAL_S=0 no process takes allocator snapshots."""
-    (tmp_path / "agent.json").write_text(json.dumps({"layout_interval_s": interval}))
+def agent_probe(run_dir: Path, settings: dict, lines: str) -> list[str]:
+    """What an agent made from these launcher settings (agent.json) prints, in a process of
+    the fake torch that uses cuda:0: `agent` is the Agent, `reading` its first reading."""
+    (run_dir / "agent.json").write_text(json.dumps(settings))
     probe = (
         "import sys, torch\n"
         "from exporter.run.agent import Agent\n"
         "torch.cuda.set_device(0)\n"
-        "(reading,) = Agent(sys.argv[1]).source.read().allocators\n"
-        "print(bool(reading.layout))\n"
-    )
+        "agent = Agent(sys.argv[1])\n"
+        "(reading,) = agent.source.read().allocators\n"
+    ) + lines
     proc = subprocess.run(
-        [sys.executable, "-c", probe, str(tmp_path)],
+        [sys.executable, "-c", probe, str(run_dir)],
         capture_output=True,
         text=True,
         timeout=60,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_TORCH), str(REPO_ROOT)])},
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == str(has_layout)
+    return proc.stdout.split()
+
+
+@pytest.mark.parametrize(("interval", "has_layout"), [(10.0, True), (0.0, False)])
+def test_agents_read_the_layout_as_the_launcher_configured(tmp_path, interval, has_layout):
+    """The launcher's settings (agent.json) reach each agent's allocator source: with
+    GPUMEM_LAYOUT_INTERVAL_S=0 no process takes allocator snapshots."""
+    said = agent_probe(tmp_path, {"layout_interval_s": interval}, "print(bool(reading.layout))")
+    assert said == [str(has_layout)]
 
 
 @pytest.mark.parametrize(
@@ -307,26 +314,13 @@ def test_agents_read_the_layout_as_the_launcher_configured(tmp_path, interval, h
 def test_agents_read_the_allocator_the_launcher_picked(tmp_path, api, source, judges_ooms):
     """GPUMEM_ALLOCATOR_API reaches each agent (agent.json): torch.accelerator's source reads
     the process's allocator there; OOM verdicts come only from the one that judges them."""
-    (tmp_path / "agent.json").write_text(json.dumps({"allocator_api": api}))
-    probe = (
-        "import sys, torch\n"
-        "from exporter.run.agent import Agent\n"
-        "torch.cuda.set_device(0)\n"
-        "agent = Agent(sys.argv[1])\n"
-        "(reading,) = agent.source.read().allocators\n"
+    lines = (
         "actions = agent._arm()\n"
         "print(agent.source.name, reading.gauges['allocated_bytes'] > 0, "
         "actions.oom_reader is not None)\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", probe, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_TORCH), str(REPO_ROOT)])},
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == [source, "True", str(judges_ooms)]
+    said = agent_probe(tmp_path, {"allocator_api": api}, lines)
+    assert said == [source, "True", str(judges_ooms)]
 
 
 def test_port_per_local_rank_without_run(tmp_path):

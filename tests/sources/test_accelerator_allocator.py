@@ -11,28 +11,14 @@ from dataclasses import asdict
 import pytest
 
 from exporter.sample import SourceReading
-from exporter.sources.accelerator_allocator import AcceleratorAllocatorSource
+from exporter.sources.accelerator_allocator import PARTS, AcceleratorAllocatorSource
 from exporter.sources.torch_allocator import TorchAllocatorSource
 from tests.conftest import DATA_DIR
 from tests.helpers import FakeCuda, fake_torch
 
-# What both sources read from the allocator's statistics (the cuda source adds the layout,
-# the cap, its settings and OOM verdicts).
-CORE = (
-    "device",
-    "gpu_uuid",
-    "backend",
-    "expandable_segments",
-    "gauges",
-    "counters",
-    "pools",
-    "max_split_size_bytes",
-    "private_pools",
-)
-
 
 def core(readings) -> list[dict]:
-    return [{k: asdict(r)[k] for k in CORE} for r in readings]
+    return [{k: asdict(r)[k] for k in PARTS} for r in readings]
 
 
 @pytest.mark.parametrize("name", ["native", "expandable", "async"])

@@ -773,7 +773,7 @@ def accelerator_source(index: str = "0") -> dict[str, Any]:
     devices have a context after both read."""
     import torch
 
-    from exporter.sources.accelerator_allocator import AcceleratorAllocatorSource
+    from exporter.sources.accelerator_allocator import PARTS, AcceleratorAllocatorSource
     from exporter.sources.torch_allocator import TorchAllocatorSource
 
     used = int(index)
@@ -786,24 +786,13 @@ def accelerator_source(index: str = "0") -> dict[str, Any]:
     torch.cuda.synchronize()
     cuda_source = TorchAllocatorSource(layout_interval_s=0)
     accelerator = AcceleratorAllocatorSource()
-    core = (
-        "device",
-        "gpu_uuid",
-        "backend",
-        "expandable_segments",
-        "gauges",
-        "counters",
-        "pools",
-        "max_split_size_bytes",
-        "private_pools",
-    )
     pairs, caps = [], []
     for _ in range(3):
         a = cuda_source.read().allocators
         b = accelerator.read().allocators
         # The memory cap is torch.cuda's alone (its fraction getter): compared without it.
         caps.append([r.gauges.pop("memory_limit_bytes", None) for r in (*a, *b)])
-        pairs.append([[{k: asdict(r)[k] for k in core} for r in readings] for readings in (a, b)])
+        pairs.append([[{k: asdict(r)[k] for k in PARTS} for r in readings] for readings in (a, b)])
     has_context = [bool(_has_primary_context(i)) for i in range(torch.cuda.device_count())]
     return {
         "used": used,

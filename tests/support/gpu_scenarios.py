@@ -146,7 +146,7 @@ def backend() -> dict[str, Any]:
     import torch
 
     from exporter.metrics import ExporterState, SampleCollector
-    from exporter.traits import Traits
+    from exporter.modes import MODES
 
     keep = []
     allocs = [
@@ -161,7 +161,7 @@ def backend() -> dict[str, Any]:
         lambda: ExporterState(sample=sample),
         const_labels={},
         version="test",
-        traits=Traits("embedded"),
+        traits=MODES["embedded"].traits,
         detail="full",  # the per-pool families too
     )
     names = sorted({s.name for family in collector.collect() for s in family.samples})

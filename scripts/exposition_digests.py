@@ -12,9 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from unittest import mock
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest

@@ -46,12 +46,12 @@ def read_environ(pid: int, proc: str = "/proc") -> dict[bytes, bytes]:
     return dict(item.partition(b"=")[::2] for item in raw.split(b"\0") if item)
 
 
-def describe(pid: int, proc: str = "/proc") -> dict[str, str]:
+def describe(pid: int, proc: str = "/proc", args: list[str] | None = None) -> dict[str, str]:
     """role (GPUMEM_ROLE, else what its command line says: identity.command_role) and rank
-    (RANK) as the process started."""
+    (RANK) as the process started (`args`: its command line, where already read)."""
     env = read_environ(pid, proc)
     role = env.get(b"GPUMEM_ROLE", b"").decode(errors="replace") or command_role(
-        command_line(pid, proc)
+        command_line(pid, proc) if args is None else args
     )
     return {"role": role[:64], "rank": env.get(b"RANK", b"").decode(errors="replace")[:16]}
 
@@ -80,10 +80,12 @@ class ProcessMemorySource:
     ) -> None:
         self._pids = pids
         # Live labels where they are known (an agent's hello carries the RANK it runs with),
-        # else what the process started with, read once per pid.
+        # else what the process started with, read again only when its command line changes:
+        # a process seen between fork and exec (the launcher starting the command, a spawn
+        # worker) has its parent's, and a pid's first description must not stick past exec.
         self._labels = labels
         self._proc = proc
-        self._described: dict[int, dict[str, str]] = {}
+        self._described: dict[int, tuple[list[str], dict[str, str]]] = {}
 
     def read(self) -> SourceReading:
         pids = sorted(set(self._pids()))
@@ -95,9 +97,11 @@ class ProcessMemorySource:
                 continue
             labels = known.get(pid)
             if labels is None:
-                if pid not in self._described:
-                    self._described[pid] = describe(pid, self._proc)
-                labels = self._described[pid]
+                args = command_line(pid, self._proc)
+                seen = self._described.get(pid)
+                if seen is None or seen[0] != args:
+                    seen = self._described[pid] = (args, describe(pid, self._proc, args))
+                labels = seen[1]
             readings.append(
                 HostProcessReading(
                     pid=pid,

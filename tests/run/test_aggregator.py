@@ -374,3 +374,20 @@ def test_an_unbacked_rank_stands_only_while_no_other_process_has_it(run_dir):
             proc.kill()
             proc.wait()
         aggregator.close()
+
+
+def test_a_process_seen_before_its_exec_is_described_again_after_it(tmp_path):
+    """Between fork and exec a child has its parent's command line (the launcher's, as a
+    clean-clone CI run caught: the command labelled `exporter.cli` for good). Its role follows
+    the command line it has now, not the first one seen."""
+    from exporter.sources.process_memory import ProcessMemorySource
+
+    folder = tmp_path / "7"
+    folder.mkdir()
+    (folder / "status").write_text("VmRSS:\t100 kB\n")
+    (folder / "cmdline").write_bytes(b"python\0-m\0exporter.cli\0run\0--\0python\0train.py\0")
+    source = ProcessMemorySource(lambda: [7], proc=str(tmp_path))
+    assert [r.role for r in source.read().host_processes] == ["exporter.cli"]
+    (folder / "cmdline").write_bytes(b"python\0train.py\0")  # the exec
+    (folder / "environ").write_bytes(b"RANK=3\0")
+    assert [(r.role, r.rank) for r in source.read().host_processes] == [("train.py", "3")]

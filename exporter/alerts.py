@@ -40,21 +40,39 @@ class Trend(Protocol):
     def slope(self) -> float | None: ...
 
 
+class Memory(Protocol):
+    """What conditions remember between samples, per alert and subject (the detectors)."""
+
+    def rose(self, alert: str, key: Subject, t: float, value: float) -> Check: ...
+    def trend(self, name: str, key: Subject, window_s: float) -> Trend: ...
+
+
+# The labels naming what an alert is about, as a hashable, ordered key.
+Subject = tuple[tuple[str, str], ...]
+
+
 @dataclass
 class Evaluation:
     """What one alert's condition sees of one subject in one sample."""
 
     t: float
     settings: Config
+    memory: Memory
+    key: Subject
     allocator: AllocatorReading | None = None
     gpu: GpuReading | None = None
     gpu_free: int | None = None  # NVML's free bytes of the allocator's GPU, where read
     host: HostReading | None = None
     process: HostProcessReading | None = None
-    # Set by the detectors for each alert: when its counter last rose (value -> Check) and a
-    # trend kept for this subject under a name over a window.
-    rose: Callable[[float], Check] | None = None
-    trend: Callable[[str, float], Trend] | None = None
+    alert: str = ""  # the alert being evaluated (the detectors set it before each condition)
+
+    def rose(self, value: float) -> Check:
+        """Whether this alert's counter for this subject rose within the window."""
+        return self.memory.rose(self.alert, self.key, self.t, value)
+
+    def trend(self, name: str, window_s: float) -> Trend:
+        """The trend kept for this subject under `name`."""
+        return self.memory.trend(name, self.key, window_s)
 
 
 Condition = Callable[[Evaluation], "Check | None"]
@@ -107,7 +125,7 @@ def _fragmentation(e: Evaluation) -> Check | None:
 
 def _counter(name: str) -> Condition:
     def rose(e: Evaluation) -> Check:
-        assert e.allocator is not None and e.rose is not None
+        assert e.allocator is not None
         return e.rose(e.allocator.counters[name])
 
     return rose
@@ -120,7 +138,7 @@ def _has_counter(name: str) -> Callable[[Evaluation], bool]:
 def _fragmentation_ooms(e: Evaluation) -> Check:
     """OOMs whose verdict was fragmentation: the cache had the bytes, in pieces. Its own
     critical alert, because its fix is a setting, not more memory."""
-    assert e.allocator is not None and e.rose is not None
+    assert e.allocator is not None
     return e.rose(e.allocator.ooms_by_verdict.get("fragmentation", 0))
 
 
@@ -190,7 +208,6 @@ def _headroom(e: Evaluation) -> Check:
 def _exhaustion(e: Evaluation) -> Check:
     _, free, share = _gpu_free_share(e)
     s = e.settings
-    assert e.trend is not None
     trend = e.trend("free", s.detect_exhaustion_window_s)
     trend.add(e.t, free)
     slope = trend.slope()
@@ -217,7 +234,7 @@ def _host_pressure(e: Evaluation) -> Check | None:
 
 def _swap(e: Evaluation) -> Check:
     host = e.host
-    assert host is not None and e.trend is not None
+    assert host is not None
     s = e.settings
     trend = e.trend("swap", s.detect_swap_window_s)
     trend.add(e.t, host.swap_used_bytes)

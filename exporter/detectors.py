@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from exporter.alerts import ALERTS, BY_NAME, ON, Alert, Check, Evaluation
+from exporter.alerts import ALERTS, BY_NAME, ON, Alert, Check, Evaluation, Subject
 from exporter.config import Config
 from exporter.sample import Sample
 
@@ -123,8 +123,6 @@ class _Counter:
 
 
 Listener = Callable[[AlertEvent], None]
-# The labels naming what an alert is about, as a hashable, ordered key.
-Subject = tuple[tuple[str, str], ...]
 
 
 def subject(labels: Mapping[str, str]) -> Subject:
@@ -149,6 +147,8 @@ class Detectors:
     ) -> None:
         # The thresholds are settings (detect_*); defaults where none are given.
         self.settings = settings if settings is not None else Config()
+        # How long each alert's condition must hold, read from the settings once.
+        self._holds = {a.name: getattr(self.settings, a.hold) if a.hold else 0.0 for a in ALERTS}
         self.listeners = list(listeners or [])
         # Off in the agents of `gpumem-exporter run`, which detect only to remediate: the
         # launcher logs each alert once for the pod.
@@ -170,37 +170,31 @@ class Detectors:
             labels = {"device": str(reading.device), "gpu_uuid": reading.gpu_uuid}
             key = subject({**labels, **reading.process})
             present.add(key)
-            seen = self._seen(t, allocator=reading, gpu_free=gpu_free.get(reading.gpu_uuid))
-            self._evaluate("allocator", key, seen)
+            free = gpu_free.get(reading.gpu_uuid)
+            self._evaluate("allocator", key, t, allocator=reading, gpu_free=free)
         for gpu in sample.gpus:
             if gpu.free_bytes is None or not gpu.total_bytes:
                 continue
             key = subject({"gpu": str(gpu.index), "gpu_uuid": gpu.uuid})
-            self._evaluate("gpu", key, self._seen(t, gpu=gpu))
+            self._evaluate("gpu", key, t, gpu=gpu)
         host = sample.host
         if host is not None:
-            self._evaluate("host", (), self._seen(t, host=host))
+            self._evaluate("host", (), t, host=host)
             for process in sample.host_processes:
                 key = subject({"pid": str(process.pid), "role": process.role, "rank": process.rank})
                 present.add(key)
-                self._evaluate("host_process", key, self._seen(t, host=host, process=process))
+                self._evaluate("host_process", key, t, host=host, process=process)
         self._forget_gone_processes(present, t)
         self.evaluations += 1
 
-    def _seen(self, t: float, **readings: Any) -> Evaluation:
-        return Evaluation(t, self.settings, **readings)
-
-    def _evaluate(self, on: str, key: Subject, seen: Evaluation) -> None:
+    def _evaluate(self, on: str, key: Subject, t: float, **readings: Any) -> None:
         """Each alert declared for this kind of subject, in declaration order."""
+        seen = Evaluation(t, self.settings, self, key, **readings)
         for alert in _ON[on]:
             if not alert.applies(seen):
                 continue
-            name = alert.name
-            # Called at once, inside this iteration: name and key are this alert's.
-            seen.rose = lambda value: self._rose(name, key, seen.t, value)  # noqa: B023
-            seen.trend = lambda trend, window_s: self._trend(trend, key, window_s)
-            hold = getattr(self.settings, alert.hold) if alert.hold else 0.0
-            self._apply(name, key, seen.t, alert.condition(seen), hold)
+            seen.alert = alert.name
+            self._apply(alert.name, key, t, alert.condition(seen), self._holds[alert.name])
 
     def _forget_gone_processes(self, present: set[Subject], t: float) -> None:
         """A process that exited (a subject with a pid that this sample no longer has) takes
@@ -233,7 +227,7 @@ class Detectors:
 
     # -- what conditions remember ----------------------------------------------------------
 
-    def _rose(self, alert: str, key: Subject, t: float, value: float) -> Check:
+    def rose(self, alert: str, key: Subject, t: float, value: float) -> Check:
         """Firing while the counter rose within the window; its value the latest rise."""
         counter = self._counters.setdefault((alert, key), _Counter())
         counter.update(t, value)
@@ -241,7 +235,7 @@ class Detectors:
         recent = counter.risen_at is not None and t - counter.risen_at < window_s
         return Check(recent, not recent, counter.rise if recent else 0.0)
 
-    def _trend(self, name: str, key: Subject, window_s: float) -> _Series:
+    def trend(self, name: str, key: Subject, window_s: float) -> _Series:
         return self._series.setdefault((name, key), _Series(window_s))
 
     # -- state machine ------------------------------------------------------------------

@@ -79,6 +79,16 @@ def wait_until_stalled(server: HttpServer, count: int) -> None:
         time.sleep(0.1)
 
 
+def half_sent(address: tuple[str, int], count: int) -> list[socket.socket]:
+    """`count` connections, each reading a request it started and never finishes."""
+    held = []
+    for _ in range(count):
+        sock = socket.create_connection(address, timeout=10)
+        sock.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+        held.append(sock)
+    return held
+
+
 @pytest.mark.slow
 def test_seventy_slow_readers_take_neither_scrapes_nor_health_checks_away(tmp_path, monkeypatch):
     monkeypatch.setattr(guard, "WRITE_TIMEOUT_S", 8.0)
@@ -179,11 +189,7 @@ def test_beyond_the_cap_only_probes_get_the_reserve_and_others_503(tmp_path, mon
     monkeypatch.setattr(guard, "READ_GRACE_S", 60.0)
     with served(tmp_path) as (server, _):
         address = ("127.0.0.1", server.port)
-        held = []
-        for _ in range(guard.MAX_CONNECTIONS):
-            sock = socket.create_connection(address, timeout=10)
-            sock.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
-            held.append(sock)
+        held = half_sent(address, guard.MAX_CONNECTIONS)
         try:
             time.sleep(0.3)
             assert status_line(address, "/healthz") == b"HTTP/1.1 200 OK"
@@ -205,11 +211,7 @@ def test_connections_closed_lingering_hold_no_slot(tmp_path, monkeypatch):
     monkeypatch.setattr(guard, "READ_GRACE_S", 60.0)
     with served(tmp_path) as (server, _):
         address = ("127.0.0.1", server.port)
-        held = []
-        for _ in range(guard.MAX_CONNECTIONS):
-            sock = socket.create_connection(address, timeout=10)
-            sock.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
-            held.append(sock)
+        held = half_sent(address, guard.MAX_CONNECTIONS)
         try:
             time.sleep(0.3)
             for _ in range(guard.PROBE_RESERVE + 4):  # answered 503, kept open: lingering
@@ -234,11 +236,7 @@ def test_a_kept_alive_scraper_keeps_its_connection_when_the_server_fills(tmp_pat
         scraper.request("GET", "/metrics")
         assert scraper.getresponse().read()
         local_port = scraper.sock.getsockname()[1]
-        held = []
-        for _ in range(guard.MAX_CONNECTIONS + 5):
-            sock = socket.create_connection(address, timeout=10)
-            sock.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
-            held.append(sock)
+        held = half_sent(address, guard.MAX_CONNECTIONS + 5)
         try:
             time.sleep(0.3)
             scraper.request("GET", "/metrics")  # on the same connection, not a new one

@@ -227,12 +227,6 @@ _HOLD = _seconds(0.0, 86400.0)  # how long a condition holds before its alert fi
 _WINDOW = _seconds(1.0, 86400.0)  # a window a rate or trend is read over
 
 
-def _threshold(
-    default: float, help: str, parse: Callable[[Any, str], Any], default_text: str = ""
-) -> Any:
-    return setting(default, help, parse, default_text=default_text)
-
-
 @_expected(" or ".join(DETAIL_LEVELS))
 def _detail(value: Any) -> str:
     text = str(value).strip().lower()
@@ -437,93 +431,105 @@ class Config:
         default_text="the copy served at /runbooks",
     )
     # -- in-process alerts (exporter.alerts): each is read by the alerts that name it --------
-    detect_fragmentation_ratio: float = _threshold(
+    detect_fragmentation_ratio: float = setting(
         0.3, "GpuMemFragmentationHigh: inactive split bytes over reserved above this", _SHARE
     )
-    detect_fragmentation_min_reserved_bytes: float = _threshold(
+    detect_fragmentation_min_reserved_bytes: float = setting(
         float(1 << 30),
         "GpuMemFragmentationHigh: only with more than this reserved",
         _BYTES,
-        "1 GiB",
+        default_text="1 GiB",
     )
-    detect_fragmentation_for_s: float = _threshold(
+    detect_fragmentation_for_s: float = setting(
         600.0, "GpuMemFragmentationHigh: seconds the condition holds before it fires", _HOLD
     )
-    detect_counter_window_s: float = _threshold(
+    detect_counter_window_s: float = setting(
         600.0,
         "GpuMemAllocRetries, GpuMemOutOfMemory, GpuMemOomFragmentation: firing while the "
         "counter rose within this many seconds",
         _WINDOW,
     )
-    detect_cache_gap_bytes: float = _threshold(
-        float(4 << 30), "GpuMemCacheGapHigh: reserved minus allocated above this", _BYTES, "4 GiB"
+    detect_cache_gap_bytes: float = setting(
+        float(4 << 30),
+        "GpuMemCacheGapHigh: reserved minus allocated above this",
+        _BYTES,
+        default_text="4 GiB",
     )
-    detect_cache_gap_ratio: float = _threshold(
+    detect_cache_gap_ratio: float = setting(
         0.5, "GpuMemCacheGapHigh: and that gap over reserved above this", _SHARE
     )
-    detect_cache_gap_for_s: float = _threshold(
+    detect_cache_gap_for_s: float = setting(
         1800.0, "GpuMemCacheGapHigh: seconds the condition holds before it fires", _HOLD
     )
-    detect_shattered_block_share: float = _threshold(
+    detect_shattered_block_share: float = setting(
         0.25,
         "GpuMemFreeCacheShattered: the largest free block under this share of the default "
         "pool's free bytes, and the GPU's room (or the cap's) under it too",
         _SHARE,
     )
-    detect_shattered_min_free_bytes: float = _threshold(
-        float(2 << 30), "GpuMemFreeCacheShattered: only with more than this free", _BYTES, "2 GiB"
+    detect_shattered_min_free_bytes: float = setting(
+        float(2 << 30),
+        "GpuMemFreeCacheShattered: only with more than this free",
+        _BYTES,
+        default_text="2 GiB",
     )
-    detect_shattered_for_s: float = _threshold(
+    detect_shattered_for_s: float = setting(
         900.0, "GpuMemFreeCacheShattered: seconds the condition holds before it fires", _HOLD
     )
-    detect_headroom_free_ratio: float = _threshold(
+    detect_headroom_free_ratio: float = setting(
         0.05, "GpuMemHeadroomLow: the GPU's free share under this", _SHARE
     )
-    detect_headroom_for_s: float = _threshold(
+    detect_headroom_for_s: float = setting(
         600.0, "GpuMemHeadroomLow: seconds the condition holds before it fires", _HOLD
     )
-    detect_exhaustion_free_ratio: float = _threshold(
+    detect_exhaustion_free_ratio: float = setting(
         0.2, "GpuMemExhaustionPredicted: the GPU's free share under this", _SHARE
     )
-    detect_exhaustion_horizon_s: float = _threshold(
+    detect_exhaustion_horizon_s: float = setting(
         3600.0, "GpuMemExhaustionPredicted: free memory reaches zero within this", _WINDOW
     )
-    detect_exhaustion_window_s: float = _threshold(
+    detect_exhaustion_window_s: float = setting(
         600.0, "GpuMemExhaustionPredicted: the trend is fitted over this many seconds", _WINDOW
     )
-    detect_exhaustion_for_s: float = _threshold(
+    detect_exhaustion_for_s: float = setting(
         900.0, "GpuMemExhaustionPredicted: seconds the condition holds before it fires", _HOLD
     )
-    detect_host_available_ratio: float = _threshold(
+    detect_host_available_ratio: float = setting(
         0.05, "HostMemoryPressure: available host memory's share under this", _SHARE
     )
-    detect_host_for_s: float = _threshold(
+    detect_host_for_s: float = setting(
         300.0, "HostMemoryPressure: seconds the condition holds before it fires", _HOLD
     )
-    detect_swap_min_used_bytes: float = _threshold(
-        float(1 << 30), "HostSwapGrowing: only with more swap in use than this", _BYTES, "1 GiB"
+    detect_swap_min_used_bytes: float = setting(
+        float(1 << 30),
+        "HostSwapGrowing: only with more swap in use than this",
+        _BYTES,
+        default_text="1 GiB",
     )
-    detect_swap_growth_bytes_per_s: float = _threshold(
-        float(256 * 1024), "HostSwapGrowing: swap growing faster than this", _BYTES, "256 KiB/s"
+    detect_swap_growth_bytes_per_s: float = setting(
+        float(256 * 1024),
+        "HostSwapGrowing: swap growing faster than this",
+        _BYTES,
+        default_text="256 KiB/s",
     )
-    detect_swap_window_s: float = _threshold(
+    detect_swap_window_s: float = setting(
         900.0, "HostSwapGrowing: the growth is fitted over this many seconds", _WINDOW
     )
-    detect_swap_for_s: float = _threshold(
+    detect_swap_for_s: float = setting(
         300.0, "HostSwapGrowing: seconds the condition holds before it fires", _HOLD
     )
-    detect_host_process_share: float = _threshold(
+    detect_host_process_share: float = setting(
         0.5,
         "HostMemoryHeldByProcess: one process resident above this share of the memory in use",
         _SHARE,
     )
-    detect_host_process_available_ratio: float = _threshold(
+    detect_host_process_available_ratio: float = setting(
         0.1, "HostMemoryHeldByProcess: while available host memory is under this share", _SHARE
     )
-    detect_host_process_for_s: float = _threshold(
+    detect_host_process_for_s: float = setting(
         120.0, "HostMemoryHeldByProcess: seconds the condition holds before it fires", _HOLD
     )
-    detect_clear_margin: float = _threshold(
+    detect_clear_margin: float = setting(
         0.2,
         "every in-process alert clears only once its value is this much (a share of the "
         "threshold) on the safe side: a value hovering at a threshold does not flap",

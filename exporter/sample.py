@@ -326,18 +326,18 @@ class Readings:
     process_containers: list[ProcessContainerReading] = part(EXTEND, traced=False)
 
     def merge(self, other: Readings) -> None:
-        """Add another source's readings to these, each part as it declares."""
-        for f in READING_PARTS:
-            theirs = getattr(other, f.name)
-            how = f.metadata["merge"]
+        """Add another source's readings to these, each part as it declares (every tick, for
+        every source: the plan is worked out once, _MERGE)."""
+        for name, how in _MERGE:
+            theirs = getattr(other, name)
             if how == EXTEND:
-                getattr(self, f.name).extend(theirs)
+                getattr(self, name).extend(theirs)
             elif how == UPDATE:
-                getattr(self, f.name).update(theirs)
+                getattr(self, name).update(theirs)
             elif how == ANY:
-                setattr(self, f.name, getattr(self, f.name) or theirs)
+                setattr(self, name, getattr(self, name) or theirs)
             elif theirs is not None:  # LATEST
-                setattr(self, f.name, theirs)
+                setattr(self, name, theirs)
 
     def parts(self) -> dict[str, Any]:
         """The readings alone, by part (what a source's reading of this sample would be)."""
@@ -369,25 +369,23 @@ class Sample(Readings):
         """One line of a trace (exporter.trace): the timestamp, then every traced part."""
         return {
             "timestamp": self.timestamp,
-            **{
-                f.name: _plain(getattr(self, f.name)) for f in READING_PARTS if f.metadata["traced"]
-            },
+            **{name: _plain(getattr(self, name)) for name, _ in _TRACED},
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Sample:
         """A trace's line (checked by exporter.trace first); parts it lacks keep their
         defaults, parts this version does not know are left for newer writers."""
-        hints = typing.get_type_hints(Readings)
-        parts = {
-            f.name: _decode(hints[f.name], data[f.name])
-            for f in READING_PARTS
-            if f.metadata["traced"] and f.name in data
-        }
+        parts = {name: _decode(hint, data[name]) for name, hint in _TRACED if name in data}
         return cls(timestamp=float(data["timestamp"]), **parts)
 
 
 READING_PARTS = fields(Readings)
+_MERGE = tuple((f.name, f.metadata["merge"]) for f in READING_PARTS)
+# (name, declared type) of the parts a trace keeps, in the order its lines list them.
+_TRACED = tuple(
+    (f.name, typing.get_type_hints(Readings)[f.name]) for f in READING_PARTS if f.metadata["traced"]
+)
 
 
 def _plain(value: Any) -> Any:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from exporter import catalog
 from exporter.actions.base import Actions
 from exporter.actions.snapshots import SnapshotStore
-from exporter.catalog import ALLOCATOR, DEVICES, HOST, HOST_PROCESSES
 from exporter.config import Config, ConfigError
 from exporter.modes.mode import Mode, first_sample
 from exporter.sources import Source
@@ -57,7 +57,7 @@ MODE = Mode(
     # The recording's allocator, GPUs, host and process; the process that serves is not it.
     Traits(
         "demo",
-        frozenset({ALLOCATOR, DEVICES, HOST, HOST_PROCESSES}),
+        frozenset({catalog.ALLOCATOR, catalog.DEVICES, catalog.HOST, catalog.HOST_PROCESSES}),
         recorded=True,
         admin_open=True,
     ),

@@ -2,21 +2,10 @@
 
 from __future__ import annotations
 
-from exporter.catalog import (
-    BUDGETS,
-    DEVICES,
-    GPU_PROCESSES,
-    HOST,
-    HOST_PROCESSES,
-    KUBERNETES,
-    OWN_PROCESS,
-)
+from exporter import catalog, sources
 from exporter.modes.embedded import local_actions
 from exporter.modes.mode import Mode
 from exporter.sampler import Sampler
-from exporter.sources import DEVICE_MEMORY, HOST_MEMORY
-from exporter.sources import HOST_PROCESSES as HOST_PROCESS_MEMORY
-from exporter.sources import KUBERNETES as KUBELET
 from exporter.traits import Traits
 
 
@@ -42,7 +31,17 @@ def blind_reason(sampler: Sampler) -> str | None:
 MODE = Mode(
     Traits(
         "node",
-        frozenset({DEVICES, HOST, OWN_PROCESS, BUDGETS, HOST_PROCESSES, GPU_PROCESSES, KUBERNETES}),
+        frozenset(
+            {
+                catalog.DEVICES,
+                catalog.HOST,
+                catalog.OWN_PROCESS,
+                catalog.BUDGETS,
+                catalog.HOST_PROCESSES,
+                catalog.GPU_PROCESSES,
+                catalog.KUBERNETES,
+            }
+        ),
     ),
     "the node daemon, `gpumem-exporter serve`: NVML, host memory, Kubernetes",
     "its own HTTP server",
@@ -50,5 +49,10 @@ MODE = Mode(
     "NVML answers for a GPU (it exists to read NVML)",
     blind_reason,
     local_actions,
-    reads=(DEVICE_MEMORY, HOST_MEMORY, HOST_PROCESS_MEMORY, KUBELET),
+    reads=(
+        sources.DEVICE_MEMORY,
+        sources.HOST_MEMORY,
+        sources.HOST_PROCESSES,
+        sources.KUBERNETES,
+    ),
 )

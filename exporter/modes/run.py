@@ -3,18 +3,9 @@
 
 from __future__ import annotations
 
-from exporter.catalog import (
-    AGENTS,
-    ALLOCATOR,
-    BUDGETS,
-    DEVICES,
-    HOST,
-    HOST_PROCESSES,
-    OWN_PROCESS,
-)
+from exporter import catalog, sources
 from exporter.modes.mode import Mode, first_sample
 from exporter.sampler import Sampler
-from exporter.sources import DEVICE_MEMORY, HOST_MEMORY
 from exporter.traits import Traits
 
 
@@ -44,7 +35,17 @@ def every_process_reports(sampler: Sampler) -> str | None:
 MODE = Mode(
     Traits(
         "run",
-        frozenset({ALLOCATOR, DEVICES, HOST, OWN_PROCESS, AGENTS, BUDGETS, HOST_PROCESSES}),
+        frozenset(
+            {
+                catalog.ALLOCATOR,
+                catalog.DEVICES,
+                catalog.HOST,
+                catalog.OWN_PROCESS,
+                catalog.AGENTS,
+                catalog.BUDGETS,
+                catalog.HOST_PROCESSES,
+            }
+        ),
         one_process=False,
     ),
     "`gpumem-exporter run -- CMD`: a launcher for every process of a server, an agent in each",
@@ -54,5 +55,5 @@ MODE = Mode(
     every_process_reports,
     None,  # the launcher passes its fan-out to the agents
     # Besides its agents (each reads its process's allocator) and its process tree.
-    reads=(DEVICE_MEMORY, HOST_MEMORY),
+    reads=(sources.DEVICE_MEMORY, sources.HOST_MEMORY),
 )

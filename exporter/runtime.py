@@ -38,7 +38,6 @@ from exporter.window import SampleWindow
 @dataclass(kw_only=True)
 class Runtime:
     config: Config
-    mode: str
     declared: Mode  # the mode's declaration (exporter.modes): its traits decide, not its name
     sampler: Sampler
     registry: CollectorRegistry
@@ -58,6 +57,10 @@ class Runtime:
     def silent_processes(self) -> list[str]:
         """`run`: the processes that stopped reporting, in words (/healthz lists them)."""
         return silent_processes(self.sampler)
+
+    @property
+    def mode(self) -> str:
+        return self.declared.name
 
     @property
     def traits(self) -> Traits:
@@ -195,7 +198,6 @@ def build_runtime(
     registry.register(collector)
     return Runtime(
         config=config,
-        mode=mode,
         declared=declared,
         sampler=sampler,
         registry=registry,

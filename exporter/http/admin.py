@@ -135,7 +135,6 @@ class Admin:
         self.sampler = sampler
         self.detectors = detectors
         self.traits = traits or Traits("embedded")  # what its mode decides (exporter.traits)
-        self.mode = self.traits.name
         # Counted here, read by /metrics (exporter.request_counts).
         self.requests = requests if requests is not None else RequestCounts()
         self._render_lock = threading.Lock()
@@ -354,7 +353,7 @@ class Admin:
         meta = {
             "id": info.id,
             "trigger": info.trigger,
-            "mode": self.mode,
+            "mode": self.traits.name,
             "replay": self.traits.recorded,
             **info.meta,
         }
@@ -388,7 +387,7 @@ class Admin:
             for alert, labels, is_firing in (self.detectors.firing() if self.detectors else [])
             if is_firing and (not target.selective or target.matches(labels))
         ]
-        return {"mode": self.mode, "sample": data, "alerts_firing": firing}
+        return {"mode": self.traits.name, "sample": data, "alerts_firing": firing}
 
 
 def _problems(exc: ValidationError) -> str:

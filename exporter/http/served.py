@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 
 class Served(Protocol):
     config: Config
-    mode: str
     sampler: Sampler
     registry: CollectorRegistry
     detectors: Detectors
@@ -33,6 +32,11 @@ class Served(Protocol):
     window: SampleWindow  # recent samples, for the live page
     exposition: ExpositionCache | None  # /metrics bytes rendered once per tick, where ours
     web: WebSecurity | None  # TLS, basic auth, headers, rate limit (the web config)
+
+    @property
+    def mode(self) -> str:
+        """The mode's name (the `mode` label, the live page's)."""
+        ...
 
     @property
     def traits(self) -> Traits:

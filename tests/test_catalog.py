@@ -127,3 +127,21 @@ def test_the_basic_level_serves_no_detail_family_and_the_full_level_serves_them(
             served[detail] |= {f"{name}_total" for name in served[detail]}
         assert served["basic"] & detailed == set(), mode
         assert served["full"] & detailed, mode
+
+
+def test_an_endpoint_of_many_processes_names_a_ranked_one_without_its_pid() -> None:
+    """`run` serves every process of a server (Traits.one_process is False): a worker named
+    by its rank and role goes without its pid, so its series survive a restart; an endpoint
+    of one process keeps every pid, as the multiprocess bridge reads it."""
+    _, demo = read_trace(demo_trace_path())
+    sample = run_shaped(demo[0])
+    pids = {}
+    for mode in ("run", "embedded"):
+        text = _exposition(sample, mode, {}, per_process=True)
+        [family] = [
+            f
+            for f in text_string_to_metric_families(text)
+            if f.name == "torch_cuda_allocated_bytes"
+        ]
+        pids[mode] = {s.labels.get("pid") for s in family.samples}
+    assert pids == {"run": {""}, "embedded": {"100"}}

@@ -736,6 +736,33 @@ def test_prometheus_rule_is_deploy_prometheus(rendered: dict[str, list[dict[str,
         assert "{{ $labels" in text
 
 
+@pytest.mark.parametrize(
+    ("tiers", "files"),
+    [
+        (["node"], ["alerts.yaml", "recording.yaml"]),
+        (["global"], ["recording-global.yaml"]),
+        (["global", "node"], ["alerts.yaml", "recording-global.yaml", "recording.yaml"]),
+    ],
+)
+def test_prometheus_rule_installs_the_tiers_asked_for(tiers: list[str], files: list[str]) -> None:
+    """A shard of a fleet sharded by node takes the node tier, the global ruler the global
+    tier; a file named *-global.yaml is the global tier."""
+    expected = [
+        group
+        for name in files
+        for group in yaml.safe_load((RULES_DIR / name).read_text())["groups"]
+    ]
+    rule = one(render({"prometheusRule": {"enabled": True, "tiers": tiers}}), "PrometheusRule")
+    assert rule["spec"]["groups"] == expected
+
+
+def test_prometheus_rule_refuses_no_tier_and_an_unknown_tier() -> None:
+    with pytest.raises(Exception, match="tiers is empty"):
+        render({"prometheusRule": {"enabled": True, "tiers": []}})
+    with pytest.raises(Exception, match="tiers"):
+        render({"prometheusRule": {"enabled": True, "tiers": ["shard"]}})
+
+
 def test_prometheus_rule_without_runbook_url_base(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:

@@ -18,8 +18,9 @@ from tests.helpers import github_anchor, markdown_anchors
 
 RULES_DIR = REPO_ROOT / "deploy" / "prometheus"
 ALERTS_FILE = RULES_DIR / "alerts.yaml"
-RECORDING_FILE = RULES_DIR / "recording.yaml"
-RULE_FILES = [ALERTS_FILE, RECORDING_FILE]
+# The node tier and the global tier (tests/deploy/test_rule_tiers.py).
+RECORDING_FILES = [RULES_DIR / "recording.yaml", RULES_DIR / "recording-global.yaml"]
+RULE_FILES = [ALERTS_FILE, *RECORDING_FILES]
 RULE_TEST_FILES = sorted((RULES_DIR / "tests").glob("*.yaml"))
 RUNBOOKS = REPO_ROOT / "docs" / "runbooks.md"
 # Each alert names its runbook section by path; the Helm chart turns it into a runbook_url only
@@ -216,7 +217,7 @@ def test_firing_cases_assert_labels_and_annotations() -> None:
 
 
 def test_recording_rule_names_follow_convention() -> None:
-    names = [rule["record"] for rule in _rules(RECORDING_FILE)]
+    names = [rule["record"] for path in RECORDING_FILES for rule in _rules(path)]
     assert names, "no recording rules"
     assert [name for name in names if not RECORD_NAME.match(name)] == []
     assert [name for name, count in Counter(names).items() if count > 1] == []
@@ -231,7 +232,8 @@ def test_every_recording_rule_is_tested() -> None:
     ]
     untested = [
         rule["record"]
-        for rule in _rules(RECORDING_FILE)
+        for path in RECORDING_FILES
+        for rule in _rules(path)
         if not any(re.search(rf"(?<![\w:]){re.escape(rule['record'])}(?![\w:])", e) for e in exprs)
     ]
     assert untested == []

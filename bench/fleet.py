@@ -98,8 +98,12 @@ def template(text: str) -> list[Line]:
 class Fleet:
     """The expositions of N nodes, rendered on request for the moment of the request."""
 
-    def __init__(self, nodes: int, run_text: str, node_text: str, restart_s: float) -> None:
-        self.nodes, self.restart_s = nodes, restart_s
+    def __init__(
+        self, nodes: int, run_text: str, node_text: str, restart_s: float, tick_s: int = 15
+    ) -> None:
+        # Values move once per tick (a scrape interval by default; longer where two setups
+        # that scrape at different moments must read the same values: bench.scaleout).
+        self.nodes, self.restart_s, self.tick_s = nodes, restart_s, tick_s
         self.started = time.time()
         self.templates = {"run": template(run_text), "node": template(node_text)}
 
@@ -119,10 +123,10 @@ class Fleet:
         return int((now - self.started + offset) // self.restart_s)
 
     def render(self, node: int, endpoint: str, now: float) -> bytes:
-        tick = int(now // 15)
+        tick = int(now // self.tick_s)
         epoch = self.restarts(node, now)
         # A restarted server's counters start again from 0.
-        since = tick - int(self.restarted_at(node, epoch) // 15)
+        since = tick - int(self.restarted_at(node, epoch) // self.tick_s)
         out = []
         for index, line in enumerate(self.templates[endpoint]):
             if line.kind == "comment":
@@ -195,7 +199,18 @@ def serve(fleet: Fleet, port: int) -> threading.Thread:
     return thread
 
 
-def prometheus_config(fleet: Fleet, port: int, scrape_s: int, folder: Path) -> dict[str, Any]:
+def prometheus_config(
+    fleet: Fleet,
+    port: int,
+    scrape_s: int,
+    folder: Path,
+    rule_files: list[Path] | None = None,
+    relabel: list[dict[str, Any]] | None = None,
+    own_port: int | None = None,
+) -> dict[str, Any]:
+    """One Prometheus scraping the fleet with `rule_files` (default: every file of
+    deploy/prometheus) and `relabel` added to each fleet job (a shard's hashmod)."""
+
     def targets(endpoint: str, node_port: int) -> list[dict[str, Any]]:
         found = []
         for node in range(fleet.nodes):
@@ -212,55 +227,56 @@ def prometheus_config(fleet: Fleet, port: int, scrape_s: int, folder: Path) -> d
             found.append({"targets": [f"127.0.0.1:{port}"], "labels": labels})
         return found
 
-    rule_files = []
-    for source in sorted(RULES.glob("*.yaml")):
+    names = []
+    for source in rule_files if rule_files is not None else sorted(RULES.glob("*.yaml")):
         shutil.copy(source, folder / source.name)
-        rule_files.append(source.name)
+        names.append(source.name)
+    sharding = {"relabel_configs": relabel} if relabel else {}
     return {
         "global": {
             "scrape_interval": f"{scrape_s}s",
             "scrape_timeout": f"{min(scrape_s, 10)}s",
             "evaluation_interval": f"{scrape_s}s",
         },
-        "rule_files": rule_files,
+        "rule_files": names,
         "scrape_configs": [
-            {"job_name": "gpumem-pods", "static_configs": targets("run", 9445)},
+            {"job_name": "gpumem-pods", "static_configs": targets("run", 9445), **sharding},
             # The chart's node daemon monitor keeps the kubelet's namespace/pod labels.
             {
                 "job_name": "gpumem-node",
                 "honor_labels": True,
                 "static_configs": targets("node", 9446),
+                **sharding,
             },
             # Prometheus itself: samples appended, series created.
-            {"job_name": "prometheus", "static_configs": [{"targets": [f"127.0.0.1:{port + 1}"]}]},
+            {
+                "job_name": "prometheus",
+                "static_configs": [{"targets": [f"127.0.0.1:{own_port or port + 1}"]}],
+            },
         ],
     }
 
 
-class Prometheus:
-    def __init__(self, folder: Path, config: dict[str, Any], port: int) -> None:
-        binary = shutil.which("prometheus")
+class Service:
+    """A server process of the benchmark with a Prometheus-compatible HTTP API (Prometheus,
+    VictoriaMetrics, vmalert): started, waited for, asked, measured and stopped."""
+
+    def __init__(self, name: str, argv: list[str], port: int, ready: str, cwd: Path) -> None:
+        binary = shutil.which(argv[0])
         if binary is None:
-            raise SystemExit("prometheus not found: apt-get install prometheus")
-        (folder / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
-        self.url = f"http://127.0.0.1:{port}"
-        self.process = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={folder / 'prometheus.yml'}",
-                f"--storage.tsdb.path={folder / 'data'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                "--log.level=warn",
-            ],
-            cwd=folder,
-        )
+            raise SystemExit(f"{argv[0]} not found: apt-get install {PACKAGES[argv[0]]}")
+        self.name, self.url = name, f"http://127.0.0.1:{port}"
+        self.process = subprocess.Popen([binary, *argv[1:]], cwd=cwd)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"{name} exited with {self.process.returncode} at start")
             with contextlib.suppress(OSError):
-                urllib.request.urlopen(self.url + "/-/ready", timeout=2).close()
+                urllib.request.urlopen(self.url + ready, timeout=2).close()
                 return
-            time.sleep(0.5)
-        raise SystemExit("prometheus did not become ready")
+            time.sleep(0.3)
+        self.stop()
+        raise SystemExit(f"{name} did not become ready")
 
     def api(self, path: str, timeout: float = 150, **params: Any) -> Any:
         url = f"{self.url}/api/v1/{path}?" + urllib.parse.urlencode(params)
@@ -293,6 +309,31 @@ class Prometheus:
             self.process.wait(30)
         except subprocess.TimeoutExpired:
             self.process.kill()
+            self.process.wait(30)
+
+
+# The Debian package of each server binary.
+PACKAGES = {
+    "prometheus": "prometheus",
+    "victoria-metrics": "victoria-metrics",
+    "vmalert": "victoria-metrics",
+}
+
+
+class Prometheus(Service):
+    def __init__(
+        self, folder: Path, config: dict[str, Any], port: int, name: str = "prometheus"
+    ) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
+        argv = [
+            "prometheus",
+            f"--config.file={folder / 'prometheus.yml'}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ]
+        super().__init__(name, argv, port, "/-/ready", folder)
 
 
 # -- dashboards -------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def crossings(expr_text: str) -> list[str]:
 
 def series_read(expr_text: str) -> set[str]:
     return {
-        node.name
+        node.name or ""
         for node in nodes(promql.parse(expr_text))
         if isinstance(node, promql.VectorSelector)
     }

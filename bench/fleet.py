@@ -373,7 +373,7 @@ def grafana_step(range_s: int, scrape_s: int, points: int = 1000) -> int:
     return max(scrape_s, -(-range_s // points))
 
 
-def time_queries(prom: Prometheus, fleet: Fleet, scrape_s: int) -> list[dict[str, Any]]:
+def time_queries(prom: Service, fleet: Fleet, scrape_s: int) -> list[dict[str, Any]]:
     """Each dashboard query as Grafana would send it: instant panels once at now, range panels
     over the dashboard's default 3 h and over 1 h. The slower of two runs is kept."""
     now = time.time()
@@ -399,7 +399,7 @@ def time_queries(prom: Prometheus, fleet: Fleet, scrape_s: int) -> list[dict[str
     return results
 
 
-def time_alert_expressions(prom: Prometheus) -> list[dict[str, Any]]:
+def time_alert_expressions(prom: Service) -> list[dict[str, Any]]:
     """Each alert's expression as an instant query: what its rule pays per evaluation."""
     found = []
     for group in yaml.safe_load((RULES / "alerts.yaml").read_text())["groups"]:
@@ -409,7 +409,7 @@ def time_alert_expressions(prom: Prometheus) -> list[dict[str, Any]]:
     return found
 
 
-def rule_times(prom: Prometheus, evaluations: int, interval_s: int) -> dict[str, Any]:
+def rule_times(prom: Service, evaluations: int, interval_s: int) -> dict[str, Any]:
     """The largest evaluation time of every group and rule over several evaluations."""
     groups: dict[str, list[float]] = {}
     rules: dict[str, list[float]] = {}

@@ -161,6 +161,9 @@ def serve(arm: str, seconds: float, port: int) -> dict[str, Any]:
     cpu = sum(v for name, v in threads.items() if name.startswith("gpumem")) * wall / 1000
     process_cpu = time.process_time() - process_before
     stop.set()
+    # Joined, not left to interpreter exit: a daemon thread still allocating while CUDA tears
+    # down aborts the process (SIGABRT, seen once in 16 runs of the `off` arm, exporter absent).
+    worker.join(timeout=10)
     for client in clients:
         client.wait(timeout=seconds + 30)
     if handle is not None:

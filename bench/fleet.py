@@ -261,12 +261,19 @@ class Service:
     """A server process of the benchmark with a Prometheus-compatible HTTP API (Prometheus,
     VictoriaMetrics, vmalert): started, waited for, asked, measured and stopped."""
 
-    def __init__(self, name: str, argv: list[str], port: int, ready: str, cwd: Path) -> None:
+    def __init__(
+        self, name: str, argv: list[str], port: int, ready: str, cwd: Path, wait: bool = True
+    ) -> None:
         binary = shutil.which(argv[0])
         if binary is None:
             raise SystemExit(f"{argv[0]} not found: apt-get install {PACKAGES[argv[0]]}")
-        self.name, self.url = name, f"http://127.0.0.1:{port}"
+        self.name, self.url, self.ready = name, f"http://127.0.0.1:{port}", ready
         self.process = subprocess.Popen([binary, *argv[1:]], cwd=cwd)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        name, ready = self.name, self.ready
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -322,7 +329,12 @@ PACKAGES = {
 
 class Prometheus(Service):
     def __init__(
-        self, folder: Path, config: dict[str, Any], port: int, name: str = "prometheus"
+        self,
+        folder: Path,
+        config: dict[str, Any],
+        port: int,
+        name: str = "prometheus",
+        wait: bool = True,
     ) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
@@ -333,7 +345,7 @@ class Prometheus(Service):
             f"--web.listen-address=127.0.0.1:{port}",
             "--log.level=warn",
         ]
-        super().__init__(name, argv, port, "/-/ready", folder)
+        super().__init__(name, argv, port, "/-/ready", folder, wait)
 
 
 # -- dashboards -------------------------------------------------------------------------------

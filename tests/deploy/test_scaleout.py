@@ -70,7 +70,9 @@ def test_the_comparison_covers_both_tiers_alerts_and_dashboards(result: dict[str
     # Every global rule answers (none vacuous), alerts fire or wait, most panels have series.
     assert {r["name"] for r in rows if r["series"]} >= records(GLOBAL_TIER)
     assert next(r for r in rows if r["name"] == "ALERTS")["series"] > 0
-    assert with_series["dashboard"] >= 80
+    assert with_series["dashboard"] >= 60
+    # rate()/increase() of raw counters, answered by the store's own engine: reported apart.
+    assert with_series["engine"] >= 10
 
 
 @pytest.mark.slow

@@ -169,3 +169,10 @@ def scrape_once(url: str) -> bytes:
 def emit(result: dict[str, Any]) -> None:
     """Benchmarks print one JSON object as their last line."""
     print(json.dumps(result, default=str), flush=True)
+
+
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    """The results as JSON at path, whole or not at all (a temp file renamed over it)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(path)

@@ -45,7 +45,7 @@ from typing import Any
 
 import yaml
 
-from bench.common import REPO
+from bench.common import REPO, write_json
 from bench.fleet_series import measure_texts
 
 RULES = REPO / "deploy" / "prometheus"
@@ -557,9 +557,7 @@ def main() -> None:
         parser.error("--nodes and --scrape-s must be positive, --warmup-s not negative")
     result = run(args)
     if args.out:
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-        tmp.replace(args.out)
+        write_json(args.out, result)
     print(report(result))
 
 

@@ -28,7 +28,6 @@ victoria-metrics); no GPU. tests/deploy/test_scaleout.py runs a small one in CI.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import shutil
@@ -43,6 +42,7 @@ from typing import Any
 
 import yaml
 
+from bench.common import write_json
 from bench.fleet import (
     DASHBOARDS,
     GPUS,
@@ -480,9 +480,7 @@ def main() -> None:
         parser.error("--tick-s must leave room for four scrapes and the ruler: >= 4 x scrape + 8")
     result = run(args)
     if args.out:
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-        tmp.replace(args.out)
+        write_json(args.out, result)
     print(report(result))
 
 

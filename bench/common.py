@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -176,3 +177,20 @@ def write_json(path: Path, result: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
     tmp.replace(path)
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free on 127.0.0.1 now, all different (their sockets are held until all are
+    picked)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def free_port() -> int:
+    return free_ports(1)[0]

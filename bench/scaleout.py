@@ -31,7 +31,6 @@ import argparse
 import math
 import re
 import shutil
-import socket
 import tempfile
 import time
 import urllib.request
@@ -42,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from bench.common import write_json
+from bench.common import free_ports, write_json
 from bench.fleet import (
     DASHBOARDS,
     GPUS,
@@ -63,16 +62,6 @@ from bench.fleet_series import measure_texts
 GLOBAL_TIER = sorted(RULES.glob("*-global.yaml"))
 NODE_TIER = sorted(set(RULES.glob("*.yaml")) - set(GLOBAL_TIER))
 Labels = frozenset[tuple[str, str]]
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def shard_relabeling(shard: int, shards: int) -> list[dict[str, Any]]:

@@ -15,27 +15,20 @@ import argparse
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import summary
+from bench.common import free_port, summary
 from bench.loop_lateness import PROMETHEUS_ACCEPT
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def measure(root: str, scrapes: int, every_s: float) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(REPO)]))
     server = subprocess.Popen(
         [sys.executable, "-m", "exporter.cli", "demo", "--port", str(port)],

@@ -20,7 +20,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from bench.common import (
     Decoder,
     Scraper,
     emit,
+    free_port,
     machine,
     scrape_once,
     scrape_times,
@@ -80,12 +80,6 @@ class Replicated:
 
     def close(self) -> None:
         pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 CLIENT = r"""

@@ -19,7 +19,6 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
@@ -28,16 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import summary
+from bench.common import free_port, summary
 
 REPO = Path(__file__).resolve().parent.parent
 ACCEPT = "application/openmetrics-text;version=1.0.0;q=0.9,text/plain;version=0.0.4;q=0.5"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _openssl(*args: str) -> None:
@@ -81,7 +74,7 @@ def _cpu_s(pid: int) -> float:
 def measure(
     name: str, config: str, folder: Path, pki: dict[str, Path], scrapes: int
 ) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     args = [sys.executable, "-m", "exporter.cli", "demo", "--port", str(port)]
     if config:
         path = folder / f"{name}.yml"

@@ -36,13 +36,9 @@ from typing import Any
 
 import psutil
 
+from bench.common import free_port
+
 HOST = b"Host: 127.0.0.1\r\n"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def held(server: psutil.Process, port: int) -> int:

@@ -227,6 +227,7 @@ def prometheus_config(
             found.append({"targets": [f"127.0.0.1:{port}"], "labels": labels})
         return found
 
+    folder.mkdir(parents=True, exist_ok=True)
     names = []
     for source in rule_files if rule_files is not None else sorted(RULES.glob("*.yaml")):
         shutil.copy(source, folder / source.name)
@@ -273,17 +274,16 @@ class Service:
             self.wait_ready()
 
     def wait_ready(self) -> None:
-        name, ready = self.name, self.ready
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise SystemExit(f"{name} exited with {self.process.returncode} at start")
+                raise SystemExit(f"{self.name} exited with {self.process.returncode} at start")
             with contextlib.suppress(OSError):
-                urllib.request.urlopen(self.url + ready, timeout=2).close()
+                urllib.request.urlopen(self.url + self.ready, timeout=2).close()
                 return
             time.sleep(0.3)
         self.stop()
-        raise SystemExit(f"{name} did not become ready")
+        raise SystemExit(f"{self.name} did not become ready")
 
     def api(self, path: str, timeout: float = 150, **params: Any) -> Any:
         url = f"{self.url}/api/v1/{path}?" + urllib.parse.urlencode(params)

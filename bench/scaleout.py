@@ -35,11 +35,12 @@ import tempfile
 import time
 import urllib.request
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import free_ports, write_json
 from bench.fleet import (
@@ -118,22 +119,18 @@ class VmAlert(Service):
         super().__init__("vmalert", argv, port, "/health", folder)
 
     def group_times(self) -> dict[str, float]:
-        """Each group's last evaluation time in seconds (vmalert's own metrics)."""
+        """Each group's mean evaluation time in seconds so far (vmalert's own metrics)."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as response:
             text = response.read().decode()
-        found: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("vmalert_iteration_duration_seconds_sum{"):
-                group = line.split('group="', 1)[1].split('"', 1)[0]
-                found[group] = float(line.rsplit(" ", 1)[1])
-            if line.startswith("vmalert_iteration_duration_seconds_count{"):
-                group = line.split('group="', 1)[1].split('"', 1)[0]
-                found[group + "#count"] = float(line.rsplit(" ", 1)[1])
-        return {
-            group: found[group] / found[group + "#count"]
-            for group in list(found)
-            if not group.endswith("#count") and found.get(group + "#count")
-        }
+        sums: dict[str, float] = {}
+        counts: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "vmalert_iteration_duration_seconds_sum":
+                    sums[sample.labels["group"]] = sample.value
+                elif sample.name == "vmalert_iteration_duration_seconds_count":
+                    counts[sample.labels["group"]] = sample.value
+        return {group: sums[group] / n for group, n in counts.items() if n and group in sums}
 
 
 @dataclass
@@ -141,7 +138,10 @@ class Sharded:
     shards: list[Prometheus]
     store: VictoriaMetrics
     ruler: VmAlert
-    services: list[Service] = field(default_factory=list)
+
+    @property
+    def services(self) -> list[Service]:
+        return [*self.shards, self.store, self.ruler]
 
 
 def start_sharded(
@@ -160,13 +160,12 @@ def start_sharded(
     write = {
         "url": f"{store.url}/api/v1/write",
         # Small batches sent often: the comparison reads the store a few intervals after a
-        # scrape. (Throughput settings for a real fleet: docs/deploy.md.)
+        # scrape.
         "queue_config": {"batch_send_deadline": "1s"},
     }
     members = []
     for shard, port in enumerate(shard_ports):
         home = folder / f"shard-{shard}"
-        home.mkdir(parents=True)
         config = prometheus_config(
             fleet,
             fleet_port,
@@ -177,15 +176,15 @@ def start_sharded(
             own_port=port,
         )
         config["remote_write"] = [write]
-        # Started together with the single Prometheus and waited for after (start_all): alerts
-        # that wait for history (`offset 10m`) change state at the same moment in both setups.
+        # Started together with the single Prometheus and waited for after (run): alerts that
+        # wait for history (`offset 10m`) change state at the same moment in both setups.
         member = Prometheus(home, config, port, name=f"shard-{shard}", wait=False)
         stack.callback(member.stop)
         members.append(member)
     (folder / "ruler").mkdir()
     ruler = VmAlert(folder / "ruler", ruler_port, store.url, GLOBAL_TIER, scrape_s)
     stack.callback(ruler.stop)
-    return Sharded(members, store, ruler, [*members, store, ruler])
+    return Sharded(members, store, ruler)
 
 
 # -- the comparison ----------------------------------------------------------------------------
@@ -245,8 +244,9 @@ def differences(
     return found[:6]
 
 
-# PromQL functions over a window of a counter's samples.
-_WINDOWED = re.compile(r"\b(increase|rate)\(|:increase5m\b|:rate5m\b")
+# PromQL functions over a window of a counter's samples, and the records made of them.
+_RAW_WINDOWED = re.compile(r"\b(increase|rate)\(")
+_WINDOWED = re.compile(rf"{_RAW_WINDOWED.pattern}|:increase5m\b|:rate5m\b")
 
 
 def comparisons(
@@ -272,9 +272,7 @@ def comparisons(
     for path in sorted(DASHBOARDS.glob("*.json")):
         for title, expr, _ in panel_queries(path):
             query = substitute(expr, fleet, 3600, scrape_s, scrape_s)
-            what = "dashboard"
-            if re.search(r"\b(increase|rate)\(", expr):
-                what = "engine"
+            what = "engine" if _RAW_WINDOWED.search(expr) else "dashboard"
             tolerance = Tolerance(
                 # A sample's age is the scrape's moment: the setups scrape at their own.
                 absolute=2.0 * scrape_s if "_timestamp_seconds" in expr else 0.0,
@@ -317,8 +315,8 @@ def compare(
 
 def settled_moment(tick_s: int, settle_s: float) -> float:
     """A moment late in the current tick (or the next), once both setups have scraped the
-    tick's values and evaluated both tiers on them; returns when it has passed and one more
-    interval with it (the single Prometheus is also asked one interval later)."""
+    tick's values and evaluated both tiers on them. The caller waits until one interval after
+    it has passed: the single Prometheus is also asked one interval later."""
     now = time.time()
     start = now - now % tick_s
     if now - start > tick_s - 1:
@@ -333,10 +331,14 @@ def settled_moment(tick_s: int, settle_s: float) -> float:
 
 
 def costs(
-    single: Prometheus | None, sharded: Sharded, fleet: Fleet, scrape_s: int, evaluations: int
+    servers: list[Service],
+    single: Prometheus | None,
+    sharded: Sharded,
+    fleet: Fleet,
+    scrape_s: int,
+    evaluations: int,
 ) -> dict[str, Any]:
     result: dict[str, Any] = {"components": {}}
-    servers: list[Service] = [*sharded.services, *([single] if single else [])]
     for server in servers:
         row: dict[str, Any] = {"rss_bytes": server.rss_bytes(), "cpu_s": server.cpu_s()}
         if isinstance(server, Prometheus):
@@ -366,7 +368,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stack.callback(shutil.rmtree, folder, True)
         single = None
         if not args.no_single:
-            (folder / "single").mkdir()
             config = prometheus_config(
                 fleet,
                 fleet_port,
@@ -380,9 +381,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sharded = start_sharded(
             stack, fleet, fleet_port, args.shards, args.scrape_s, folder, node_tier
         )
-        for server in [*sharded.shards, *([single] if single else [])]:
+        servers = [*sharded.services, *([single] if single else [])]
+        for server in servers:
             server.wait_ready()
-        cpu0 = {s.name: s.cpu_s() for s in [*sharded.services, *([single] if single else [])]}
+        cpu0 = {s.name: s.cpu_s() for s in servers}
         started = time.monotonic()
         while time.monotonic() - started < args.warmup_s:
             time.sleep(min(30.0, args.warmup_s - (time.monotonic() - started)) + 0.01)
@@ -403,7 +405,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 single, sharded.store, fleet, args.scrape_s, at, [*node_tier, *GLOBAL_TIER]
             )
         elapsed = time.monotonic() - started
-        result["costs"] = costs(single, sharded, fleet, args.scrape_s, args.evaluations)
+        result["costs"] = costs(servers, single, sharded, fleet, args.scrape_s, args.evaluations)
         for name, row in result["costs"]["components"].items():
             row["cores"] = round((row.pop("cpu_s") - cpu0[name]) / elapsed, 3)
         return result

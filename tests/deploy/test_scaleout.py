@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from bench.scaleout import GLOBAL_TIER, NODE_TIER, run
+from bench.scaleout import GLOBAL_TIER, NODE_TIER, Tolerance, differences, run
 from tests.conftest import require_tool
 
 CANARY = "cluster:gpu_memory_total_bytes:count"
@@ -83,3 +83,29 @@ def test_each_shard_holds_part_of_the_fleet(result: dict[str, Any]) -> None:
     assert max(shards) < components["single"]["head_series"]
     assert result["costs"]["store_series"] >= sum(shards) * 0.9
     assert "gpumem-exporter.recording-global" in result["costs"]["ruler_group_s"]
+
+
+def series(**values: float) -> dict[frozenset[tuple[str, str]], float]:
+    return {frozenset({("pod", pod)}): value for pod, value in values.items()}
+
+
+def test_a_top_10_of_tied_values_matches_by_its_values() -> None:
+    """topk over equal values may pick any of them: the same values, other pods, match."""
+    ours, theirs = series(a=1.0, b=1.0), series(c=1.0, d=1.0)
+    assert differences(ours, [theirs] * 3, Tolerance(ranked=True)) == []
+    assert differences(ours, [theirs] * 3) != []
+    assert differences(series(a=1.0, b=2.0), [theirs] * 3, Tolerance(ranked=True)) != []
+
+
+def test_an_answer_within_one_evaluation_matches() -> None:
+    before, now, after = series(a=1.0), series(a=2.0), series(a=3.0)
+    assert differences(series(a=3.0), [before, now, after]) == []
+    assert differences(series(a=4.0), [before, now, after]) != []
+    assert differences(series(a=2.0, b=1.0), [before, now, after]) != []  # an extra series
+
+
+def test_increase_over_a_window_may_differ_by_its_share_of_an_interval() -> None:
+    windowed = Tolerance(relative=15 / 300)
+    assert differences(series(a=8.16), [series(a=8.36)] * 3, windowed) == []
+    assert differences(series(a=8.16), [series(a=8.36)] * 3) != []
+    assert differences(series(a=4.0), [series(a=8.36)] * 3, windowed) != []

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from exporter.config import Config
 from exporter.sample import AllocatorReading, GpuReading, HostProcessReading, HostReading
@@ -26,8 +26,9 @@ ON = ("allocator", "gpu", "host", "host_process")
 UNITS = ("ratio", "count", "bytes", "bytes_per_s")
 
 
-@dataclass(frozen=True)
-class Check:
+class Check(NamedTuple):
+    # A tuple, not a frozen dataclass: built for every alert and subject on every tick, and a
+    # frozen dataclass's __init__ (object.__setattr__ per field) costs several times more.
     met: bool
     cleared: bool
     value: float
@@ -51,7 +52,7 @@ class Memory(Protocol):
 Subject = tuple[tuple[str, str], ...]
 
 
-@dataclass
+@dataclass(slots=True)
 class Evaluation:
     """What one alert's condition sees of one subject in one sample."""
 
@@ -91,8 +92,9 @@ class Alert:
     thresholds: tuple[str, ...]
     # The setting holding how long the condition must hold; None: it fires at once.
     hold: str | None
-    # Evaluated only where this holds (a counter the backend does not have: no state at all).
-    applies: Callable[[Evaluation], bool] = lambda evaluation: True
+    # Evaluated only where this holds (a counter the backend does not have: no state at all);
+    # None: everywhere.
+    applies: Callable[[Evaluation], bool] | None = None
 
     @property
     def runbook(self) -> str:

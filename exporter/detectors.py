@@ -129,10 +129,6 @@ def subject(labels: Mapping[str, str]) -> Subject:
     return tuple(sorted(labels.items()))
 
 
-# The declared alerts by what they are evaluated for, each in declaration order.
-_ON: dict[str, tuple[Alert, ...]] = {on: tuple(a for a in ALERTS if a.on == on) for on in ON}
-
-
 class Detectors:
     """A sampler listener: evaluates every declared alert (exporter.alerts) on every sample."""
 
@@ -147,8 +143,16 @@ class Detectors:
     ) -> None:
         # The thresholds are settings (detect_*); defaults where none are given.
         self.settings = settings if settings is not None else Config()
-        # How long each alert's condition must hold, read from the settings once.
-        self._holds = {a.name: getattr(self.settings, a.hold) if a.hold else 0.0 for a in ALERTS}
+        # The declared alerts by what they are evaluated for, in declaration order, each with
+        # how long its condition must hold: worked out once, not per sample and subject.
+        self._plan: dict[str, tuple[tuple[Alert, float], ...]] = {
+            on: tuple(
+                (alert, getattr(self.settings, alert.hold) if alert.hold else 0.0)
+                for alert in ALERTS
+                if alert.on == on
+            )
+            for on in ON
+        }
         self.listeners = list(listeners or [])
         # Off in the agents of `gpumem-exporter run`, which detect only to remediate: the
         # launcher logs each alert once for the pod.
@@ -163,7 +167,7 @@ class Detectors:
     # -- public -------------------------------------------------------------------------
 
     def __call__(self, sample: Sample) -> None:
-        t = sample.timestamp
+        t, settings = sample.timestamp, self.settings
         present: set[Subject] = set()
         gpu_free = {gpu.uuid: gpu.free_bytes for gpu in sample.gpus}
         for reading in sample.allocators:
@@ -171,30 +175,30 @@ class Detectors:
             key = subject({**labels, **reading.process})
             present.add(key)
             free = gpu_free.get(reading.gpu_uuid)
-            self._evaluate("allocator", key, t, allocator=reading, gpu_free=free)
+            self._evaluate("allocator", Evaluation(t, settings, self, key, reading, gpu_free=free))
         for gpu in sample.gpus:
             if gpu.free_bytes is None or not gpu.total_bytes:
                 continue
             key = subject({"gpu": str(gpu.index), "gpu_uuid": gpu.uuid})
-            self._evaluate("gpu", key, t, gpu=gpu)
+            self._evaluate("gpu", Evaluation(t, settings, self, key, gpu=gpu))
         host = sample.host
         if host is not None:
-            self._evaluate("host", (), t, host=host)
+            self._evaluate("host", Evaluation(t, settings, self, (), host=host))
             for process in sample.host_processes:
                 key = subject({"pid": str(process.pid), "role": process.role, "rank": process.rank})
                 present.add(key)
-                self._evaluate("host_process", key, t, host=host, process=process)
+                seen = Evaluation(t, settings, self, key, host=host, process=process)
+                self._evaluate("host_process", seen)
         self._forget_gone_processes(present, t)
         self.evaluations += 1
 
-    def _evaluate(self, on: str, key: Subject, t: float, **readings: Any) -> None:
+    def _evaluate(self, on: str, seen: Evaluation) -> None:
         """Each alert declared for this kind of subject, in declaration order."""
-        seen = Evaluation(t, self.settings, self, key, **readings)
-        for alert in _ON[on]:
-            if not alert.applies(seen):
+        for alert, hold in self._plan[on]:
+            if alert.applies is not None and not alert.applies(seen):
                 continue
             seen.alert = alert.name
-            self._apply(alert.name, key, t, alert.condition(seen), self._holds[alert.name])
+            self._apply(alert.name, seen.key, seen.t, alert.condition(seen), hold)
 
     def _forget_gone_processes(self, present: set[Subject], t: float) -> None:
         """A process that exited (a subject with a pid that this sample no longer has) takes
@@ -229,19 +233,27 @@ class Detectors:
 
     def rose(self, alert: str, key: Subject, t: float, value: float) -> Check:
         """Firing while the counter rose within the window; its value the latest rise."""
-        counter = self._counters.setdefault((alert, key), _Counter())
+        # get, then create: setdefault would build a new one on every call (every tick).
+        counter = self._counters.get((alert, key)) or self._counters.setdefault(
+            (alert, key), _Counter()
+        )
         counter.update(t, value)
         window_s = self.settings.detect_counter_window_s
         recent = counter.risen_at is not None and t - counter.risen_at < window_s
         return Check(recent, not recent, counter.rise if recent else 0.0)
 
     def trend(self, name: str, key: Subject, window_s: float) -> _Series:
-        return self._series.setdefault((name, key), _Series(window_s))
+        series = self._series.get((name, key))
+        return (
+            series
+            if series is not None
+            else self._series.setdefault((name, key), _Series(window_s))
+        )
 
     # -- state machine ------------------------------------------------------------------
 
     def _apply(self, alert: str, key: Subject, t: float, check: Check | None, for_s: float) -> None:
-        state = self._states.setdefault((alert, key), _State())
+        state = self._states.get((alert, key)) or self._states.setdefault((alert, key), _State())
         if check is None:  # not defined here: nothing pending; a firing alert clears
             check = Check(False, True, 0.0)
         state.value = check.value

@@ -328,15 +328,15 @@ class Readings:
     def merge(self, other: Readings) -> None:
         """Add another source's readings to these, each part as it declares (every tick, for
         every source: the plan is worked out once, _MERGE)."""
-        for name, how in _MERGE:
+        for name in _MERGE[EXTEND]:
+            getattr(self, name).extend(getattr(other, name))
+        for name in _MERGE[UPDATE]:
+            getattr(self, name).update(getattr(other, name))
+        for name in _MERGE[ANY]:
+            setattr(self, name, getattr(self, name) or getattr(other, name))
+        for name in _MERGE[LATEST]:
             theirs = getattr(other, name)
-            if how == EXTEND:
-                getattr(self, name).extend(theirs)
-            elif how == UPDATE:
-                getattr(self, name).update(theirs)
-            elif how == ANY:
-                setattr(self, name, getattr(self, name) or theirs)
-            elif theirs is not None:  # LATEST
+            if theirs is not None:
                 setattr(self, name, theirs)
 
     def parts(self) -> dict[str, Any]:
@@ -381,7 +381,11 @@ class Sample(Readings):
 
 
 READING_PARTS = fields(Readings)
-_MERGE = tuple((f.name, f.metadata["merge"]) for f in READING_PARTS)
+# The parts' names by how they merge: four short loops a tick instead of a test per part.
+_MERGE = {
+    how: tuple(f.name for f in READING_PARTS if f.metadata["merge"] == how)
+    for how in (EXTEND, UPDATE, LATEST, ANY)
+}
 # (name, declared type) of the parts a trace keeps, in the order its lines list them.
 _TRACED = tuple(
     (f.name, typing.get_type_hints(Readings)[f.name]) for f in READING_PARTS if f.metadata["traced"]

@@ -46,7 +46,7 @@ from typing import Any
 import yaml
 
 from bench.common import REPO, write_json
-from bench.fleet_series import measure_texts
+from bench.fleet_series import QUIET_TICKS, measure_texts
 
 RULES = REPO / "deploy" / "prometheus"
 DASHBOARDS = REPO / "dashboards"
@@ -99,13 +99,30 @@ class Fleet:
     """The expositions of N nodes, rendered on request for the moment of the request."""
 
     def __init__(
-        self, nodes: int, run_text: str, node_text: str, restart_s: float, tick_s: int = 15
+        self,
+        nodes: int,
+        run_text: str,
+        node_text: str,
+        restart_s: float,
+        tick_s: int = 15,
+        quiet: tuple[str, str] | None = None,
+        alerting_every: int = 1,
     ) -> None:
         # Values move once per tick (a scrape interval by default; longer where two setups
         # that scrape at different moments must read the same values: bench.scaleout).
         self.nodes, self.restart_s, self.tick_s = nodes, restart_s, tick_s
         self.started = time.time()
         self.templates = {"run": template(run_text), "node": template(node_text)}
+        # One node in `alerting_every` serves the texts above (the demo's end: a shattered
+        # cache, alerts pending on every GPU); the others the quiet texts. Every node alerts
+        # unless told otherwise, the worst case: an alert storm costs Prometheus per alert.
+        self.alerting_every = alerting_every
+        self.quiet_templates = (
+            {"run": template(quiet[0]), "node": template(quiet[1])} if quiet else self.templates
+        )
+
+    def alerting(self, node: int) -> bool:
+        return node % self.alerting_every == 0
 
     def namespace(self, node: int) -> str:
         return f"team-{node % 40}"
@@ -128,7 +145,8 @@ class Fleet:
         # A restarted server's counters start again from 0.
         since = tick - int(self.restarted_at(node, epoch) // self.tick_s)
         out = []
-        for index, line in enumerate(self.templates[endpoint]):
+        templates = self.templates if self.alerting(node) else self.quiet_templates
+        for index, line in enumerate(templates[endpoint]):
             if line.kind == "comment":
                 out.append(line.value)
                 continue
@@ -451,18 +469,28 @@ def query_value(prom: Prometheus, expr: str) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     run_text, node_text = measure_texts(GPUS)
-    fleet = Fleet(args.nodes, run_text, node_text, args.restart_s)
+    quiet = measure_texts(GPUS, ticks=QUIET_TICKS) if args.alerting_every > 1 else None
+    fleet = Fleet(
+        args.nodes,
+        run_text,
+        node_text,
+        args.restart_s,
+        quiet=quiet,
+        alerting_every=args.alerting_every,
+    )
     port = args.port
     serve(fleet, port)
     folder = Path(tempfile.mkdtemp(prefix="gpumem-fleet-"))
     prom = Prometheus(folder, prometheus_config(fleet, port, args.scrape_s, folder), port + 1)
     try:
-        started, cpu0 = time.monotonic(), prom.cpu_s()
+        # This process's CPU is the fleet's generator (and the polling below): on a small
+        # machine it shares the cores with Prometheus, so the report says how much it took.
+        started, cpu0, own0 = time.monotonic(), prom.cpu_s(), time.process_time()
         while time.monotonic() - started < args.warmup_s:
             time.sleep(min(30.0, args.warmup_s))
             series = prom.api("status/tsdb")["headStats"]["numSeries"]
             print(f"{time.monotonic() - started:7.0f} s: {series} head series", flush=True)
-        cpu_s = prom.cpu_s() - cpu0
+        cpu_s, own_s = prom.cpu_s() - cpu0, time.process_time() - own0
         elapsed = time.monotonic() - started
         head = prom.api("status/tsdb")["headStats"]
         rss = prom.rss_bytes()
@@ -474,11 +502,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "scrape_interval_s": args.scrape_s,
             "history_s": round(elapsed),
             "restart_period_s": args.restart_s,
+            "alerting_every": args.alerting_every,
             "head_series": head["numSeries"],
             "series_per_gpu": round(head["numSeries"] / gpus, 1),
             "rss_bytes": rss,
             "bytes_per_series": round(rss / head["numSeries"]),
             "cpu_cores": round(cpu_s / elapsed, 2),
+            "generator_cpu_cores": round(own_s / elapsed, 2),
             "samples_per_s": round(
                 query_value(prom, f"rate(prometheus_tsdb_head_samples_appended_total[{window}])")
             ),
@@ -513,7 +543,8 @@ def report(result: dict[str, Any]) -> str:
         f"{result['nodes']} nodes, {result['gpus']} GPUs, {result['scrape_interval_s']} s "
         f"scrapes, {result['history_s']} s of history: {result['head_series']} head series "
         f"({result['series_per_gpu']} per GPU), {result['rss_bytes'] / 2**30:.2f} GiB RSS "
-        f"({result['bytes_per_series']} B per series), {result['cpu_cores']} cores, "
+        f"({result['bytes_per_series']} B per series), {result['cpu_cores']} cores "
+        f"(the generator beside it: {result.get('generator_cpu_cores', '?')}), "
         f"{result['samples_per_s']} samples/s",
         "",
         "| rule group | largest evaluation (s) |",
@@ -550,11 +581,19 @@ def main() -> None:
         "--restart-s", type=float, default=7200, help="each server restarts once per"
     )
     parser.add_argument("--evaluations", type=int, default=6, help="rule evaluations to observe")
+    parser.add_argument(
+        "--alerting-every",
+        type=int,
+        default=1,
+        help="one node in N in the demo's alerting end state, the others quiet (default 1: all)",
+    )
     parser.add_argument("--port", type=int, default=19400, help="fleet port (Prometheus: +1)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
-    if args.nodes < 1 or args.scrape_s < 1 or args.warmup_s < 0:
-        parser.error("--nodes and --scrape-s must be positive, --warmup-s not negative")
+    if args.nodes < 1 or args.scrape_s < 1 or args.alerting_every < 1 or args.warmup_s < 0:
+        parser.error(
+            "--nodes, --scrape-s and --alerting-every must be positive, --warmup-s not negative"
+        )
     result = run(args)
     if args.out:
         write_json(args.out, result)

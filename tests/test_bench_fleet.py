@@ -4,13 +4,16 @@ would send it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
+from pathlib import Path
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.fleet import Fleet, grafana_step, substitute
-from bench.fleet_series import measure_texts
+from bench.fleet import RULES, Fleet, grafana_step, substitute
+from bench.fleet_series import QUIET_TICKS, measure_texts
 from tests.conftest import require_tool
 
 
@@ -84,3 +87,52 @@ def test_queries_are_sent_as_grafana_would() -> None:
     assert substitute(expr, fleet, 10800, 15, 15) == (
         'sum(increase(x{cluster=~".*", namespace=~".*"}[10800s])) by (pod)'
     )
+
+
+def quiet_fleet_rule_test(
+    fleet: Fleet, node: int, folder: Path
+) -> subprocess.CompletedProcess[str]:
+    """promtool's rule test of one node's texts held for 40 minutes: no alert may fire."""
+    lines = []
+    for endpoint, instance in (("run", f"node-{node}:8000"), ("node", f"node-{node}:9400")):
+        text = fleet.render(node, endpoint, fleet.started + 30).decode()
+        job = "gpumem-pods" if endpoint == "run" else "gpumem-node"
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = {**s.labels, "job": job, "instance": instance}
+                body = ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
+                lines.append({"series": f"{s.name}{{{body}}}", "values": f"{s.value}x160"})
+    alerts = yaml.safe_load(RULES.joinpath("alerts.yaml").read_text())["groups"]
+    names = [rule["alert"] for group in alerts for rule in group["rules"]]
+    test = {
+        "rule_files": [str(RULES / "alerts.yaml")],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": lines,
+                "alert_rule_test": [
+                    {"eval_time": "40m", "alertname": name, "exp_alerts": []} for name in names
+                ],
+            }
+        ],
+    }
+    path = folder / "quiet_test.yaml"
+    path.write_text(yaml.safe_dump(test))
+    promtool = require_tool("promtool")
+    return subprocess.run(
+        [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.slow
+def test_quiet_nodes_hold_no_alert_and_alerting_nodes_do(tmp_path: Path) -> None:
+    quiet = measure_texts(8, ticks=QUIET_TICKS)
+    fleet = Fleet(4, *measure_texts(8), restart_s=7200, quiet=quiet, alerting_every=2)
+    assert [fleet.alerting(n) for n in range(4)] == [True, False, True, False]
+    assert fleet.render(1, "run", fleet.started + 30) != fleet.render(0, "run", fleet.started + 30)
+    held = quiet_fleet_rule_test(fleet, 1, tmp_path)
+    assert held.returncode == 0, held.stdout + held.stderr
+    # The same check of an alerting node fails: it can tell the two apart.
+    storm = quiet_fleet_rule_test(fleet, 0, tmp_path)
+    assert storm.returncode != 0 and "GpuMemCacheGapHigh" in storm.stdout + storm.stderr

@@ -179,6 +179,23 @@ class Fleet:
         return repr(float(since // 40 if node % 50 == 0 else 0))
 
 
+def demo_fleet(nodes: int, restart_s: float, alerting_every: int, tick_s: int = 15) -> Fleet:
+    """N nodes of the demo server, one in `alerting_every` at the demo's alerting end."""
+    quiet = measure_texts(GPUS, ticks=QUIET_TICKS) if alerting_every > 1 else None
+    return Fleet(
+        nodes, *measure_texts(GPUS), restart_s, tick_s, quiet=quiet, alerting_every=alerting_every
+    )
+
+
+def add_alerting_every(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--alerting-every",
+        type=int,
+        default=1,
+        help="one node in N in the demo's alerting end state, the others quiet (default 1: all)",
+    )
+
+
 async def _serve_connection(fleet: Fleet, reader: Any, writer: Any) -> None:
     with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
         while True:
@@ -468,16 +485,7 @@ def query_value(prom: Prometheus, expr: str) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    run_text, node_text = measure_texts(GPUS)
-    quiet = measure_texts(GPUS, ticks=QUIET_TICKS) if args.alerting_every > 1 else None
-    fleet = Fleet(
-        args.nodes,
-        run_text,
-        node_text,
-        args.restart_s,
-        quiet=quiet,
-        alerting_every=args.alerting_every,
-    )
+    fleet = demo_fleet(args.nodes, args.restart_s, args.alerting_every)
     port = args.port
     serve(fleet, port)
     folder = Path(tempfile.mkdtemp(prefix="gpumem-fleet-"))
@@ -581,12 +589,7 @@ def main() -> None:
         "--restart-s", type=float, default=7200, help="each server restarts once per"
     )
     parser.add_argument("--evaluations", type=int, default=6, help="rule evaluations to observe")
-    parser.add_argument(
-        "--alerting-every",
-        type=int,
-        default=1,
-        help="one node in N in the demo's alerting end state, the others quiet (default 1: all)",
-    )
+    add_alerting_every(parser)
     parser.add_argument("--port", type=int, default=19400, help="fleet port (Prometheus: +1)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()

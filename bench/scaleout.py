@@ -50,6 +50,8 @@ from bench.fleet import (
     Fleet,
     Prometheus,
     Service,
+    add_alerting_every,
+    demo_fleet,
     panel_queries,
     prometheus_config,
     rule_times,
@@ -58,7 +60,6 @@ from bench.fleet import (
     time_alert_expressions,
     time_queries,
 )
-from bench.fleet_series import measure_texts
 
 GLOBAL_TIER = sorted(RULES.glob("*-global.yaml"))
 NODE_TIER = sorted(set(RULES.glob("*.yaml")) - set(GLOBAL_TIER))
@@ -358,8 +359,7 @@ def costs(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    run_text, node_text = measure_texts(GPUS)
-    fleet = Fleet(args.nodes, run_text, node_text, args.restart_s, tick_s=args.tick_s)
+    fleet = demo_fleet(args.nodes, args.restart_s, args.alerting_every, args.tick_s)
     fleet_port, single_port = free_ports(2)
     serve(fleet, fleet_port)
     folder = Path(tempfile.mkdtemp(prefix="gpumem-scaleout-"))
@@ -452,6 +452,7 @@ def main() -> None:
     )
     parser.add_argument("--evaluations", type=int, default=4, help="rule evaluations to observe")
     parser.add_argument("--no-single", action="store_true", help="only the sharded setup")
+    add_alerting_every(parser)
     parser.add_argument(
         "--extra-node-rules",
         type=Path,
@@ -462,8 +463,11 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
-    if args.nodes < 1 or args.shards < 1 or args.scrape_s < 1 or args.warmup_s < 0:
-        parser.error("--nodes, --shards and --scrape-s must be positive, --warmup-s not negative")
+    if min(args.nodes, args.shards, args.scrape_s, args.alerting_every) < 1 or args.warmup_s < 0:
+        parser.error(
+            "--nodes, --shards, --scrape-s and --alerting-every must be positive, "
+            "--warmup-s not negative"
+        )
     for path in args.extra_node_rules:
         if not path.is_file():
             parser.error(f"--extra-node-rules {path}: no such file")

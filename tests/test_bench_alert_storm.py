@@ -1,0 +1,65 @@
+"""bench.alert_storm times the shipped alert against itself with less text: the variants must
+differ only in their annotations, and the shipped one must hold on the series it is given."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench.alert_storm import ALERT, CACHE_GAP_SERIES, EVALUATIONS, shipped_rule, variants
+from tests.conftest import require_tool
+
+
+def test_the_variants_differ_only_in_their_text() -> None:
+    rule = shipped_rule(ALERT)
+    found = variants(rule)
+    assert found["shipped"] == rule
+    assert found["none"]["annotations"] == {}
+    static = found["static"]["annotations"]
+    assert static and all("{{" not in v for v in static.values())
+    assert set(static) < set(rule["annotations"])
+    for variant in found.values():
+        assert {k: v for k, v in variant.items() if k != "annotations"} == {
+            k: v for k, v in rule.items() if k != "annotations"
+        }
+
+
+@pytest.mark.slow
+def test_the_series_hold_the_alert_past_its_for(tmp_path: Path) -> None:
+    """Else the bench would time an alert that never became active."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [shipped_rule(ALERT)]}]}))
+    labels = '{instance="node-0:8000",job="gpumem-pods",device="0",gpu_uuid="GPU-0"}'
+    series = [
+        {"series": k + labels, "values": f"{v}x{EVALUATIONS}"} for k, v in CACHE_GAP_SERIES.items()
+    ]
+    test = tmp_path / "test.yaml"
+    test.write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": [str(rules)],
+                "evaluation_interval": "15s",
+                "tests": [
+                    {
+                        "interval": "15s",
+                        "input_series": series,
+                        "alert_rule_test": [
+                            {
+                                "eval_time": f"{EVALUATIONS * 15 // 60}m",
+                                "alertname": ALERT,
+                                "exp_alerts": [],
+                            }
+                        ],
+                    }
+                ],
+            }
+        )
+    )
+    proc = subprocess.run(
+        [require_tool("promtool"), "test", "rules", str(test)], capture_output=True, text=True
+    )
+    # Expecting no alert fails: the alert fires on these series.
+    assert proc.returncode != 0 and f'alertname="{ALERT}"' in proc.stdout + proc.stderr

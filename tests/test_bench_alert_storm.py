@@ -63,3 +63,22 @@ def test_the_series_hold_the_alert_past_its_for(tmp_path: Path) -> None:
     )
     # Expecting no alert fails: the alert fires on these series.
     assert proc.returncode != 0 and f'alertname="{ALERT}"' in proc.stdout + proc.stderr
+
+
+def test_the_recorded_variant_replaces_the_raw_aggregation() -> None:
+    """Else bench.alert_cost would time the shipped expression twice."""
+    from bench.alert_cost import EXPRESSIONS, RAW_MAX, RECORDED_MAX, SHATTERED
+
+    variant = EXPRESSIONS["  reading the recorded per-GPU maximum"]
+    assert RAW_MAX in SHATTERED and RAW_MAX not in variant and RECORDED_MAX in variant
+
+
+@pytest.mark.slow
+def test_the_alert_cost_bench_times_queries_over_its_written_history() -> None:
+    require_tool("prometheus")
+    require_tool("promtool")
+    from bench.alert_cost import EXPRESSIONS, measure
+
+    result = measure(16)
+    assert set(result["seconds"]) == set(EXPRESSIONS)
+    assert all(0 < s < 30 for s in result["seconds"].values())

@@ -1,0 +1,144 @@
+"""What the slowest alert expressions cost by themselves: on an idle Prometheus holding an hour
+of a fleet's series (issue 40).
+
+bench.fleet times the rules while everything else runs; this separates the expression's own
+cost from the contention. It writes one hour of the series `GpuMemExhaustionPredicted` and
+`GpuMemFreeCacheShattered` read, for N GPUs shaped as bench.fleet's nodes (8 GPUs, each seen by
+the server's and the node daemon's `gpu_memory_free_bytes`; the server's allocator series;
+the node tier's recorded per-GPU maximum), turns it into a TSDB block with `promtool tsdb
+create-blocks-from openmetrics`, starts Prometheus on it with no scrapes and no rules, and
+times each alert's expression, each of its parts, and `GpuMemFreeCacheShattered` reading the
+recorded maximum instead of aggregating the raw series (best of 5, as instant queries at the
+block's last sample).
+
+    python -m bench.alert_cost [--gpus 6000] [--out results.json]
+
+Needs `prometheus` and `promtool` (apt-get install prometheus); no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.common import free_port, write_json
+from bench.fleet import RULES, Prometheus
+
+SCRAPE_S, HISTORY_S = 15, 3600
+GIB = 1 << 30
+
+
+def alert_expr(name: str) -> str:
+    groups = yaml.safe_load((RULES / "alerts.yaml").read_text())["groups"]
+    return str(next(r for g in groups for r in g["rules"] if r.get("alert") == name)["expr"])
+
+
+EXHAUSTION = alert_expr("GpuMemExhaustionPredicted")
+SHATTERED = alert_expr("GpuMemFreeCacheShattered")
+RAW_MAX = "max by (gpu_uuid) (gpu_memory_free_bytes)"
+RECORDED_MAX = "cluster_gpu:gpu_memory_free_bytes:max"
+EXPRESSIONS = {
+    "GpuMemExhaustionPredicted": EXHAUSTION,
+    "  free under 20% of total": "gpu_memory_free_bytes < 0.20 * gpu_memory_total_bytes",
+    "  predict_linear over 1 h": "predict_linear(gpu_memory_free_bytes[1h], 3600) < 0",
+    "  deriv over 10 min": "deriv(gpu_memory_free_bytes[10m]) < 0",
+    "GpuMemFreeCacheShattered": SHATTERED,
+    "  reading the recorded per-GPU maximum": SHATTERED.replace(RAW_MAX, RECORDED_MAX),
+}
+
+
+def write_history(path: Path, gpus: int, end: int) -> None:
+    """OpenMetrics text of an hour of the series the two alerts read."""
+    stamps = range(end - HISTORY_S + SCRAPE_S, end + 1, SCRAPE_S)
+    with path.open("w") as out:
+
+        def family(name: str, rows: list[tuple[str, float]]) -> None:
+            out.write(f"# TYPE {name} gauge\n")
+            for labels, base in rows:
+                for i, t in enumerate(stamps):
+                    # Moves like memory, without holding any alert.
+                    out.write(f"{name}{{{labels}}} {base * (1 + 0.01 * (i % 7)):.0f} {t}\n")
+
+        nvml, allocator, recorded = [], [], []
+        for g in range(gpus):
+            node, index = divmod(g, 8)
+            gpu = f'gpu="{index}",gpu_uuid="GPU-{node:08x}-{index:04d}"'
+            server = f'job="gpumem-pods",instance="node-{node}:8000",pod="llm-{node}"'
+            daemon = f'job="gpumem-node",instance="node-{node}:9400"'
+            nvml += [f"{server},{gpu}", f"{daemon},{gpu}"]
+            allocator.append(f'{server},device="0",rank="{index}",{gpu}')
+            recorded.append(f'gpu_uuid="GPU-{node:08x}-{index:04d}"')
+        family("gpu_memory_free_bytes", [(s, 60 * GIB) for s in nvml])
+        family("gpu_memory_total_bytes", [(s, 80 * GIB) for s in nvml])
+        family("cluster_gpu:gpu_memory_free_bytes:max", [(s, 60 * GIB) for s in recorded])
+        for name, value in (
+            ("torch_cuda_default_pool_free_bytes", 9 * GIB),
+            ("torch_cuda_largest_free_block_bytes", 2 * GIB),
+            ("torch_cuda_memory_limit_bytes", 22 * GIB),
+            ("torch_cuda_reserved_bytes", 21 * GIB),
+        ):
+            family(name, [(s, value) for s in allocator])
+        out.write("# EOF\n")
+
+
+def measure(gpus: int) -> dict[str, Any]:
+    folder = Path(tempfile.mkdtemp(prefix="gpumem-alert-cost-"))
+    try:
+        end = int(time.time()) // SCRAPE_S * SCRAPE_S
+        history = folder / "history.om"
+        write_history(history, gpus, end)
+        server = folder / "server"  # Prometheus below keeps its TSDB in server/data
+        blocks = ["promtool", "tsdb", "create-blocks-from", "openmetrics"]
+        subprocess.run(
+            [*blocks, str(history), str(server / "data")],
+            check=True,
+            capture_output=True,
+        )
+        history.unlink()
+        prom = Prometheus(server, {"global": {"scrape_interval": "15s"}}, free_port())
+        try:
+            return {"gpus": gpus, "history_s": HISTORY_S, "seconds": _times(prom, end)}
+        finally:
+            prom.stop()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _times(prom: Prometheus, end: int) -> dict[str, float]:
+    held = prom.api("query", query="count(gpu_memory_free_bytes)", time=end)["result"]
+    if not held:  # an empty answer costs nothing: the block must be where the queries look
+        raise SystemExit("the written history is not where the queries look")
+    found = {}
+    for name, expr in EXPRESSIONS.items():
+        runs = [prom.timed("query", query=expr, time=end) for _ in range(5)]
+        errors = [r[2] for r in runs if r[2]]
+        if errors:
+            raise SystemExit(f"{name}: {errors[0]}")
+        found[name] = round(min(r[0] for r in runs), 3)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpus", type=int, default=6000, help="GPUs of the fleet (default 6000)")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args()
+    if args.gpus < 8:
+        parser.error("--gpus must be at least 8")
+    result = measure(args.gpus)
+    if args.out:
+        write_json(args.out, result)
+    print(f"{args.gpus} GPUs, one hour of history, an idle Prometheus (best of 5):")
+    for name, seconds in result["seconds"].items():
+        print(f"  {name}: {seconds:.3f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -56,10 +56,12 @@ EXPRESSIONS = {
 
 def write_history(path: Path, gpus: int, end: int) -> None:
     """OpenMetrics text of an hour of the series the two alerts read."""
-    stamps = range(end - HISTORY_S + SCRAPE_S, end + 1, SCRAPE_S)
     with path.open("w") as out:
 
-        def family(name: str, rows: list[tuple[str, float]]) -> None:
+        def family(name: str, rows: list[tuple[str, float]], span_s: int = 600) -> None:
+            # Ten minutes where the expression reads instant values: only the free memory's
+            # trend reads the whole hour.
+            stamps = range(end - span_s + SCRAPE_S, end + 1, SCRAPE_S)
             out.write(f"# TYPE {name} gauge\n")
             for labels, base in rows:
                 for i, t in enumerate(stamps):
@@ -75,7 +77,7 @@ def write_history(path: Path, gpus: int, end: int) -> None:
             nvml += [f"{server},{gpu}", f"{daemon},{gpu}"]
             allocator.append(f'{server},device="0",rank="{index}",{gpu}')
             recorded.append(f'gpu_uuid="GPU-{node:08x}-{index:04d}"')
-        family("gpu_memory_free_bytes", [(s, 60 * GIB) for s in nvml])
+        family("gpu_memory_free_bytes", [(s, 60 * GIB) for s in nvml], HISTORY_S)
         family("gpu_memory_total_bytes", [(s, 80 * GIB) for s in nvml])
         family("cluster_gpu:gpu_memory_free_bytes:max", [(s, 60 * GIB) for s in recorded])
         for name, value in (

@@ -52,8 +52,9 @@ def variants(rule: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return found
 
 
-def rule_test(folder: Path, rule: dict[str, Any], alerts: int) -> float:
-    """Seconds promtool takes to evaluate the rule EVALUATIONS times over `alerts` series."""
+def storm_test(folder: Path, rule: dict[str, Any], alerts: int, checked: str = "none") -> Path:
+    """A promtool rule test of `rule` over `alerts` series that hold GpuMemCacheGapHigh,
+    expecting no `checked` alert after EVALUATIONS evaluations."""
     rules = folder / "rules.yaml"
     rules.write_text(yaml.safe_dump({"groups": [{"name": "storm", "rules": [rule]}]}))
     series = []
@@ -74,16 +75,22 @@ def rule_test(folder: Path, rule: dict[str, Any], alerts: int) -> float:
                     {
                         "interval": "15s",
                         "input_series": series,
-                        # Checks an alert that is not there: the run evaluates every step up
-                        # to it and compares nothing large.
+                        # By default checks an alert that is not there: the run evaluates
+                        # every step up to it and compares nothing large.
                         "alert_rule_test": [
-                            {"eval_time": f"{minutes}m", "alertname": "none", "exp_alerts": []}
+                            {"eval_time": f"{minutes}m", "alertname": checked, "exp_alerts": []}
                         ],
                     }
                 ],
             }
         )
     )
+    return test
+
+
+def rule_test(folder: Path, rule: dict[str, Any], alerts: int) -> float:
+    """Seconds promtool takes to evaluate the rule EVALUATIONS times over `alerts` series."""
+    test = storm_test(folder, rule, alerts)
     started = time.perf_counter()
     subprocess.run(["promtool", "test", "rules", str(test)], check=True, capture_output=True)
     return time.perf_counter() - started

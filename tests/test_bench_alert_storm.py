@@ -7,9 +7,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
 
-from bench.alert_storm import ALERT, CACHE_GAP_SERIES, EVALUATIONS, shipped_rule, variants
+from bench.alert_storm import ALERT, shipped_rule, storm_test, variants
 from tests.conftest import require_tool
 
 
@@ -30,34 +29,7 @@ def test_the_variants_differ_only_in_their_text() -> None:
 @pytest.mark.slow
 def test_the_series_hold_the_alert_past_its_for(tmp_path: Path) -> None:
     """Else the bench would time an alert that never became active."""
-    rules = tmp_path / "rules.yaml"
-    rules.write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [shipped_rule(ALERT)]}]}))
-    labels = '{instance="node-0:8000",job="gpumem-pods",device="0",gpu_uuid="GPU-0"}'
-    series = [
-        {"series": k + labels, "values": f"{v}x{EVALUATIONS}"} for k, v in CACHE_GAP_SERIES.items()
-    ]
-    test = tmp_path / "test.yaml"
-    test.write_text(
-        yaml.safe_dump(
-            {
-                "rule_files": [str(rules)],
-                "evaluation_interval": "15s",
-                "tests": [
-                    {
-                        "interval": "15s",
-                        "input_series": series,
-                        "alert_rule_test": [
-                            {
-                                "eval_time": f"{EVALUATIONS * 15 // 60}m",
-                                "alertname": ALERT,
-                                "exp_alerts": [],
-                            }
-                        ],
-                    }
-                ],
-            }
-        )
-    )
+    test = storm_test(tmp_path, shipped_rule(ALERT), 1, checked=ALERT)
     proc = subprocess.run(
         [require_tool("promtool"), "test", "rules", str(test)], capture_output=True, text=True
     )

@@ -31,7 +31,7 @@ import yaml
 from bench.common import free_port, write_json
 from bench.fleet import RULES, Prometheus
 
-SCRAPE_S, HISTORY_S = 15, 3600
+SCRAPE_S = 15
 GIB = 1 << 30
 
 
@@ -54,8 +54,9 @@ EXPRESSIONS = {
 }
 
 
-def write_history(path: Path, gpus: int, end: int) -> None:
-    """OpenMetrics text of an hour of the series the two alerts read."""
+def write_history(path: Path, gpus: int, end: int, history_s: int) -> None:
+    """OpenMetrics text of the series the two alerts read: the free memory over `history_s`
+    (the trend reads up to an hour), the others over ten minutes."""
     with path.open("w") as out:
 
         def family(name: str, rows: list[tuple[str, float]], span_s: int = 600) -> None:
@@ -77,7 +78,7 @@ def write_history(path: Path, gpus: int, end: int) -> None:
             nvml += [f"{server},{gpu}", f"{daemon},{gpu}"]
             allocator.append(f'{server},device="0",rank="{index}",{gpu}')
             recorded.append(f'gpu_uuid="GPU-{node:08x}-{index:04d}"')
-        family("gpu_memory_free_bytes", [(s, 60 * GIB) for s in nvml], HISTORY_S)
+        family("gpu_memory_free_bytes", [(s, 60 * GIB) for s in nvml], history_s)
         family("gpu_memory_total_bytes", [(s, 80 * GIB) for s in nvml])
         family("cluster_gpu:gpu_memory_free_bytes:max", [(s, 60 * GIB) for s in recorded])
         for name, value in (
@@ -90,12 +91,12 @@ def write_history(path: Path, gpus: int, end: int) -> None:
         out.write("# EOF\n")
 
 
-def measure(gpus: int) -> dict[str, Any]:
+def measure(gpus: int, history_s: int = 3600) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix="gpumem-alert-cost-"))
     try:
         end = int(time.time()) // SCRAPE_S * SCRAPE_S
         history = folder / "history.om"
-        write_history(history, gpus, end)
+        write_history(history, gpus, end, history_s)
         server = folder / "server"  # Prometheus below keeps its TSDB in server/data
         blocks = ["promtool", "tsdb", "create-blocks-from", "openmetrics"]
         subprocess.run(
@@ -106,7 +107,7 @@ def measure(gpus: int) -> dict[str, Any]:
         history.unlink()
         prom = Prometheus(server, {"global": {"scrape_interval": "15s"}}, free_port())
         try:
-            return {"gpus": gpus, "history_s": HISTORY_S, "seconds": _times(prom, end)}
+            return {"gpus": gpus, "history_s": history_s, "seconds": _times(prom, end)}
         finally:
             prom.stop()
     finally:
@@ -130,14 +131,17 @@ def _times(prom: Prometheus, end: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, default=6000, help="GPUs of the fleet (default 6000)")
+    parser.add_argument(
+        "--history-s", type=int, default=3600, help="free memory's history (default one hour)"
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
-    if args.gpus < 8:
-        parser.error("--gpus must be at least 8")
-    result = measure(args.gpus)
+    if args.gpus < 8 or not 600 <= args.history_s <= 86400:
+        parser.error("--gpus must be at least 8, --history-s between 600 and 86400")
+    result = measure(args.gpus, args.history_s)
     if args.out:
         write_json(args.out, result)
-    print(f"{args.gpus} GPUs, one hour of history, an idle Prometheus (best of 5):")
+    print(f"{args.gpus} GPUs, {args.history_s} s of history, an idle Prometheus (best of 5):")
     for name, seconds in result["seconds"].items():
         print(f"  {name}: {seconds:.3f} s")
 

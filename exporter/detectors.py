@@ -234,9 +234,9 @@ class Detectors:
     def rose(self, alert: str, key: Subject, t: float, value: float) -> Check:
         """Firing while the counter rose within the window; its value the latest rise."""
         # get, then create: setdefault would build a new one on every call (every tick).
-        counter = self._counters.get((alert, key)) or self._counters.setdefault(
-            (alert, key), _Counter()
-        )
+        counter = self._counters.get((alert, key))
+        if counter is None:
+            counter = self._counters[alert, key] = _Counter()
         counter.update(t, value)
         window_s = self.settings.detect_counter_window_s
         recent = counter.risen_at is not None and t - counter.risen_at < window_s
@@ -244,16 +244,16 @@ class Detectors:
 
     def trend(self, name: str, key: Subject, window_s: float) -> _Series:
         series = self._series.get((name, key))
-        return (
-            series
-            if series is not None
-            else self._series.setdefault((name, key), _Series(window_s))
-        )
+        if series is None:
+            series = self._series[name, key] = _Series(window_s)
+        return series
 
     # -- state machine ------------------------------------------------------------------
 
     def _apply(self, alert: str, key: Subject, t: float, check: Check | None, for_s: float) -> None:
-        state = self._states.get((alert, key)) or self._states.setdefault((alert, key), _State())
+        state = self._states.get((alert, key))
+        if state is None:
+            state = self._states[alert, key] = _State()
         if check is None:  # not defined here: nothing pending; a firing alert clears
             check = Check(False, True, 0.0)
         state.value = check.value

@@ -26,32 +26,30 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bench.common import free_port, write_json
-from bench.fleet import RULES, Prometheus
+from bench.fleet import Prometheus, shipped_alert
 
 SCRAPE_S = 15
 GIB = 1 << 30
 
-
-def alert_expr(name: str) -> str:
-    groups = yaml.safe_load((RULES / "alerts.yaml").read_text())["groups"]
-    return str(next(r for g in groups for r in g["rules"] if r.get("alert") == name)["expr"])
-
-
-EXHAUSTION = alert_expr("GpuMemExhaustionPredicted")
-SHATTERED = alert_expr("GpuMemFreeCacheShattered")
 RAW_MAX = "max by (gpu_uuid) (gpu_memory_free_bytes)"
 RECORDED_MAX = "cluster_gpu:gpu_memory_free_bytes:max"
-EXPRESSIONS = {
-    "GpuMemExhaustionPredicted": EXHAUSTION,
-    "  free under 20% of total": "gpu_memory_free_bytes < 0.20 * gpu_memory_total_bytes",
-    "  predict_linear over 1 h": "predict_linear(gpu_memory_free_bytes[1h], 3600) < 0",
-    "  deriv over 10 min": "deriv(gpu_memory_free_bytes[10m]) < 0",
-    "GpuMemFreeCacheShattered": SHATTERED,
-    "  reading the recorded per-GPU maximum": SHATTERED.replace(RAW_MAX, RECORDED_MAX),
-}
+# GpuMemExhaustionPredicted's three conditions, in the order its expression joins them.
+EXHAUSTION_PARTS = ("free under 20% of total", "predict_linear over 1 h", "deriv over 10 min")
+
+
+def expressions() -> dict[str, str]:
+    """Each timed expression by name: the two alerts as shipped, the first one's conditions
+    alone, the second one reading the recorded maximum."""
+    exhaustion = str(shipped_alert("GpuMemExhaustionPredicted")["expr"])
+    shattered = str(shipped_alert("GpuMemFreeCacheShattered")["expr"])
+    parts = [part.strip() for part in exhaustion.split("\nand\n")]
+    return {
+        "GpuMemExhaustionPredicted": exhaustion,
+        **{f"  {name}": part for name, part in zip(EXHAUSTION_PARTS, parts, strict=True)},
+        "GpuMemFreeCacheShattered": shattered,
+        "  reading the recorded per-GPU maximum": shattered.replace(RAW_MAX, RECORDED_MAX),
+    }
 
 
 def write_history(path: Path, gpus: int, end: int, history_s: int) -> None:
@@ -119,7 +117,7 @@ def _times(prom: Prometheus, end: int) -> dict[str, float]:
     if not held:  # an empty answer costs nothing: the block must be where the queries look
         raise SystemExit("the written history is not where the queries look")
     found = {}
-    for name, expr in EXPRESSIONS.items():
+    for name, expr in expressions().items():
         runs = [prom.timed("query", query=expr, time=end) for _ in range(5)]
         errors = [r[2] for r in runs if r[2]]
         if errors:

@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from bench.common import write_json
-from bench.fleet import RULES
+from bench.fleet import shipped_alert
 
 # Values that hold GpuMemCacheGapHigh: 15 GB of a 20 GB cache unused.
 CACHE_GAP_SERIES = {
@@ -37,11 +37,6 @@ CACHE_GAP_SERIES = {
 }
 ALERT = "GpuMemCacheGapHigh"
 EVALUATIONS = 129  # 32 minutes at 15 s: past the alert's 30 minutes, so it fires
-
-
-def shipped_rule(name: str) -> dict[str, Any]:
-    groups = yaml.safe_load((RULES / "alerts.yaml").read_text())["groups"]
-    return next(r for g in groups for r in g["rules"] if r.get("alert") == name)
 
 
 def variants(rule: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -97,7 +92,7 @@ def rule_test(folder: Path, rule: dict[str, Any], alerts: int) -> float:
 
 
 def measure(alerts: int) -> dict[str, Any]:
-    rule = shipped_rule(ALERT)
+    rule = shipped_alert(ALERT)
     with tempfile.TemporaryDirectory(prefix="gpumem-alert-storm-") as tmp:
         seconds = {name: rule_test(Path(tmp), r, alerts) for name, r in variants(rule).items()}
     per = {k: 1e3 * v / (alerts * EVALUATIONS) for k, v in seconds.items()}

@@ -116,6 +116,8 @@ class Fleet:
         # One node in `alerting_every` serves the texts above (the demo's end: a shattered
         # cache, alerts pending on every GPU); the others the quiet texts. Every node alerts
         # unless told otherwise, the worst case: an alert storm costs Prometheus per alert.
+        if alerting_every > 1 and quiet is None:
+            raise ValueError("quiet nodes need the quiet texts")
         self.alerting_every = alerting_every
         self.quiet_templates = (
             {"run": template(quiet[0]), "node": template(quiet[1])} if quiet else self.templates
@@ -446,13 +448,22 @@ def time_queries(prom: Service, fleet: Fleet, scrape_s: int) -> list[dict[str, A
     return results
 
 
+def alert_rules() -> list[dict[str, Any]]:
+    """The shipped alert rules (deploy/prometheus/alerts.yaml), every group's, in file order."""
+    groups = yaml.safe_load((RULES / "alerts.yaml").read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def shipped_alert(name: str) -> dict[str, Any]:
+    return next(rule for rule in alert_rules() if rule["alert"] == name)
+
+
 def time_alert_expressions(prom: Service) -> list[dict[str, Any]]:
     """Each alert's expression as an instant query: what its rule pays per evaluation."""
     found = []
-    for group in yaml.safe_load((RULES / "alerts.yaml").read_text())["groups"]:
-        for rule in group["rules"]:
-            runs = [prom.timed("query", query=rule["expr"]) for _ in range(2)]
-            found.append({"alert": rule["alert"], "instant": max(r[0] for r in runs)})
+    for rule in alert_rules():
+        runs = [prom.timed("query", query=rule["expr"]) for _ in range(2)]
+        found.append({"alert": rule["alert"], "instant": max(r[0] for r in runs)})
     return found
 
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.fleet import RULES, Fleet, grafana_step, substitute
+from bench.fleet import RULES, Fleet, alert_rules, grafana_step, substitute
 from bench.fleet_series import QUIET_TICKS, measure_texts
 from tests.conftest import require_tool
 
@@ -102,8 +102,7 @@ def quiet_fleet_rule_test(
                 labels = {**s.labels, "job": job, "instance": instance}
                 body = ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
                 lines.append({"series": f"{s.name}{{{body}}}", "values": f"{s.value}x160"})
-    alerts = yaml.safe_load(RULES.joinpath("alerts.yaml").read_text())["groups"]
-    names = [rule["alert"] for group in alerts for rule in group["rules"]]
+    names = [rule["alert"] for rule in alert_rules()]
     test = {
         "rule_files": [str(RULES / "alerts.yaml")],
         "evaluation_interval": "15s",
@@ -136,3 +135,10 @@ def test_quiet_nodes_hold_no_alert_and_alerting_nodes_do(tmp_path: Path) -> None
     # The same check of an alerting node fails: it can tell the two apart.
     storm = quiet_fleet_rule_test(fleet, 0, tmp_path)
     assert storm.returncode != 0 and "GpuMemCacheGapHigh" in storm.stdout + storm.stderr
+
+
+@pytest.mark.slow
+def test_quiet_nodes_need_the_quiet_texts() -> None:
+    """Else they would silently serve the alerting texts and the fleet would be a storm."""
+    with pytest.raises(ValueError, match="quiet texts"):
+        Fleet(4, *measure_texts(8), restart_s=7200, alerting_every=2)

@@ -100,13 +100,13 @@ def node_sample(server: Sample, recorded: Sample) -> Sample:
         devices=[
             PodDevice("llm", "llama-0", "vllm", "nvidia.com/gpu", g.uuid) for g in server.gpus
         ],
+        # The kubelet's container log links name each worker's pod and container.
+        log_pods={"pod-uid": ("llm", "llama-0")},
+        log_containers={"container-id": "vllm"},
+        logs_folder="/var/log/containers",
     )
-    # Each says it is llama-0 (its hostname and namespace), as a pod's container does.
     sample.process_containers = [
-        ProcessContainerReading(
-            p.pid, "container", "pod-uid", "container-id", hostname="llama-0", namespace="llm"
-        )
-        for p in workers
+        ProcessContainerReading(p.pid, "container", "pod-uid", "container-id") for p in workers
     ]
     return sample
 

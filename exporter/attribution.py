@@ -6,17 +6,16 @@ exporter.metrics renders.
   plugin's device and a device a ResourceClaim gave (DRA) alike, so that everything built on
   gpu_pod_info (the unattributed memory, the rules, the alerts) counts both; a DRA device also
   gets a gpu_dra_claim_info row with its claim and the driver's names.
-- A process is named (namespace, pod, container) where that is certain without guessing:
-  from the Kubernetes API's pods of the node (the pod reader: exact, on shared GPUs too);
-  without it, where it runs in a pod's container, its GPU is assigned to one container of
-  exactly one pod, every process on that GPU is in that one pod, and their containers say
-  they are that pod (hostname and namespace, exporter.kubernetes.cgroup.pod_hints). A process
-  whose container names another pod is that pod's, on a GPU its pod does not hold. Elsewhere
-  (shared GPUs: time-slicing, MPS, MIG slices on one GPU; two pods on one exclusive GPU) it
-  keeps its pod UID alone.
+- A process is named (namespace, pod, container) from its cgroup's pod UID and container ID
+  (the kernel's) joined with what the kubelet or the API server calls them: the kubelet's
+  container log links (exporter.kubernetes.container_logs) and the Kubernetes API's pods of
+  the node (the pod reader); exact, on shared GPUs too. Never from anything a container holds
+  (its /etc/hostname, its service-account namespace file): those are its tenant's to write
+  (round 4: a pod could be charged to another, or make another be charged). Without either
+  source of names a process keeps its pod UID alone, and is not judged against the holders.
 - Memory that no pod owns is certain in three cases: a process in no pod (a host process,
   a container of no pod: orphaned workers of a killed server, `docker run`), a pod's process
-  on a GPU that no pod holds (with the pod reader: that none of its pods holds, though others
+  on a GPU that no pod holds (with names: that its own pod does not hold, though others
   may), and the GPU memory of a GPU that no pod holds. A process whose
   cgroup could not be read is listed with reason "unknown" and not counted.
 - Never from a reading older than the process (issue 38): a pod's process first seen after
@@ -159,7 +158,7 @@ def attribute(sample: Sample) -> Attribution | None:
         if row.gpu_uuid:
             holders[row.gpu_uuid].add((row.namespace, row.pod, row.container))
     located = {c.pid: c for c in sample.process_containers}
-    result.process_pods = _process_pods(sample, located, holders)
+    result.process_pods = _process_pods(sample, located)
     named = {p.pid: p for p in result.process_pods if p.pod}
     for entry in sample.processes:
         if (owner := named.get(entry.pid)) is not None:
@@ -218,7 +217,7 @@ def _claim_memory(sample: Sample, result: Attribution) -> list[ClaimMemory]:
         if memory is None:
             continue  # not allocated (yet), or the whole device: nothing claimed to hold against
         used = None
-        if kubelet.pods is not None:  # names exact: the container's processes on this GPU
+        if _names(kubelet) is not None:  # names exact: the container's processes on this GPU
             key = (index[claim.gpu_uuid], claim.gpu_uuid, claim.namespace, claim.pod)
             used = result.container_memory.get((*key, claim.container), 0)
         found.append(
@@ -235,36 +234,35 @@ def _claim_memory(sample: Sample, result: Attribution) -> list[ClaimMemory]:
     return found
 
 
+def _names(kubelet: KubeletReading) -> tuple[dict[str, tuple[str, str]], dict[str, str]] | None:
+    """(pod UID -> (namespace, pod), container ID -> container) as the kubelet's links and the
+    pod reader name them, or None where neither answered. The API's answer wins where both
+    name one UID (the two agree; the API may be newer)."""
+    if kubelet.log_pods is None and kubelet.pods is None:
+        return None
+    pods = {**(kubelet.log_pods or {}), **(kubelet.pods or {})}
+    return pods, {**kubelet.log_containers, **kubelet.containers}
+
+
 def _holds(
     kubelet: KubeletReading,
     where: ProcessContainerReading | None,
     holders: set[tuple[str, str, str]] | None,
 ) -> bool:
-    """Whether a pod holds the GPU a process is on: with the pod reader, the process's own pod
-    (by its pod UID); without, any pod, unless the process's container names a pod that
-    is none of them (its hostname and namespace: _is_holder)."""
+    """Whether a pod holds the GPU a process is on: with names, the process's own pod (by its
+    pod UID); without, any pod (nothing the process says of itself is taken)."""
     if not holders:
         return False
-    if kubelet.pods is None or where is None or where.pod_uid not in kubelet.pods:
-        # Any pod, unless the process is another pod's: then not the holder's memory.
-        return where is None or not all(_is_holder(h, where) is False for h in holders)
-    return kubelet.pods[where.pod_uid] in {(ns, pod) for ns, pod, _ in holders}
-
-
-def _hostname(pod: str) -> str:
-    """A pod's hostname when spec.hostname is not set: its name, cut to 63 characters."""
-    return pod[:63].rstrip("-.")
-
-
-def _is_holder(holder: tuple[str, str, str], where: ProcessContainerReading) -> bool | None:
-    """Whether a process's container says it is in `holder`'s pod: True, False (it names
-    another pod), or None (it says nothing: its hostname is unreadable, or the node's)."""
-    namespace, pod, _ = holder
-    if not where.hostname:
-        return None
-    if where.namespace and where.namespace != namespace:
-        return False
-    return where.hostname == _hostname(pod)
+    names = _names(kubelet)
+    if names is None or where is None:
+        return True
+    pod = names[0].get(where.pod_uid)
+    if pod is None:
+        # The kubelet's links name every container it started before its List was asked
+        # (a judged process is older than that): a UID they lack is no pod of this kubelet.
+        # The API's list alone may simply be older than the pod: no judgement then.
+        return kubelet.log_pods is None
+    return pod in {(ns, name) for ns, name, _ in holders}
 
 
 def _fresh(kubelet: KubeletReading, where: ProcessContainerReading | None) -> bool:
@@ -287,31 +285,16 @@ def _unattributed_reason(
     return None if assigned else NOT_ASSIGNED
 
 
-def _process_pods(
-    sample: Sample,
-    located: dict[int, ProcessContainerReading],
-    holders: dict[str, set[tuple[str, str, str]]],
-) -> list[ProcessPod]:
-    pod_uids_on: dict[str, set[str]] = defaultdict(set)  # GPU -> pod UIDs of its processes
-    on_gpu: dict[str, list[ProcessContainerReading]] = defaultdict(list)
-    gpus_of: dict[int, set[str]] = defaultdict(set)
-    for entry in sample.processes:
-        where = located.get(entry.pid)
-        if where is not None and where.pod_uid:
-            pod_uids_on[entry.gpu_uuid].add(where.pod_uid)
-            on_gpu[entry.gpu_uuid].append(where)
-            gpus_of[entry.pid].add(entry.gpu_uuid)
-    result = []
+def _process_pods(sample: Sample, located: dict[int, ProcessContainerReading]) -> list[ProcessPod]:
     kubelet = sample.kubelet
-    for pid, gpus in sorted(gpus_of.items()):
-        where = located[pid]
-        if kubelet is not None and kubelet.pods is not None:
-            owner = _owner_from_api(kubelet, where)
-        elif kubelet is None or not _fresh(kubelet, where):
-            owner = None  # its pod UID alone until a List asked after it answers
-        else:
-            names = {_certain_owner(holders.get(g, set()), pod_uids_on[g], on_gpu[g]) for g in gpus}
-            owner = names.pop() if len(names) == 1 else None
+    names = _names(kubelet) if kubelet is not None else None
+    pids = sorted({e.pid for e in sample.processes})
+    result = []
+    for pid in pids:
+        where = located.get(pid)
+        if where is None or not where.pod_uid:
+            continue
+        owner = _owner(names, where) if names is not None else None
         if owner is None:
             result.append(ProcessPod(pid, where.pod_uid, where.container_id))
         else:
@@ -319,27 +302,13 @@ def _process_pods(
     return result
 
 
-def _owner_from_api(
-    kubelet: KubeletReading, where: ProcessContainerReading
+def _owner(
+    names: tuple[dict[str, tuple[str, str]], dict[str, str]], where: ProcessContainerReading
 ) -> tuple[str, str, str] | None:
-    """(namespace, pod, container) as the API names the process's pod UID and container ID."""
-    pod = kubelet.pods.get(where.pod_uid) if kubelet.pods is not None else None
-    container = kubelet.containers.get(where.container_id)
+    """(namespace, pod, container) as the kubelet or the API names the process's pod UID and
+    container ID. Never a partial name: an empty `container` label would take the scraping
+    target's own under honor_labels."""
+    pods, containers = names
+    pod = pods.get(where.pod_uid)
+    container = containers.get(where.container_id)
     return None if pod is None or not container else (*pod, container)
-
-
-def _certain_owner(
-    holders: set[tuple[str, str, str]],
-    pod_uids: set[str],
-    processes: list[ProcessContainerReading],
-) -> tuple[str, str, str] | None:
-    """(namespace, pod, container) of a GPU's processes where that is certain, else None:
-    one pod holds the GPU, its processes are of one pod UID, and their containers say they
-    are that pod (a pod that holds no GPU but uses this one must never be named as the
-    holder, issue 38). Never a partial name: an empty `container` label would take the
-    scraping target's own under honor_labels."""
-    if len(holders) != 1 or len(pod_uids) != 1:
-        return None
-    holder = next(iter(holders))
-    verdicts = {_is_holder(holder, where) for where in processes}
-    return holder if True in verdicts and False not in verdicts else None

@@ -699,6 +699,24 @@ FAMILIES: tuple[Family, ...] = (
         info_labels=("error",),
     ),
     Family(
+        "gpumem_exporter_kubelet_container_logs_up",
+        "gauge",
+        "1 if the kubelet's container log links (/var/log/containers) were read at the latest "
+        "refresh: they name each GPU process's pod and container from its cgroup.",
+        (),
+        "kubelet",
+        KUBERNETES,
+    ),
+    Family(
+        "gpumem_exporter_kubelet_container_logs_error",
+        "info",
+        "Why the latest read of the kubelet's container log links failed.",
+        (),
+        "kubelet",
+        KUBERNETES,
+        info_labels=("error", "folder"),
+    ),
+    Family(
         "gpu_pod_info",
         "gauge",
         "1 for each container the kubelet assigned a GPU to (gpu_uuid: the NVML GPU the "
@@ -778,10 +796,8 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "gpu_process_pod_info",
         "gauge",
-        "1 for each GPU process whose pod is certain: named by the Kubernetes API (pod "
-        "reader), or the only pod, through one container, holding the GPUs it uses, with "
-        "no other pod's process on them, whose container says it is that pod (hostname "
-        "and namespace).",
+        "1 for each GPU process whose pod is certain: its cgroup's pod UID and container ID "
+        "as the kubelet's container log links or the Kubernetes API (pod reader) name them.",
         ("pid", "namespace", "pod", "container"),
         "kubelet",
         KUBERNETES,

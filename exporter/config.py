@@ -156,7 +156,7 @@ def _labels(value: Any, origin: str) -> dict[str, str]:
 def _kubelet_socket(value: Any, origin: str) -> str:
     text = str(value or "").strip()
     if text and text != "off" and not text.startswith("/"):
-        raise ConfigError(f"{origin}: expected an absolute socket path or off, got {value!r}")
+        raise ConfigError(f"{origin}: expected an absolute path or off, got {value!r}")
     return text
 
 
@@ -320,6 +320,12 @@ class Config:
         "device-plugin resource names (and DRA driver names) besides nvidia.com/gpu, "
         "nvidia.com/mig-* and gpu.nvidia.com (comma-separated; a trailing * matches a prefix)",
         _resources,
+    )
+    kubelet_container_logs: str = setting(
+        "/var/log/containers",
+        "the kubelet's container log links, which name each GPU process's pod and container "
+        "from its cgroup without the Kubernetes API (node daemon), or off",
+        _kubelet_socket,
     )
     kubelet_pod_reader: bool = setting(
         False,

@@ -514,6 +514,14 @@ class SampleCollector(Collector):
             error = self._fill(catalog.family("gpumem_exporter_kubelet_error"))
             error.add_info({}, {"error": kubelet.error, "socket": kubelet.socket})
             yield error, True
+        if kubelet.logs_folder:
+            logs = self._fill(catalog.family("gpumem_exporter_kubelet_container_logs_up"))
+            logs.add({}, 1.0 if kubelet.log_pods is not None else 0.0)
+            yield logs, True
+            if kubelet.logs_error:
+                info = self._fill(catalog.family("gpumem_exporter_kubelet_container_logs_error"))
+                info.add_info({}, {"error": kubelet.logs_error, "folder": kubelet.logs_folder})
+                yield info, True
         if kubelet.pods_api:
             yield from self._reader_state("pods", kubelet.pods is not None, kubelet.pods_error)
         if kubelet.claims_api:

@@ -180,6 +180,12 @@ class KubeletReading:
     containers: dict[str, str] = field(default_factory=dict)
     pods_api: bool = False  # the pod reader is on
     pods_error: str = ""  # why the latest pod list failed
+    # From the kubelet's container log links (exporter.kubernetes.container_logs), read with
+    # each List, after it: the same two maps, None where the folder is off or unreadable.
+    log_pods: dict[str, tuple[str, str]] | None = None
+    log_containers: dict[str, str] = field(default_factory=dict)
+    logs_folder: str = ""  # the folder read; "" where reading it is off
+    logs_error: str = ""  # why the latest read of it failed
     # With the claim reader (exporter.kubernetes.claims): (namespace, claim) -> its allocated
     # devices (ClaimedDevice), for the claims of this node's DRA devices; None without.
     claims: dict[tuple[str, str], list[Any]] | None = None
@@ -201,10 +207,6 @@ class ProcessContainerReading:
     pod_uid: str = ""
     container_id: str = ""
     detail: str = ""
-    # What the container says of its pod (exporter.kubernetes.cgroup.pod_hints): its
-    # hostname ("" also where it is the node's, a hostNetwork pod) and namespace.
-    hostname: str = ""
-    namespace: str = ""
     first_seen_s: float = 0.0  # Unix time the daemon first saw it use a GPU
 
 

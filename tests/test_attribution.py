@@ -41,12 +41,29 @@ def gpus() -> list[GpuReading]:
     ]
 
 
-def sample(devices, processes, located) -> Sample:
+# What the kubelet's container log links name (exporter.kubernetes.container_logs): pod UID
+# -> (namespace, pod), container ID -> container.
+LLAMA = {UID_A: ("serving", "llama-0")}
+SERVER = {"c" * 64: "server"}
+
+
+def sample(
+    devices,
+    processes,
+    located,
+    pods: dict[str, tuple[str, str]] | None = LLAMA,
+    containers: dict[str, str] = SERVER,
+) -> Sample:
+    """`pods` None: the kubelet's links unread (off or unreadable) and no pod reader."""
+    kubelet = KubeletReading(
+        socket="/k.sock", up=True, devices=devices, asked_s=1.0, log_pods=pods,
+        log_containers=containers, logs_folder="/var/log/containers",
+    )  # fmt: skip
     return Sample(
         timestamp=0.0,
         gpus=gpus(),
         processes=processes,
-        kubelet=KubeletReading(socket="/k.sock", up=True, devices=devices, asked_s=1.0),
+        kubelet=kubelet,
         process_containers=located,
     )
 
@@ -56,14 +73,10 @@ def the_process(pid: int = PID, used: int = PID_USED, gpu: int = 0) -> ProcessGp
 
 
 def in_pod(
-    pid: int = PID, uid: str = UID_A, hostname: str = "llama-0", namespace: str = "serving"
+    pid: int = PID, uid: str = UID_A, container_id: str = "c" * 64
 ) -> ProcessContainerReading:
-    """A process in a pod's container, which says it is `namespace`/`hostname` (the files
-    exporter.kubernetes.cgroup.pod_hints reads; "" where unreadable)."""
-    return ProcessContainerReading(
-        pid, "container", pod_uid=uid, container_id="c" * 64, hostname=hostname,
-        namespace=namespace,
-    )  # fmt: skip
+    """A process in a pod's container, as its cgroup says."""
+    return ProcessContainerReading(pid, "container", pod_uid=uid, container_id=container_id)
 
 
 def llama(device_id: str = GPU0, pod: str = "llama-0") -> PodDevice:
@@ -107,35 +120,46 @@ def test_exclusive_gpu_names_its_process_and_leaves_nothing_unattributed():
 
 def test_a_pod_using_a_gpu_it_does_not_hold_is_never_named_as_the_holder():
     """Pod A holds GPU 0 and runs nothing on it; a process of pod B (which holds no GPU) uses
-    it. Without the pod reader its memory used to be charged to pod A (issue 38): its
-    container says it is pod B, so it is not named, and its memory is held outside the pods
-    that hold the GPU."""
-    intruder = in_pod(uid=UID_B, hostname="notebook-3", namespace="ml")
-    result = attribute(sample([llama()], [the_process()], [intruder]))
-    assert [p.pod for p in result.process_pods] == [""]  # its pod UID alone
-    assert result.container_memory == {}
+    it. Without the pod reader its memory used to be charged to pod A (issue 38), and then
+    whenever B's container wrote "llama-0" into its own /etc/hostname (round 4). Its pod UID
+    is the kernel's and the kubelet's links name that UID: it is B's, not named the holder,
+    and its memory is held outside the pods that hold the GPU."""
+    intruder = in_pod(uid=UID_B, container_id="d" * 64)
+    names = {**LLAMA, UID_B: ("ml", "notebook-3")}
+    result = attribute(sample([llama()], [the_process()], [intruder], names, {"d" * 64: "nb"}))
+    assert result.process_pods == [ProcessPod(PID, UID_B, "d" * 64, "ml", "notebook-3", "nb")]
+    assert result.container_memory == {(0, GPU0, "ml", "notebook-3", "nb"): PID_USED}
     assert result.unattributed_processes == [
         UnattributedProcess(0, GPU0, PID, "not_assigned", PID_USED)
     ]
     assert result.unattributed_gpus[GPU0] == (0, PID_USED)
-    # Same name in another namespace: not the holder either.
-    elsewhere = in_pod(uid=UID_B, hostname="llama-0", namespace="batch")
-    result = attribute(sample([llama()], [the_process()], [elsewhere]))
-    assert [p.pod for p in result.process_pods] == [""]
+    # A pod of the holder's name in another namespace: not the holder either.
+    elsewhere = {**LLAMA, UID_B: ("batch", "llama-0")}
+    result = attribute(sample([llama()], [the_process()], [intruder], elsewhere, {}))
+    assert [p.pod for p in result.process_pods] == [""]  # no container name: no partial name
     assert result.unattributed_processes[0].reason == "not_assigned"
 
 
-def test_a_container_that_says_nothing_of_its_pod_keeps_its_uid_alone():
-    """Unreadable hints (no hostPID root, a hostNetwork pod with the node's hostname): the
-    pod is not named, and nothing is counted outside the pods (it may be the holder's)."""
-    silent = in_pod(hostname="", namespace="")
-    result = attribute(sample([llama()], [the_process()], [silent]))
+def test_a_pod_uid_the_kubelets_links_do_not_name_is_no_holders():
+    """A process older than the kubelet's answer, in a pod UID its links (read after that
+    answer) do not name: no pod the kubelet started, so not the holder's memory."""
+    stranger = in_pod(uid=UID_B)
+    result = attribute(sample([llama()], [the_process()], [stranger]))
+    assert result.process_pods == [ProcessPod(PID, UID_B, "c" * 64)]
+    assert result.unattributed_processes[0].reason == "not_assigned"
+    # The pod reader's list alone may be older than the pod: not judged from it.
+    s = sample([llama()], [the_process()], [stranger], pods=None)
+    s.kubelet.pods = dict(LLAMA)
+    assert attribute(s).unattributed_processes == []
+
+
+def test_without_the_kubelets_names_a_process_keeps_its_uid_and_is_not_judged():
+    """The links unreadable and no pod reader: the pod UID alone; nothing is counted outside
+    the pods (it may be the holder's). gpumem_exporter_kubelet_container_logs_up says why."""
+    result = attribute(sample([llama()], [the_process()], [in_pod()], pods=None))
     assert [(p.pod_uid, p.pod) for p in result.process_pods] == [(UID_A, "")]
     assert result.unattributed_processes == []
     assert result.unattributed_gpus[GPU0] == (0, 0)
-    # Without a namespace file (automountServiceAccountToken: false) the hostname decides.
-    named = attribute(sample([llama()], [the_process()], [in_pod(namespace="")]))
-    assert [p.pod for p in named.process_pods] == ["llama-0"]
 
 
 def test_a_process_in_no_container_is_held_outside_any_pod():
@@ -160,7 +184,8 @@ def test_a_gpu_no_pod_holds_is_unattributed_whole():
     ]
     # The assignment is still published, though NVML does not see that GPU.
     assert result.gpu_pods[0].gpu_uuid == "GPU-elsewhere"
-    assert result.process_pods == [ProcessPod(PID, UID_A, "c" * 64)]
+    # Its own pod is named all the same: by its UID, not by what holds the GPU.
+    assert result.process_pods == [ProcessPod(PID, UID_A, "c" * 64, "serving", "llama-0", "server")]
 
 
 def test_an_unreadable_process_is_listed_as_unknown_and_not_counted():
@@ -170,20 +195,31 @@ def test_an_unreadable_process_is_listed_as_unknown_and_not_counted():
     assert result.unattributed_gpus[GPU0] == (0, 0)
 
 
-def test_a_shared_gpu_keeps_pod_uids_only():
+def test_a_shared_gpu_names_each_process_by_its_own_pod():
     devices = [llama(f"{GPU0}::0"), llama(f"{GPU0}::1", pod="llama-1")]
     processes = [the_process(), the_process(pid=PID + 1, used=1 << 30)]
-    located = [in_pod(), in_pod(PID + 1, UID_B)]
-    result = attribute(sample(devices, processes, located))
+    located = [in_pod(), in_pod(PID + 1, UID_B, "d" * 64)]
+    names = {**LLAMA, UID_B: ("serving", "llama-1")}
+    result = attribute(sample(devices, processes, located, names, {**SERVER, "d" * 64: "server"}))
+    assert {(p.pod_uid, p.pod) for p in result.process_pods} == {
+        (UID_A, "llama-0"),
+        (UID_B, "llama-1"),
+    }
+    assert result.unattributed_gpus[GPU0] == (0, 0)
+    # Without names: pod UIDs only, nothing counted outside the pods.
+    result = attribute(sample(devices, processes, located, pods=None))
     assert {p.pod for p in result.process_pods} == {""}
     assert {p.pod_uid for p in result.process_pods} == {UID_A, UID_B}
     assert result.unattributed_gpus[GPU0] == (0, 0)
 
 
-def test_two_pods_on_an_exclusive_gpu_are_not_guessed():
+def test_two_pods_on_an_exclusive_gpu_are_each_their_own():
     processes = [the_process(), the_process(pid=PID + 1, used=1 << 30)]
-    result = attribute(sample([llama()], processes, [in_pod(), in_pod(PID + 1, UID_B)]))
-    assert [p.pod for p in result.process_pods] == ["", ""]
+    located = [in_pod(), in_pod(PID + 1, UID_B, "d" * 64)]
+    names = {**LLAMA, UID_B: ("ml", "notebook-3")}
+    result = attribute(sample([llama()], processes, located, names, {**SERVER, "d" * 64: "nb"}))
+    assert [p.pod for p in result.process_pods] == ["llama-0", "notebook-3"]
+    assert [(p.pid, p.reason) for p in result.unattributed_processes] == [(PID + 1, "not_assigned")]
 
 
 def test_no_assignment_known_yet_judges_nothing():
@@ -205,30 +241,27 @@ def test_a_lost_gpu_is_not_judged():
 
 def test_a_process_newer_than_the_kubelets_answer_is_pending_never_named():
     """The GPU moved from llama-0 to another pod; the kubelet's latest answer (asked at 1.0)
-    still says llama-0, and a process of the new pod appears at 2.0 whose container says
-    nothing of its pod (issue 38: it was named llama-0 for ~0.8 s, and for as long as the
-    kubelet was down). It keeps its pod UID alone, is listed "pending" and not counted."""
-    newcomer = in_pod(uid=UID_B, hostname="", namespace="")
+    still says llama-0, and a process of the new pod appears at 2.0 (issue 38: it was named
+    llama-0 for ~0.8 s, and for as long as the kubelet was down). Its pod is newer than the
+    links read with that answer: it keeps its pod UID alone, is listed "pending" and not
+    counted."""
+    newcomer = in_pod(uid=UID_B)
     newcomer.first_seen_s = 2.0
     result = attribute(sample([llama()], [the_process()], [newcomer]))
     assert result.process_pods == [ProcessPod(PID, UID_B, "c" * 64)]
     assert result.container_memory == {}
     assert result.unattributed_processes == [UnattributedProcess(0, GPU0, PID, "pending", PID_USED)]
     assert result.unattributed_gpus[GPU0] == (0, 0)  # not counted: its pod may hold the GPU
-    # Once a List asked after it answers, it is judged as any other.
-    s = sample([llama()], [the_process()], [newcomer])
+    # Once a List asked after it answers, it is judged as any other (its links read then).
+    s = sample([llama()], [the_process()], [newcomer], {**LLAMA, UID_B: ("serving", "llama-0")})
     s.kubelet.asked_s = 2.5
     assert attribute(s).unattributed_processes == []
-    # A StatefulSet's pod recreated under the same name (another UID) says it is llama-0:
-    # still not named from an answer that predates it (its container may differ).
-    recreated = in_pod(uid=UID_B)
-    recreated.first_seen_s = 2.0
-    result = attribute(sample([llama()], [the_process()], [recreated]))
-    assert [p.pod for p in result.process_pods] == [""]
+    # A StatefulSet's pod recreated under the same name (another UID), its links read but
+    # the assignment older than it: named by its own UID, judged by no older answer.
+    s.kubelet.asked_s = 1.0
+    result = attribute(s)
+    assert [p.pod for p in result.process_pods] == ["llama-0"]
     assert result.unattributed_processes[0].reason == "pending"
-    # Never asked: nothing is named either.
-    s.kubelet.asked_s = None
-    assert [p.pod for p in attribute(s).process_pods] == [""]
 
 
 def test_a_pending_process_still_counts_where_no_pod_could_hold_it():
@@ -272,8 +305,8 @@ def test_a_dra_device_is_named_by_minor_not_index():
 def test_a_gpu_a_claim_gave_is_attributed_like_a_device_plugins():
     """The GPU's gpu_pod_info row is the same shape (resource: the driver, device_id: the
     DRA device), its process is named, nothing is unattributed; the claim is published."""
-    notebook = in_pod(hostname="notebook-1", namespace="research")
-    result = attribute(sample([claimed("gpu-0")], [the_process()], [notebook]))
+    notebook = {UID_A: ("research", "notebook-1")}
+    result = attribute(sample([claimed("gpu-0")], [the_process()], [in_pod()], notebook))
     assert result.gpu_pods == [
         GpuPod(GPU0, "gpu-0", "gpu.nvidia.com", "research", "notebook-1", "jupyter")
     ]
@@ -289,28 +322,26 @@ def test_a_node_of_device_plugin_and_dra_gpus_and_a_gpu_in_no_claim():
     """GPU 0 by the device plugin, GPU 1 by a claim; then the claim goes: GPU 1 is held by no
     pod and its memory unattributed."""
     processes = [the_process(), the_process(pid=PID + 1, used=1 << 30, gpu=1)]
-    located = [in_pod(), in_pod(PID + 1, UID_B, hostname="notebook-1", namespace="research")]
-    result = attribute(sample([llama(), claimed("gpu-1")], processes, located))
+    located = [in_pod(), in_pod(PID + 1, UID_B)]
+    names = {**LLAMA, UID_B: ("research", "notebook-1")}
+    result = attribute(sample([llama(), claimed("gpu-1")], processes, located, names))
     assert {(p.gpu_uuid, p.pod) for p in result.gpu_pods} == {
         (GPU0, "llama-0"),
         (GPU1, "notebook-1"),
     }
     assert sorted(p.pod for p in result.process_pods) == ["llama-0", "notebook-1"]
     assert result.unattributed_gpus == {GPU0: (0, 0), GPU1: (1, 0)}
-    result = attribute(sample([llama()], processes, located))
+    result = attribute(sample([llama()], processes, located, names))
     assert result.unattributed_gpus[GPU1] == (1, gpus()[1].used_bytes)
 
 
-def test_two_claims_sharing_one_gpu_keep_pod_uids_only():
+def test_two_claims_sharing_one_gpu_keep_pod_uids_only_without_names():
     """Consumable capacity: two claims share GPU 0 (share_id each). Like time-slicing, a
-    process is not named without the pod reader, and nothing is counted outside the pods."""
+    process is not named without names, and nothing is counted outside the pods."""
     devices = [claimed("gpu-0", "notebook-1", "a1"), claimed("gpu-0", "notebook-2", "b2")]
     processes = [the_process(), the_process(pid=PID + 1, used=1 << 30)]
-    located = [
-        in_pod(hostname="notebook-1", namespace="research"),
-        in_pod(PID + 1, UID_B, hostname="notebook-2", namespace="research"),
-    ]
-    result = attribute(sample(devices, processes, located))
+    located = [in_pod(), in_pod(PID + 1, UID_B)]
+    result = attribute(sample(devices, processes, located, pods=None))
     assert {p.pod for p in result.process_pods} == {""}
     assert result.unattributed_gpus[GPU0] == (0, 0)
     assert sorted(c.share_id for c in result.dra_claims) == ["a1", "b2"]

@@ -95,25 +95,3 @@ def read_cgroup(pid: int, proc: str = "/proc") -> Container | None:
     """parse_cgroup of a live process; OSError if it is gone or unreadable."""
     with open(f"{proc}/{pid}/cgroup", encoding="utf-8", errors="replace") as f:
         return parse_cgroup(f.read())
-
-
-# What a pod's container says of its pod, in files every container of a pod has.
-HOSTNAME_FILE = "etc/hostname"  # the pod's hostname: its name, unless spec.hostname is set
-NAMESPACE_FILE = "var/run/secrets/kubernetes.io/serviceaccount/namespace"  # where mounted
-
-
-def pod_hints(pid: int, proc: str = "/proc") -> tuple[str, str]:
-    """(hostname, namespace) as the process's container sees them, "" where unreadable. They
-    let the node daemon check, without the Kubernetes API, that the pod UID in a process's
-    cgroup is the pod that holds its GPU (exporter.attribution). Read through the process's
-    root (root with hostPID, as process attribution runs); never more than 256 bytes, and
-    never the service account's token."""
-    found = []
-    for name in (HOSTNAME_FILE, NAMESPACE_FILE):
-        try:
-            with open(f"{proc}/{pid}/root/{name}", "rb") as f:
-                text = f.read(256).decode("ascii", errors="replace").strip()
-        except OSError:
-            text = ""
-        found.append(text if len(text) <= 253 and "\n" not in text else "")
-    return found[0], found[1]

@@ -182,4 +182,5 @@ def kubelet_source(
         resources=(*DEFAULT_RESOURCES, *config.kubelet_resources),
         pods=pods if config.kubelet_pod_reader else None,
         claims=claims if config.kubelet_claim_reader else None,
+        logs_folder="" if config.kubelet_container_logs == "off" else config.kubelet_container_logs,
     )

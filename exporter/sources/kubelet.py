@@ -25,8 +25,9 @@ from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 from exporter.kubernetes.api import ApiError
-from exporter.kubernetes.cgroup import UnknownCgroupShape, pod_hints, read_cgroup
+from exporter.kubernetes.cgroup import UnknownCgroupShape, read_cgroup
 from exporter.kubernetes.claims import ClaimsApiError
+from exporter.kubernetes.container_logs import ContainerLogsError, read_container_logs
 from exporter.kubernetes.device_ids import known_dra_name
 from exporter.kubernetes.podresources import (
     DEFAULT_SOCKET,
@@ -62,6 +63,7 @@ class KubeletSource:
         client_factory: Callable[..., Any] = PodResourcesClient,
         pods: Callable[[], Any] | None = None,
         claims: Callable[[], Any] | None = None,
+        logs_folder: str = "",
     ) -> None:
         self._pids = pids  # host PIDs with GPU memory (NvmlSource.last_pids)
         self.socket_path = socket_path
@@ -71,6 +73,11 @@ class KubeletSource:
         self._proc = proc
         self._client_factory = client_factory
         self._client: Any = None
+        # The kubelet's container log links (exporter.kubernetes.container_logs): names from
+        # the host's disk, never from a container's own files. "" reads none.
+        self._logs_folder = logs_folder
+        self._from_logs: dict[str, Any] = {"logs_folder": logs_folder}
+        self._logged_logs = ""
         # Make the Kubernetes API's clients, where the pod reader (exporter.kubernetes.pods)
         # and the claim reader (exporter.kubernetes.claims) are on; one that cannot be made
         # raises, a state like the kubelet's. Each client is made at its first use.
@@ -92,9 +99,6 @@ class KubeletSource:
         self._logged_error = ""
         self._containers: dict[int, ProcessContainerReading] = {}
         self.refreshes = 0  # completed List attempts, for tests and the refresh thread's pace
-        # The node's own names: the hostname of a hostNetwork pod's container, not a pod's.
-        host_hostname, _ = pod_hints(1, proc)
-        self._node_names = {os.environ.get("NODE_NAME", ""), host_hostname} - {""}
 
     # -- the sampler's side: cheap, never blocks on the kubelet ---------------------------
 
@@ -127,16 +131,13 @@ class KubeletSource:
             return ProcessContainerReading(pid, "unknown", detail=str(exc)[:200])
         if container is None:
             return ProcessContainerReading(pid, "no_container")
-        hostname, namespace = pod_hints(pid, self._proc) if container.pod_uid else ("", "")
-        if hostname in self._node_names:
-            hostname = ""  # a hostNetwork pod has the node's hostname: it names no pod
+        # Nothing under the process's root is read: its files are its tenant's (a FIFO there
+        # blocked the tick for good, round 4). Names come from the kubelet (refresh).
         return ProcessContainerReading(
             pid,
             "container",
             pod_uid=container.pod_uid,
             container_id=container.container_id,
-            hostname=hostname,
-            namespace=namespace,
         )
 
     # -- the refresh thread ---------------------------------------------------------------
@@ -202,6 +203,8 @@ class KubeletSource:
         except Exception as exc:  # any failure is a state: this thread must go on
             self._failed(_one_line(exc))
         else:
+            # After the List: every container of a process it can judge had its link then.
+            self._read_logs()
             with self._lock:
                 self._state = KubeletReading(
                     socket=self.socket_path,
@@ -213,6 +216,7 @@ class KubeletSource:
                     pods_api="pods" in self._api_factories,
                     claims_api="claims" in self._api_factories,
                     **self._from_api,
+                    **self._from_logs,
                 )
             if self._logged_error:
                 log.info("kubelet pod-resources at %s answers again", self.socket_path)
@@ -229,6 +233,29 @@ class KubeletSource:
         except Exception:
             self._drop_client()  # a restarted kubelet's new socket: connect afresh next time
             raise
+
+    def _read_logs(self) -> None:
+        """The kubelet's names of this node's pods and containers, or why there are none (a
+        state on /metrics, logged once per reason)."""
+        if not self._logs_folder:
+            return
+        try:
+            names = read_container_logs(self._logs_folder)
+        except ContainerLogsError as exc:
+            error = _one_line(exc)
+            self._from_logs = {"logs_folder": self._logs_folder, "logs_error": error}
+            if error != self._logged_logs:
+                log.warning("no pod names from the kubelet's container logs: %s", error)
+                self._logged_logs = error
+            return
+        self._from_logs = {
+            "logs_folder": self._logs_folder,
+            "log_pods": names.pods,
+            "log_containers": names.containers,
+        }
+        if self._logged_logs:
+            log.info("the kubelet's container logs at %s are read again", self._logs_folder)
+            self._logged_logs = ""
 
     def _api(self, kind: str) -> Any:
         """The client of the pod reader ("pods") or the claim reader ("claims")."""
@@ -282,6 +309,13 @@ class KubeletSource:
 
 
 def _one_line(exc: BaseException) -> str:
-    ours = (KubeletError, KubeletClientMissing, PodsApiError, ClaimsApiError, ApiError)
+    ours = (
+        KubeletError,
+        KubeletClientMissing,
+        PodsApiError,
+        ClaimsApiError,
+        ApiError,
+        ContainerLogsError,
+    )
     text = str(exc) if isinstance(exc, ours) else f"{type(exc).__name__}: {exc}"
     return " ".join(text.split())[:300]

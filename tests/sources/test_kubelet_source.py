@@ -5,8 +5,11 @@ routes."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import os
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.config import load_config
 from exporter.http.server import create_app
+from exporter.kubernetes.cgroup import parse_cgroup
 from exporter.runtime import Runtime, build_runtime
 from exporter.sources.kinds import kubelet_source
 from exporter.sources.kubelet import KubeletSource
@@ -25,6 +29,7 @@ from tests.support.kubelet_standin import (
     StandInKubelet,
     claim_pod,
     dra_device,
+    link_container_log,
     pod,
     write_state,
 )
@@ -42,12 +47,22 @@ POD_UID = "2c9f8a79-5391-454b-88cb-86190881cb96"  # in v2-systemd-crio.txt
 def fake_proc(root: Path, cgroup_fixture: str) -> str:
     (root / str(PID)).mkdir(parents=True, exist_ok=True)
     (root / str(PID) / "cgroup").write_bytes((CGROUPS / cgroup_fixture).read_bytes())
-    pod_files(root / str(PID), "llama-0", "serving")
     return str(root)
 
 
+def kubelet_started(tmp: Path, cgroup_fixture: str, namespace: str, pod: str, container: str):
+    """The kubelet's link for the container of that cgroup (its /var/log/containers, here
+    tmp/containers): what names the process's pod and container."""
+    where = parse_cgroup((CGROUPS / cgroup_fixture).read_text())
+    if where is not None and where.pod_uid:
+        link_container_log(
+            tmp / "containers", namespace, pod, where.pod_uid, container, where.container_id
+        )
+
+
 def pod_files(process: Path, hostname: str, namespace: str) -> None:
-    """What a pod's container holds of its pod, under /proc/<pid>/root (pod_hints)."""
+    """What a pod's container writes of itself under /proc/<pid>/root: its tenant's files,
+    which the daemon must never believe nor open."""
     (process / "root" / "etc").mkdir(parents=True, exist_ok=True)
     (process / "root" / "etc" / "hostname").write_text(hostname + "\n")
     account = process / "root" / "var/run/secrets/kubernetes.io/serviceaccount"
@@ -71,7 +86,9 @@ class Node:
             refresh_s=0.5,
             timeout_s=1.0,
             proc=fake_proc(tmp / "proc", cgroup_fixture),
+            logs_folder=str(tmp / "containers"),
         )
+        kubelet_started(tmp, cgroup_fixture, "serving", "llama-0", "server")
         self.runtime: Runtime = build_runtime(
             load_config(env={}, detail=detail), mode="node", sources=[self.nvml, self.source]
         )
@@ -143,12 +160,12 @@ NEW_PID = PID + 1000
 
 
 def replace_the_process(node: Node, tmp: Path) -> None:
-    """The GPU's process exits and a process of pod batch/embed-7 (another pod UID, its
-    container saying it is embed-7) starts on the same GPU."""
+    """The GPU's process exits and a process of pod batch/embed-7 (another pod UID) starts on
+    the same GPU."""
     process = tmp / "proc" / str(NEW_PID)
     process.mkdir(parents=True)
     (process / "cgroup").write_bytes((CGROUPS / "v2-cgroupfs-burstable.txt").read_bytes())
-    pod_files(process, "embed-7", "batch")
+    kubelet_started(tmp, "v2-cgroupfs-burstable.txt", "batch", "embed-7", "worker")
     node.fake.raw["devices"][0]["processes"][0]["pid"] = NEW_PID
 
 
@@ -423,23 +440,85 @@ def test_a_change_of_gpu_processes_asks_the_kubelet_at_once(tmp_path):
         kubelet.stop()
 
 
-def test_a_processs_pod_hints_are_read_and_the_nodes_own_name_is_no_hint(tmp_path, monkeypatch):
-    proc = Path(fake_proc(tmp_path / "proc", "v2-systemd-crio.txt"))
-    source = KubeletSource(lambda: {PID}, socket_path=str(tmp_path / "none.sock"), proc=str(proc))
+def test_a_fifo_in_a_tenants_root_never_stalls_the_daemon(tmp_path):
+    """Round 4, HIGH 1: a process chrooted into a folder whose etc/hostname (and service
+    account namespace file) are FIFOs blocked the tick's open() for good: samples stopped,
+    /metrics froze, /healthz went stale for the whole node. Nothing under a process's root
+    is opened now: ticks go on, and the process is named from the kubelet's links."""
+    node = Node(tmp_path)
     try:
-        [where] = source.read().process_containers
-        assert (where.pod_uid, where.hostname, where.namespace) == (POD_UID, "llama-0", "serving")
+        root = tmp_path / "proc" / str(PID) / "root"
+        account = root / "var/run/secrets/kubernetes.io/serviceaccount"
+        for folder in (root / "etc", account):
+            folder.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(root / "etc" / "hostname")
+        os.mkfifo(account / "namespace")
+        ticked = threading.Event()
+        found: dict[str, list] = {}
+
+        def scrapes() -> None:
+            for _ in range(3):
+                found.update(node.metrics())
+            ticked.set()
+
+        threading.Thread(target=scrapes, daemon=True).start()
+        if not ticked.wait(5.0):
+            # Unblock the stuck open() so the test's thread can end, then fail.
+            for fifo in (root / "etc" / "hostname", account / "namespace"):
+                with contextlib.suppress(OSError):
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            pytest.fail("the tick blocked on a tenant's FIFO")
+        families = node.wait_for(lambda f: f.get("gpu_process_pod_info"))
+        [named] = families["gpu_process_pod_info"]
+        assert (named.labels["namespace"], named.labels["pod"]) == ("serving", "llama-0")
     finally:
-        source.close()
-    # A hostNetwork pod's container has the node's hostname: it names no pod.
-    monkeypatch.setenv("NODE_NAME", "gpu-node-1")
-    pod_files(proc / str(PID), "gpu-node-1", "serving")
-    source = KubeletSource(lambda: {PID}, socket_path=str(tmp_path / "none.sock"), proc=str(proc))
+        node.close()
+
+
+def test_what_a_pods_container_says_of_itself_charges_nobody(tmp_path):
+    """Round 4, HIGH 2: pod B (no GPU) on pod A's GPU, its container's /etc/hostname and
+    service-account namespace saying it is pod A, was charged to A, and nothing was counted
+    outside the pods. Names come from the kubelet's links now: B's process is B's, its
+    memory held outside the pods that hold the GPU; what its files say changes nothing."""
+    node = Node(tmp_path, "v2-cgroupfs-burstable.txt")  # pod B's cgroup: another pod UID
     try:
-        [where] = source.read().process_containers
-        assert (where.hostname, where.namespace) == ("", "serving")
+        pod_files(tmp_path / "proc" / str(PID), "llama-0", "serving")  # B says it is A
+        kubelet_started(tmp_path, "v2-cgroupfs-burstable.txt", "ml", "notebook-3", "nb")
+        families = node.wait_for(lambda f: judged(f) and f.get("gpu_process_pod_info"))
+        [named] = families["gpu_process_pod_info"]
+        assert (named.labels["namespace"], named.labels["pod"]) == ("ml", "notebook-3")
+        assert judged(families) == {str(PID): "not_assigned"}
+        assert unattributed_on_gpu0(families) == PID_USED
+        assert "gpu_container_memory_used_bytes" not in families or all(
+            s.labels["pod"] != "llama-0" for s in families["gpu_container_memory_used_bytes"]
+        )
     finally:
-        source.close()
+        node.close()
+
+
+def test_unreadable_kubelet_links_are_a_state_and_judge_nothing(tmp_path, caplog):
+    node = Node(tmp_path)
+    try:
+        for link in (tmp_path / "containers").iterdir():
+            link.unlink()
+        (tmp_path / "containers").rmdir()
+        families = node.wait_for(
+            lambda f: (
+                f.get("gpumem_exporter_kubelet_container_logs_up", [None])[0] is not None
+                and f["gpumem_exporter_kubelet_container_logs_up"][0].value == 0.0
+            )
+        )
+        [error] = families["gpumem_exporter_kubelet_container_logs_error_info"]
+        assert error.labels["folder"] == str(tmp_path / "containers")
+        assert "No such file or directory" in error.labels["error"]
+        assert families.get("gpu_process_pod_info", []) == []
+        assert judged(families) == {} and unattributed_on_gpu0(families) == 0.0
+        for _ in range(3):
+            node.source.refresh()
+        said = [r for r in caplog.records if "container logs" in r.getMessage()]
+        assert len(said) == 1  # once per reason
+    finally:
+        node.close()
 
 
 @pytest.mark.slow
@@ -451,7 +530,7 @@ def test_a_gpu_a_claim_gave_is_attributed_and_unattributed_once_the_claim_goes(t
     node = Node(tmp_path)
     try:
         node.fake.minor_numbers = {0: 1, 1: 0}
-        pod_files(tmp_path / "proc" / str(PID), "notebook-1", "research")
+        kubelet_started(tmp_path, "v2-systemd-crio.txt", "research", "notebook-1", "jupyter")
         write_state(
             node.state,
             [claim_pod("research", "notebook-1", "jupyter", "notebook-gpu", dra_device("gpu-1"))],

@@ -126,6 +126,20 @@ def _dynamic_resource(pb2: Any, claim: dict[str, Any]) -> Any:
     )
 
 
+def link_container_log(
+    folder: Path, namespace: str, pod: str, uid: str, container: str, container_id: str
+) -> Path:
+    """The link the kubelet makes in /var/log/containers when it starts a container (its
+    legacyLogSymlink), pointing where its podLogsDir keeps the log; a link of the same
+    container made earlier goes first."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob(f"*-{container_id}.log"):
+        old.unlink()
+    link = folder / f"{pod}_{namespace}_{container}-{container_id}.log"
+    link.symlink_to(f"/var/log/pods/{namespace}_{pod}_{uid}/{container}/0.log")
+    return link
+
+
 class StandInKubelet:
     def __init__(self, socket_path: Path, state_path: Path) -> None:
         pb2, pb2_grpc = generated()

@@ -36,11 +36,17 @@ def read_status(pid: int, proc: str = "/proc") -> dict[str, int] | None:
     return values if "rss" in values else None  # kernel threads and zombies have no VmRSS
 
 
+# A tenant's process sets its own environment (up to a quarter of its stack limit): only this
+# much is read, enough for RANK and GPUMEM_ROLE in any real one.
+MAX_ENVIRON_BYTES = 1 << 16
+
+
 def read_environ(pid: int, proc: str = "/proc") -> dict[bytes, bytes]:
-    """The environment a process was started with; {} if it cannot be read."""
+    """The environment a process was started with (its first MAX_ENVIRON_BYTES); {} if it
+    cannot be read."""
     try:
         with open(f"{proc}/{pid}/environ", "rb") as f:
-            raw = f.read()
+            raw = f.read(MAX_ENVIRON_BYTES)
     except OSError:
         return {}
     return dict(item.partition(b"=")[::2] for item in raw.split(b"\0") if item)

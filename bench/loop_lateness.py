@@ -4,8 +4,9 @@ threads' CPU, before and after a change, in one run.
 The serving process runs an asyncio loop that wakes every 1 ms (as vLLM's and SGLang's API
 servers do) beside a thread that allocates and frees GPU memory; a scraper process reads
 `/metrics` once a second over a kept-alive connection with Prometheus 3's headers (OpenMetrics,
-gzip), as Prometheus does. Arms: `off` (no exporter), `1Hz` and `10Hz` (`exporter.start()`),
-`1Hz+page` (the live page open as well, polling its data once a second), `run-1Hz` (under
+gzip), as Prometheus does. Arms: `off` (no exporter), `probe-1Hz` and `probe-10Hz` (the floor:
+a bare probe, see _bare_probe), `1Hz` and `10Hz` (`exporter.start()`), `1Hz+page` (the live page
+open as well, polling its data once a second), `run-1Hz` and `run-10Hz` (under
 `gpumem-exporter run`: the process's agent samples and sends, the launcher process serves),
 each in a fresh
 process, with the exporter package taken from `--root` (a checkout of the code to measure), in
@@ -23,6 +24,7 @@ check of the bench itself, not a measurement).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -35,11 +37,69 @@ REPO = Path(__file__).resolve().parent.parent
 # process runs under `gpumem-exporter run`: its agent samples, the launcher serves)
 ARMS = {
     "off": (None, False, False),
+    "probe-1Hz": (1.0, False, False),
+    "probe-10Hz": (0.1, False, False),
     "1Hz": (1.0, False, False),
     "10Hz": (0.1, False, False),
     "1Hz+page": (1.0, True, False),
     "run-1Hz": (1.0, False, True),
+    "run-10Hz": (0.1, False, True),
 }
+# The bare probe's 47 numbers: what an exporter serves of the nested stats dict.
+_BYTES = ("allocated_bytes", "reserved_bytes", "active_bytes", "inactive_split_bytes")
+_POOLS = ("all", "large_pool", "small_pool")
+_COUNTS = ("segment", "allocation", "active", "inactive_split")
+_SCALARS = ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free")
+_SCALARS += ("num_sync_all_streams", "max_split_size")
+_OVERSIZE = ("oversize_allocations", "oversize_segments")
+_BARE_PATHS = (
+    *((f, p, s) for f in _BYTES for p in _POOLS for s in ("current", "peak")),
+    *(("requested_bytes", p, "current") for p in _POOLS),
+    *((f, "all", s) for f in _COUNTS for s in ("current", "peak")),
+    *((f, "", "") for f in _SCALARS),
+    *((f, "all", s) for f in _OVERSIZE for s in ("current", "peak")),
+)
+
+
+def _number(stats: Any, family: str, pool: str, stat: str) -> int:
+    """One number of the nested stats dict, -1 where this torch has none."""
+    try:
+        value = stats[family][pool][stat] if pool else stats[family]
+    except KeyError:
+        return -1
+    return value if isinstance(value, int) else -1
+
+
+def _bare_probe(interval_s: float, stop: Any) -> Any:
+    """The floor of exporting from inside a server: a thread that reads the allocator's nested
+    stats with its C call, pulls out 47 numbers, packs them with struct and writes them,
+    without blocking, to a pipe another process reads. No exporter code at all."""
+    import struct
+    import threading
+
+    import torch
+
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.buffer.read()"], stdin=subprocess.PIPE
+    )
+    assert reader.stdin is not None
+    fd = reader.stdin.fileno()
+    os.set_blocking(fd, False)
+    read = torch._C._cuda_memoryStats
+    pack = struct.Struct("<" + "q" * len(_BARE_PATHS)).pack
+
+    def run() -> None:
+        while not stop.wait(interval_s):
+            stats = read(0)
+            values = [_number(stats, f, p, s) for f, p, s in _BARE_PATHS]
+            with contextlib.suppress(BlockingIOError):  # dropped, never waited for
+                os.write(fd, pack(*values))
+
+    thread = threading.Thread(target=run, name="gpumem-bare-probe", daemon=True)
+    thread.start()
+    return reader
+
+
 # What Prometheus 3 sends: OpenMetrics first, gzip.
 PROMETHEUS_ACCEPT = (
     "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
@@ -123,23 +183,30 @@ def serve(arm: str, seconds: float, port: int) -> dict[str, Any]:
     worker.start()
     handle = None
     interval, page, under_run = ARMS[arm]
-    if interval is not None and not under_run:
+    bare = arm.startswith("probe-")
+    probe_reader = _bare_probe(interval, stop) if bare and interval is not None else None
+    if interval is not None and not under_run and not bare:
         import exporter
 
         handle = exporter.start(port=port, interval_s=interval)
     clients = []
-    if interval is not None:
+    if interval is not None and not bare:
         scrape = [sys.executable, "-c", _SCRAPER, f"http://127.0.0.1:{port}", str(seconds)]
         clients.append(subprocess.Popen([*scrape, "/metrics"]))
         if page:  # the live page polls its data once a second
             clients.append(subprocess.Popen([*scrape, "/api/window"]))
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # the first sample is in
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # this process's first allocator sample is in
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1).read()
-                break
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as r:
+                    if b"torch_cuda_reserved_bytes{" in r.read():
+                        break
             except OSError:
-                time.sleep(0.05)
+                pass
+            time.sleep(0.05)
+        # The measurement is of the steady state: what the first sample set up (NVML, the
+        # OOM observer, imports) is not a cost per second; it has happened by now.
+        time.sleep(1.5)
     late: list[float] = []
 
     async def loop() -> None:
@@ -168,8 +235,18 @@ def serve(arm: str, seconds: float, port: int) -> dict[str, Any]:
         client.wait(timeout=seconds + 30)
     if handle is not None:
         handle.stop()
+    if probe_reader is not None:
+        assert probe_reader.stdin is not None
+        probe_reader.stdin.close()
+        probe_reader.wait(timeout=10)
     late.sort()
     n = len(late)
+    agent = sys.modules.get("exporter.run.agent")
+    ticks = {}
+    if agent is not None and getattr(agent, "_agent", None) is not None:
+        found = agent._agent
+        for name in ("full_samples", "records_sent", "records_dropped"):
+            ticks[name] = getattr(found, name, None)  # None: an agent before the probe
     return {
         "arm": arm,
         "wakeups": n,
@@ -184,6 +261,7 @@ def serve(arm: str, seconds: float, port: int) -> dict[str, Any]:
         # The whole serving process (loop, allocating thread, exporter): its difference from
         # the `off` arm is what the exporter costs, threads it starts included.
         "process_cpu_ms_per_s": process_cpu / wall * 1000,
+        "agent": ticks,  # under `run`: what its ticks did over the whole process's life
     }
 
 

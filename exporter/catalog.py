@@ -227,6 +227,17 @@ FAMILIES: tuple[Family, ...] = (
         per_process=True,
     ),
     Family(
+        "gpumem_exporter_probe_records_dropped",
+        "counter",
+        "Allocator records a process under `gpumem-exporter run` dropped because the "
+        "launcher's socket had no room (the probe never blocks its host to send one); "
+        "served once a process has dropped one.",
+        (),
+        "exporter",
+        AGENTS,
+        per_process=True,
+    ),
+    Family(
         "gpumem_exporter_agent_last_report_timestamp_seconds",
         "gauge",
         "Unix time of each process's last report to the launcher of `gpumem-exporter run`. A "
@@ -699,18 +710,12 @@ FAMILIES: tuple[Family, ...] = (
         info_labels=("error",),
     ),
     Family(
-        "gpumem_exporter_kubelet_container_logs_up",
-        "gauge",
-        "1 if the kubelet's container log links (/var/log/containers) were read at the latest "
-        "refresh: they name each GPU process's pod and container from its cgroup.",
-        (),
-        "kubelet",
-        KUBERNETES,
-    ),
-    Family(
         "gpumem_exporter_kubelet_container_logs_error",
         "info",
-        "Why the latest read of the kubelet's container log links failed.",
+        "Why the latest read of the kubelet's container log links (/var/log/containers, which "
+        "name each GPU process's pod and container from its cgroup) failed; absent while "
+        "they are read. Without them (and without the pod reader) processes keep their pod "
+        "UIDs alone.",
         (),
         "kubelet",
         KUBERNETES,

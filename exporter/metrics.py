@@ -327,13 +327,20 @@ class SampleCollector(Collector):
             for key, count in sorted(counts.remediations.items()):
                 action, _, outcome = key.partition("/")
                 remediations.add({**ids, "action": action, "outcome": outcome}, count)
+        dropped = self._fill(catalog.family("gpumem_exporter_probe_records_dropped"), per_process)
+        for entry in stats.processes:
+            if entry.counts.records_dropped:  # only where it happened: the traces' text stays
+                dropped.add(processes.labels(entry.process), entry.counts.records_dropped)
         reports = self._fill(
             catalog.family("gpumem_exporter_agent_last_report_timestamp_seconds"), per_process
         )
         for entry in stats.processes:
             if entry.last_report is not None:
                 reports.add(processes.labels(entry.process), entry.last_report)
-        yield from ((snapshots, True), (released, True), (remediations, True), (reports, False))
+        yield from ((snapshots, True), (released, True), (remediations, True))
+        if any(entry.counts.records_dropped for entry in stats.processes):
+            yield dropped, True  # not even its HELP before: the traces' text stays as it was
+        yield reports, False
         if self._requests is not None:
             admin = self._fill(catalog.family("gpumem_exporter_admin_requests"))
             for (action, outcome), count in sorted(self._requests.read().items()):
@@ -514,14 +521,11 @@ class SampleCollector(Collector):
             error = self._fill(catalog.family("gpumem_exporter_kubelet_error"))
             error.add_info({}, {"error": kubelet.error, "socket": kubelet.socket})
             yield error, True
-        if kubelet.logs_folder:
-            logs = self._fill(catalog.family("gpumem_exporter_kubelet_container_logs_up"))
-            logs.add({}, 1.0 if kubelet.log_pods is not None else 0.0)
-            yield logs, True
-            if kubelet.logs_error:
-                info = self._fill(catalog.family("gpumem_exporter_kubelet_container_logs_error"))
-                info.add_info({}, {"error": kubelet.logs_error, "folder": kubelet.logs_folder})
-                yield info, True
+        if kubelet.logs_folder and kubelet.logs_error:  # as the kubelet's own error: no
+            # series while all is well (the node's series budget, docs/performance.md)
+            info = self._fill(catalog.family("gpumem_exporter_kubelet_container_logs_error"))
+            info.add_info({}, {"error": kubelet.logs_error, "folder": kubelet.logs_folder})
+            yield info, True
         if kubelet.pods_api:
             yield from self._reader_state("pods", kubelet.pods is not None, kubelet.pods_error)
         if kubelet.claims_api:

@@ -272,6 +272,9 @@ class ActionCounts:
     snapshots: dict[str, int] = field(default_factory=dict)  # trigger -> count
     empty_cache_released_bytes: int = 0
     remediations: dict[str, int] = field(default_factory=dict)  # "action/outcome" -> count
+    # Under `run`: probe records the process dropped because the launcher's socket was full
+    # (the probe never blocks its host to send one).
+    records_dropped: int = 0
 
 
 @dataclass

@@ -588,8 +588,10 @@ def catalog_collector(
             "nvml": SourceStatus(False, 0.2, 3, unavailable="NVML library not found"),
         },
     )
-    counts = ActionCounts({"manual": 2}, 4096, {"empty_cache/ok": 1})
     process = WORKER if per_process else {}
+    # Under `run`: records the process's probe dropped (served once there are some).
+    dropped = 3 if per_process else 0
+    counts = ActionCounts({"manual": 2}, 4096, {"empty_cache/ok": 1}, records_dropped=dropped)
     # An endpoint with a web config and a certificate: every gpumem_exporter_web* family.
     endpoint = EndpointState(
         tls=True,
@@ -678,6 +680,8 @@ def node_shaped(sample: Sample) -> Sample:
             ]
         },
         claims_api=True,
+        logs_folder="/var/log/containers",
+        logs_error="/var/log/containers: Permission denied",
     )
     sample.process_containers = [
         ProcessContainerReading(4242, "container", "uid-1", "cid-1"),

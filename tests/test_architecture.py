@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
         "sample",
         "config",
         "identity",
+        "probe",  # the serving process's tick: standard library only
     ),
     # reading, keeping and rendering: sources and what turns samples into output
     (

@@ -7,6 +7,14 @@ has initialized CUDA itself; then it arms what belongs to the process that owns 
 to the aggregator's Unix socket (in a 0700 folder that only the same user can reach) and sends
 its allocator readings every interval. The aggregator's commands run here, through the same
 LocalActions an embedded exporter uses. Messages: exporter.run.protocol.
+
+What a tick costs the serving process is what the probe costs (exporter.probe): the
+allocator's C call per device and one packed record each, sent without blocking (a record the
+launcher has no room for is dropped and counted, never waited for). The full sample, with what
+changes at a slower pace (the GPU's identity, settings, layout, bytes outside the allocator,
+OOM verdicts, action counts), is read and sent on the first tick, every `detail_interval_s`,
+at once when an allocation retry or an OOM shows in a record or a command has run, and on
+every tick where remediation acts on this process's own alerts.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 from exporter.actions.base import ProcessResult, Target
 from exporter.actions.spec import BY_NAME, ParamError
 from exporter.identity import process_labels
+from exporter.probe import record
+from exporter.probe.allocator import AllocatorProbe
 from exporter.run import protocol
 from exporter.sample import ActionCounts, Sample
 from exporter.sources import OOM_VERDICTS, provides
@@ -69,6 +79,18 @@ class Agent:
         # itself: the launcher reads NVML at other moments than this process reads its
         # allocator.
         self.source: Any = allocator_source(self.config)
+        # The numbers of every tick between full samples (CUDA through torch only).
+        self.probe = AllocatorProbe()
+        self.detail_interval_s = min(
+            self.config.process_interval_s,
+            self.config.layout_interval_s or self.config.process_interval_s,
+        )
+        self._next_full = 0.0  # time.monotonic() of the next full sample; 0: at once
+        self._full_counters: dict[int, tuple[int, int]] = {}  # device -> (retries, ooms)
+        self.records_dropped = 0
+        self.records_sent = 0  # with full_samples: what the ticks did (for benchmarks)
+        self.full_samples = 0
+        self._unsent = b""  # the rest of a record line the socket took only part of
         self.actions: LocalActions | None = None
         self._listeners: list[Listener] = []
         self._sock: socket.socket | None = None
@@ -108,7 +130,9 @@ class Agent:
         return self.actions
 
     def _counts(self) -> ActionCounts:
-        return self.actions.counts()[0].counts if self.actions is not None else ActionCounts()
+        counts = self.actions.counts()[0].counts if self.actions is not None else ActionCounts()
+        counts.records_dropped = self.records_dropped
+        return counts
 
     # -- sending -------------------------------------------------------------------------
 
@@ -118,10 +142,40 @@ class Agent:
             return
         data = protocol.encode(message)
         with self._send_lock:
+            if self._unsent:  # finish the record line first: the stream's lines stay whole
+                sock.sendall(self._unsent)
+                self._unsent = b""
             sock.sendall(data)
+
+    def _send_record(self, data: bytes) -> None:
+        """One record, without blocking: dropped (and counted) where the socket has no room,
+        or while part of an earlier line still waits."""
+        sock = self._sock
+        if sock is None:
+            return
+        line = protocol.encode_record(data)
+        with self._send_lock:
+            if self._unsent:
+                try:
+                    sent = sock.send(self._unsent, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                self._unsent = self._unsent[sent:]
+                if self._unsent:
+                    self.records_dropped += 1
+                    return
+            try:
+                sent = sock.send(line, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                self.records_dropped += 1
+                return
+            self.records_sent += 1
+            self._unsent = line[sent:]
 
     def _close(self) -> None:
         sock, self._sock = self._sock, None
+        self._unsent = b""
+        self._next_full = 0.0  # a new connection starts with a full sample
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.close()
@@ -145,6 +199,33 @@ class Agent:
         return True
 
     def tick(self) -> None:
+        """The probe's records, or the full sample where one is due."""
+        if self._full_due():
+            self._full_tick()
+            return
+        records = self.probe.records()
+        if not records or self._counters_moved():
+            self._full_tick()  # a retry or an OOM: its layout and verdict now, not later
+            return
+        for data in records:
+            self._send_record(data)
+
+    def _full_due(self) -> bool:
+        return (
+            self._sock is None
+            or time.monotonic() >= self._next_full
+            or bool(self._listeners and self.config.remediate)  # detectors see every tick
+        )
+
+    def _counters_moved(self) -> bool:
+        """Whether a record shows an allocation retry or an OOM the last full sample did not
+        (or a device it did not have)."""
+        for device, retries in self.probe.retries.items():
+            if self._full_counters.get(device) != (retries, self.probe.ooms[device]):
+                return True
+        return False
+
+    def _full_tick(self) -> None:
         reading = self.source.read()  # empty until this process uses CUDA
         if not reading.allocators:
             return
@@ -160,6 +241,18 @@ class Agent:
         pinned = reading.pinned_host[0] if reading.pinned_host else None
         allocators = [asdict(a) for a in reading.allocators]
         self._send(protocol.sample(allocators, self._counts(), pinned))
+        self.full_samples += 1
+        self._next_full = time.monotonic() + self.detail_interval_s
+        self._full_counters = {
+            a.device: (
+                a.counters.get("alloc_retries", record.ABSENT),
+                a.counters.get("ooms", record.ABSENT),
+            )
+            for a in reading.allocators
+        }
+        settings = getattr(self.source, "allocator_settings", None)
+        if settings is not None and settings() is not None:
+            self.probe.configure(*settings())
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -206,6 +299,7 @@ class Agent:
             result = ProcessResult(
                 process_labels(), False, error=f"{type(exc).__name__}: {exc}", outcome="error"
             )
+        self._next_full = 0.0  # the counts the action changed go out with the next tick
         try:
             self._send(protocol.reply(request_id, result))
         except OSError:

@@ -38,6 +38,7 @@ from typing import Any
 
 from exporter import budget
 from exporter.actions.base import ProcessResult, Target
+from exporter.probe import record
 from exporter.ratelimit import RateLimitedLog
 from exporter.run import protocol
 from exporter.run.agent import SOCKET_NAME
@@ -48,6 +49,7 @@ from exporter.sample import (
     ProcessCounts,
     SourceReading,
 )
+from exporter.sources.allocator_layout import bounded_pools, pool_label
 from exporter.sources.process_memory import read_environ
 
 log = logging.getLogger("exporter.aggregator")
@@ -81,6 +83,9 @@ class _Peer:
     reported_at: float | None = None  # the same moment as Unix time, for /metrics
     counts: ActionCounts = field(default_factory=ActionCounts)
     pinned_host: PinnedHostReading | None = None
+    # Each device's reading of the latest full sample, with the Unix time it came: what a
+    # probe record's numbers update (its settings, layout and verdicts stay).
+    full: dict[int, tuple[AllocatorReading, float]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Labels the process claimed that its start-up environment does not show (RANK set by
     # the process itself): they stand only while no other process has them (_hello).
@@ -334,6 +339,14 @@ class Aggregator:
         return refused
 
     def _handle(self, peer: _Peer, line: bytes) -> None:
+        if line[:1] == protocol.RECORD:
+            try:
+                self._record(peer, protocol.decode_record(line))
+            except protocol.ProtocolError as exc:
+                self._reject(peer, exc)
+            except record.RecordError as exc:
+                self._reject(peer, protocol.ProtocolError(exc.reason, str(exc)))
+            return
         try:
             message = protocol.decode(line)
             kind = message["type"]
@@ -352,6 +365,7 @@ class Aggregator:
                     pinned.process = dict(peer.process)
                 peer.allocators, peer.counts, peer.pinned_host = readings, counts, pinned
                 peer.sampled_at, peer.reported_at = time.monotonic(), time.time()
+                peer.full = {r.device: (r, peer.reported_at) for r in readings}
             elif kind == "reply":
                 request_id, result = protocol.parse_reply(message)
                 result.process = dict(peer.process)
@@ -372,6 +386,47 @@ class Aggregator:
                 raise protocol.ProtocolError("type", f"an agent may not send {kind!r}")
         except protocol.ProtocolError as exc:
             self._reject(peer, exc)
+
+    def _record(self, peer: _Peer, data: bytes) -> None:
+        """A probe record: one device's numbers of one tick, over its latest full sample."""
+        if not peer.process:
+            raise protocol.ProtocolError("order", "a record before hello")
+        device, _, at, parts = record.unpack(data)
+        full = peer.full.get(device)
+        if full is None:
+            raise protocol.ProtocolError("order", f"a record of device {device} before its sample")
+        base, base_at = full
+        waited = max(at - base_at, 0.0)
+        ages = {
+            name: getattr(base, name) + waited
+            for name in ("layout_age_s", "non_allocator_age_s")
+            if getattr(base, name) is not None
+        }
+        private_pools = base.private_pools
+        if parts["private_pools"]:  # torch 2.13+: reserved by pool, fresher than the layout's
+            fresh = {
+                pool_label((first, second)): {"reserved_bytes": reserved}
+                for first, second, reserved in parts["private_pools"]
+            }
+            merged = {label: dict(values) for label, values in base.private_pools.items()}
+            for label, values in bounded_pools(fresh).items():
+                merged.setdefault(label, {}).update(values)
+            private_pools = merged
+        reading = dataclasses.replace(
+            base,
+            gauges=parts["gauges"],
+            counters=parts["counters"],
+            pools=parts["pools"],
+            max_split_size_bytes=parts["max_split_size_bytes"],
+            private_pools=private_pools,
+            **ages,
+        )
+        others = [r for r in peer.allocators if r.device != device]
+        peer.allocators = sorted([*others, reading], key=lambda r: r.device)
+        if parts["pinned"] is not None:
+            held, in_use = parts["pinned"]
+            peer.pinned_host = PinnedHostReading(held, in_use, process=dict(peer.process))
+        peer.sampled_at, peer.reported_at = time.monotonic(), time.time()
 
     def processes(self) -> list[dict[str, str]]:
         with self._lock:

@@ -21,6 +21,16 @@ from dataclasses import replace
 from typing import Any
 
 from exporter.oom_verdict import MAX_NAMED_PROCESSES, OomLog, OomVerdict
+from exporter.probe.allocator import has_context
+from exporter.probe.record import (
+    ASYNC,
+    ASYNC_DEFINED,
+    COUNTERS,
+    CURRENT,
+    NOT_TRACKED_WITH_EXPANDABLE,
+    PEAK,
+    POOLS,
+)
 from exporter.sample import POOL_GAUGES, AllocatorReading, PinnedHostReading, SourceReading
 from exporter.sources import ALLOCATOR, OOM_VERDICTS
 from exporter.sources.allocator_layout import (
@@ -35,36 +45,11 @@ from exporter.sources.allocator_layout import (
 from exporter.sources.non_allocator import NonAllocatorProbe
 
 NATIVE = "native"
-ASYNC = "cudaMallocAsync"
 
-# allocator stat family -> metric key, for `.all.current`
-_CURRENT = {
-    "allocated_bytes": "allocated_bytes",
-    "reserved_bytes": "reserved_bytes",
-    "active_bytes": "active_bytes",
-    "inactive_split_bytes": "inactive_split_bytes",
-    "requested_bytes": "requested_bytes",
-    "segment": "segments",
-    "allocation": "allocations",
-}
-_PEAK = {
-    "allocated_bytes": "allocated_peak_bytes",
-    "reserved_bytes": "reserved_peak_bytes",
-}
-_COUNTERS = {
-    "num_alloc_retries": "alloc_retries",
-    "num_ooms": "ooms",
-    "num_device_alloc": "device_malloc",
-    "num_device_free": "device_free",
-    "num_sync_all_streams": "sync_all_streams",
-}
-_POOLS = {"large_pool": "large", "small_pool": "small"}
-# What cudaMallocAsync actually tracks (everything else reads 0 there).
-_ASYNC_DEFINED = {"allocated_bytes", "reserved_bytes", "active_bytes"}
-# Expandable segments are left out of inactive_split on purpose (pytorch/pytorch#159564) and
-# the segment count collapses (read 0 with 280 MB reserved on an H200): 0 there means "not
-# tracked", not "no fragmentation".
-_NOT_TRACKED_WITH_EXPANDABLE = {"inactive_split_bytes", "segment"}
+# The allocator's stat families and what each becomes: one table for this source and the
+# probe's record (exporter.probe.record, which the serving process imports alone).
+_CURRENT, _PEAK, _COUNTERS, _POOLS = CURRENT, PEAK, COUNTERS, POOLS
+_ASYNC_DEFINED, _NOT_TRACKED_WITH_EXPANDABLE = ASYNC_DEFINED, NOT_TRACKED_WITH_EXPANDABLE
 
 
 def parse_alloc_conf(env: Mapping[str, str]) -> dict[str, str]:
@@ -181,23 +166,6 @@ def block_count(stats: Mapping[str, Any], expandable_segments: bool) -> int:
         return 0
 
 
-def has_context(torch: Any, kind: str, index: int, known: set[int]) -> bool:
-    """Whether this process initialized device `index` of this device type (its primary
-    context), asked without initializing it; `known` caches the devices that have one (torch
-    never tears a primary context down). True where torch cannot say (the private API exists
-    in torch 2.4-2.13 for CUDA and ROCm): reading stats is still safe there, and an untouched
-    device reads all zeros, which the caller leaves out."""
-    if index in known:
-        return True
-    check = getattr(torch._C, f"_{kind}_hasPrimaryContext", None)
-    if check is None:
-        return True
-    if check(index):
-        known.add(index)
-        return True
-    return False
-
-
 def nvml_uuid(uuid: object) -> str:
     """A device UUID as torch gives it, in NVML's spelling ("GPU-<uuid>"), so that allocator
     and device series join on gpu_uuid."""
@@ -279,6 +247,13 @@ class TorchAllocatorSource:
                 "garbage_collection_threshold": conf.get("garbage_collection_threshold", ""),
                 "source": "environment",
             }
+        return self._backend, bool(self._expandable)
+
+    def allocator_settings(self) -> tuple[str, bool] | None:
+        """(backend, expandable segments) as the latest read found them; None before one.
+        The probe's records define the same numbers a read does (exporter.probe.record)."""
+        if self._backend is None:
+            return None
         return self._backend, bool(self._expandable)
 
     def read(self) -> SourceReading:

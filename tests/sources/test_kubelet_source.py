@@ -503,10 +503,7 @@ def test_unreadable_kubelet_links_are_a_state_and_judge_nothing(tmp_path, caplog
             link.unlink()
         (tmp_path / "containers").rmdir()
         families = node.wait_for(
-            lambda f: (
-                f.get("gpumem_exporter_kubelet_container_logs_up", [None])[0] is not None
-                and f["gpumem_exporter_kubelet_container_logs_up"][0].value == 0.0
-            )
+            lambda f: bool(f.get("gpumem_exporter_kubelet_container_logs_error_info"))
         )
         [error] = families["gpumem_exporter_kubelet_container_logs_error_info"]
         assert error.labels["folder"] == str(tmp_path / "containers")

@@ -17,9 +17,13 @@ def test_a_huge_environment_is_read_only_up_to_its_bound():
     huge = {f"HUGE{n}": "x" * (125 << 10) for n in range(12)}
     env = {"RANK": "3", "PATH": os.environ.get("PATH", ""), **huge}
     child = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, env=env
+        [sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
     )
     try:
+        assert child.stdout is not None and child.stdout.readline() == b"up\n"
         found = read_environ(child.pid)
         assert sum(len(k) + len(v) for k, v in found.items()) < MAX_ENVIRON_BYTES
         assert found[b"RANK"] == b"3"

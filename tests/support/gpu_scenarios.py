@@ -808,6 +808,63 @@ def accelerator_source(index: str = "0") -> dict[str, Any]:
     }
 
 
+def probe_records(index: str = "0") -> dict[str, Any]:
+    """The probe's records and the full source's reading, back to back (nothing allocated
+    between) while this process uses only cuda:index, with pinned host memory held; and
+    whether the probe found anything before this process initialized CUDA."""
+    import torch
+
+    from exporter.probe import record
+    from exporter.probe.allocator import AllocatorProbe
+    from exporter.sources.torch_allocator import TorchAllocatorSource
+
+    probe = AllocatorProbe()
+    probe.configure("native", False)
+    before = probe.records()
+    initialized_before = torch.cuda.is_initialized()
+    used = int(index)
+    torch.cuda.set_device(used)
+    torch.cuda.set_per_process_memory_fraction(0.5, used)
+    tensors = [
+        torch.empty(size, dtype=torch.uint8, device=f"cuda:{used}")
+        for size in [3 * MiB, 300 * 1024, 25 * MiB, 7 * MiB, 100 * 1024] * 12
+    ]
+    del tensors[::3]  # holes of both pools
+    pinned = torch.empty(8 * MiB, dtype=torch.uint8).pin_memory()
+    torch.cuda.synchronize()
+    source = TorchAllocatorSource(layout_interval_s=0)
+    pairs = []
+    for _ in range(3):
+        full = source.read()
+        settings = source.allocator_settings()
+        assert settings is not None
+        probe.configure(*settings)
+        records = [record.unpack(data) for data in probe.records()]
+        pairs.append(
+            {
+                "full": [
+                    {"device": r.device, "gauges": r.gauges, "counters": r.counters,
+                     "pools": r.pools, "max_split_size_bytes": r.max_split_size_bytes}
+                    for r in full.allocators
+                ],
+                "full_pinned": [[p.held_bytes, p.in_use_bytes] for p in full.pinned_host],
+                "records": [
+                    {"device": device, **{k: v for k, v in parts.items()
+                                          if k not in ("private_pools", "pinned")}}
+                    for device, _, _, parts in records
+                ],
+                "record_pinned": [list(parts["pinned"] or []) for *_, parts in records],
+            }
+        )  # fmt: skip
+    return {
+        "before": len(before),
+        "initialized_before": initialized_before,
+        "pairs": pairs,
+        "has_context": [bool(_has_primary_context(i)) for i in range(torch.cuda.device_count())],
+        "kept": len(tensors) + pinned.numel() // MiB,
+    }
+
+
 SCENARIOS = {
     name: fn
     for name, fn in list(globals().items())

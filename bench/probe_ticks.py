@@ -1,0 +1,100 @@
+"""What each tick of `run`'s agent costs the serving process, by kind: a probe record (the
+allocator's C call, the numbers packed, one non-blocking send) or a full sample (the allocator
+source's whole read: layout when due, bytes outside the allocator, settings; then asdict and
+JSON). A real Aggregator on a Unix socket in this process, the Agent ticked by its own thread at
+the interval, a thread allocating and freeing GPU memory beside it as in bench.loop_lateness.
+
+    python -m bench.loop_lateness ... (the serving loop's view)
+    python -m bench.probe_ticks --seconds 12 --interval-s 1.0 (this: the tick's own view)
+
+CPU is the ticking thread's CPU clock around each tick. `full-every-tick` forces the full
+sample on every tick: what the agent did before the probe (issue 49). One JSON object on the
+last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import summary
+
+
+def measure(seconds: float, interval_s: float, full_every_tick: bool) -> dict[str, Any]:
+    import torch
+
+    from exporter.run.agent import Agent
+    from exporter.run.aggregator import Aggregator
+
+    torch.empty(1, device="cuda:0")
+    stop = threading.Event()
+
+    def allocate() -> None:
+        while not stop.is_set():
+            kept = [torch.empty(4 << 20, dtype=torch.uint8, device="cuda:0") for _ in range(8)]
+            del kept
+            time.sleep(0.005)
+
+    allocator = threading.Thread(target=allocate, daemon=True)
+    allocator.start()
+    run_dir = Path(tempfile.mkdtemp(prefix="pt-", dir="/tmp"))
+    aggregator = Aggregator(run_dir)
+    agent = Agent(str(run_dir), interval_s=3600)
+    kinds: dict[str, list[float]] = {"record": [], "full": []}
+    full = agent._full_tick
+    took: list[str] = []
+
+    def full_tick() -> None:
+        took.append("full")
+        full()
+
+    agent._full_tick = full_tick  # type: ignore[method-assign]
+    agent.tick()  # connect and the first full sample, outside the measurement
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(interval_s)
+        if full_every_tick:
+            agent._next_full = 0.0
+        took.clear()
+        started = time.thread_time()
+        agent.tick()
+        cpu = time.thread_time() - started
+        kinds["full" if took else "record"].append(cpu)
+    stop.set()
+    allocator.join(10)
+    agent.stop()
+    served = aggregator.read().allocators
+    aggregator.close()
+    for child in run_dir.iterdir():
+        child.unlink()
+    run_dir.rmdir()
+    ticks = sum(len(v) for v in kinds.values())
+    return {
+        "full_every_tick": full_every_tick,
+        "interval_s": interval_s,
+        "ticks": ticks,
+        "records_dropped": agent.records_dropped,
+        "served_allocated_bytes": served[0].gauges.get("allocated_bytes") if served else None,
+        "cpu_ms_per_s": sum(sum(v) for v in kinds.values()) / seconds * 1000,
+        "by_kind_us": {k: {"n": len(v), **summary(v, 1e6)} for k, v in kinds.items() if v},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=12.0)
+    parser.add_argument("--interval-s", type=float, default=1.0)
+    parser.add_argument("--full-every-tick", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("GPUMEM_LOG_LEVEL", "warning")
+    print(json.dumps(measure(args.seconds, args.interval_s, args.full_every_tick)))
+
+
+if __name__ == "__main__":
+    main()

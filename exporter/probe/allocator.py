@@ -1,0 +1,131 @@
+"""The probe's tick: the allocator's numbers of every CUDA device this process initialized, as
+one packed record each (exporter.probe.record), read with the C call that
+`torch.cuda.memory_stats_as_nested_dict` wraps.
+
+The same rules keep it safe for the host as the full source (exporter.sources.torch_allocator):
+torch is never imported here (found in sys.modules), a device is read only once this process
+has its primary context (several "read-only" calls create one), and the device index is
+always explicit.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from exporter.probe import record
+
+
+def has_context(torch: Any, kind: str, index: int, known: set[int]) -> bool:
+    """Whether this process initialized device `index` of this device type (its primary
+    context), asked without initializing it; `known` caches the devices that have one (torch
+    never tears a primary context down). True where torch cannot say (the private API exists
+    in torch 2.4-2.13 for CUDA and ROCm): reading stats is still safe there, and an untouched
+    device reads all zeros, which the caller leaves out."""
+    if index in known:
+        return True
+    check = getattr(torch._C, f"_{kind}_hasPrimaryContext", None)
+    if check is None:
+        return True
+    if check(index):
+        known.add(index)
+        return True
+    return False
+
+
+class AllocatorProbe:
+    """Packs this tick's allocator numbers; what it needs from torch is looked up once."""
+
+    def __init__(self, torch_module: Any = None) -> None:
+        self._torch = torch_module
+        self._read_stats: Any = None
+        self._read_fraction: Any = None  # False where torch has no getter (before 2.8)
+        self._read_pinned: Any = None
+        self._with_context: set[int] = set()
+        # The devices this process had initialized at the last full read: a tick reads only
+        # these (worked out again at each configure(), so a device initialized later joins
+        # with the next full sample).
+        self._devices: list[int] | None = None
+        self._ready = False  # CUDA initialized (it never goes back, but in a forked child)
+        self._totals: dict[int, int] = {}
+        self._paths: tuple[tuple[str, str, str] | None, ...] | None = None
+        self._sequence = 0
+        # The counters of the latest records by device: what tells the caller that an
+        # allocation retry or an OOM happened (it then reads the full sample at once).
+        self.retries: dict[int, int] = {}
+        self.ooms: dict[int, int] = {}
+
+    def configure(self, backend: str, expandable_segments: bool) -> None:
+        """The allocator's backend and expandable-segments setting, as the full read found
+        them (they decide which numbers are defined; a server may switch the latter)."""
+        self._paths = record.plan(backend, expandable_segments)
+        self._devices = None
+
+    def ready(self) -> bool:
+        """Whether this process uses CUDA through torch (and a full read configured us)."""
+        if self._ready:
+            return True
+        torch = self._torch or sys.modules.get("torch")
+        if torch is None or self._paths is None:
+            return False
+        self._torch = torch
+        self._ready = bool(torch.cuda.is_initialized())
+        return self._ready
+
+    def records(self) -> list[bytes]:
+        """One record per device this process initialized; [] before `ready()`."""
+        if not self.ready():
+            return []
+        torch, paths = self._torch, self._paths
+        assert paths is not None
+        if self._read_stats is None:
+            self._read_stats = getattr(
+                torch._C, "_cuda_memoryStats", torch.cuda.memory_stats_as_nested_dict
+            )
+            self._read_fraction = getattr(torch._C, "_cuda_getMemoryFraction", False)
+            self._read_pinned = getattr(torch._C, "_cuda_hostMemoryStats", False)
+        if self._devices is None:
+            self._devices = [
+                index
+                for index in range(torch.cuda.device_count())
+                if has_context(torch, "cuda", index, self._with_context)
+            ]
+        pinned = self._pinned()
+        now = time.time()
+        found = []
+        for index in self._devices:
+            stats = self._read_stats(index)
+            if not stats:
+                continue
+            values = record.values_from_stats(stats, paths)
+            if index not in self._with_context and values[record.PEAK_RESERVED] <= 0:
+                continue  # torch could not say, and this device was never used
+            values[record.LIMIT] = self._limit(index)
+            values[record.PINNED], values[record.PINNED + 1] = pinned
+            self.retries[index] = values[record.RETRIES]
+            self.ooms[index] = values[record.OOMS]
+            self._sequence += 1
+            found.append(
+                record.pack(index, self._sequence, now, values, record.private_pools(stats))
+            )
+        return found
+
+    def _limit(self, index: int) -> int:
+        """The allocator's cap (fraction x the device's memory), as the full source reads it;
+        ABSENT without a getter."""
+        if not self._read_fraction:
+            return record.ABSENT
+        if index not in self._totals:
+            self._totals[index] = int(self._torch.cuda.get_device_properties(index).total_memory)
+        return int(min(self._read_fraction(index), 1.0) * self._totals[index])
+
+    def _pinned(self) -> tuple[int, int]:
+        if not self._read_pinned:
+            return record.ABSENT, record.ABSENT
+        stats: Mapping[str, Any] = self._read_pinned()
+        try:
+            return int(stats["allocated_bytes"]["current"]), int(stats["active_bytes"]["current"])
+        except (KeyError, TypeError, ValueError):
+            return record.ABSENT, record.ABSENT

@@ -1,0 +1,231 @@
+"""The probe's record: one device's allocator numbers of one tick, in a fixed binary layout.
+
+A serving process pays for every byte of Python it runs per tick, so the numbers the exporter
+serves go out as they come from the allocator's nested stats dict, packed with `struct` into
+a buffer made once: no dataclass, no dict of results, no JSON. Everything else a reading has
+(the GPU's UUID, backend, settings, layout, OOM verdicts, bytes outside the allocator) changes
+at its own, slower pace and travels in the full sample (exporter.run.protocol), which a record
+then updates.
+
+    header   magic "GMPR", version, device, sequence, Unix time, private-pool count
+    values   one int64 per FIELDS entry, ABSENT where the allocator does not define it
+    pools    (pool id, pool id, reserved bytes) for each private pool
+
+Versioned: a reader refuses a record of another version (RecordError("record_version")),
+never misreads one. Standard library only: the probe imports it in the serving process.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+MAGIC = b"GMPR"
+VERSION = 1
+ABSENT = -(1 << 63)  # a number the allocator does not define here (never a real value)
+# At most this many private pools per device travel in a record (the exporter serves 16 plus
+# "other"; the rest are summed by the reader's budget, which needs to see them all).
+MAX_POOLS = 64
+
+HEADER = struct.Struct("<4sHHIdH")
+POOL = struct.Struct("<QQq")
+
+# Allocator stat family -> the reading's gauge key, for `.all.current` and `.all.peak`.
+CURRENT = {
+    "allocated_bytes": "allocated_bytes",
+    "reserved_bytes": "reserved_bytes",
+    "active_bytes": "active_bytes",
+    "inactive_split_bytes": "inactive_split_bytes",
+    "requested_bytes": "requested_bytes",
+    "segment": "segments",
+    "allocation": "allocations",
+}
+PEAK = {
+    "allocated_bytes": "allocated_peak_bytes",
+    "reserved_bytes": "reserved_peak_bytes",
+}
+COUNTERS = {
+    "num_alloc_retries": "alloc_retries",
+    "num_ooms": "ooms",
+    "num_device_alloc": "device_malloc",
+    "num_device_free": "device_free",
+    "num_sync_all_streams": "sync_all_streams",
+}
+POOLS = {"large_pool": "large", "small_pool": "small"}
+# The per-pool gauges (catalog group "pool"; tests/probe/test_record.py holds them equal).
+POOL_GAUGES = (
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "requested_bytes",
+)
+# What cudaMallocAsync actually tracks (everything else reads 0 there).
+ASYNC_DEFINED = {"allocated_bytes", "reserved_bytes", "active_bytes"}
+# Expandable segments are left out of inactive_split on purpose (pytorch/pytorch#159564) and
+# the segment count collapses (read 0 with 280 MB reserved on an H200): 0 there means "not
+# tracked", not "no fragmentation".
+NOT_TRACKED_WITH_EXPANDABLE = {"inactive_split_bytes", "segment"}
+ASYNC = "cudaMallocAsync"
+
+# (where it goes in a reading, its key) in record order. "gauge": AllocatorReading.gauges;
+# "pool:<name>": .pools[name]; "counter": .counters; "max_split": .max_split_size_bytes;
+# "pinned": the process's pinned host memory (held, in use), the same in each device's record.
+FIELDS: tuple[tuple[str, str], ...] = (
+    *(("gauge", key) for key in CURRENT.values()),
+    *(("gauge", key) for key in PEAK.values()),
+    ("gauge", "memory_limit_bytes"),
+    *((f"pool:{pool}", family) for pool in POOLS.values() for family in POOL_GAUGES),
+    *(("counter", key) for key in COUNTERS.values()),
+    ("max_split", "max_split_size_bytes"),
+    ("pinned", "held_bytes"),
+    ("pinned", "in_use_bytes"),
+)
+VALUES = struct.Struct("<" + "q" * len(FIELDS))
+# Header and values in one call: a tick packs with one struct call where no pool follows.
+_WHOLE = struct.Struct(HEADER.format + "q" * len(FIELDS))
+# Where the probe finds each field in the nested stats dict: (family, pool, stat), or a top
+# level key (family, "", ""), or None for what the probe adds itself (limit, pinned).
+_PATHS: tuple[tuple[str, str, str] | None, ...] = (
+    *((family, "all", "current") for family in CURRENT),
+    *((family, "all", "peak") for family in PEAK),
+    None,
+    *((family, pool_stat, "current") for pool_stat in POOLS for family in POOL_GAUGES),
+    *((stat, "", "") for stat in COUNTERS),
+    ("max_split_size", "", ""),
+    None,
+    None,
+)
+LIMIT = FIELDS.index(("gauge", "memory_limit_bytes"))
+PEAK_RESERVED = FIELDS.index(("gauge", "reserved_peak_bytes"))
+PINNED = FIELDS.index(("pinned", "held_bytes"))
+RETRIES = FIELDS.index(("counter", "alloc_retries"))
+OOMS = FIELDS.index(("counter", "ooms"))
+
+
+class RecordError(ValueError):
+    """A record that cannot be read; `reason` is a short label value."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def plan(backend: str, expandable_segments: bool) -> tuple[tuple[str, str, str] | None, ...]:
+    """Each field's path in the stats dict, None where this backend and setting do not define
+    it: worked out once, so that a tick is one flat loop of lookups."""
+
+    def defined(family: str) -> bool:
+        if backend == ASYNC and family not in ASYNC_DEFINED:
+            return False
+        return not (expandable_segments and family in NOT_TRACKED_WITH_EXPANDABLE)
+
+    paths: list[tuple[str, str, str] | None] = []
+    for (kind, _), path in zip(FIELDS, _PATHS, strict=True):
+        if path is None:
+            paths.append(None)
+        elif kind == "gauge" and path[2] == "current":
+            paths.append(path if defined(path[0]) else None)
+        elif kind.startswith("pool:") or kind == "counter":
+            paths.append(path if backend != ASYNC and defined(path[0]) else None)
+        else:
+            paths.append(path)
+    return tuple(paths)
+
+
+def values_from_stats(
+    stats: Mapping[str, Any], paths: tuple[tuple[str, str, str] | None, ...]
+) -> list[int]:
+    """The record's values from one `_cuda_memoryStats(i)` result (ABSENT where undefined)."""
+    values = []
+    for path in paths:
+        if path is None:
+            values.append(ABSENT)
+            continue
+        family, pool, stat = path
+        try:
+            value = stats[family][pool][stat] if pool else stats[family]
+        except (KeyError, TypeError):
+            value = ABSENT
+        values.append(value if type(value) is int and value >= 0 else ABSENT)
+    return values
+
+
+def private_pools(stats: Mapping[str, Any]) -> list[tuple[int, int, int]]:
+    """(pool id, pool id, reserved bytes) of torch 2.13's per-private-pool stats; [] before."""
+    by_pool = stats.get("reserved_bytes_by_private_pools")
+    if not isinstance(by_pool, Mapping):
+        return []
+    found = []
+    for pool_id, value in by_pool.items():
+        ids = pool_id if isinstance(pool_id, tuple) else (pool_id,)
+        try:
+            first, second = (int(ids[0]), int(ids[1]) if len(ids) > 1 else 0)
+            found.append((first, second, int(value["all"]["current"])))
+        except (KeyError, TypeError, ValueError, IndexError):
+            continue
+        if len(found) == MAX_POOLS:
+            break
+    return found
+
+
+def pack(
+    device: int,
+    sequence: int,
+    timestamp: float,
+    values: list[int],
+    pools: list[tuple[int, int, int]],
+) -> bytes:
+    """One record. Values outside int64 (none the allocator gives) become ABSENT."""
+    head = (MAGIC, VERSION, device, sequence & 0xFFFFFFFF, timestamp, len(pools))
+    try:
+        whole = _WHOLE.pack(*head, *values)
+    except struct.error:
+        whole = _WHOLE.pack(*head, *(v if -(1 << 63) <= v < (1 << 63) else ABSENT for v in values))
+    if not pools:
+        return whole
+    return whole + b"".join(POOL.pack(*p) for p in pools)
+
+
+def unpack(data: bytes) -> tuple[int, int, float, dict[str, Any]]:
+    """(device, sequence, Unix time, parts) of one record, parts shaped as AllocatorReading's
+    fields: gauges, counters, pools, max_split_size_bytes, private_pools (raw ids) and pinned
+    (held, in use) or None. RecordError for anything that is not a record of this version."""
+    if len(data) < HEADER.size or data[:4] != MAGIC:
+        raise RecordError("record", f"not a probe record ({len(data)} bytes)")
+    _, version, device, sequence, timestamp, count = HEADER.unpack_from(data)
+    if version != VERSION:
+        raise RecordError("record_version", f"a record of version {version}, not {VERSION}")
+    expected = HEADER.size + VALUES.size + count * POOL.size
+    if count > MAX_POOLS or len(data) != expected:
+        raise RecordError("record", f"a record of {len(data)} bytes, not {expected}")
+    if not timestamp == timestamp or timestamp < 0:  # NaN or negative
+        raise RecordError("record", "a record without a valid time")
+    values = VALUES.unpack_from(data, HEADER.size)
+    parts: dict[str, Any] = {"gauges": {}, "counters": {}, "pools": {}}
+    for (kind, key), value in zip(FIELDS, values, strict=True):
+        if value == ABSENT:
+            continue
+        if value < 0:
+            raise RecordError("record", f"{key} is negative")
+        if kind == "gauge":
+            parts["gauges"][key] = value
+        elif kind == "counter":
+            parts["counters"][key] = value
+        elif kind.startswith("pool:"):
+            parts["pools"].setdefault(kind[5:], {})[key] = value
+    max_split = values[FIELDS.index(("max_split", "max_split_size_bytes"))]
+    parts["max_split_size_bytes"] = None if max_split == ABSENT else max_split
+    held, in_use = values[PINNED], values[PINNED + 1]
+    parts["pinned"] = None if ABSENT in (held, in_use) else (held, in_use)
+    offset = HEADER.size + VALUES.size
+    pools = []
+    for _ in range(count):
+        first, second, reserved = POOL.unpack_from(data, offset)
+        offset += POOL.size
+        if reserved < 0:
+            raise RecordError("record", "a private pool's reserved bytes are negative")
+        pools.append((first, second, reserved))
+    parts["private_pools"] = pools
+    return device, sequence, timestamp, parts

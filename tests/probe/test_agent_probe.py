@@ -1,0 +1,255 @@
+"""The agent of `gpumem-exporter run` as a probe: between full samples it sends one packed
+record per device and tick, which the aggregator lays over the device's latest full sample;
+it never blocks to send one. A real Aggregator on a Unix socket, an Agent in this process
+over a test double of torch serving the allocator dict captured on an H200."""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from exporter.probe import record
+from exporter.probe.allocator import AllocatorProbe
+from exporter.run import protocol
+from exporter.run.agent import SOCKET_NAME, Agent
+from exporter.run.aggregator import Aggregator
+from exporter.sources.torch_allocator import TorchAllocatorSource
+from tests.conftest import DATA_DIR
+from tests.helpers import FakeCuda, fake_torch
+
+CAPTURE = json.loads((DATA_DIR / "allocator_native.json").read_text())
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    folder = Path(tempfile.mkdtemp(prefix="gp-", dir="/tmp"))  # a socket path under 107 bytes
+    yield folder
+    for child in folder.iterdir():
+        child.unlink()
+    folder.rmdir()
+
+
+class Server:
+    """A torch double whose stats a test moves; CUDA initialized on device 0."""
+
+    def __init__(self) -> None:
+        self.stats = copy.deepcopy(CAPTURE["memory_stats_as_nested_dict"])
+        self.cuda = FakeCuda(self.stats, True, {0}, count=1)
+        self.torch = fake_torch(self.cuda)
+        self.torch._C._cuda_memoryStats = lambda i: self.stats
+        self.torch._C._cuda_hostMemoryStats = lambda: CAPTURE["host_memory_stats"]
+        self.full_ticks = 0
+
+    def agent(self, run_dir: Path, **settings: float) -> Agent:
+        (run_dir / "agent.json").write_text(json.dumps({"layout_interval_s": 0, **settings}))
+        agent = Agent(str(run_dir), interval_s=3600)  # the test ticks it
+        agent.source = TorchAllocatorSource(self.torch, layout_interval_s=0)
+        agent.probe = AllocatorProbe(self.torch)
+        full = agent._full_tick
+
+        def counted() -> None:
+            self.full_ticks += 1
+            full()
+
+        agent._full_tick = counted  # type: ignore[method-assign]
+        return agent
+
+    def allocate(self, nbytes: int) -> None:
+        self.stats["allocated_bytes"]["all"]["current"] += nbytes
+
+
+def served(aggregator: Aggregator, timeout_s: float = 5.0, **wanted: int):
+    """The aggregator's one reading once its gauges show `wanted`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        readings = aggregator.read().allocators
+        if readings and all(readings[0].gauges.get(k) == v for k, v in wanted.items()):
+            return readings[0]
+        if time.monotonic() > deadline:
+            pytest.fail(f"not served: {wanted}; have {readings[:1]}")
+        time.sleep(0.02)
+
+
+def test_records_carry_each_ticks_numbers_over_the_full_sample(run_dir):
+    server = Server()
+    aggregator = Aggregator(run_dir)
+    agent = server.agent(run_dir)
+    try:
+        agent.tick()  # the first tick: the full sample (identity, settings, counts)
+        allocated = server.stats["allocated_bytes"]["all"]["current"]
+        first = served(aggregator, allocated_bytes=allocated)
+        assert first.gpu_uuid == "GPU-0000-0" and server.full_ticks == 1
+        for step in range(1, 4):
+            server.allocate(1 << 20)
+            agent.tick()
+            reading = served(aggregator, allocated_bytes=allocated + step * (1 << 20))
+        assert server.full_ticks == 1  # three records, no full sample
+        # Everything else of the full sample stays: identity, backend, pools, counters.
+        assert (reading.gpu_uuid, reading.backend) == (first.gpu_uuid, first.backend)
+        assert reading.pools == first.pools and reading.counters == first.counters
+        pinned = aggregator.read().pinned_host[0]
+        assert pinned.held_bytes == CAPTURE["host_memory_stats"]["allocated_bytes"]["current"]
+        assert pinned.process["pid"] == first.process["pid"]
+    finally:
+        agent.stop()
+        aggregator.close()
+
+
+def test_a_retry_an_oom_or_a_command_brings_the_full_sample_at_once(run_dir):
+    server = Server()
+    aggregator = Aggregator(run_dir)
+    agent = server.agent(run_dir)
+    try:
+        agent.tick()
+        agent.tick()
+        assert server.full_ticks == 1
+        server.stats["num_alloc_retries"] += 1
+        agent.tick()
+        assert server.full_ticks == 2  # the retry's layout and counts go out now
+        agent.tick()
+        assert server.full_ticks == 2
+        server.stats["num_ooms"] += 1
+        agent.tick()
+        assert server.full_ticks == 3
+        agent._execute({"type": "command", "id": 1, "action": "reset_peak", "params": {}})
+        agent.tick()
+        assert server.full_ticks == 4  # the action's counts go out with the next tick
+    finally:
+        agent.stop()
+        aggregator.close()
+
+
+def test_the_full_sample_comes_again_every_detail_interval(run_dir):
+    server = Server()
+    aggregator = Aggregator(run_dir)
+    agent = server.agent(run_dir, process_interval_s=0.2)
+    try:
+        agent.tick()
+        agent.tick()
+        assert server.full_ticks == 1
+        time.sleep(0.25)
+        agent.tick()
+        assert server.full_ticks == 2
+    finally:
+        agent.stop()
+        aggregator.close()
+
+
+def test_a_launcher_that_does_not_read_never_blocks_the_probe(run_dir):
+    """The launcher's loop stalls (here: a socket nobody reads). Each tick still returns at
+    once; what does not fit is dropped and counted, and the lines that did go stay whole."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(run_dir / SOCKET_NAME))
+    listener.listen(1)
+    server = Server()
+    agent = server.agent(run_dir)
+    try:
+        agent.tick()  # connects; hello and the full sample fit in an empty buffer
+        conn, _ = listener.accept()
+        slowest = [0.0]
+
+        def ticks() -> None:
+            for _ in range(5000):
+                started = time.perf_counter()
+                agent.tick()
+                slowest[0] = max(slowest[0], time.perf_counter() - started)
+                if agent.records_dropped > 10:
+                    return
+
+        ticking = threading.Thread(target=ticks, daemon=True)
+        ticking.start()
+        ticking.join(10.0)
+        if ticking.is_alive():
+            conn.close()  # let the blocked send fail, so the thread ends
+            pytest.fail("a tick blocked on a launcher that does not read")
+        assert agent.records_dropped > 10
+        assert slowest[0] < 0.5, slowest
+        conn.setblocking(False)
+        received = b""
+        while True:
+            try:
+                chunk = conn.recv(1 << 20)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            received += chunk
+        lines = received.split(b"\n")
+        records = [protocol.decode_record(line) for line in lines if line[:1] == b"R"]
+        assert len(records) > 10
+        for data in records[:-1]:  # the last may be cut where the buffer filled
+            assert record.unpack(data)[0] == 0
+    finally:
+        agent.stop()
+        listener.close()
+
+
+def test_a_record_of_another_version_is_refused_and_counted_never_misread(run_dir):
+    aggregator = Aggregator(run_dir)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(str(run_dir / SOCKET_NAME))
+    try:
+        allocator = {"device": 0, "gpu_uuid": "GPU-x", "backend": "native",
+                     "expandable_segments": False, "gauges": {"allocated_bytes": 5}}  # fmt: skip
+        for message in (
+            {"type": "hello", "version": 1, "process": {"role": "w"}},
+            {"type": "sample", "allocators": [allocator]},
+        ):
+            conn.sendall(protocol.encode(message))
+        served(aggregator, allocated_bytes=5)
+        values = [record.ABSENT] * len(record.FIELDS)
+        values[0] = 7  # allocated_bytes, as version 1 places it
+        newer = bytearray(record.pack(0, 1, time.time(), values, []))
+        newer[4:6] = (2).to_bytes(2, "little")
+        conn.sendall(protocol.encode_record(bytes(newer)))
+        conn.sendall(protocol.encode_record(b"GMPR-not-a-record"))
+        deadline = time.monotonic() + 5
+        while sum(aggregator.rejected.values()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert aggregator.rejected["record_version"] == 1
+        assert aggregator.rejected["record"] == 1
+        assert all(r.gauges.get("allocated_bytes") != 7 for r in aggregator.read().allocators)
+        # A record of this version for a device with no full sample is out of order.
+        conn.sendall(protocol.encode_record(record.pack(3, 2, time.time(), values, [])))
+        while aggregator.rejected["order"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert aggregator.rejected["order"] == 1
+    finally:
+        conn.close()
+        aggregator.close()
+
+
+def test_the_probe_never_reads_a_device_this_process_did_not_initialize():
+    server = Server()
+    server.cuda.count = 2  # device 1 exists; this process has no context on it
+    probe = AllocatorProbe(server.torch)
+    assert probe.records() == []  # not configured by a full read yet: nothing
+    probe.configure("native", False)
+    [data] = probe.records()
+    assert record.unpack(data)[0] == 0
+    assert SimpleNamespace(calls=server.cuda.calls).calls == []  # the C call only, no wrapper
+
+
+def test_dropped_records_are_served_only_once_a_process_dropped_one():
+    """Not even the family's HELP before: an endpoint's text stays what it was (the
+    exposition digests) until a probe had to drop a record."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tests.helpers import captured_sample, catalog_collector
+
+    for per_process, dropped in ((False, 0), (True, 3)):  # catalog_collector's counts
+        registry = CollectorRegistry()
+        registry.register(catalog_collector(captured_sample("native"), "run", {}, per_process))
+        text = generate_latest(registry).decode()
+        assert ("gpumem_exporter_probe_records_dropped_total" in text) is bool(dropped)
+        if dropped:
+            assert 'gpumem_exporter_probe_records_dropped_total{local_rank="0"' in text

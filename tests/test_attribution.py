@@ -155,7 +155,8 @@ def test_a_pod_uid_the_kubelets_links_do_not_name_is_no_holders():
 
 def test_without_the_kubelets_names_a_process_keeps_its_uid_and_is_not_judged():
     """The links unreadable and no pod reader: the pod UID alone; nothing is counted outside
-    the pods (it may be the holder's). gpumem_exporter_kubelet_container_logs_error_info says why."""
+    the pods (it may be the holder's). gpumem_exporter_kubelet_container_logs_error_info
+    says why."""
     result = attribute(sample([llama()], [the_process()], [in_pod()], pods=None))
     assert [(p.pod_uid, p.pod) for p in result.process_pods] == [(UID_A, "")]
     assert result.unattributed_processes == []

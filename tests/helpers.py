@@ -163,6 +163,43 @@ def fake_torch(cuda: FakeCuda, with_context_api: bool = True, accelerator: bool 
     return module
 
 
+class ProbedServer:
+    """A torch double whose allocator stats (captured on an H200) a test moves, CUDA
+    initialized on device 0, and `run`'s agent over it, counting its full samples: what the
+    probe's tests (tests/probe) tick by hand."""
+
+    def __init__(self) -> None:
+        capture = json.loads((DATA_DIR / "allocator_native.json").read_text())
+        self.stats = capture["memory_stats_as_nested_dict"]
+        self.host_stats = capture["host_memory_stats"]
+        self.cuda = FakeCuda(self.stats, True, {0}, count=1)
+        self.torch = fake_torch(self.cuda)
+        self.torch._C._cuda_memoryStats = lambda i: self.stats
+        self.torch._C._cuda_hostMemoryStats = lambda: self.host_stats
+        self.full_ticks = 0
+
+    def agent(self, run_dir: Path, **settings: float) -> Any:
+        from exporter.probe.allocator import AllocatorProbe
+        from exporter.run.agent import Agent
+        from exporter.sources.torch_allocator import TorchAllocatorSource
+
+        (run_dir / "agent.json").write_text(json.dumps({"layout_interval_s": 0, **settings}))
+        agent = Agent(str(run_dir), interval_s=3600)  # the test ticks it
+        agent.source = TorchAllocatorSource(self.torch, layout_interval_s=0)
+        agent.probe = AllocatorProbe(self.torch)
+        full = agent._full_tick
+
+        def counted() -> None:
+            self.full_ticks += 1
+            full()
+
+        agent._full_tick = counted  # type: ignore[method-assign]
+        return agent
+
+    def allocate(self, nbytes: int) -> None:
+        self.stats["allocated_bytes"]["all"]["current"] += nbytes
+
+
 def captured_sample(name: str) -> Sample:
     """A sample as the exporter's own sources read it on the GPU machine."""
     data = json.loads((DATA_DIR / f"allocator_{name}.json").read_text())

@@ -10,9 +10,9 @@ always explicit.
 
 from __future__ import annotations
 
+import struct
 import sys
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from exporter.probe import record
@@ -42,7 +42,6 @@ class AllocatorProbe:
         self._torch = torch_module
         self._read_stats: Any = None
         self._read_fraction: Any = None  # False where torch has no getter (before 2.8)
-        self._read_pinned: Any = None
         self._with_context: set[int] = set()
         # The devices this process had initialized at the last full read: a tick reads only
         # these (worked out again at each configure(), so a device initialized later joins
@@ -51,6 +50,7 @@ class AllocatorProbe:
         self._ready = False  # CUDA initialized (it never goes back, but in a forked child)
         self._totals: dict[int, int] = {}
         self._paths: tuple[tuple[str, str, str] | None, ...] | None = None
+        self._read_values: Any = None
         self._sequence = 0
         # The counters of the latest records by device: what tells the caller that an
         # allocation retry or an OOM happened (it then reads the full sample at once).
@@ -61,6 +61,7 @@ class AllocatorProbe:
         """The allocator's backend and expandable-segments setting, as the full read found
         them (they decide which numbers are defined; a server may switch the latter)."""
         self._paths = record.plan(backend, expandable_segments)
+        self._read_values = record.reader(self._paths)
         self._devices = None
 
     def ready(self) -> bool:
@@ -85,31 +86,37 @@ class AllocatorProbe:
                 torch._C, "_cuda_memoryStats", torch.cuda.memory_stats_as_nested_dict
             )
             self._read_fraction = getattr(torch._C, "_cuda_getMemoryFraction", False)
-            self._read_pinned = getattr(torch._C, "_cuda_hostMemoryStats", False)
         if self._devices is None:
             self._devices = [
                 index
                 for index in range(torch.cuda.device_count())
                 if has_context(torch, "cuda", index, self._with_context)
             ]
-        pinned = self._pinned()
         now = time.time()
         found = []
         for index in self._devices:
             stats = self._read_stats(index)
             if not stats:
                 continue
-            values = record.values_from_stats(stats, paths)
+            try:
+                values = self._read_values(stats)
+            except (KeyError, TypeError):  # a torch without one of them: one by one
+                values = record.values_from_stats(stats, paths)
             if index not in self._with_context and values[record.PEAK_RESERVED] <= 0:
                 continue  # torch could not say, and this device was never used
             values[record.LIMIT] = self._limit(index)
-            values[record.PINNED], values[record.PINNED + 1] = pinned
+            # Pinned host memory (PINNED) travels in the full sample: it moves when a server
+            # pins its staging buffers, not per tick, and its read costs 20 us cold.
             self.retries[index] = values[record.RETRIES]
             self.ooms[index] = values[record.OOMS]
             self._sequence += 1
-            found.append(
-                record.pack(index, self._sequence, now, values, record.private_pools(stats))
-            )
+            pools = record.private_pools(stats)
+            try:
+                found.append(record.pack(index, self._sequence, now, values, pools))
+            except (struct.error, TypeError):  # a value that is no int: checked one by one
+                values = record.values_from_stats(stats, paths)
+                values[record.LIMIT] = self._limit(index)
+                found.append(record.pack(index, self._sequence, now, values, pools))
         return found
 
     def _limit(self, index: int) -> int:
@@ -120,12 +127,3 @@ class AllocatorProbe:
         if index not in self._totals:
             self._totals[index] = int(self._torch.cuda.get_device_properties(index).total_memory)
         return int(min(self._read_fraction(index), 1.0) * self._totals[index])
-
-    def _pinned(self) -> tuple[int, int]:
-        if not self._read_pinned:
-            return record.ABSENT, record.ABSENT
-        stats: Mapping[str, Any] = self._read_pinned()
-        try:
-            return int(stats["allocated_bytes"]["current"]), int(stats["active_bytes"]["current"])
-        except (KeyError, TypeError, ValueError):
-            return record.ABSENT, record.ABSENT

@@ -18,7 +18,7 @@ never misreads one. Standard library only: the probe imports it in the serving p
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 MAGIC = b"GMPR"
@@ -150,6 +150,36 @@ def values_from_stats(
             value = ABSENT
         values.append(value if type(value) is int and value >= 0 else ABSENT)
     return values
+
+
+def reader(
+    paths: tuple[tuple[str, str, str] | None, ...],
+) -> Callable[[Mapping[str, Any]], list[int]]:
+    """values_from_stats as one expression compiled for these paths: a tick runs a single
+    list display instead of a loop (what a serving process pays at 1 Hz is mostly cold
+    caches, so less code touched is less time). It raises KeyError or TypeError where the
+    dict lacks a path, and takes values as they are but max_split_size (-1 where unset):
+    the caller falls back to values_from_stats, and struct refuses what is not an int."""
+    parts = []
+    for path in paths:
+        if path is None:
+            parts.append("A")
+        elif path[0] == "max_split_size":
+            parts.append("M(s.get('max_split_size'))")
+        elif path[1]:
+            parts.append(f"s[{path[0]!r}][{path[1]!r}][{path[2]!r}]")
+        else:
+            parts.append(f"s[{path[0]!r}]")
+    source = "lambda s: [" + ", ".join(parts) + "]"
+    # Compiled from this module's own constants (the paths above), never from input.
+    compiled: Callable[[Mapping[str, Any]], list[int]] = eval(
+        source, {"A": ABSENT, "M": _size_or_absent}
+    )
+    return compiled
+
+
+def _size_or_absent(value: Any) -> int:
+    return value if type(value) is int and value >= 0 else ABSENT
 
 
 def private_pools(stats: Mapping[str, Any]) -> list[tuple[int, int, int]]:

@@ -1,6 +1,7 @@
 """The probe on a real GPU: each tick's record carries exactly the numbers the full allocator
-source reads (gauges, the memory cap, pools, counters, pinned host memory), it finds nothing
-and initializes nothing before the process uses CUDA, and it touches no other device.
+source reads (gauges, the memory cap, pools, counters; pinned host memory travels in the full
+sample), it finds nothing and initializes nothing before the process uses CUDA, and it touches
+no other device.
 
 Run on the GPU machine: `pytest -m gpu tests/gpu/test_gpu_probe.py`.
 """
@@ -24,7 +25,7 @@ def test_a_record_carries_what_the_full_source_reads():
     assert r["before"] == 0 and r["initialized_before"] is False
     for pair in r["pairs"]:
         assert len(pair["full"]) == 1 and pair["records"] == pair["full"], pair
-        assert pair["record_pinned"] == pair["full_pinned"], pair
+        assert pair["record_pinned"] == [[]] and pair["full_pinned"][0][0] > 0, pair
     gauges = r["pairs"][0]["records"][0]["gauges"]
     assert gauges["allocated_bytes"] > 0 and gauges["memory_limit_bytes"] > 0
 

@@ -5,28 +5,21 @@ over a test double of torch serving the allocator dict captured on an H200."""
 
 from __future__ import annotations
 
-import copy
-import json
 import socket
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from exporter.probe import record
 from exporter.probe.allocator import AllocatorProbe
 from exporter.run import protocol
-from exporter.run.agent import SOCKET_NAME, Agent
+from exporter.run.agent import SOCKET_NAME
 from exporter.run.aggregator import Aggregator
-from exporter.sources.torch_allocator import TorchAllocatorSource
-from tests.conftest import DATA_DIR
-from tests.helpers import FakeCuda, fake_torch
-
-CAPTURE = json.loads((DATA_DIR / "allocator_native.json").read_text())
+from tests.helpers import ProbedServer
 
 
 @pytest.fixture
@@ -36,35 +29,6 @@ def run_dir() -> Iterator[Path]:
     for child in folder.iterdir():
         child.unlink()
     folder.rmdir()
-
-
-class Server:
-    """A torch double whose stats a test moves; CUDA initialized on device 0."""
-
-    def __init__(self) -> None:
-        self.stats = copy.deepcopy(CAPTURE["memory_stats_as_nested_dict"])
-        self.cuda = FakeCuda(self.stats, True, {0}, count=1)
-        self.torch = fake_torch(self.cuda)
-        self.torch._C._cuda_memoryStats = lambda i: self.stats
-        self.torch._C._cuda_hostMemoryStats = lambda: CAPTURE["host_memory_stats"]
-        self.full_ticks = 0
-
-    def agent(self, run_dir: Path, **settings: float) -> Agent:
-        (run_dir / "agent.json").write_text(json.dumps({"layout_interval_s": 0, **settings}))
-        agent = Agent(str(run_dir), interval_s=3600)  # the test ticks it
-        agent.source = TorchAllocatorSource(self.torch, layout_interval_s=0)
-        agent.probe = AllocatorProbe(self.torch)
-        full = agent._full_tick
-
-        def counted() -> None:
-            self.full_ticks += 1
-            full()
-
-        agent._full_tick = counted  # type: ignore[method-assign]
-        return agent
-
-    def allocate(self, nbytes: int) -> None:
-        self.stats["allocated_bytes"]["all"]["current"] += nbytes
 
 
 def served(aggregator: Aggregator, timeout_s: float = 5.0, **wanted: int):
@@ -80,7 +44,7 @@ def served(aggregator: Aggregator, timeout_s: float = 5.0, **wanted: int):
 
 
 def test_records_carry_each_ticks_numbers_over_the_full_sample(run_dir):
-    server = Server()
+    server = ProbedServer()
     aggregator = Aggregator(run_dir)
     agent = server.agent(run_dir)
     try:
@@ -97,7 +61,7 @@ def test_records_carry_each_ticks_numbers_over_the_full_sample(run_dir):
         assert (reading.gpu_uuid, reading.backend) == (first.gpu_uuid, first.backend)
         assert reading.pools == first.pools and reading.counters == first.counters
         pinned = aggregator.read().pinned_host[0]
-        assert pinned.held_bytes == CAPTURE["host_memory_stats"]["allocated_bytes"]["current"]
+        assert pinned.held_bytes == server.host_stats["allocated_bytes"]["current"]
         assert pinned.process["pid"] == first.process["pid"]
     finally:
         agent.stop()
@@ -105,7 +69,7 @@ def test_records_carry_each_ticks_numbers_over_the_full_sample(run_dir):
 
 
 def test_a_retry_an_oom_or_a_command_brings_the_full_sample_at_once(run_dir):
-    server = Server()
+    server = ProbedServer()
     aggregator = Aggregator(run_dir)
     agent = server.agent(run_dir)
     try:
@@ -129,7 +93,7 @@ def test_a_retry_an_oom_or_a_command_brings_the_full_sample_at_once(run_dir):
 
 
 def test_the_full_sample_comes_again_every_detail_interval(run_dir):
-    server = Server()
+    server = ProbedServer()
     aggregator = Aggregator(run_dir)
     agent = server.agent(run_dir, process_interval_s=0.2)
     try:
@@ -150,7 +114,7 @@ def test_a_launcher_that_does_not_read_never_blocks_the_probe(run_dir):
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(run_dir / SOCKET_NAME))
     listener.listen(1)
-    server = Server()
+    server = ProbedServer()
     agent = server.agent(run_dir)
     try:
         agent.tick()  # connects; hello and the full sample fit in an empty buffer
@@ -229,14 +193,14 @@ def test_a_record_of_another_version_is_refused_and_counted_never_misread(run_di
 
 
 def test_the_probe_never_reads_a_device_this_process_did_not_initialize():
-    server = Server()
+    server = ProbedServer()
     server.cuda.count = 2  # device 1 exists; this process has no context on it
     probe = AllocatorProbe(server.torch)
     assert probe.records() == []  # not configured by a full read yet: nothing
     probe.configure("native", False)
     [data] = probe.records()
     assert record.unpack(data)[0] == 0
-    assert SimpleNamespace(calls=server.cuda.calls).calls == []  # the C call only, no wrapper
+    assert server.cuda.calls == []  # the C call only, never the Python wrapper
 
 
 def test_dropped_records_are_served_only_once_a_process_dropped_one():

@@ -12,9 +12,11 @@ import pytest
 
 from exporter import catalog
 from exporter.probe import record
+from exporter.probe.allocator import AllocatorProbe
 from exporter.probe.record import RecordError, pack, plan, unpack, values_from_stats
 from exporter.sources.torch_allocator import allocator_reading_from_stats, parse_alloc_conf
 from tests.conftest import DATA_DIR
+from tests.helpers import ProbedServer
 
 CAPTURES = ("native", "expandable", "async")
 
@@ -43,6 +45,31 @@ def test_a_record_carries_what_the_full_source_reads(name):
     assert parts["max_split_size_bytes"] == full.max_split_size_bytes
     assert parts["pinned"] == (4096, 1024)
     assert parts["private_pools"] == []
+
+
+@pytest.mark.parametrize("name", CAPTURES)
+def test_the_compiled_reader_reads_what_the_checked_one_does(name):
+    stats, backend, expandable = capture(name)
+    paths = plan(backend, expandable)
+    assert record.reader(paths)(stats) == values_from_stats(stats, paths)
+
+
+def test_a_stats_dict_the_compiled_reader_cannot_take_is_read_one_by_one():
+    """A torch without one of the families raises in the compiled reader; a value that is
+    no int passes it and struct refuses it: the probe then reads them one by one."""
+    server = ProbedServer()
+    probe = AllocatorProbe(server.torch)
+    probe.configure("native", False)
+    server.stats["reserved_bytes"]["all"]["current"] = 1.5  # no int: struct refuses it
+    [data] = probe.records()
+    *_, parts = unpack(data)
+    assert "reserved_bytes" not in parts["gauges"]
+    assert parts["gauges"]["allocated_bytes"] == server.stats["allocated_bytes"]["all"]["current"]
+    del server.stats["requested_bytes"]  # a family this torch lacks: KeyError
+    [data] = probe.records()
+    *_, parts = unpack(data)
+    assert "requested_bytes" not in parts["gauges"]
+    assert parts["gauges"]["allocated_bytes"] == server.stats["allocated_bytes"]["all"]["current"]
 
 
 def test_the_record_names_every_allocator_number_the_catalog_serves():

@@ -339,3 +339,105 @@ def test_a_snapshot_download_is_streamed_and_a_cut_one_leaves_no_file(tmp_path, 
     else:
         assert output.read_bytes() == body
         assert len(reads) >= 3 and max(reads) <= 1 << 20  # in pieces, never whole
+
+
+@contextmanager
+def raw_exporter(head: bytes, body: Any) -> Iterator[str]:
+    """A TCP server that answers every connection with `head` (sent a byte every 0.1 s where
+    body is "trickle-head") and then what `body(write)` writes until the client goes."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)
+                if body == "trickle-head":
+                    for byte in head:
+                        if stop.wait(0.1):
+                            return
+                        conn.sendall(bytes([byte]))
+                    return
+                conn.sendall(head)
+                body(conn.sendall, stop)
+            except OSError:
+                pass  # the client gave up: what the test wants
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        listener.close()
+
+
+def endless_chunks(write: Any, stop: threading.Event) -> None:
+    chunk = b"x" * (1 << 20)
+    while not stop.is_set():
+        write(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+
+
+def a_byte_a_while(write: Any, stop: threading.Event) -> None:
+    while not stop.wait(0.2):
+        write(b"{")
+
+
+CHUNKED = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+LONG = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+
+
+def test_an_endless_answer_is_cut_at_a_bound_never_held_whole(monkeypatch):
+    """Round 4, MED 8: an endless chunked body took `stats` and `why` to GBs in seconds."""
+    import time
+    import tracemalloc
+
+    from exporter.http import client
+
+    monkeypatch.setattr(client, "MAX_ANSWER_BYTES", 4 << 20)
+    with raw_exporter(CHUNKED, endless_chunks) as url:
+        tracemalloc.start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(client.ClientError, match="goes on past 4 MiB"):
+                client.AdminClient(url, None, timeout_s=30).stats()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert time.monotonic() - started < 10
+    assert peak < 32 << 20, peak
+
+
+@pytest.mark.parametrize(("head", "body"), [(LONG, a_byte_a_while), (LONG, "trickle-head")])
+def test_a_trickled_answer_is_given_up_at_the_deadline(head, body):
+    """Round 4, MED 8: one byte a second held the CLI past --timeout-s (each read came within
+    the socket's timeout); a trickled head too. One deadline holds the whole exchange."""
+    import time
+
+    from exporter.http import client
+
+    with raw_exporter(head, body) as url:
+        started = time.monotonic()
+        with pytest.raises(client.ClientError, match=r"no whole answer within 1\.5 s"):
+            client.AdminClient(url, None, timeout_s=1.5).stats()
+        assert time.monotonic() - started < 3.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["stats", "why"])
+def test_the_cli_against_an_endless_or_trickled_answer_is_one_line(command):
+    with raw_exporter(LONG, a_byte_a_while) as url:
+        result = run_cli(command, "--url", url, "--timeout-s", "2", timeout=30)
+    assert "no whole answer within 2 s" in one_error_line(result, command)
+    with raw_exporter(CHUNKED, endless_chunks) as url:
+        result = run_cli(command, "--url", url, "--timeout-s", "60", timeout=60)
+    assert "goes on past 32 MiB" in one_error_line(result, command)

@@ -12,6 +12,7 @@ import http.client
 import json
 import os
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -28,6 +29,11 @@ from exporter.no_redirects import opener
 
 EVERY_PROCESS = Target()
 CHUNK_BYTES = 1 << 20  # a download's piece
+# The largest answer other than a snapshot download: /stats of 256 processes is under 1 MiB. An
+# answer that goes on past this is no exporter's (round 4: an endless chunked body took the
+# CLI to GBs in seconds).
+MAX_ANSWER_BYTES = 32 << 20
+MAX_ERROR_BYTES = 64 << 10  # the body of an error answer: its detail, one line of it shown
 
 
 class ClientError(RuntimeError):
@@ -170,7 +176,14 @@ class AdminClient:
     def _request(
         self, method: str, path: str, body: dict[str, Any] | None = None
     ) -> tuple[int, bytes]:
-        return self._exchange(method, path, body, lambda response: response.read())
+        """One exchange whose answer is at most MAX_ANSWER_BYTES and whole within timeout_s
+        (a socket timeout bounds each read, not a trickle of one byte a second)."""
+        what = f"{method} {path}"
+        return _within(
+            self.timeout_s,
+            what,
+            lambda: self._exchange(method, path, body, lambda r: _bounded_read(r, what)),
+        )
 
     def _exchange(
         self,
@@ -196,7 +209,8 @@ class AdminClient:
             with self._opener.open(request, timeout=self.timeout_s) as response:
                 return response.status, consume(response)
         except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace") if exc.fp is not None else ""
+            raw = exc.read(MAX_ERROR_BYTES) if exc.fp is not None else b""
+            detail = raw.decode(errors="replace")
             with contextlib.suppress(ValueError, AttributeError):
                 detail = json.loads(detail).get("detail", detail)
             if 300 <= exc.code < 400:  # _NoRedirect: where it pointed, not its body
@@ -313,3 +327,37 @@ class AdminClient:
 
     def stats(self, target: Target = EVERY_PROCESS) -> dict[str, Any]:
         return self._json("GET", self._query("/stats", target))
+
+
+def _bounded_read(response: Any, what: str) -> bytes:
+    """The answer's body, read a socket read at a time, refused past MAX_ANSWER_BYTES."""
+    data = bytearray()
+    while chunk := response.read1(1 << 16):
+        data += chunk
+        if len(data) > MAX_ANSWER_BYTES:
+            raise ClientError(
+                f"{what}: the answer goes on past {MAX_ANSWER_BYTES >> 20} MiB: not an exporter's"
+            )
+    return bytes(data)
+
+
+def _within(timeout_s: float, what: str, call: Callable[[], Any]) -> Any:
+    """call() on a thread of its own, given up after timeout_s: urllib has no deadline for a
+    whole exchange, and a server may trickle its head or body. The CLI exits after the error;
+    the abandoned thread is a daemon and holds nothing the process needs."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:  # handed to the caller's thread as it is
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run, name="gpumem-cli-request", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise ClientError(f"{what}: no whole answer within {timeout_s:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

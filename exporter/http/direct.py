@@ -116,7 +116,10 @@ class DirectH11Protocol(GuardedH11Protocol):
         self._refusal = None
         if self.web is not None:
             authorization = headers.get(b"authorization", b"").decode("latin-1")
-            refusal = self.web.admit(path.decode("ascii"), authorization, may_block=False)
+            client = self.client[0] if self.client else ""
+            refusal = self.web.admit(
+                path.decode("ascii"), authorization, client=client, may_block=False
+            )
             if refusal is DEFER:
                 return None  # a password not seen yet: checked in a thread by the app's guard
             self._refusal = refusal

@@ -9,8 +9,14 @@ reading that cannot be used keeps the last good one: it is logged once and shown
 
 Every request meets `admit()` (the direct path and the app alike): the rate limit, then basic
 auth, except for the probes (/healthz, /readyz: a kubelet probe cannot log in without the
-password in the pod spec) and for admin routes where the admin API has credentials of its own
-(exporter.http.admin authenticates those).
+password in the pod spec, and is never rate limited) and for admin routes where the admin API
+has credentials of its own (exporter.http.admin authenticates those).
+
+The rate limit (`rate_limit`, golang.org/x/time/rate's token bucket) is kept per client address
+and per kind of request, `/metrics` apart from everything else: exporter-toolkit keeps one bucket
+for the whole server, where one client polling any route made Prometheus's scrapes and the
+kubelet's probes 429 (round 4). A client past its bucket is answered 429 before its password
+is looked at, so a flood of passwords costs no bcrypt.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import os
 import ssl
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +48,8 @@ log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset(("/healthz", "/readyz"))
 # Between requests the file is looked at no more often than this (a stat or four).
 RECHECK_S = 1.0
+# Rate-limit buckets kept (client, kind): the least recently used go first past this.
+MAX_BUCKETS = 4096
 
 
 @dataclass(frozen=True)
@@ -63,12 +72,15 @@ class _Bucket:
         self.interval_s, self.burst = interval_s, burst
         self.tokens, self.at = float(burst), time.monotonic()
 
-    def allow(self) -> bool:
+    def allow(self, *, take: bool = True) -> bool:
+        """Whether a token is there; `take` spends it (False: a look before a bcrypt check,
+        whose request asks again, from a thread, when it has its answer)."""
         now = time.monotonic()
         self.tokens = min(float(self.burst), self.tokens + (now - self.at) / self.interval_s)
         self.at = now
         if self.tokens >= 1.0:
-            self.tokens -= 1.0
+            if take:
+                self.tokens -= 1.0
             return True
         return False
 
@@ -85,11 +97,12 @@ class WebSecurity:
         self.path = path or ""
         self.admin_has_credentials = admin_has_credentials
         self._lock = threading.Lock()
+        self._lock_buckets = threading.Lock()  # the event loop and admit()'s threads share them
         self._basic = BasicAuth()
         self.config, self.context = load_served(self.path) if self.path else (WebConfig(), None)
         self.tls = self.context is not None
         self.not_after = self._not_after()
-        self._bucket = self._new_bucket()
+        self._buckets: OrderedDict[tuple[str, str], _Bucket] = OrderedDict()
         self._signature = self._signature_now()
         self._checked_at = time.monotonic()
         self.reload_ok = True
@@ -131,7 +144,8 @@ class WebSecurity:
             self.config, self.context = config, context
             self.not_after = self._not_after()
             if rate_changed:
-                self._bucket = self._new_bucket()
+                with self._lock_buckets:
+                    self._buckets.clear()
             if not self.reload_ok:
                 log.info("web config %s reloaded", self.path)
             self.reload_ok, self.reload_ok_at, self.last_error = True, time.time(), ""
@@ -155,9 +169,21 @@ class WebSecurity:
             return certificate_not_after(tls.cert_file)
         return None
 
-    def _new_bucket(self) -> _Bucket | None:
+    def _bucket(self, client: str, path: str) -> _Bucket | None:
+        """The bucket of this client and kind of request; None where no limit applies."""
         interval = self.config.rate_interval_s
-        return _Bucket(interval, self.config.rate_burst) if interval > 0 else None
+        if interval <= 0 or path in OPEN_PATHS:  # the probes: never limited
+            return None
+        key = (client, "/metrics" if path == "/metrics" else "other")
+        with self._lock_buckets:
+            bucket = self._buckets.get(key)
+            if bucket is None:
+                bucket = self._buckets[key] = _Bucket(interval, self.config.rate_burst)
+                if len(self._buckets) > MAX_BUCKETS:
+                    self._buckets.popitem(last=False)
+            else:
+                self._buckets.move_to_end(key)
+            return bucket
 
     # -- per connection and per request ------------------------------------------------------
 
@@ -178,21 +204,30 @@ class WebSecurity:
         return "the client certificate has no subject alternative name allowed here"
 
     def admit(
-        self, path: str, authorization: str, *, admin: bool = False, may_block: bool = True
+        self,
+        path: str,
+        authorization: str,
+        *,
+        client: str = "",
+        admin: bool = False,
+        may_block: bool = True,
     ) -> Refusal | None:
         """None if the request may go on; else what to answer. Called once per request, or
         DEFER where `may_block` is False and a password needs a bcrypt check (the caller
-        hands the request to a thread that calls again)."""
+        hands the request to a thread that calls again). `client`: the peer's address."""
         self.refresh()
+        bucket = self._bucket(client, path)
+        too_many = Refusal(429, "Too Many Requests")
+        if bucket is not None and not bucket.allow(take=False):
+            return too_many  # before any password is checked
         users = self.config.users
         authenticated: bool | None = True
         if users and path not in OPEN_PATHS and not (admin and self.admin_has_credentials()):
             authenticated = self._basic.check(users, authorization, may_block=may_block)
             if authenticated is None:
                 return DEFER
-        bucket = self._bucket
         if bucket is not None and not bucket.allow():
-            return Refusal(429, "Too Many Requests")
+            return too_many
         if not authenticated:
             return Refusal(401, "Unauthorized", (("WWW-Authenticate", "Basic"),))
         return None
@@ -222,8 +257,13 @@ class WebGuard:
             ),
             "",
         )
+        client = scope.get("client")
         admit = functools.partial(
-            self.web.admit, scope["path"], authorization, admin=self.is_admin(scope)
+            self.web.admit,
+            scope["path"],
+            authorization,
+            client=client[0] if client else "",
+            admin=self.is_admin(scope),
         )
         refusal = admit(may_block=False)
         if refusal is DEFER:  # bcrypt off the event loop

@@ -23,8 +23,15 @@ def _basic(user: str, password: str) -> dict[str, str]:
     return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
 
 
-def _request(server, method: str, path: str, headers=None, body: bytes | None = None):
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+def _request(
+    server, method: str, path: str, headers=None, body: bytes | None = None, source: str = ""
+):
+    """One request on a new connection; `source`: the client's loopback address (127.0.0.2,
+    ...: Linux routes all of 127/8 to lo), so that tests can be several clients."""
+    source_address = (source, 0) if source else None
+    connection = http.client.HTTPConnection(
+        "127.0.0.1", server.port, timeout=5, source_address=source_address
+    )
     try:
         connection.request(
             method, path, body=body, headers={"Host": "localhost", **(headers or {})}
@@ -104,11 +111,55 @@ def test_the_demos_open_admin_api_stays_behind_basic_auth(tmp_path, users_file):
         assert _request(server, "GET", "/stats", _basic("prometheus", "s3cret"))[0] == 200
 
 
-def test_the_rate_limit_answers_429_past_its_burst(tmp_path):
+@pytest.mark.parametrize("through_app", [False, True])
+def test_the_rate_limit_answers_429_past_its_burst(tmp_path, through_app):
+    extra = {"Content-Length": "0"} if through_app else {}
     path = web_config(tmp_path, "rate_limit:\n  interval: 1h\n  burst: 3\n")
     with served(tmp_path, web_config_file=str(path)) as (server, _):
-        statuses = [_request(server, "GET", "/healthz")[0] for _ in range(5)]
+        statuses = [_request(server, "GET", "/metrics", extra)[0] for _ in range(5)]
     assert statuses == [200, 200, 200, 429, 429]
+
+
+def test_one_client_past_its_limit_takes_no_scrape_or_probe_from_another(tmp_path):
+    """Round 4, MED 7: one bucket for every client and path, /healthz included: one client
+    polling /healthz made Prometheus's scrapes and the kubelet's probes 429. Now the probes
+    are never limited, and each client has its own buckets, /metrics apart from the rest."""
+    path = web_config(tmp_path, "rate_limit:\n  interval: 1h\n  burst: 3\n")
+    poller, prometheus = "127.0.0.2", "127.0.0.3"
+    with served(tmp_path, web_config_file=str(path)) as (server, _):
+        for probe in ("/healthz", "/readyz"):
+            assert {_request(server, "GET", probe, source=poller)[0] for _ in range(20)} == {200}
+        polled = [_request(server, "GET", "/api/window", source=poller)[0] for _ in range(5)]
+        assert polled == [200, 200, 200, 429, 429]
+        # The poller's own scrapes have their bucket; another client's are untouched.
+        assert _request(server, "GET", "/metrics", source=poller)[0] == 200
+        scrapes = [_request(server, "GET", "/metrics", source=prometheus)[0] for _ in range(3)]
+        assert scrapes == [200, 200, 200]
+        assert _request(server, "GET", "/healthz", source=prometheus)[0] == 200
+
+
+def test_a_client_past_its_limit_is_refused_before_its_password_is_checked(tmp_path, monkeypatch):
+    """Round 4, MED 7: a password was bcrypt-checked before the bucket was asked, so a flood
+    of new passwords cost 70 ms of CPU each however limited the client was."""
+    calls: list[str] = []
+    real = basic_auth._bcrypt_ok
+
+    def counting(password: str, hashed: str) -> bool:
+        calls.append(password)
+        return real(password, hashed)
+
+    monkeypatch.setattr(basic_auth, "_bcrypt_ok", counting)
+    path = web_config(
+        tmp_path,
+        f"basic_auth_users:\n  prometheus: {HASH}\nrate_limit:\n  interval: 1h\n  burst: 2\n",
+    )
+    with served(tmp_path, web_config_file=str(path)) as (server, _):
+        statuses = [
+            _request(server, "GET", "/metrics", _basic("prometheus", f"guess{n}"))[0]
+            for n in range(10)
+        ]
+    assert statuses == [401, 401] + [429] * 8
+    assert calls == ["guess0", "guess1"]  # the rest never reached bcrypt
 
 
 def test_a_changed_users_list_applies_without_a_restart(tmp_path, users_file, monkeypatch):

@@ -100,7 +100,7 @@ def add_routes(app: FastAPI, runtime: Served, *, include_metrics: bool = True) -
     add_admin_routes(app, runtime.admin)
     if include_metrics:
 
-        @app.get("/metrics", include_in_schema=True, tags=["exporter"])
+        @app.api_route("/metrics", methods=["GET", "HEAD"], tags=["exporter"])
         async def metrics(request: Request) -> Response:
             """Prometheus exposition of the latest sample (OpenMetrics if asked for)."""
             # Rendered on the event loop thread rather than handed to a worker thread: under
@@ -115,7 +115,9 @@ def add_routes(app: FastAPI, runtime: Served, *, include_metrics: bool = True) -
     # Health and readiness run on the event loop, never in the thread pool: admin calls that
     # wait for a stopped process hold the pool's 40 threads, and a probe queued behind them
     # (57 s, measured) would restart a healthy pod. Both read the sampler's state: no I/O.
-    @app.get("/healthz", tags=["exporter"])
+    # HEAD as node_exporter answers it (round 4: 405 here): a load balancer's or a monitor's
+    # check that asks for the head only. uvicorn sends no body to a HEAD.
+    @app.api_route("/healthz", methods=["GET", "HEAD"], tags=["exporter"])
     async def healthz() -> JSONResponse:
         """200 while fresh samples come from working sources; else 503 and why: "starting"
         (no sample yet), "stale" (the sampler stopped producing them), "failing" (samples come
@@ -125,7 +127,7 @@ def add_routes(app: FastAPI, runtime: Served, *, include_metrics: bool = True) -
         explains: gpumem_exporter_source_up shows it instead."""
         return health_response(runtime)
 
-    @app.get("/readyz", tags=["exporter"])
+    @app.api_route("/readyz", methods=["GET", "HEAD"], tags=["exporter"])
     async def readyz() -> JSONResponse:
         """200 once the first sample has been taken; the node daemon also needs a GPU that
         answers NVML (runtime.readiness): otherwise 503 with the reason."""

@@ -150,13 +150,16 @@ class WebSecurity:
                 log.info("web config %s reloaded", self.path)
             self.reload_ok, self.reload_ok_at, self.last_error = True, time.time(), ""
 
-    def _signature_now(self) -> tuple[tuple[str, int, int, int] | tuple[str, str], ...]:
+    def _signature_now(self) -> tuple[tuple[str, int, int, int, int] | tuple[str, str], ...]:
         files = [self.path, *(self.config.tls.files() if self.config.tls else ())]
-        signature: list[tuple[str, int, int, int] | tuple[str, str]] = []
+        signature: list[tuple[str, int, int, int, int] | tuple[str, str]] = []
         for name in files:
             try:
                 info = os.stat(name)  # follows symlinks: a Secret's ..data swap changes these
-                signature.append((name, info.st_ino, info.st_mtime_ns, info.st_size))
+                # ctime too: a chmod that fixes a refused key changes nothing else (round 4)
+                signature.append(
+                    (name, info.st_ino, info.st_mtime_ns, info.st_ctime_ns, info.st_size)
+                )
             except OSError as exc:
                 signature.append((name, str(exc.errno)))
         return tuple(signature)

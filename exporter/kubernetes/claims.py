@@ -12,22 +12,39 @@ claim on this node, each bounded in size and by the API client's one deadline.
 
 from __future__ import annotations
 
+import logging
 import re
 import urllib.parse
 from dataclasses import dataclass
+from fractions import Fraction
 
 from exporter.kubernetes.api import ApiError, ApiServer
+from exporter.ratelimit import RateLimitedLog
+
+log = logging.getLogger(__name__)
+_bad = RateLimitedLog(log)
 
 # One namespace's claims; 10,000 claims of a few KiB each stay under it.
 MAX_RESPONSE_BYTES = 64 << 20
 # Namespaces asked per refresh: a node runs a few hundred pods at most.
 MAX_NAMESPACES = 256
 
-_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+# Kubernetes' quantity grammar (k8s.io/apimachinery resource.ParseQuantity): a signed number,
+# then a binary SI suffix, a decimal SI one (milli-bytes included: "1500m" is 1.5 bytes) or a
+# decimal exponent ("1e3", "1E-3").
+_QUANTITY = re.compile(
+    r"([+-]?)([0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+    r"(?:(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)|[eE]([+-]?[0-9]+))?"
+)
 _FACTORS = {
-    None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
-    "Ei": 1 << 60, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    None: Fraction(1), "Ki": Fraction(1 << 10), "Mi": Fraction(1 << 20), "Gi": Fraction(1 << 30),
+    "Ti": Fraction(1 << 40), "Pi": Fraction(1 << 50), "Ei": Fraction(1 << 60),
+    "n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000),
+    "k": Fraction(10**3), "M": Fraction(10**6), "G": Fraction(10**9), "T": Fraction(10**12),
+    "P": Fraction(10**15), "E": Fraction(10**18),
 }  # fmt: skip
+# Past any GPU's memory by far; an exponent beyond this is refused before it is computed.
+MAX_EXPONENT = 30
 
 
 class ClaimsApiError(RuntimeError):
@@ -47,16 +64,20 @@ class ClaimedDevice:
 
 
 def parse_quantity(text: str) -> int:
-    """A Kubernetes quantity of bytes ("10Gi", "1500M", "1073741824") as a whole number of
-    bytes, rounded up; ValueError for anything else (milli-bytes and exponents included)."""
+    """A Kubernetes quantity of bytes ("10Gi", "1500M", "1500m", "1e3", "1073741824") as a
+    whole number of bytes, rounded up; ValueError for what is no quantity, or a negative one."""
     match = _QUANTITY.fullmatch(text.strip())
     if match is None:
         raise ValueError(f"not a quantity of bytes: {text[:40]!r}")
-    number, suffix = match.groups()
-    whole, _, fraction = number.partition(".")
-    factor = _FACTORS[suffix]
-    scale = 10 ** len(fraction)
-    return -(-(int(whole + fraction) * factor) // scale)
+    sign, number, suffix, exponent = match.groups()
+    value = Fraction(number if not number.endswith(".") else number[:-1]) * _FACTORS[suffix]
+    if exponent is not None:
+        if abs(int(exponent)) > MAX_EXPONENT:
+            raise ValueError(f"a quantity of bytes out of range: {text[:40]!r}")
+        value *= Fraction(10) ** int(exponent)
+    if sign == "-" and value:
+        raise ValueError(f"a negative quantity of bytes: {text[:40]!r}")
+    return -(-value.numerator // value.denominator)
 
 
 def parse_claims(data: dict) -> dict[str, list[ClaimedDevice]]:
@@ -69,13 +90,20 @@ def parse_claims(data: dict) -> dict[str, list[ClaimedDevice]]:
         for entry in (allocation.get("devices") or {}).get("results") or []:
             consumed = entry.get("consumedCapacity") or {}
             memory = consumed.get("memory")
+            try:
+                memory_bytes = parse_quantity(str(memory)) if memory is not None else None
+            except ValueError as exc:
+                # That device of that claim only: every other claim is still read (round 4:
+                # one refused quantity lost every claim of every namespace).
+                _bad.warning(f"quantity:{name}", f"claim {name}: consumedCapacity {exc}")
+                continue
             devices.append(
                 ClaimedDevice(
                     str(entry["driver"]),
                     str(entry["pool"]),
                     str(entry["device"]),
                     str(entry.get("shareID") or ""),
-                    parse_quantity(str(memory)) if memory is not None else None,
+                    memory_bytes,
                 )
             )
         result[name] = devices

@@ -283,3 +283,22 @@ def test_turning_tls_off_by_reload_is_refused(tmp_path, pki):
         assert _get(server, "/healthz", _client(ca))[0] == 200  # still TLS
         assert runtime.web is not None and not runtime.web.reload_ok
         assert "without a restart" in runtime.web.last_error
+
+
+def test_a_chmod_that_fixes_a_refused_key_is_seen(tmp_path, pki):
+    """Round 4, LOW 14: the files were watched by (inode, mtime, size): a `chmod go-w` that
+    fixes a key refused for its mode changed none of them, and the reload stayed failed until
+    the content changed. The change time is watched too."""
+    from exporter.http.web import WebSecurity
+
+    _, pair = pki
+    web = WebSecurity(str(_tls(tmp_path, pair)))
+    fresh = pair.key.with_name("fresh.key")
+    fresh.write_bytes(pair.key.read_bytes())
+    fresh.chmod(0o660)
+    fresh.replace(pair.key)  # a new key written group-writable
+    web.refresh(now=True)
+    assert not web.reload_ok and "chmod go-w" in web.last_error
+    pair.key.chmod(0o600)
+    web.refresh(now=True)
+    assert web.reload_ok, web.last_error

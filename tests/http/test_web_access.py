@@ -214,3 +214,13 @@ def test_metrics_say_whether_admin_credentials_are_taken_in_clear(tmp_path):
     with served(tmp_path, allow_cleartext_admin=True) as (server, _runtime):
         body = _request(server, "GET", "/metrics")[2]
     assert b'admin_cleartext="allowed"' in body
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/healthz", "/readyz"])
+def test_head_answers_as_get_without_a_body(tmp_path, path):
+    """Round 4, LOW 16: HEAD /metrics and /healthz answered 405 (node_exporter answers 200)."""
+    with served(tmp_path) as (server, _):
+        get_status, get_headers, _ = _request(server, "GET", path)
+        status, headers, body = _request(server, "HEAD", path)
+    assert (status, body) == (get_status, b"")
+    assert headers.get("Content-Type") == get_headers.get("Content-Type")

@@ -53,16 +53,44 @@ PID_USED = RAW["devices"][0]["processes"][0]["usedGpuMemory"]
         ("1500M", 1_500_000_000),
         ("1073741824", 1 << 30),
         ("0.5", 1),  # rounded up to a whole byte
+        # Round 4, LOW 10: valid quantities the reader refused.
+        ("1500m", 2),  # milli-bytes: 1.5 bytes, rounded up
+        ("1e3", 1000),
+        ("1E9", 10**9),
+        ("2.5e-1", 1),
+        ("+4Ki", 4096),
+        ("5.", 5),
+        (".5Mi", 1 << 19),
+        ("100n", 1),
+        ("0", 0),
     ],
 )
 def test_quantities_of_bytes(text, expected):
     assert parse_quantity(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "10GiB", "-1Gi", "100m", "1e3", "ten"])
+@pytest.mark.parametrize("text", ["", "10GiB", "-1Gi", "1e99", "1e", "ten", "1.2.3", "Gi"])
 def test_what_is_no_quantity_of_bytes_is_refused(text):
     with pytest.raises(ValueError):
         parse_quantity(text)
+
+
+def test_a_quantity_that_cannot_be_read_costs_only_its_device(caplog):
+    """Round 4, LOW 10: one claim's unreadable consumed memory failed the whole read, every
+    namespace's claims with it. Now only that device of that claim is left out, said once."""
+    data = {
+        "items": [
+            resource_claim("research", "a", ("gpu-0", "7f3a", "10Gi")),
+            resource_claim("research", "odd", ("gpu-1", "9b1c", "lots")),
+            resource_claim("research", "milli", ("gpu-1", "1d2e", "1500m")),
+        ]
+    }
+    assert parse_claims(data) == {
+        "a": [ClaimedDevice("gpu.nvidia.com", "gpu-node-1", "gpu-0", "7f3a", 10 << 30)],
+        "odd": [],
+        "milli": [ClaimedDevice("gpu.nvidia.com", "gpu-node-1", "gpu-1", "1d2e", 2)],
+    }
+    assert "claim odd: consumedCapacity not a quantity of bytes: 'lots'" in caplog.text
 
 
 def test_a_claim_list_gives_each_claims_devices_and_memory():
@@ -113,10 +141,14 @@ def test_a_forbidden_or_malformed_claim_list_is_one_line(api, tmp_path):
         claims_client(api, tmp_path).list({"research"})
     api.forbid_claims = False
     api.claims = {"research": [{"metadata": {"name": "x"}, "status": {"allocation": {
-        "devices": {"results": [{"driver": "gpu.nvidia.com", "pool": "p", "device": "gpu-0",
-                                 "consumedCapacity": {"memory": "lots"}}]}}}}]}  # fmt: skip
+        "devices": {"results": [{"pool": "p", "device": "gpu-0"}]}}}}]}  # fmt: skip
     with pytest.raises(ClaimsApiError, match="not a ResourceClaimList"):
         claims_client(api, tmp_path).list({"research"})
+    # A quantity it cannot read costs that device only (round 4): the list is read.
+    api.claims = {"research": [{"metadata": {"name": "x"}, "status": {"allocation": {
+        "devices": {"results": [{"driver": "gpu.nvidia.com", "pool": "p", "device": "gpu-0",
+                                 "consumedCapacity": {"memory": "lots"}}]}}}}]}  # fmt: skip
+    assert claims_client(api, tmp_path).list({"research"}) == {("research", "x"): []}
 
 
 @pytest.mark.slow

@@ -8,11 +8,30 @@ and seconds in units a person reads. Failures are printed apart, on stderr, by t
 from __future__ import annotations
 
 import time
+import unicodedata
 from typing import Any
 
 from exporter.identity import describe_process
 from exporter.oom_verdict import OomVerdict
 from exporter.units import fmt_bytes
+
+
+def terminal_safe(text: str, *, newlines: bool = True) -> str:
+    """`text` with every control and format character escaped (\\x1b, \\u202e): what an
+    exporter answers is printed to a terminal, where an escape sequence in a label or a
+    verdict's text would retitle, clear or recolour it, and a bidi override would reorder what
+    the on-call reads (round 4). Newlines stay where `newlines` (the output's own lines)."""
+    if text.isprintable():
+        return text
+    out = []
+    for char in text:
+        if (char == "\n" and newlines) or unicodedata.category(char) not in ("Cc", "Cf"):
+            out.append(char)
+        elif ord(char) < 0x100:
+            out.append(f"\\x{ord(char):02x}")
+        else:
+            out.append(f"\\u{ord(char):04x}" if ord(char) < 0x10000 else f"\\U{ord(char):08x}")
+    return "".join(out)
 
 
 def _value(key: str, value: Any) -> str:

@@ -7,13 +7,14 @@ stderr and exit status 2; a traceback means a bug.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import signal
 import ssl
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import ParseResult, urlparse
@@ -28,7 +29,7 @@ from exporter.actions.spec import (
     SNAPSHOT,
     Action,
 )
-from exporter.answers import human_answer
+from exporter.answers import human_answer, terminal_safe
 from exporter.config import (
     DEFAULTS,
     SETTINGS,
@@ -633,7 +634,8 @@ def _failures(answer: dict[str, Any]) -> int:
     """One line on stderr per process the action failed in; exit status 2 if any did."""
     failed = [p for p in answer.get("processes", []) if not p.get("ok")]
     for entry in failed:
-        print(f"{describe_process(entry['process'])}: {entry.get('error')}", file=sys.stderr)
+        line = f"{describe_process(entry.get('process') or {})}: {entry.get('error')}"
+        print(terminal_safe(line, newlines=False), file=sys.stderr)
     return 2 if failed else 0
 
 
@@ -641,10 +643,23 @@ def _report(args: argparse.Namespace, answer: dict[str, Any]) -> int:
     """Print an action's answer (as JSON with --json, else one line per process and
     value), then its failures."""
     if args.json:
-        print(json.dumps(answer, indent=2))
-    else:
-        print(human_answer(answer), end="")
-    return _failures(answer)
+        print(json.dumps(answer, indent=2))  # ensure_ascii: no control character goes out raw
+        return _failures(answer)
+    with _shape_checked("the action's answer"):
+        print(terminal_safe(human_answer(answer)), end="")
+        return _failures(answer)
+
+
+@contextlib.contextmanager
+def _shape_checked(what: str) -> Iterator[None]:
+    """An answer of a shape no exporter gives is one line, never a traceback (round 4: 15
+    malformed /stats answers ended in one under `why`)."""
+    try:
+        yield
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError) as exc:
+        raise CliError(
+            f"{what} has a shape no exporter gives ({type(exc).__name__}): not an exporter's"
+        ) from None
 
 
 def _check_flags(action: Action, **params: Any) -> None:
@@ -744,14 +759,23 @@ def cmd_reset_peak(args: argparse.Namespace) -> int:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     stats = _client_call(args, _client(args).stats)
-    print(json.dumps(stats, indent=2))  # a sample is data: JSON either way
+    try:
+        print(json.dumps(stats, indent=2))  # a sample is data: JSON either way
+    except RecursionError:  # nested deeper than json's encoder goes: no exporter's answer
+        raise CliError("GET /stats: the answer nests too deeply: not an exporter's") from None
     return 0
 
 
 def cmd_why(args: argparse.Namespace) -> int:
+    stats = _client_call(args, _client(args).stats)
+    with _shape_checked("GET /stats"):
+        _print_why(args, stats)
+    return 0
+
+
+def _print_why(args: argparse.Namespace, stats: dict[str, Any]) -> None:
     from exporter.answers import oom_answer
 
-    stats = _client_call(args, _client(args).stats)
     if args.json:
         verdicts = [
             {
@@ -765,8 +789,7 @@ def cmd_why(args: argparse.Namespace) -> int:
         ]
         print(json.dumps({"mode": stats.get("mode"), "devices": verdicts}, indent=2))
     else:
-        print(oom_answer(stats), end="")
-    return 0
+        print(terminal_safe(oom_answer(stats)), end="")
 
 
 def cmd_view(args: argparse.Namespace) -> int:
@@ -822,7 +845,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handlers[args.command](args)
     except (CliError, ConfigError) as exc:
-        print(f"gpumem-exporter {args.command}: error: {exc}", file=sys.stderr)
+        message = terminal_safe(str(exc), newlines=False)  # it may quote a server's answer
+        print(f"gpumem-exporter {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

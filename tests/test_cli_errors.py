@@ -441,3 +441,98 @@ def test_the_cli_against_an_endless_or_trickled_answer_is_one_line(command):
     with raw_exporter(CHUNKED, endless_chunks) as url:
         result = run_cli(command, "--url", url, "--timeout-s", "60", timeout=60)
     assert "goes on past 32 MiB" in one_error_line(result, command)
+
+
+@contextmanager
+def answering(body: bytes) -> Iterator[str]:
+    """A real HTTP server answering every GET with `body` as JSON."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+_OOM = {"verdict": "fragmentation", "reason": "r", "action": "a", "timestamp": 1.7e9}
+_ONE = {"counters": {"ooms": 1}}
+MALFORMED_STATS = [
+    {"sample": []},
+    {"sample": "x"},
+    {"sample": {"allocators": "x"}},
+    {"sample": {"allocators": [1]}},
+    {"sample": {"allocators": [None]}},
+    {"sample": {"allocators": [{"counters": []}]}},
+    {"sample": {"allocators": [{"counters": {"ooms": "many"}}]}},
+    {"sample": {"allocators": [{"counters": {"ooms": 1}, "process": "x"}]}},
+    {"sample": {"allocators": [{"counters": {"ooms": 1}, "ooms_by_verdict": []}]}},
+    {"sample": {"allocators": [{"counters": {"ooms": 1}, "ooms_by_verdict": {"a": "b"}}]}},
+    {"sample": {"allocators": [{"counters": {"ooms": 1}, "last_oom": "x"}]}},
+    {"sample": {"allocators": [{"counters": {"ooms": 1}, "last_oom": [1]}]}},
+    {"sample": {"allocators": [{"counters": {"ooms": 1}, "last_oom": {"verdict": 1}}]}},
+    {"sample": {"allocators": [{**_ONE, "last_oom": {**_OOM, "timestamp": "x"}}]}},
+    {"sample": {"allocators": [{**_ONE, "last_oom": {**_OOM, "timestamp": 1e99}}]}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("answer", MALFORMED_STATS)
+def test_a_stats_answer_of_any_shape_is_one_line_never_a_traceback(answer, capsys):
+    """Round 4, LOW 15: 15 malformed /stats answers ended `why` in a traceback."""
+    with answering(json.dumps(answer).encode()) as url:
+        status = cli.main(["why", "--url", url])
+    err = capsys.readouterr().err
+    if status != 0:  # a shape `why` cannot read: one line, exit 2
+        assert status == 2 and len(err.strip().splitlines()) == 1, err
+        assert "not an exporter's" in err
+
+
+@pytest.mark.parametrize("command", ["why", "stats"])
+def test_a_deeply_nested_answer_is_one_line(command, capsys):
+    """Round 4, LOW 15: a deeply nested answer ended `why` and `stats` in RecursionError."""
+    for depth in (100_000, 990):  # past json's parser; within it but past its encoder
+        body = b'{"sample": ' + b"[" * depth + b"]" * depth + b"}"
+        with answering(body) as url:
+            status = cli.main([command, "--url", url])
+        err = capsys.readouterr().err
+        if command == "why" and depth == 990:
+            assert status in (0, 2)  # `why` reads no list there: no more to say
+            continue
+        assert status == 2 and "nests too deeply" in err and len(err.strip().splitlines()) == 1
+
+
+def test_control_characters_from_an_answer_never_reach_the_terminal_raw(capsys):
+    """Round 4, LOW 15: control characters in labels or verdict texts reached the terminal
+    raw (a title change, a screen clear); a bidi override would reorder what is read."""
+    from tests.conftest import DATA_DIR
+
+    hostile = "\x1b]0;pwned\x07\x1b[2J\u202eevil"
+    captured = json.loads((DATA_DIR / "oom_verdicts.json").read_text())["runs"][0]["reading"]
+    verdict = {**captured["last_oom"], "reason": hostile, "action": "do\rthis"}
+    allocator = {
+        "device": 0,
+        "process": {"pid": "1", "role": hostile},
+        "counters": {"ooms": 1},
+        "last_oom": verdict,
+    }
+    with answering(json.dumps({"sample": {"allocators": [allocator]}}).encode()) as url:
+        assert cli.main(["why", "--url", url]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out and "\r" not in out
+    assert "\\x1b]0;pwned\\x07" in out and "\\u202eevil" in out
+    # An error line quoting a server's text is escaped too, and stays one line.
+    with answering(b'{"sample": {"allocators": "\\u001b[2J"}}') as url:
+        cli.main(["why", "--url", url])
+    assert "\x1b" not in capsys.readouterr().err

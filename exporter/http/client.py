@@ -235,6 +235,8 @@ class AdminClient:
             result = json.loads(payload)
         except ValueError:
             raise ClientError(f"{method} {path}: the answer is not JSON") from None
+        except RecursionError:  # json's parser recurses per level: 100,000 "[" end it
+            raise ClientError(f"{method} {path}: the answer nests too deeply") from None
         if not isinstance(result, dict):
             raise ClientError(f"{method} {path}: the answer is not a JSON object")
         return result

@@ -28,11 +28,17 @@ exporter.metrics renders.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from exporter.kubernetes.device_ids import base_device_id, device_gpu_uuid
+from exporter.ratelimit import RateLimitedLog
 from exporter.sample import KubeletReading, ProcessContainerReading, Sample
+
+log = logging.getLogger(__name__)
+# Once per device and ten minutes: attribute() runs on every render.
+_unresolved = RateLimitedLog(log, every_s=600.0)
 
 # Reasons a process's GPU memory belongs to no pod that holds its GPU.
 NO_POD = "no_pod"  # a host process or a container of no pod
@@ -138,6 +144,15 @@ def attribute(sample: Sample) -> Attribution | None:
         if row not in seen:  # time-slicing gives one container several replicas
             seen.add(row)
             result.gpu_pods.append(row)
+            if not row.gpu_uuid and sample.gpus:
+                # Still listed (the assignment is the kubelet's), with gpu_uuid="": said, so
+                # that an on-call knows why that pod's GPU memory is joined to nothing.
+                _unresolved.warning(
+                    f"{device.resource}/{device.device_id}",
+                    f"{device.resource} device {device.device_id!r} of pod "
+                    f"{device.namespace}/{device.pod} is no GPU NVML reports on this node: "
+                    "its memory cannot be attributed",
+                )
         if device.dynamic:
             result.dra_claims.append(
                 DraClaim(

@@ -224,3 +224,23 @@ def test_head_answers_as_get_without_a_body(tmp_path, path):
         status, headers, body = _request(server, "HEAD", path)
     assert (status, body) == (get_status, b"")
     assert headers.get("Content-Type") == get_headers.get("Content-Type")
+
+
+def test_an_unknown_user_costs_what_a_known_one_does():
+    """Round 4, LOW 9: an unknown user was checked against a fixed cost-10 hash, so a user
+    whose hash has cost 12 answered in 249 ms against 64 ms: the time told who exists."""
+    import time
+
+    costly = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(12)).decode()
+    auth = basic_auth.BasicAuth()
+    users = {"prometheus": costly}
+
+    def took(user: str, password: str) -> float:
+        started = time.perf_counter()
+        assert auth.check(users, _basic(user, password)["Authorization"]) is False
+        return time.perf_counter() - started
+
+    took("nobody", "first")  # the cost-12 hash of nobody's password is made once
+    known = min(took("prometheus", f"wrong{n}") for n in range(2))
+    unknown = min(took("nobody", f"guess{n}") for n in range(2))
+    assert unknown > 0.7 * known, (unknown, known)

@@ -71,6 +71,7 @@ class DirectH11Protocol(GuardedH11Protocol):
             self.refused = self.web.peer_refused(transport.get_extra_info("peercert"))
 
     def data_received(self, data: bytes) -> None:
+        self.heard = True  # answered here or not, the client has spoken (guard: room)
         refresh_date(self.server_state, self.config)
         if self.refused is not None:
             self._refuse(self.refused)

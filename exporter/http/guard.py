@@ -23,6 +23,11 @@ adds:
 - a reserved slot answers one request and closes (`Connection: close`): clients that keep
   their connections and ask politely (a fleet of health checkers) can fill every regular slot,
   but not the reserve, so new scrapes and probes always get in (issue 38).
+- a connection that has sent nothing since it opened (nothing read, nothing waiting in its
+  socket) gives way, whatever its age, to a newcomer whose request line asks for a probe
+  path: connections that reopen every 0.4 s without a byte were never old enough to be
+  closed for room, and took every slot, the reserve included (round 4). It is told 503 and
+  closed lingering, like any other.
 - a connection closed to make room, or answered 503, is closed the way Apache and nginx do
   ("lingering close"): its 503 written, then FIN, then whatever the client still sends is
   read and dropped for up to LINGER_S. Closing a socket whose client's bytes are unread
@@ -34,7 +39,10 @@ adds:
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import struct
+import termios
 import time
 from typing import Any
 
@@ -92,6 +100,7 @@ class GuardedH11Protocol(H11Protocol):
         self.one_request = False
         # Answered and half-closed: what the client still sends is dropped (_linger).
         self._lingering: asyncio.TimerHandle | None = None
+        self.heard = False  # whether the client has sent a byte since it connected
 
     @property
     def reading(self) -> bool:
@@ -119,6 +128,7 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        self.heard = True
         if self._lingering is not None:
             return  # the connection is being closed: read, so that closing sends no reset
         if self._waiting is not None:
@@ -152,6 +162,8 @@ class GuardedH11Protocol(H11Protocol):
             return
         target = line.split(b" ")[1] if line.count(b" ") >= 2 else b""
         path = target.partition(b"?")[0]
+        if path in PROBE_PATHS:
+            self._silence_for_probe()
         open_now = self._open()
         regular = open_now <= MAX_CONNECTIONS
         room = regular or (path in PROBE_PATHS and open_now <= MAX_CONNECTIONS + PROBE_RESERVE)
@@ -245,6 +257,28 @@ class GuardedH11Protocol(H11Protocol):
 
     # -- making room -----------------------------------------------------------------------
 
+    def _silence_for_probe(self) -> None:
+        """Close connections that have sent nothing (oldest first) until a regular slot is
+        free for this probe or scrape, or none is left: what a connection has done decides,
+        not its age alone."""
+        silent = sorted(
+            (
+                c
+                for c in self.connections
+                if isinstance(c, GuardedH11Protocol)
+                and c is not self
+                and not c.heard
+                and not _bytes_waiting(c.transport)
+                and c._lingering is None
+                and not c.transport.is_closing()
+            ),
+            key=lambda c: c.opened,
+        )
+        for victim in silent:
+            if self._open() <= MAX_CONNECTIONS:
+                return
+            victim._drop()
+
     def _make_room(self) -> bool:
         """Close the connection that should go first, if any may; True if one did."""
         others = sorted(
@@ -267,3 +301,16 @@ class GuardedH11Protocol(H11Protocol):
             return False
         victim._drop()
         return True
+
+
+def _bytes_waiting(transport: asyncio.BaseTransport) -> bool:
+    """Whether the client's bytes wait in the socket, not read yet by a busy event loop: it
+    has spoken (FIONREAD, one ioctl; only asked when a probe finds the server full)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return True  # cannot tell: let it be
+    try:
+        count = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except OSError:
+        return True
+    return struct.unpack("i", count)[0] > 0

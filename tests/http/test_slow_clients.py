@@ -384,3 +384,43 @@ def test_a_reserved_slot_answers_one_request_then_closes(tmp_path, through_app):
         finally:
             for connection in held:
                 connection.close()
+
+
+@pytest.mark.slow
+def test_churning_silent_connections_never_lock_out_new_scrapes_and_probes(tmp_path):
+    """Round 4, HIGH 3: 100 connections that each close and reopen every 0.4 s without sending
+    a byte were never old enough to be closed for room (READ_GRACE_S) yet held every slot, the
+    reserve included: every new /metrics and /healthz got 503 for as long as they churned. A
+    connection that has sent nothing gives way to one whose request line asks for a probe
+    path, whatever its age."""
+    with served(tmp_path) as (server, _):
+        address = ("127.0.0.1", server.port)
+        stop = threading.Event()
+
+        def churn() -> None:
+            while not stop.is_set():
+                try:
+                    with socket.create_connection(address, timeout=5):
+                        stop.wait(0.4)
+                except OSError:
+                    stop.wait(0.05)
+
+        churners = [threading.Thread(target=churn) for _ in range(100)]
+        for thread in churners:
+            thread.start()
+        try:
+            time.sleep(1.5)  # every churner connected, reconnecting
+            statuses = []
+            for i in range(40):
+                statuses.append(status_line(address, "/metrics" if i % 2 else "/healthz"))
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            for thread in churners:
+                thread.join()
+    counts = Counter(statuses)
+    # Never 503 (it was 40 of 40). A few connections of the 250 a second this storm opens are
+    # closed by the server unanswered before their first read (ENOTCONN from the socket, never
+    # through the guard's own closes): at most 1 in 10 here; docs/reliability.md.
+    assert b"HTTP/1.1 503 Service Unavailable" not in counts, counts
+    assert counts[b"HTTP/1.1 200 OK"] >= 36, counts

@@ -50,6 +50,10 @@ OPEN_PATHS = frozenset(("/healthz", "/readyz"))
 RECHECK_S = 1.0
 # Rate-limit buckets kept (client, kind): the least recently used go first past this.
 MAX_BUCKETS = 4096
+# Requests whose password waits for a bcrypt check (~70 ms each, one at a time): past this,
+# 503 at once (round 4: 80 clients with never-seen passwords held every connection slot, the
+# reserve included, while their checks queued; scrapes and probes got 503).
+MAX_PENDING_CHECKS = 8
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,11 @@ class Refusal:
 
 # admit()'s answer where it may not block and a password needs a bcrypt check.
 DEFER = Refusal(0, "")
+TOO_MANY_CHECKS = Refusal(
+    503,
+    "Service Unavailable: too many password checks in progress; retry shortly",
+    (("Retry-After", "1"), ("Connection", "close")),
+)
 
 
 class _Bucket:
@@ -99,6 +108,7 @@ class WebSecurity:
         self._lock = threading.Lock()
         self._lock_buckets = threading.Lock()  # the event loop and admit()'s threads share them
         self._basic = BasicAuth()
+        self.pending_checks = threading.BoundedSemaphore(MAX_PENDING_CHECKS)
         self.config, self.context = load_served(self.path) if self.path else (WebConfig(), None)
         self.tls = self.context is not None
         self.not_after = self._not_after()
@@ -269,8 +279,14 @@ class WebGuard:
             admin=self.is_admin(scope),
         )
         refusal = admit(may_block=False)
-        if refusal is DEFER:  # bcrypt off the event loop
-            refusal = await anyio.to_thread.run_sync(admit)
+        if refusal is DEFER:  # bcrypt off the event loop, a bounded number waiting for it
+            if not self.web.pending_checks.acquire(blocking=False):
+                refusal = TOO_MANY_CHECKS
+            else:
+                try:
+                    refusal = await anyio.to_thread.run_sync(admit)
+                finally:
+                    self.web.pending_checks.release()
         extra = [
             (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.web.headers.items()
         ]

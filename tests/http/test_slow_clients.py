@@ -424,3 +424,82 @@ def test_churning_silent_connections_never_lock_out_new_scrapes_and_probes(tmp_p
     # through the guard's own closes): at most 1 in 10 here; docs/reliability.md.
     assert b"HTTP/1.1 503 Service Unavailable" not in counts, counts
     assert counts[b"HTTP/1.1 200 OK"] >= 36, counts
+
+
+# 80 clients in a process of their own, each asking for /metrics on a new connection with a
+# password never seen before, again as soon as it has its answer, for argv[2] seconds.
+PASSWORD_GUESSERS = """
+import base64, itertools, socket, sys, threading, time
+port, seconds = int(sys.argv[1]), float(sys.argv[2])
+end = time.monotonic() + seconds
+counter = itertools.count()
+
+def guess():
+    while time.monotonic() < end:
+        secret = base64.b64encode(b"prometheus:guess%d" % next(counter)).decode()
+        head = f"GET /metrics HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\n"
+        head += f"Authorization: Basic {secret}\\r\\n\\r\\n"
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(head.encode())
+                while s.recv(65536):
+                    pass
+        except OSError:
+            time.sleep(0.01)
+
+threads = [threading.Thread(target=guess) for _ in range(80)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+"""
+
+
+@pytest.mark.slow
+def test_wrong_passwords_never_lock_out_scrapes_and_probes(tmp_path):
+    """Round 4, HIGH 4: with basic auth, 80 clients sending never-seen wrong passwords held
+    every connection slot, the reserve included, while their bcrypt checks queued one at a
+    time: new /metrics with the right password were 503 in 19 of 20, /healthz (no password)
+    too. Now at most MAX_PENDING_CHECKS requests wait for a check; the others get 503 and a
+    close at once, so slots turn over and scrapes and probes get in."""
+    import base64
+
+    import bcrypt
+
+    from tests.support.pki import web_config
+
+    hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(10)).decode()
+    users = web_config(tmp_path, f"basic_auth_users:\n  prometheus: {hashed}\n")
+    secret = base64.b64encode(b"prometheus:s3cret").decode()
+    with served(tmp_path, web_config_file=str(users)) as (server, _):
+        address = ("127.0.0.1", server.port)
+        # Prometheus's password is known (checked once) before the storm starts.
+        warm = http.client.HTTPConnection(*address, timeout=10)
+        warm.request("GET", "/metrics", headers={"Authorization": f"Basic {secret}"})
+        assert warm.getresponse().status == 200
+        warm.close()
+        guessers = subprocess.Popen(
+            [sys.executable, "-c", PASSWORD_GUESSERS, str(server.port), "8"],
+            stderr=subprocess.PIPE,
+        )
+        try:
+            time.sleep(2.0)  # every guesser asking
+            statuses = []
+            for i in range(40):
+                if i % 2:
+                    statuses.append(status_line(address, "/healthz"))
+                    continue
+                try:
+                    connection = http.client.HTTPConnection(*address, timeout=10)
+                    connection.request(
+                        "GET", "/metrics", headers={"Authorization": f"Basic {secret}"}
+                    )
+                    statuses.append(b"HTTP/1.1 %d" % connection.getresponse().status)
+                    connection.close()
+                except (OSError, http.client.HTTPException):
+                    statuses.append(b"")
+                time.sleep(0.05)
+        finally:
+            guessers.wait(timeout=30)
+    counts = Counter(s[:12] for s in statuses)
+    assert counts == {b"HTTP/1.1 200": 40}, counts

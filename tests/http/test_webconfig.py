@@ -250,3 +250,29 @@ def test_client_allowed_sans_match_dns_ip_email_and_uri_exactly():
     assert san_allowed(cert, ("spiffe://cluster/ns/monitoring/sa/prometheus",))
     assert not san_allowed(cert, ("prometheus",))  # exact, not a prefix or a CN
     assert not san_allowed({}, ("prometheus.monitoring.svc",))
+
+
+def test_a_huge_or_endless_web_config_is_refused_at_once_the_last_good_one_kept(tmp_path):
+    """Round 4, LOW 13: the file is parsed on the event loop when it changes: 10 MB of YAML
+    stalled every request, /healthz included, for ~4 s. Past 128 KiB it is refused unread;
+    a FIFO in its place is refused without a wait."""
+    import os
+    import time
+
+    from exporter.http.web import WebSecurity
+    from exporter.http.webconfig import WebConfigError, load_web_config
+    from tests.support.pki import web_config
+
+    header = "    X-Frame-Options: deny\n"
+    path = web_config(tmp_path, "http_server_config:\n  headers:\n" + header)
+    web = WebSecurity(str(path))
+    web_config(tmp_path, "http_server_config:\n  headers:\n" + header * 500_000)  # 13 MB
+    started = time.monotonic()
+    web.refresh(now=True)
+    assert time.monotonic() - started < 0.5
+    assert not web.reload_ok and "larger than 128 KiB" in web.last_error
+    assert web.headers == {"X-Frame-Options": "deny"}  # the last good one serves on
+    fifo = tmp_path / "fifo.yml"
+    os.mkfifo(fifo)
+    with pytest.raises(WebConfigError, match="not a regular file"):
+        load_web_config(fifo)

@@ -14,7 +14,10 @@ own API), resource nodes, subresource proxy, name $NODE_NAME.
 Answers are remembered for CACHE_TTL_S (under a hash of the token, never the token), so an
 on-call's burst of requests makes one review each; failures are not remembered. The API
 server being down or slow is a 503 with the reason, never a hang (exporter.kubernetes.api
-bounds each call).
+bounds each call). Tokens never seen are what anyone can send: at most REVIEWS_IN_FLIGHT are
+asked at once and REVIEWS_PER_S a second (a bucket of REVIEWS_BURST); past either, 503 at once
+(round 4: 60 loops of made-up tokens drove 2,406 reviews in 15 s, and a hung API server held
+40 worker threads 5 s each, the page's data behind them).
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from exporter.kubernetes.api import ApiError, ApiServer
 
 CACHE_TTL_S = 10.0
 CACHE_MAX = 1024
+REVIEWS_IN_FLIGHT = 4
+REVIEWS_PER_S = 10.0
+REVIEWS_BURST = 20
 GROUP = "gpumem-exporter"
 # Each admin route (by its counter label) -> the resource RBAC rules name.
 RESOURCES = {
@@ -89,6 +95,8 @@ class KubernetesIdentities:
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._cache: dict[tuple[bytes, str, str], tuple[float, Decision]] = {}
+        self._in_flight = threading.BoundedSemaphore(REVIEWS_IN_FLIGHT)
+        self._tokens, self._tokens_at = float(REVIEWS_BURST), time.monotonic()
 
     def attributes(self, verb: str, resource: str) -> dict[str, str]:
         """The SubjectAccessReview's resourceAttributes for an action."""
@@ -110,12 +118,25 @@ class KubernetesIdentities:
             cached = self._cache.get(key)
             if cached is not None and cached[0] > now:
                 return cached[1]
+            allowed = self._take_token(now)
+        if not allowed:
+            raise IdentityUnavailable(
+                f"more than {REVIEWS_PER_S:g} new identities a second to check with the "
+                "Kubernetes API; retry shortly"
+            )
+        if not self._in_flight.acquire(blocking=False):
+            raise IdentityUnavailable(
+                f"{REVIEWS_IN_FLIGHT} identity checks with the Kubernetes API in progress; "
+                "retry shortly"
+            )
         try:
             decision = self._review(token, verb, resource)
         except ApiError as exc:
             raise IdentityUnavailable(
                 f"cannot check the identity with the Kubernetes API: {exc}"
             ) from None
+        finally:
+            self._in_flight.release()
         with self._lock:
             if len(self._cache) >= CACHE_MAX:
                 self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
@@ -123,6 +144,17 @@ class KubernetesIdentities:
                     self._cache.clear()
             self._cache[key] = (now + self.ttl_s, decision)
         return decision
+
+    def _take_token(self, now: float) -> bool:
+        """One review from the bucket (under self._lock)."""
+        self._tokens = min(
+            float(REVIEWS_BURST), self._tokens + (now - self._tokens_at) * REVIEWS_PER_S
+        )
+        self._tokens_at = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        return False
 
     def _review(self, token: str, verb: str, resource: str) -> Decision:
         review = self.api.post(

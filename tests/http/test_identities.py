@@ -5,6 +5,7 @@ is down, slow or redirecting answered 503 in bounded time."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -159,3 +160,61 @@ def test_kubernetes_admin_auth_outside_a_cluster_is_a_start_up_error(tmp_path, m
 
     with pytest.raises(ConfigError, match="not in a cluster"):
         kubernetes_identities(load_config(env={}, admin_auth="kubernetes"), env={})
+
+
+def _storm(server, seconds: float, loops: int) -> list[int]:
+    """`loops` threads asking /stats with made-up tokens, each as soon as answered."""
+    import itertools
+    import threading
+
+    statuses: list[int] = []
+    counter = itertools.count()
+    end = time.monotonic() + seconds
+
+    def loop() -> None:
+        while time.monotonic() < end:
+            with contextlib.suppress(OSError, http.client.HTTPException, ValueError):
+                statuses.append(_call(server, "GET", "/stats", f"made-up-{next(counter)}")[0])
+
+    threads = [threading.Thread(target=loop) for _ in range(loops)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return statuses
+
+
+@pytest.mark.slow
+def test_made_up_tokens_cannot_drive_the_api_server(tmp_path, api):
+    """Round 4, LOW 12: every never-seen bearer token cost one TokenReview, at the clients'
+    rate (2,406 reviews in 15 s from 60 loops). Now at most REVIEWS_PER_S a second (after a
+    burst of REVIEWS_BURST), the rest 503 at once; a known user still gets in after."""
+    from exporter.http import identities
+
+    with served(tmp_path, **_settings(api)) as (server, _):
+        statuses = _storm(server, 2.0, 30)
+        reviews = len(api.reviews)
+        assert _call(server, "GET", "/stats", "alice-token")[0] in (200, 503)
+    assert set(statuses) <= {401, 503}, set(statuses)
+    assert reviews <= identities.REVIEWS_BURST + 3 * identities.REVIEWS_PER_S, reviews
+    assert statuses.count(503) > statuses.count(401)
+
+
+@pytest.mark.slow
+def test_a_hung_api_server_holds_no_more_than_a_few_threads(tmp_path, api):
+    """Round 4, LOW 12: while the API server hung, 40 worker threads waited 5 s each and the
+    page's /api/window took 4.5 s. Now at most REVIEWS_IN_FLIGHT wait; the page answers."""
+    import threading
+
+    api.trickle_s = 0.5  # every review takes past the call's deadline
+    with served(tmp_path, **_settings(api)) as (server, _):
+        storm = threading.Thread(target=_storm, args=(server, 3.0, 40))
+        storm.start()
+        time.sleep(1.0)
+        started = time.monotonic()
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        connection.request("GET", "/api/window", headers={"Host": "localhost"})
+        assert connection.getresponse().status == 200
+        took = time.monotonic() - started
+        storm.join()
+    assert took < 1.0, took

@@ -91,10 +91,12 @@ class KubeletSource:
         self._logged_api: dict[str, str] = {}  # what was asked -> the reason last logged
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._pods_wake = threading.Event()
+        # One thread for each of the API's readers, woken with each kubelet refresh: a slow
+        # claim list never holds up the pod names (round 4: a new pod was named 63 s late).
+        self._api_wakes = {kind: threading.Event() for kind in self._api_factories}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pods_thread: threading.Thread | None = None
+        self._api_threads: dict[str, threading.Thread] = {}
         self._state = KubeletReading(socket=socket_path, up=False, error="not asked yet")
         self._logged_error = ""
         self._containers: dict[int, ProcessContainerReading] = {}
@@ -146,39 +148,48 @@ class KubeletSource:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="gpumem-kubelet", daemon=True)
             self._thread.start()
-        if self._api_factories and self._pods_thread is None:
-            self._pods_thread = threading.Thread(
-                target=self._run_pods, name="gpumem-kube-pods", daemon=True
-            )
-            self._pods_thread.start()
+        for kind in self._api_factories:
+            if kind not in self._api_threads:
+                thread = threading.Thread(
+                    target=self._run_api, args=(kind,), name=f"gpumem-kube-{kind}", daemon=True
+                )
+                self._api_threads[kind] = thread
+                thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
             self.refresh()
-            self._pods_wake.set()  # the pods, asked beside (never in the way of) the kubelet
+            for wake in self._api_wakes.values():  # asked beside, never in the way of, the kubelet
+                wake.set()
             self._wake.wait(self._refresh_s)
 
-    def _run_pods(self) -> None:
+    def _run_api(self, kind: str) -> None:
+        wake = self._api_wakes[kind]
         while not self._stop.is_set():
-            self._pods_wake.wait(self._refresh_s)
-            self._pods_wake.clear()
+            wake.wait(self._refresh_s)
+            wake.clear()
             if self._stop.is_set():
                 return
-            self.refresh_pods()
+            self.refresh_api(kind)
 
     def refresh_pods(self) -> None:
-        """The Kubernetes API's view: the node's pods (pod reader), the ResourceClaims of its
-        DRA devices and, where a device's name needs them, its ResourceSlices (claim
-        reader); joined to the kubelet's latest answer at once."""
+        """Both of the API's readers, one after the other (tests; the threads ask apart)."""
+        for kind in self._api_factories:
+            self.refresh_api(kind)
+
+    def refresh_api(self, kind: str) -> None:
+        """One reader's view from the Kubernetes API, joined to the kubelet's latest answer at
+        once: "pods", the node's pods (pod reader); "claims", the ResourceClaims of its DRA
+        devices and, where a device's name needs them, its ResourceSlices (claim reader)."""
         with self._lock:
             devices = self._state.devices or []
         found: dict[str, Any] = {}
-        if "pods" in self._api_factories:
+        if kind == "pods":
             listed, found["pods_error"] = self._ask("pod names", lambda: self._api("pods").list())
             found["pods"] = listed.pods if listed is not None else None
             found["containers"] = listed.containers if listed is not None else {}
-        if "claims" in self._api_factories:
+        if kind == "claims":
             namespaces = {d.claim_namespace for d in devices if d.claim}
             found["claims"], found["claims_error"] = self._ask(
                 "ResourceClaims", lambda: self._api("claims").list(namespaces) if namespaces else {}
@@ -191,7 +202,7 @@ class KubeletSource:
                 )
                 found["claims_error"] = found["claims_error"] or error
         with self._lock:
-            self._from_api = found
+            self._from_api = {**self._from_api, **found}
             if self._state.devices is not None or self._state.up:
                 self._state = dataclasses.replace(self._state, **found)
 
@@ -300,11 +311,13 @@ class KubeletSource:
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._pods_wake.set()
-        for thread in (self._thread, self._pods_thread):
+        for wake in self._api_wakes.values():
+            wake.set()
+        for thread in (self._thread, *self._api_threads.values()):
             if thread is not None:
                 thread.join(self._timeout_s + 1)
-        self._thread = self._pods_thread = None
+        self._thread = None
+        self._api_threads = {}
         self._drop_client()
 
 

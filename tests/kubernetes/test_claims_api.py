@@ -308,3 +308,33 @@ def test_nvidias_own_names_never_ask_for_resource_slices(api, tmp_path):
     finally:
         source.close()
         kubelet.stop()
+
+
+@pytest.mark.slow
+def test_slow_claim_lists_never_hold_up_the_pod_names(api, tmp_path):
+    """Round 4, LOW 11: the pod reader and the claim reader shared one thread: with claim
+    lists taking 2.5 s each, a new pod was named 63 s after the API listed it, while
+    gpumem_exporter_pods_api_up stayed 1. Each reader has its own thread now."""
+    state = tmp_path / "kubelet.json"
+    write_state(state, [claim_pod("research", "a", "c", "ka", dra_device("gpu-0"))])
+    kubelet = StandInKubelet(tmp_path / "kubelet.sock", state).start()
+    api.claims_delay_s = 3.0
+    source = KubeletSource(
+        lambda: set(),
+        socket_path=str(tmp_path / "kubelet.sock"),
+        refresh_s=0.2,
+        pods=lambda: pods_client(api, tmp_path),
+        claims=lambda: claims_client(api, tmp_path),
+    )
+    try:
+        source.read()  # starts the threads
+        time.sleep(0.5)  # the claim reader is now waiting on its slow list
+        api.pods.append(pod("research", "newcomer", UID_B, {CRIO_ID: "worker"}))
+        started = time.monotonic()
+        while UID_B not in (source.read().kubelet.pods or {}):
+            assert time.monotonic() - started < 2.0, "named only after the claims' list"
+            time.sleep(0.05)
+    finally:
+        api.claims_delay_s = 0.0
+        source.close()
+        kubelet.stop()

@@ -89,6 +89,7 @@ class StandInApi:
         self.requests: list[str] = []
         self.trickle_s = 0.0  # seconds between the bytes of an answer
         self.redirect_to = ""  # answer 307 to this base URL instead
+        self.claims_delay_s = 0.0  # each resourceclaims list answered this much later
         self.authorizations: list[str] = []  # the Authorization header of each request
         api = self
 
@@ -109,6 +110,7 @@ class StandInApi:
                 elif claims is not None and api.forbid_claims:
                     self._answer(403, {"kind": "Status", "reason": "Forbidden"})
                 elif claims is not None:
+                    time.sleep(api.claims_delay_s)
                     items = api.claims.get(urllib.parse.unquote(claims.group(1)), [])
                     body = {"kind": "ResourceClaimList", "apiVersion": "resource.k8s.io/v1"}
                     self._answer(200, {**body, "items": items})

@@ -14,6 +14,7 @@ import functools
 import logging
 import socket
 import threading
+import time
 from asyncio.sslproto import SSLProtocol
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,7 @@ from starlette.routing import BaseRoute, Match
 from exporter.http.admin import add_admin_routes
 from exporter.http.browser import CrossOriginGuard, LoopbackHostGuard, is_loopback
 from exporter.http.direct import DirectH11Protocol, Routes
-from exporter.http.guard import READ_TIMEOUT_S
+from exporter.http.guard import READ_GRACE_S, READ_TIMEOUT_S
 from exporter.http.page import add_page_routes
 from exporter.http.quiet import QuietServer
 from exporter.http.served import Served
@@ -208,13 +209,78 @@ PLAIN_HTTP_TO_TLS = (
 )
 
 
+# TLS handshakes in progress at once. Each holds asyncio's TLS read buffer (~300 KB) until it
+# completes or READ_TIMEOUT_S passes, before the HTTP guard (exporter.http.guard) sees the
+# connection: 2,000 TCP connects that sent nothing grew the process by ~600 MB (round 4).
+MAX_HANDSHAKES = 64
+
+
+class _Handshakes:
+    """The handshakes in progress of one server, oldest first. A newcomer past the limit
+    takes the place of one that has sent nothing, else of one slower than READ_GRACE_S (a
+    real handshake takes milliseconds), else it is closed at once."""
+
+    def __init__(self) -> None:
+        self.pending: dict[_TlsProtocol, float] = {}  # -> time.monotonic() it started
+
+    def make_room(self) -> bool:
+        if len(self.pending) < MAX_HANDSHAKES:
+            return True
+        slow_since = time.monotonic() - READ_GRACE_S
+        victim = next((p for p in self.pending if not p.heard), None) or next(
+            (p for p, started in self.pending.items() if started <= slow_since), None
+        )
+        if victim is None:
+            return False
+        victim.drop()
+        return True
+
+
+class _Refused(asyncio.Protocol):
+    """A connection for which no handshake may start now: closed at once."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.abort()  # type: ignore[attr-defined]
+
+
 class _TlsProtocol(SSLProtocol):
     """asyncio's TLS protocol, which drops the connection on a failed handshake without
     sending OpenSSL's alert: the client then sees a reset instead of "certificate required"
     or "handshake failure". The alert is sent first (best effort: private attributes of
-    asyncio's TLS protocol, 3.11 on)."""
+    asyncio's TLS protocol, 3.11 on). Counted from accept to the handshake's end
+    (_Handshakes)."""
+
+    # asyncio's read buffer, allocated whole with each protocol (256 KiB): a TLS record is at
+    # most 16 KiB and a request here a few hundred bytes. 32 KiB keeps a flood of connects
+    # from holding (and, freed, fragmenting) hundreds of MB.
+    max_size = 32 * 1024
+
+    def __init__(self, *args: Any, handshakes: _Handshakes, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._handshakes = handshakes
+        self.heard = False  # whether the client has sent a byte
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._handshakes.pending[self] = time.monotonic()
+        super().connection_made(transport)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.heard = True
+        super().buffer_updated(nbytes)  # type: ignore[misc]  # SSLProtocol is buffered (3.11+)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._handshakes.pending.pop(self, None)
+        super().connection_lost(exc)
+
+    def drop(self) -> None:
+        """Close a handshake in progress now (its place goes to a newcomer)."""
+        self._handshakes.pending.pop(self, None)
+        transport: Any = self._transport
+        if transport is not None:
+            transport.abort()
 
     def _on_handshake_complete(self, handshake_exc: BaseException | None) -> None:
+        self._handshakes.pending.pop(self, None)
         if handshake_exc is not None:
             with contextlib.suppress(Exception):
                 alert = self._outgoing.read()  # type: ignore[attr-defined]
@@ -236,19 +302,24 @@ def _protocol_factory(
     rotated certificate (or client CA) is used from the next handshake on, as Go's
     GetConfigForClient does for exporter-toolkit."""
 
+    handshakes = _Handshakes()
+
     def create(**kwargs: Any) -> asyncio.Protocol:
         protocol = DirectH11Protocol(routes=routes, loopback_only=loopback_only, web=web, **kwargs)
         context = web.context_for_connection() if web is not None else None
         if context is None:
             return protocol
+        if not handshakes.make_room():
+            return _Refused()
         return _TlsProtocol(
             asyncio.get_running_loop(),
             protocol,
             context,
-            None,  # type: ignore[arg-type]  # no waiter: asyncio's own servers pass None too
+            None,  # no waiter: asyncio's own servers pass None too
             server_side=True,
             # A client that starts a handshake and stalls is dropped like a slow request.
             ssl_handshake_timeout=int(READ_TIMEOUT_S),
+            handshakes=handshakes,
         )
 
     return create

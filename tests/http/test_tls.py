@@ -302,3 +302,32 @@ def test_a_chmod_that_fixes_a_refused_key_is_seen(tmp_path, pki):
     pair.key.chmod(0o600)
     web.refresh(now=True)
     assert web.reload_ok, web.last_error
+
+
+@pytest.mark.slow
+def test_silent_tls_connections_are_counted_and_cannot_grow_the_process(tmp_path, pki):
+    """Round 4, HIGH 5: TLS handshakes in progress were not counted. Each held ~300 KB (the
+    TLS read buffer) for up to 10 s: 2,000 TCP connects that sent nothing grew the serving
+    process by ~600 MB. Handshakes in progress are held to MAX_HANDSHAKES; a silent one gives
+    way to a newcomer, so scrapes still get in."""
+    import socket
+
+    import psutil
+
+    ca, pair = pki
+    with served(tmp_path, web_config_file=str(_tls(tmp_path, pair))) as (server, _):
+        me = psutil.Process()
+        before = me.memory_info().rss
+        silent = []
+        for _ in range(600):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            silent.append(sock)
+        time.sleep(1.0)
+        grown = me.memory_info().rss - before
+        started = time.monotonic()
+        status = _get(server, "/metrics", _client(ca))[0]
+        took = time.monotonic() - started
+        for sock in silent:
+            sock.close()
+    assert status == 200 and took < 2.0
+    assert grown < 48 << 20, f"grew {grown >> 20} MiB"

@@ -76,7 +76,12 @@ class DirectH11Protocol(GuardedH11Protocol):
         if self.refused is not None:
             self._refuse(self.refused)
             return
-        if self._waiting is None and self._answer(data):
+        # Only while the last answer has left: one the client has not read yet makes this
+        # request h11's, which waits for the buffer to drain and stops reading meanwhile
+        # (round 4: answered here regardless, clients that never read grew the process by
+        # hundreds of MB).
+        drained = self.transport.get_write_buffer_size() == 0
+        if self._waiting is None and drained and self._answer(data):
             return
         super().data_received(data)
 

@@ -4,6 +4,7 @@ admin calls"): the real server on a real socket against clients that never read,
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import resource
@@ -503,3 +504,34 @@ def test_wrong_passwords_never_lock_out_scrapes_and_probes(tmp_path):
             guessers.wait(timeout=30)
     counts = Counter(s[:12] for s in statuses)
     assert counts == {b"HTTP/1.1 200": 40}, counts
+
+
+@pytest.mark.slow
+def test_answers_a_client_does_not_read_wait_in_its_buffer_one_at_a_time(tmp_path):
+    """Round 4, HIGH 6: the direct path wrote each whole /metrics answer at once, ignoring
+    the transport's backpressure: clients that asked and never read grew the process by
+    hundreds of MB. A connection whose last answer still waits in its buffer is answered
+    through h11, which stops reading until it drains, as uvicorn does."""
+    request = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with served(tmp_path) as (server, _):
+        clients = []
+        for _ in range(8):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", server.port))
+            sock.setblocking(False)
+            clients.append(sock)
+        for _ in range(1000):  # a request every ~3 ms each, never reading an answer
+            for sock in clients:
+                with contextlib.suppress(OSError):
+                    sock.send(request)
+            time.sleep(0.003)
+        time.sleep(1.0)
+        connections = server._server.server_state.connections
+        buffered = sum(c.transport.get_write_buffer_size() for c in connections)
+        answer = len(status_line(("127.0.0.1", server.port), "/metrics"))  # still served
+        for sock in clients:
+            sock.close()
+    # h11 holds one answer (~11 KiB here) per connection that does not read, never 2,000.
+    assert answer > 0
+    assert buffered < 8 * (256 << 10), f"{buffered >> 10} KiB buffered"

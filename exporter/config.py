@@ -6,6 +6,7 @@ ConfigError with a one-line message naming the setting and where it came from.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
@@ -589,7 +590,7 @@ def read_token_file(name: str | os.PathLike[str], *, server: bool = True) -> str
     server warns about a file every user can read (the client's output stays its answer)."""
     path = Path(name)
     try:
-        text = _read_small_file(path).decode()
+        text = read_small_file(path, MAX_TOKEN_FILE_BYTES, "a token").decode()
         if server:
             _warn_if_world_readable(path)
     except OSError as exc:
@@ -602,19 +603,23 @@ def read_token_file(name: str | os.PathLike[str], *, server: bool = True) -> str
 MAX_TOKEN_FILE_BYTES = 64 * 1024
 
 
-def _read_small_file(path: Path) -> bytes:
-    """A regular file's bytes, at most MAX_TOKEN_FILE_BYTES. Opened without blocking and
-    checked before reading: a FIFO would hang start-up (and every request) and /dev/zero would
-    never end; OSError with a one-line strerror otherwise."""
+def read_small_file(path: str | os.PathLike[str], limit: int, what: str) -> bytes:
+    """A regular file's bytes, at most `limit` (`what` it would be, for the error). Opened
+    without blocking and checked before reading: a FIFO would hang start-up (and every
+    request) and /dev/zero would never end; OSError with a one-line strerror otherwise
+    (IsADirectoryError for a folder)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+        if not stat.S_ISREG(mode):
             raise OSError(0, "not a regular file")
-        data = os.read(fd, MAX_TOKEN_FILE_BYTES + 1)
+        data = os.read(fd, limit + 1)
     finally:
         os.close(fd)
-    if len(data) > MAX_TOKEN_FILE_BYTES:
-        raise OSError(0, f"larger than {MAX_TOKEN_FILE_BYTES // 1024} KiB: not a token")
+    if len(data) > limit:
+        raise OSError(0, f"larger than {limit // 1024} KiB: not {what}")
     return data
 
 

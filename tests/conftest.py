@@ -12,6 +12,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +83,15 @@ def small_disk(tmp_path):
     yield mount
     for where in mounted:
         subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    """A fresh folder for a run's agent socket, under /tmp: its path stays under the 107
+    bytes a Unix socket's path may have (pytest's tmp_path may not)."""
+    folder = Path(tempfile.mkdtemp(prefix="gr-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_support_script(script: str, *args: str, alloc_conf: str = "") -> dict:

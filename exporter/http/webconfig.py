@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from exporter.config import read_small_file
+
 log = logging.getLogger(__name__)
 
 
@@ -153,26 +155,9 @@ class WebConfig:
 
 # A web config is a few hundred bytes (a thousand users' hashes fit in 100 KiB). It is parsed
 # on the event loop when it changes: 10 MB of YAML stalled every request, /healthz included,
-# for ~4 s (round 4). Past this it is refused, the last good one kept.
+# for ~4 s (round 4). Past this it is refused, the last good one kept; read without blocking,
+# a regular file only (a FIFO would hang the loop).
 MAX_WEB_CONFIG_BYTES = 128 * 1024
-
-
-def _read_bounded(name: str) -> bytes:
-    """The file's bytes, refused past MAX_WEB_CONFIG_BYTES; opened without blocking and
-    checked to be a regular file first (a FIFO would hang the loop)."""
-    fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise IsADirectoryError(name)
-        if not stat.S_ISREG(mode):
-            raise OSError(0, "not a regular file")
-        data = os.read(fd, MAX_WEB_CONFIG_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > MAX_WEB_CONFIG_BYTES:
-        raise OSError(0, f"larger than {MAX_WEB_CONFIG_BYTES // 1024} KiB: not a web config")
-    return data
 
 
 def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
@@ -181,7 +166,7 @@ def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
 
     name = str(path)
     try:
-        text = _read_bounded(name).decode()
+        text = read_small_file(name, MAX_WEB_CONFIG_BYTES, "a web config").decode()
     except IsADirectoryError:
         raise WebConfigError(f"web config {name}: is a directory") from None
     except OSError as exc:

@@ -8,16 +8,14 @@ import contextlib
 import http.client
 import os
 import resource
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
@@ -49,6 +47,33 @@ def status_line(address: tuple[str, int], path: str) -> bytes:
             return data.partition(b"\r\n")[0]
     except OSError:
         return b""
+
+
+def probes_beside(
+    address: tuple[str, int],
+    worker: Callable[[], None],
+    workers: int,
+    stop: threading.Event,
+    *,
+    settle_s: float,
+    count: int,
+) -> list[bytes]:
+    """`workers` threads running `worker` (until `stop`), then the status lines of `count`
+    new scrapes and health checks beside them, every 50 ms."""
+    threads = [threading.Thread(target=worker) for _ in range(workers)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(settle_s)  # every worker connected and at it
+        statuses = []
+        for i in range(count):
+            statuses.append(status_line(address, "/metrics" if i % 2 else "/healthz"))
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    return statuses
 
 
 def slow_reader(address: tuple[str, int], requests: int) -> socket.socket:
@@ -248,13 +273,6 @@ def test_a_kept_alive_scraper_keeps_its_connection_when_the_server_fills(tmp_pat
                 sock.close()
 
 
-@pytest.fixture
-def run_dir():
-    folder = Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))  # a socket path under 107 bytes
-    yield folder
-    shutil.rmtree(folder)
-
-
 @pytest.mark.slow
 def test_health_answers_while_admin_calls_wait_for_a_stopped_process(run_dir, monkeypatch):
     """Under `run`, 45 admin calls wait for a worker that was stopped (SIGSTOP): they hold the
@@ -346,19 +364,7 @@ def test_polite_kept_alive_clients_never_lock_out_new_scrapes_and_probes(tmp_pat
             if connection is not None:
                 connection.close()
 
-        checkers = [threading.Thread(target=polite) for _ in range(100)]
-        for thread in checkers:
-            thread.start()
-        try:
-            time.sleep(2.0)  # every checker connected and asking
-            statuses = []
-            for i in range(60):
-                statuses.append(status_line(address, "/metrics" if i % 2 else "/healthz"))
-                time.sleep(0.05)
-        finally:
-            stop.set()
-            for thread in checkers:
-                thread.join()
+        statuses = probes_beside(address, polite, 100, stop, settle_s=2.0, count=60)
     assert statuses == [b"HTTP/1.1 200 OK"] * 60, sorted(set(statuses))
     assert polite_answers[0] > 300
 
@@ -406,19 +412,7 @@ def test_churning_silent_connections_never_lock_out_new_scrapes_and_probes(tmp_p
                 except OSError:
                     stop.wait(0.05)
 
-        churners = [threading.Thread(target=churn) for _ in range(100)]
-        for thread in churners:
-            thread.start()
-        try:
-            time.sleep(1.5)  # every churner connected, reconnecting
-            statuses = []
-            for i in range(40):
-                statuses.append(status_line(address, "/metrics" if i % 2 else "/healthz"))
-                time.sleep(0.05)
-        finally:
-            stop.set()
-            for thread in churners:
-                thread.join()
+        statuses = probes_beside(address, churn, 100, stop, settle_s=1.5, count=40)
     counts = Counter(statuses)
     # Never 503 (it was 40 of 40). A few connections of the 250 a second this storm opens are
     # closed by the server unanswered before their first read (ENOTCONN from the socket, never

@@ -78,7 +78,9 @@ def test_basic_auth_guards_metrics_and_the_page_not_the_probes(tmp_path, users_f
         assert _request(server, "GET", "/api/window", _basic("prometheus", "s3cret"))[0] == 200
 
 
-def test_a_password_is_bcrypt_checked_once_then_remembered(tmp_path, users_file, monkeypatch):
+@pytest.fixture
+def bcrypt_calls(monkeypatch) -> list[str]:
+    """The passwords bcrypt-checked, in order (the real check still runs)."""
     calls: list[str] = []
     real = basic_auth._bcrypt_ok
 
@@ -87,12 +89,16 @@ def test_a_password_is_bcrypt_checked_once_then_remembered(tmp_path, users_file,
         return real(password, hashed)
 
     monkeypatch.setattr(basic_auth, "_bcrypt_ok", counting)
+    return calls
+
+
+def test_a_password_is_bcrypt_checked_once_then_remembered(tmp_path, users_file, bcrypt_calls):
     with served(tmp_path, web_config_file=str(users_file)) as (server, _):
         for _ in range(5):
             assert _request(server, "GET", "/metrics", _basic("prometheus", "s3cret"))[0] == 200
         for _ in range(3):
             assert _request(server, "GET", "/metrics", _basic("prometheus", "wrong"))[0] == 401
-    assert calls == ["s3cret", "wrong"]
+    assert bcrypt_calls == ["s3cret", "wrong"]
 
 
 def test_admin_routes_use_their_own_credentials_where_the_admin_api_has_some(tmp_path, users_file):
@@ -138,17 +144,9 @@ def test_one_client_past_its_limit_takes_no_scrape_or_probe_from_another(tmp_pat
         assert _request(server, "GET", "/healthz", source=prometheus)[0] == 200
 
 
-def test_a_client_past_its_limit_is_refused_before_its_password_is_checked(tmp_path, monkeypatch):
+def test_a_client_past_its_limit_is_refused_before_its_password_is_checked(tmp_path, bcrypt_calls):
     """Round 4, MED 7: a password was bcrypt-checked before the bucket was asked, so a flood
     of new passwords cost 70 ms of CPU each however limited the client was."""
-    calls: list[str] = []
-    real = basic_auth._bcrypt_ok
-
-    def counting(password: str, hashed: str) -> bool:
-        calls.append(password)
-        return real(password, hashed)
-
-    monkeypatch.setattr(basic_auth, "_bcrypt_ok", counting)
     path = web_config(
         tmp_path,
         f"basic_auth_users:\n  prometheus: {HASH}\nrate_limit:\n  interval: 1h\n  burst: 2\n",
@@ -159,7 +157,7 @@ def test_a_client_past_its_limit_is_refused_before_its_password_is_checked(tmp_p
             for n in range(10)
         ]
     assert statuses == [401, 401] + [429] * 8
-    assert calls == ["guess0", "guess1"]  # the rest never reached bcrypt
+    assert bcrypt_calls == ["guess0", "guess1"]  # the rest never reached bcrypt
 
 
 def test_a_changed_users_list_applies_without_a_restart(tmp_path, users_file, monkeypatch):

@@ -5,12 +5,13 @@ over a test double of torch serving the allocator dict captured on an H200."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,15 +21,6 @@ from exporter.run import protocol
 from exporter.run.agent import SOCKET_NAME
 from exporter.run.aggregator import Aggregator
 from tests.helpers import ProbedServer
-
-
-@pytest.fixture
-def run_dir() -> Iterator[Path]:
-    folder = Path(tempfile.mkdtemp(prefix="gp-", dir="/tmp"))  # a socket path under 107 bytes
-    yield folder
-    for child in folder.iterdir():
-        child.unlink()
-    folder.rmdir()
 
 
 def served(aggregator: Aggregator, timeout_s: float = 5.0, **wanted: int):
@@ -43,11 +35,21 @@ def served(aggregator: Aggregator, timeout_s: float = 5.0, **wanted: int):
         time.sleep(0.02)
 
 
-def test_records_carry_each_ticks_numbers_over_the_full_sample(run_dir):
+@contextlib.contextmanager
+def probed(run_dir: Path, **settings: float) -> Iterator[tuple[ProbedServer, Aggregator, Any]]:
+    """A real Aggregator in `run_dir` and the agent of a ProbedServer reporting to it."""
     server = ProbedServer()
     aggregator = Aggregator(run_dir)
-    agent = server.agent(run_dir)
+    agent = server.agent(run_dir, **settings)
     try:
+        yield server, aggregator, agent
+    finally:
+        agent.stop()
+        aggregator.close()
+
+
+def test_records_carry_each_ticks_numbers_over_the_full_sample(run_dir):
+    with probed(run_dir) as (server, aggregator, agent):
         agent.tick()  # the first tick: the full sample (identity, settings, counts)
         allocated = server.stats["allocated_bytes"]["all"]["current"]
         first = served(aggregator, allocated_bytes=allocated)
@@ -63,16 +65,10 @@ def test_records_carry_each_ticks_numbers_over_the_full_sample(run_dir):
         pinned = aggregator.read().pinned_host[0]
         assert pinned.held_bytes == server.host_stats["allocated_bytes"]["current"]
         assert pinned.process["pid"] == first.process["pid"]
-    finally:
-        agent.stop()
-        aggregator.close()
 
 
 def test_a_retry_an_oom_or_a_command_brings_the_full_sample_at_once(run_dir):
-    server = ProbedServer()
-    aggregator = Aggregator(run_dir)
-    agent = server.agent(run_dir)
-    try:
+    with probed(run_dir) as (server, _, agent):
         agent.tick()
         agent.tick()
         assert server.full_ticks == 1
@@ -87,25 +83,16 @@ def test_a_retry_an_oom_or_a_command_brings_the_full_sample_at_once(run_dir):
         agent._execute({"type": "command", "id": 1, "action": "reset_peak", "params": {}})
         agent.tick()
         assert server.full_ticks == 4  # the action's counts go out with the next tick
-    finally:
-        agent.stop()
-        aggregator.close()
 
 
 def test_the_full_sample_comes_again_every_detail_interval(run_dir):
-    server = ProbedServer()
-    aggregator = Aggregator(run_dir)
-    agent = server.agent(run_dir, process_interval_s=0.2)
-    try:
+    with probed(run_dir, process_interval_s=0.2) as (server, _, agent):
         agent.tick()
         agent.tick()
         assert server.full_ticks == 1
         time.sleep(0.25)
         agent.tick()
         assert server.full_ticks == 2
-    finally:
-        agent.stop()
-        aggregator.close()
 
 
 def test_a_launcher_that_does_not_read_never_blocks_the_probe(run_dir):

@@ -11,10 +11,8 @@ import resource
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,15 +20,6 @@ import pytest
 from exporter.actions.base import Target
 from exporter.run.aggregator import Aggregator
 from tests.conftest import REPO_ROOT
-
-
-@pytest.fixture
-def run_dir() -> Iterator[Path]:
-    folder = Path(tempfile.mkdtemp(prefix="ga-", dir="/tmp"))  # a socket path under 107 bytes
-    yield folder
-    for child in folder.iterdir():
-        child.unlink()
-    folder.rmdir()
 
 
 def peer(sock: Path, mode: str, rank: str, **env: str) -> subprocess.Popen[str]:

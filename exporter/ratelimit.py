@@ -1,4 +1,6 @@
-"""Log lines that cannot flood the host's logs: at most one per key per interval."""
+"""Rates the exporter holds itself to: log lines that cannot flood the host's logs (at most one
+per key per interval), and golang.org/x/time/rate's token bucket (the web config's rate limit,
+the Kubernetes identity checks)."""
 
 from __future__ import annotations
 
@@ -32,3 +34,24 @@ class RateLimitedLog:
 
     def warning(self, key: str, message: str) -> None:
         self.log(logging.WARNING, key, message)
+
+
+class TokenBucket:
+    """`burst` tokens, one more every `interval_s`. Not locked: callers hold their own lock or
+    run on one thread."""
+
+    def __init__(self, interval_s: float, burst: int) -> None:
+        self.interval_s, self.burst = interval_s, burst
+        self.tokens, self.at = float(burst), time.monotonic()
+
+    def allow(self, *, take: bool = True) -> bool:
+        """Whether a token is there; `take` spends it (False: a look before work whose
+        request asks again when it has its answer, a bcrypt check say)."""
+        now = time.monotonic()
+        self.tokens = min(float(self.burst), self.tokens + (now - self.at) / self.interval_s)
+        self.at = now
+        if self.tokens >= 1.0:
+            if take:
+                self.tokens -= 1.0
+            return True
+        return False

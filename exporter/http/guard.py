@@ -257,22 +257,28 @@ class GuardedH11Protocol(H11Protocol):
 
     # -- making room -----------------------------------------------------------------------
 
-    def _silence_for_probe(self) -> None:
-        """Close connections that have sent nothing (oldest first) until a regular slot is
-        free for this probe or scrape, or none is left: what a connection has done decides,
-        not its age alone."""
-        silent = sorted(
+    def _others(self) -> list[GuardedH11Protocol]:
+        """The other connections that may be closed for room, oldest first (not those going
+        already: closing one frees nothing)."""
+        return sorted(
             (
                 c
                 for c in self.connections
                 if isinstance(c, GuardedH11Protocol)
                 and c is not self
-                and not c.heard
-                and not _bytes_waiting(c.transport)
-                and c._lingering is None
                 and not c.transport.is_closing()
             ),
             key=lambda c: c.opened,
+        )
+
+    def _silence_for_probe(self) -> None:
+        """Close connections that have sent nothing (oldest first) until a regular slot is
+        free for this probe or scrape, or none is left: what a connection has done decides,
+        not its age alone."""
+        silent = (
+            c
+            for c in self._others()
+            if not c.heard and c._lingering is None and not _bytes_waiting(c.transport)
         )
         for victim in silent:
             if self._open() <= MAX_CONNECTIONS:
@@ -281,16 +287,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _make_room(self) -> bool:
         """Close the connection that should go first, if any may; True if one did."""
-        others = sorted(
-            (
-                c
-                for c in self.connections
-                if isinstance(c, GuardedH11Protocol)
-                and c is not self
-                and not c.transport.is_closing()  # already going: closing it frees nothing
-            ),
-            key=lambda c: c.opened,
-        )
+        others = self._others()
         slow_since = time.monotonic() - READ_GRACE_S
         # Not an idle kept-alive connection: that is Prometheus between two scrapes, and
         # closing it as it sends the next one resets that scrape (seen in bench/slow_clients).

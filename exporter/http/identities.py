@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exporter.kubernetes.api import ApiError, ApiServer
+from exporter.ratelimit import TokenBucket
 
 CACHE_TTL_S = 10.0
 CACHE_MAX = 1024
@@ -96,7 +97,7 @@ class KubernetesIdentities:
         self._lock = threading.Lock()
         self._cache: dict[tuple[bytes, str, str], tuple[float, Decision]] = {}
         self._in_flight = threading.BoundedSemaphore(REVIEWS_IN_FLIGHT)
-        self._tokens, self._tokens_at = float(REVIEWS_BURST), time.monotonic()
+        self._reviews = TokenBucket(1.0 / REVIEWS_PER_S, REVIEWS_BURST)  # under self._lock
 
     def attributes(self, verb: str, resource: str) -> dict[str, str]:
         """The SubjectAccessReview's resourceAttributes for an action."""
@@ -118,7 +119,7 @@ class KubernetesIdentities:
             cached = self._cache.get(key)
             if cached is not None and cached[0] > now:
                 return cached[1]
-            allowed = self._take_token(now)
+            allowed = self._reviews.allow()
         if not allowed:
             raise IdentityUnavailable(
                 f"more than {REVIEWS_PER_S:g} new identities a second to check with the "
@@ -144,17 +145,6 @@ class KubernetesIdentities:
                     self._cache.clear()
             self._cache[key] = (now + self.ttl_s, decision)
         return decision
-
-    def _take_token(self, now: float) -> bool:
-        """One review from the bucket (under self._lock)."""
-        self._tokens = min(
-            float(REVIEWS_BURST), self._tokens + (now - self._tokens_at) * REVIEWS_PER_S
-        )
-        self._tokens_at = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
-            return True
-        return False
 
     def _review(self, token: str, verb: str, resource: str) -> Decision:
         review = self.api.post(

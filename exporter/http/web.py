@@ -42,6 +42,7 @@ from exporter.http.webconfig import (
     load_served,
     san_allowed,
 )
+from exporter.ratelimit import TokenBucket
 
 log = logging.getLogger(__name__)
 
@@ -74,26 +75,6 @@ TOO_MANY_CHECKS = Refusal(
 )
 
 
-class _Bucket:
-    """golang.org/x/time/rate's token bucket: `burst` tokens, one more every interval."""
-
-    def __init__(self, interval_s: float, burst: int) -> None:
-        self.interval_s, self.burst = interval_s, burst
-        self.tokens, self.at = float(burst), time.monotonic()
-
-    def allow(self, *, take: bool = True) -> bool:
-        """Whether a token is there; `take` spends it (False: a look before a bcrypt check,
-        whose request asks again, from a thread, when it has its answer)."""
-        now = time.monotonic()
-        self.tokens = min(float(self.burst), self.tokens + (now - self.at) / self.interval_s)
-        self.at = now
-        if self.tokens >= 1.0:
-            if take:
-                self.tokens -= 1.0
-            return True
-        return False
-
-
 class WebSecurity:
     """The web config in force (`config`), its TLS context, and the checks of each request.
 
@@ -112,7 +93,7 @@ class WebSecurity:
         self.config, self.context = load_served(self.path) if self.path else (WebConfig(), None)
         self.tls = self.context is not None
         self.not_after = self._not_after()
-        self._buckets: OrderedDict[tuple[str, str], _Bucket] = OrderedDict()
+        self._buckets: OrderedDict[tuple[str, str], TokenBucket] = OrderedDict()
         self._signature = self._signature_now()
         self._checked_at = time.monotonic()
         self.reload_ok = True
@@ -182,7 +163,7 @@ class WebSecurity:
             return certificate_not_after(tls.cert_file)
         return None
 
-    def _bucket(self, client: str, path: str) -> _Bucket | None:
+    def _bucket(self, client: str, path: str) -> TokenBucket | None:
         """The bucket of this client and kind of request; None where no limit applies."""
         interval = self.config.rate_interval_s
         if interval <= 0 or path in OPEN_PATHS:  # the probes: never limited
@@ -191,7 +172,7 @@ class WebSecurity:
         with self._lock_buckets:
             bucket = self._buckets.get(key)
             if bucket is None:
-                bucket = self._buckets[key] = _Bucket(interval, self.config.rate_burst)
+                bucket = self._buckets[key] = TokenBucket(interval, self.config.rate_burst)
                 if len(self._buckets) > MAX_BUCKETS:
                     self._buckets.popitem(last=False)
             else:

@@ -112,14 +112,20 @@ class RecordError(ValueError):
         self.reason = reason
 
 
+def family_defined(family: str, backend: str, expandable_segments: bool) -> bool:
+    """Whether this backend and setting track a stat family (where they do not, it reads 0,
+    which is "not tracked", not "none")."""
+    if backend == ASYNC and family not in ASYNC_DEFINED:
+        return False
+    return not (expandable_segments and family in NOT_TRACKED_WITH_EXPANDABLE)
+
+
 def plan(backend: str, expandable_segments: bool) -> tuple[tuple[str, str, str] | None, ...]:
     """Each field's path in the stats dict, None where this backend and setting do not define
     it: worked out once, so that a tick is one flat loop of lookups."""
 
     def defined(family: str) -> bool:
-        if backend == ASYNC and family not in ASYNC_DEFINED:
-            return False
-        return not (expandable_segments and family in NOT_TRACKED_WITH_EXPANDABLE)
+        return family_defined(family, backend, expandable_segments)
 
     paths: list[tuple[str, str, str] | None] = []
     for (kind, _), path in zip(FIELDS, _PATHS, strict=True):

@@ -250,9 +250,9 @@ class Agent:
             )
             for a in reading.allocators
         }
-        settings = getattr(self.source, "allocator_settings", None)
-        if settings is not None and settings() is not None:
-            self.probe.configure(*settings())
+        settings = self.source.allocator_settings()
+        if settings is not None:
+            self.probe.configure(*settings)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

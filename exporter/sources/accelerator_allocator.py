@@ -69,6 +69,11 @@ class AcceleratorAllocatorSource:
             self._torch = sys.modules.get("torch")
         return self._torch
 
+    def allocator_settings(self) -> tuple[str, bool] | None:
+        """None: `run`'s probe reads CUDA's allocator only, so this source's processes send
+        the full sample every tick (exporter.run.agent)."""
+        return None
+
     def read(self) -> SourceReading:
         torch = self._load_torch()
         if torch is None:  # not imported: this process uses no accelerator through torch

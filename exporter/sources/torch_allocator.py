@@ -24,12 +24,11 @@ from exporter.oom_verdict import MAX_NAMED_PROCESSES, OomLog, OomVerdict
 from exporter.probe.allocator import has_context
 from exporter.probe.record import (
     ASYNC,
-    ASYNC_DEFINED,
     COUNTERS,
     CURRENT,
-    NOT_TRACKED_WITH_EXPANDABLE,
     PEAK,
     POOLS,
+    family_defined,
 )
 from exporter.sample import POOL_GAUGES, AllocatorReading, PinnedHostReading, SourceReading
 from exporter.sources import ALLOCATOR, OOM_VERDICTS
@@ -49,7 +48,6 @@ NATIVE = "native"
 # The allocator's stat families and what each becomes: one table for this source and the
 # probe's record (exporter.probe.record, which the serving process imports alone).
 _CURRENT, _PEAK, _COUNTERS, _POOLS = CURRENT, PEAK, COUNTERS, POOLS
-_ASYNC_DEFINED, _NOT_TRACKED_WITH_EXPANDABLE = ASYNC_DEFINED, NOT_TRACKED_WITH_EXPANDABLE
 
 
 def parse_alloc_conf(env: Mapping[str, str]) -> dict[str, str]:
@@ -78,9 +76,7 @@ def _plan(backend: str, expandable_segments: bool) -> _Plan:
     that a read is a flat loop of lookups (it runs every tick for every device)."""
 
     def defined(family: str) -> bool:
-        if backend == ASYNC and family not in _ASYNC_DEFINED:
-            return False
-        return not (expandable_segments and family in _NOT_TRACKED_WITH_EXPANDABLE)
+        return family_defined(family, backend, expandable_segments)
 
     gauges = [(f, "all", "current", key) for f, key in _CURRENT.items() if defined(f)]
     gauges += [(f, "all", "peak", key) for f, key in _PEAK.items()]

@@ -227,6 +227,16 @@ FAMILIES: tuple[Family, ...] = (
         per_process=True,
     ),
     Family(
+        "gpumem_exporter_helper_restarts",
+        "counter",
+        "Helper processes a process's probe started again after the one serving it died "
+        "(exporter.start()); served once a process has started one.",
+        (),
+        "exporter",
+        AGENTS,
+        per_process=True,
+    ),
+    Family(
         "gpumem_exporter_probe_records_dropped",
         "counter",
         "Allocator records a process under `gpumem-exporter run` dropped because the "

@@ -1,8 +1,15 @@
 """The one-line embedding: `exporter.start()` in an inference server, or `exporter.attach(app)`.
 
+`start()` leaves only a probe in the serving process (exporter.run.agent: the allocator's C
+call and one packed record per tick, sent without blocking) and starts, or joins, one helper
+process for the port that does everything else (exporter.run.helper): the process pays the
+probe, never a render, a detector or an HTTP exchange. What hands the host's own code the
+samples runs in-process instead, as before: `serve_http=False`, `listeners`, `on_alert`,
+`record_to`, `helper=False`, and `attach()` (its routes are the host app's).
+
 Promise to the host process: after arguments are validated (ConfigError for bad settings),
 nothing raised inside the exporter reaches the caller. A taken port or a missing NVML is
-logged in one line and reported on the handle; the sampler keeps running.
+logged in one line and reported on the handle; the probe (or the sampler) keeps running.
 
 One exporter per process: a second start() or attach() returns the running handle, and says
 in a warning which of the settings it asked for the running exporter does not have.
@@ -27,6 +34,8 @@ from exporter.http.server import HttpServer, ServerStartError, add_routes
 from exporter.multiprocess import MultiprocessBridge, multiprocess_dir
 from exporter.run import agent
 from exporter.run.agent import RUN_DIR_ENV
+from exporter.run.join import JoinError
+from exporter.run.probe import Probe
 from exporter.runtime import Runtime, build_runtime, sources_for
 from exporter.sampler import Listener, Sampler
 from exporter.trace import TraceWriter
@@ -41,9 +50,12 @@ _SECRET = frozenset({"admin_token"})
 
 @dataclass
 class Handle:
-    """A running embedded exporter. `stop()` is safe to call more than once."""
+    """A running embedded exporter. `stop()` is safe to call more than once.
 
-    runtime: Runtime
+    With a helper (start()'s default) this process has no runtime: `sampler` and `registry`
+    are the helper's, not here; `unavailable` asks the helper."""
+
+    runtime: Runtime | None
     url: str | None = None
     error: str | None = None
     recorder: TraceWriter | None = None
@@ -51,6 +63,8 @@ class Handle:
     # MultiProcessCollector.
     bridge: MultiprocessBridge | None = None
     _http: HttpServer | None = field(default=None, repr=False)
+    _probe: Probe | None = field(default=None, repr=False)
+    _settings: Config | None = field(default=None, repr=False)
     _stopped: bool = field(default=False, repr=False)
     # What the call that started it asked for, to compare a second call with.
     _call: str = field(default="start", repr=False)
@@ -66,21 +80,34 @@ class Handle:
 
     @property
     def config(self) -> Config:
-        return self.runtime.config
+        if self.runtime is not None:
+            return self.runtime.config
+        assert self._settings is not None
+        return self._settings
 
     @property
     def sampler(self) -> Sampler:
-        return self.runtime.sampler
+        return self._in_process().sampler
 
     @property
     def registry(self) -> CollectorRegistry:
-        return self.runtime.registry
+        return self._in_process().registry
+
+    def _in_process(self) -> Runtime:
+        if self.runtime is None:
+            raise AttributeError(
+                "this exporter runs in its helper process: no sampler or registry here "
+                "(exporter.start(helper=False) keeps them in this process)"
+            )
+        return self.runtime
 
     @property
     def unavailable(self) -> dict[str, str]:
         """Sources with nothing to read on this host, and why (e.g. {"nvml": "NVML Shared
         Library Not Found"} on a CPU-only host): no data, unlike `error`."""
-        return self.sampler.unavailable_sources()
+        if self.runtime is not None:
+            return self.sampler.unavailable_sources()
+        return self._probe.unavailable() if self._probe is not None else {}
 
     def stop(self) -> None:
         global _handle
@@ -91,6 +118,10 @@ class Handle:
             if _handle is self:
                 _handle = None
         try:
+            if self._probe is not None:
+                self._probe.stop()
+            if self.runtime is None:
+                return
             if self._http is not None:
                 self._http.stop()
             self.sampler.stop()
@@ -116,14 +147,19 @@ def start(
     record_to: str | Path | None = None,
     listeners: list[Listener] | None = None,
     on_alert: AlertListener | None = None,
+    helper: bool = True,
     **settings: Any,
 ) -> Handle:
-    """Start the sampler thread and (unless serve_http=False) the HTTP server thread.
+    """Start this process's probe and the helper that serves `port` (or join the one that
+    does: several workers with one port give one endpoint).
+
+    In-process instead (a sampler thread, and an HTTP thread unless serve_http=False) where
+    the caller's code takes the samples: `listeners`, `on_alert(event)` (called on the sampler
+    thread when an alert starts firing or clears), `record_to` (every sample also written to a
+    trace file that `gpumem-exporter demo --trace FILE` replays), or `helper=False`.
 
     Idempotent: a second call returns the running handle (and a warning names what it asked
-    for that the running exporter does not have). `record_to` also writes every sample
-    to a trace file that `gpumem-exporter demo --trace FILE` replays. `on_alert(event)` is
-    called (on the sampler thread) when an in-process alert starts firing or clears.
+    for that the running exporter does not have).
     """
     global _handle
     asked = {"port": port, "host": host, "interval_s": interval_s, "labels": labels, **settings}
@@ -132,6 +168,7 @@ def start(
         "record_to": None if record_to is None else str(record_to),
         "listeners": tuple(id(x) for x in listeners) if listeners else None,
         "on_alert": None if on_alert is None else id(on_alert),
+        "helper": helper,
     }
     with _lock:
         config = load_config(**asked)
@@ -142,6 +179,10 @@ def start(
         if config.port_per_local_rank and os.environ.get("LOCAL_RANK", "").isdigit():
             # The explicit rule for one exporter per rank without `run`: base port + rank.
             config = dataclasses.replace(config, port=config.port + int(os.environ["LOCAL_RANK"]))
+        in_process = not helper or not serve_http or listeners or on_alert or record_to
+        if not in_process:
+            _handle = _remember(_with_helper(config), "start", config, options)
+            return _handle
         all_listeners = list(listeners or [])
         recorder = None
         if record_to is not None:
@@ -205,6 +246,24 @@ def _runtime(config: Config, on_alert: AlertListener | None, **options: Any) -> 
         on_alert=[on_alert] if on_alert else [],
         **options,
     )
+
+
+def _with_helper(config: Config) -> Handle:
+    """The probe here, everything else in the helper for the port (joined or started)."""
+    handle = Handle(None, _settings=config)
+    probe = Probe(config, on_url=lambda url: setattr(handle, "url", url))
+    handle._probe = probe
+    try:
+        handle.url = probe.start()
+    except JoinError as exc:
+        handle.error = str(exc)
+        log.error(
+            "gpumem-exporter: %s; metrics are not served over HTTP (set GPUMEM_PORT or port=...)",
+            exc,
+        )
+        return handle
+    log.info("gpumem-exporter serving %s/metrics from its helper process", handle.url)
+    return handle
 
 
 def _under_run(config: Config) -> Handle:
@@ -313,3 +372,17 @@ def stop() -> None:
     handle = _handle
     if handle is not None:
         handle.stop()
+
+
+def _after_fork_in_child() -> None:
+    # A child forked after start() (a pre-forking server) has no probe thread: it lets go of
+    # the parent's connection, and its own start() joins the helper anew.
+    global _handle
+    handle = _handle
+    if handle is not None and handle._probe is not None:
+        handle._probe.forget()
+        _handle = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -331,6 +331,10 @@ class SampleCollector(Collector):
         for entry in stats.processes:
             if entry.counts.records_dropped:  # only where it happened: the traces' text stays
                 dropped.add(processes.labels(entry.process), entry.counts.records_dropped)
+        restarts = self._fill(catalog.family("gpumem_exporter_helper_restarts"), per_process)
+        for entry in stats.processes:
+            if entry.counts.helper_restarts:
+                restarts.add(processes.labels(entry.process), entry.counts.helper_restarts)
         reports = self._fill(
             catalog.family("gpumem_exporter_agent_last_report_timestamp_seconds"), per_process
         )
@@ -340,6 +344,8 @@ class SampleCollector(Collector):
         yield from ((snapshots, True), (released, True), (remediations, True))
         if any(entry.counts.records_dropped for entry in stats.processes):
             yield dropped, True  # not even its HELP before: the traces' text stays as it was
+        if any(entry.counts.helper_restarts for entry in stats.processes):
+            yield restarts, True
         yield reports, False
         if self._requests is not None:
             admin = self._fill(catalog.family("gpumem_exporter_admin_requests"))

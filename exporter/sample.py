@@ -275,6 +275,8 @@ class ActionCounts:
     # Under `run`: probe records the process dropped because the launcher's socket was full
     # (the probe never blocks its host to send one).
     records_dropped: int = 0
+    # exporter.start(): helpers this process's probe started again after one died.
+    helper_restarts: int = 0
 
 
 @dataclass

@@ -26,6 +26,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,8 +65,20 @@ def load_agent_config(run_dir: str) -> Config:
 
 
 class Agent:
-    def __init__(self, run_dir: str, interval_s: float | None = None) -> None:
-        """`interval_s`: the launcher's (its settings file) unless a test asks for another."""
+    def __init__(
+        self,
+        run_dir: str,
+        interval_s: float | None = None,
+        *,
+        early: bool = False,
+        on_lost: Callable[[], bool | None] | None = None,
+    ) -> None:
+        """`interval_s`: the launcher's (its settings file) unless a test asks for another.
+
+        `early` (exporter.start()'s probe): connect at once and say it lives on every tick
+        until this process uses CUDA, so that the helper serves it (and stays) from the start.
+        `on_lost()`: called when the socket does not answer: starts the helper again (True),
+        finds another process's (False), or finds none (None)."""
         self.run_dir = run_dir
         self.socket_path = str(Path(run_dir) / SOCKET_NAME)
         try:
@@ -88,6 +101,9 @@ class Agent:
         self._next_full = 0.0  # time.monotonic() of the next full sample; 0: at once
         self._full_counters: dict[int, tuple[int, int]] = {}  # device -> (retries, ooms)
         self.records_dropped = 0
+        self.early = early
+        self.on_lost = on_lost
+        self.helper_restarts = 0  # helpers this probe started again after one died
         self.records_sent = 0  # with full_samples: what the ticks did (for benchmarks)
         self.full_samples = 0
         self._unsent = b""  # the rest of a record line the socket took only part of
@@ -102,7 +118,24 @@ class Agent:
     def start(self) -> None:
         self.thread.start()
 
+    def connect(self) -> bool:
+        """Connect now, before start() (an early probe); False if nothing answers."""
+        return self._sock is not None or self._dial()
+
     def stop(self) -> None:
+        self._stop.set()
+        sock = self._sock
+        if sock is not None:
+            # Now, not when the command reader's recv returns: until then the kernel keeps
+            # the connection open, and the other end does not see this process leave.
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self._close()
+
+    def forget(self) -> None:
+        """In a forked child: close this copy of the parent's connection, without shutting it
+        down (the parent keeps it), so that the other end sees the parent leave when it
+        exits; the thread did not survive the fork."""
         self._stop.set()
         self._close()
 
@@ -132,6 +165,7 @@ class Agent:
     def _counts(self) -> ActionCounts:
         counts = self.actions.counts()[0].counts if self.actions is not None else ActionCounts()
         counts.records_dropped = self.records_dropped
+        counts.helper_restarts = self.helper_restarts
         return counts
 
     # -- sending -------------------------------------------------------------------------
@@ -185,6 +219,15 @@ class Agent:
         if now < self._next_connect:
             return False
         self._next_connect = now + RECONNECT_S
+        if self._dial():
+            return True
+        found = self.on_lost() if self.on_lost is not None else None
+        if found is None:
+            return False
+        self.helper_restarts += found  # True: this probe started it again
+        return self._dial()
+
+    def _dial(self) -> bool:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(self.socket_path)
@@ -228,6 +271,8 @@ class Agent:
     def _full_tick(self) -> None:
         reading = self.source.read()  # empty until this process uses CUDA
         if not reading.allocators:
+            if self.early and (self._sock is not None or self._connect()):
+                self._send(protocol.sample([], self._counts(), None))  # alive, no GPU yet
             return
         self._arm()
         sample = Sample(timestamp=time.time(), allocators=reading.allocators)
@@ -273,6 +318,8 @@ class Agent:
             except OSError:
                 return
             if not chunk:
+                if self.early and self._sock is sock:
+                    self._close()  # the helper left: the next tick finds or starts one
                 return
             try:
                 for line in reader.feed(chunk):
@@ -325,9 +372,7 @@ def _after_fork_in_child() -> None:
     # until the worker initializes CUDA itself.
     global _agent
     if _agent is not None:
-        # Close our copy of the parent's connection (close, not shutdown: the parent keeps
-        # it), so that the aggregator sees the parent leave when it exits.
-        _agent._close()
+        _agent.forget()
         _agent = None
         start_agent()
 

@@ -156,6 +156,7 @@ class Aggregator:
         self._ids = itertools.count(1)
         self._closed = False
         self.rejected: Counter[str] = Counter()  # reason -> messages
+        self.admitted = 0  # connections ever admitted
         self._log = RateLimitedLog(log)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._server, selectors.EVENT_READ)
@@ -224,6 +225,7 @@ class Aggregator:
         peer = _Peer(sock, pid)
         with self._lock:
             self._connections[sock.fileno()] = peer
+            self.admitted += 1
         self._selector.register(sock, selectors.EVENT_READ, peer)
 
     @staticmethod
@@ -427,6 +429,11 @@ class Aggregator:
             held, in_use = parts["pinned"]
             peer.pinned_host = PinnedHostReading(held, in_use, process=dict(peer.process))
         peer.sampled_at, peer.reported_at = time.monotonic(), time.time()
+
+    def connections(self) -> int:
+        """Open connections from agents (said hello or not): whether anyone is served."""
+        with self._lock:
+            return len(self._connections)
 
     def processes(self) -> list[dict[str, str]]:
         with self._lock:

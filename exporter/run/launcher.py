@@ -25,7 +25,7 @@ import signal
 import stat
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -39,7 +39,7 @@ from exporter.run.agent import CONFIG_NAME, RUN_DIR_ENV, SOCKET_NAME
 from exporter.run.aggregator import Aggregator
 from exporter.run.fanout import FanOutActions
 from exporter.run.supervisor import PR_SET_DUMPABLE, Supervisor, prctl
-from exporter.runtime import build_runtime, sources_for
+from exporter.runtime import Runtime, build_runtime, sources_for
 from exporter.sources import Source
 from exporter.sources.kinds import gpu_pids
 from exporter.sources.process_memory import ProcessMemorySource, describe
@@ -109,17 +109,10 @@ def _run(command: Sequence[str], config: Config, supervisor: Supervisor) -> int:
         except OSError as exc:  # no process or file to spare, a full or read-only /tmp
             raise ServerStartError(f"cannot set up the run: {exc.strerror or exc}") from None
 
-        def agent_labels() -> dict[int, dict[str, str]]:
-            return {int(p["pid"]): p for p in aggregator.processes() if p.get("pid")}
-
-        server_processes = ProcessMemorySource(supervisor.tree, labels=agent_labels)
-        machine = sources_for("run", config, gpu_users=aggregator.gpu_users)
+        runtime, machine = serving_runtime(config, "run", aggregator, supervisor.tree)
         pids = gpu_pids(machine)
         if pids is not None:  # which of the processes it stops still held GPU memory
             supervisor.gpu_pids = pids
-        sources: list[Source] = [aggregator, server_processes, *machine]
-        actions = FanOutActions(aggregator, SnapshotStore.for_config(config))
-        runtime = build_runtime(config, mode="run", sources=sources, actions=actions)
         http = runtime.server()  # ServerStartError
         cleanup.callback(http.stop)
         runtime.sampler.start()
@@ -139,6 +132,23 @@ def _run(command: Sequence[str], config: Config, supervisor: Supervisor) -> int:
         with contextlib.suppress(psutil.Error, OSError):  # gone already: nothing to guard
             reaper.watch(psutil.Process(pid), keeper)
         return supervisor.wait()
+
+
+def serving_runtime(
+    config: Config, mode: str, aggregator: Aggregator, pids: Callable[[], Iterable[int]]
+) -> tuple[Runtime, list[Source]]:
+    """What serves the agents' processes, `run`'s launcher and exporter.start()'s helper
+    alike: their allocators (the aggregator), the host memory of `pids`, this machine's
+    sources, and admin actions fanned out to the agents. Also the machine's sources."""
+
+    def agent_labels() -> dict[int, dict[str, str]]:
+        return {int(p["pid"]): p for p in aggregator.processes() if p.get("pid")}
+
+    server_processes = ProcessMemorySource(pids, labels=agent_labels)
+    machine = sources_for(mode, config, gpu_users=aggregator.gpu_users)
+    sources: list[Source] = [aggregator, server_processes, *machine]
+    actions = FanOutActions(aggregator, SnapshotStore.for_config(config))
+    return build_runtime(config, mode=mode, sources=sources, actions=actions), machine
 
 
 def run_base() -> str:

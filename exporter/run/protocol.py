@@ -326,6 +326,7 @@ def parse_sample(message: Mapping[str, Any]) -> tuple[list[AllocatorReading], Ac
         ),
         remediations=_counts(actions.get("remediations", {}), "actions.remediations", None),
         records_dropped=_count(actions.get("records_dropped", 0), "actions.records_dropped"),
+        helper_restarts=_count(actions.get("helper_restarts", 0), "actions.helper_restarts"),
     )
     if len(counts.snapshots) > 16 or len(counts.remediations) > 16:
         raise _fail("actions: too many keys")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
@@ -17,6 +19,7 @@ from prometheus_client import CollectorRegistry, Gauge
 import exporter
 from exporter.config import ConfigError
 from exporter.http.server import ServerStartError, bind_socket, create_app
+from exporter.run import join
 from exporter.sample import HostReading, SourceReading
 from exporter.sampler import Sampler
 
@@ -88,7 +91,7 @@ def test_start_serves_and_is_idempotent(stopped):
     assert exporter.start() is handle
     with urllib.request.urlopen(handle.url + "/metrics", timeout=5) as response:
         text = response.read().decode()
-    assert 'gpumem_exporter_build_info{mode="embedded",model="test",version=' in text
+    assert 'gpumem_exporter_build_info{mode="helper",model="test",version=' in text
     handle.stop()
     handle.stop()  # safe twice
     with pytest.raises(urllib.error.URLError):
@@ -97,8 +100,9 @@ def test_start_serves_and_is_idempotent(stopped):
 
 def test_a_cpu_only_host_is_no_data_with_its_reason_not_an_error(stopped, caplog):
     """No GPU in use (here: none at all): nothing is logged as an error, no source counts
-    errors (GpuMemExporterSourceFailing would page), and the reason is visible."""
-    handle = exporter.start(port=0, interval_s=0.02)
+    errors (GpuMemExporterSourceFailing would page), and the reason is visible. In-process:
+    the helper's case is test_a_cpu_only_host_served_by_the_helper."""
+    handle = exporter.start(port=0, interval_s=0.02, helper=False)
     time.sleep(0.3)  # many ticks
     assert handle.unavailable == {"nvml": "no GPU in use by this process (yet)"}
     assert handle.error is None
@@ -111,12 +115,50 @@ def test_a_cpu_only_host_is_no_data_with_its_reason_not_an_error(stopped, caplog
     assert health["unavailable_sources"] == handle.unavailable
 
 
+def test_a_cpu_only_host_served_by_the_helper(stopped, caplog):
+    """The same through the helper: ready, every source up, the reason on the handle (asked
+    of the helper), nothing logged here above INFO."""
+    handle = exporter.start(port=0, interval_s=0.05)
+    deadline = time.monotonic() + 10
+    while True:
+        with urllib.request.urlopen(handle.url + "/healthz", timeout=5) as response:
+            health = json.loads(response.read())
+        if health["status"] == "ok" or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert health["status"] == "ok", health
+    assert "nvml" in health["unavailable_sources"]
+    assert handle.unavailable == health["unavailable_sources"]
+    assert handle.error is None
+    with urllib.request.urlopen(handle.url + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    assert 'gpumem_exporter_source_errors_total{source="nvml"} 0.0' in text, text
+    loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not loud, loud
+
+
 def test_a_taken_port_is_logged_not_raised(stopped, caplog):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         handle = exporter.start(port=port, interval_s=0.05)
+    assert handle.url is None
+    assert handle.error == f"port {port} on 127.0.0.1 is already in use"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"gpumem-exporter: port {port} on 127.0.0.1 is already in use; metrics are not "
+        "served over HTTP (set GPUMEM_PORT or port=...)"
+    ]
+    # Nothing left behind: no helper, no folder.
+    assert not list(Path(join.base()).glob(f"{join.HELPER_PREFIX}{os.getuid()}-{port}"))
+
+
+def test_a_taken_port_in_process_keeps_the_sampler(stopped, caplog):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        handle = exporter.start(port=port, interval_s=0.05, helper=False)
     assert handle.url is None
     assert handle.error == f"port {port} on 127.0.0.1 is already in use"
     assert "already in use" in caplog.text

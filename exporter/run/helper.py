@@ -1,0 +1,161 @@
+"""The helper: one process beside a server that serves what exporter.start()'s probes send.
+
+exporter.start() leaves only a probe in the serving process (exporter.run.agent, the agent of
+`run`); this process does the rest: NVML, host and per-process memory, merging the probes'
+records, the detectors, /metrics, the admin API and the page. It is `run`'s launcher without a
+command (exporter.run.launcher.serving_runtime), started by the first start() for a port and
+joined by the others (exporter.run.join).
+
+It leaves LEAVE_AFTER_S after the last process it serves is gone (SIGKILL of a server
+included: the kernel closes its socket), or when none came within FIRST_PEER_S, and removes
+its folder as it goes. SIGTERM or SIGINT make it leave at once.
+
+    python -m exporter.run.helper FOLDER
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from exporter import atomic
+from exporter.config import SETTINGS, load_config
+from exporter.http.server import ServerStartError
+from exporter.run import join
+from exporter.run.agent import SOCKET_NAME
+from exporter.run.aggregator import Aggregator
+from exporter.run.launcher import hold_lock, serving_runtime, write_agent_config
+
+log = logging.getLogger("exporter.helper")
+
+# None of the processes it serves connected this long after it started: its starter is gone.
+FIRST_PEER_S = 30.0
+# The last process it served left this long ago: the helper leaves too.
+LEAVE_AFTER_S = 1.0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s gpumem-exporter helper[%(process)d] %(levelname)s %(message)s",
+    )
+    if len(args) != 1:
+        print("usage: python -m exporter.run.helper FOLDER", file=sys.stderr)
+        return 2
+    folder = Path(args[0])
+    try:
+        join.private_folder(folder)
+        lock = hold_lock(str(folder))
+    except (join.JoinError, OSError) as exc:
+        return _failed(f"cannot hold the helper folder: {exc}")
+    try:
+        return _serve(folder)
+    finally:
+        _leave(folder)
+        os.close(lock)
+
+
+def _serve(folder: Path) -> int:
+    try:
+        settings = json.loads((folder / join.SETTINGS_NAME).read_text())
+        secrets = {SETTINGS[n].env(n): os.environ.get(SETTINGS[n].env(n), "") for n in join.SECRETS}
+        config = load_config(env=secrets, **settings)
+    except Exception as exc:  # a file its starter wrote: unreadable means a bug or a tamper
+        return _failed(f"cannot read its settings: {exc}")
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    with contextlib.ExitStack() as cleanup:
+        write_agent_config(config, str(folder))
+        with contextlib.suppress(FileNotFoundError):
+            (folder / SOCKET_NAME).unlink()  # a dead helper's: the lock says none lives
+        try:
+            aggregator = Aggregator(folder, silent_after_s=config.stale_threshold_s)
+        except OSError as exc:
+            return _failed(f"cannot open the probes' socket: {exc.strerror or exc}")
+        cleanup.callback(aggregator.close)
+
+        def served_pids() -> list[int]:
+            return [int(p["pid"]) for p in aggregator.processes() if p.get("pid")]
+
+        runtime, _ = serving_runtime(config, "helper", aggregator, served_pids)
+        try:
+            http = runtime.server()
+        except ServerStartError as exc:
+            return _failed(str(exc))
+        cleanup.callback(http.stop)
+        runtime.sampler.start()
+        cleanup.callback(runtime.sampler.stop)
+        http.start()
+        atomic.write_bytes(folder / join.URL_NAME, http.url.encode())
+        _answer({"url": http.url})
+        log.info("serving %s/metrics", http.url)
+        _until_unneeded(aggregator, stop)
+        log.info("no process left to serve: leaving")
+    return 0
+
+
+def _until_unneeded(aggregator: Aggregator, stop: threading.Event) -> None:
+    started = last_seen = time.monotonic()
+    while not stop.wait(0.1):
+        now = time.monotonic()
+        if aggregator.connections():
+            last_seen = now
+            continue
+        served = aggregator.admitted > 0  # one came (and may have left between two looks)
+        if now - (last_seen if served else started) > (LEAVE_AFTER_S if served else FIRST_PEER_S):
+            return
+
+
+def _leave(folder: Path) -> None:
+    """Remove the folder, unless a start() is looking at it right now (it holds the start
+    lock, and starts the next helper in it)."""
+    with contextlib.suppress(FileNotFoundError):
+        (folder / join.URL_NAME).unlink()  # first: a URL left behind means a helper died
+    try:
+        fd = os.open(folder / join.START_LOCK, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        shutil.rmtree(folder, ignore_errors=True)  # under the lock: no start() inside
+    except BlockingIOError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _failed(reason: str) -> int:
+    log.error("%s", reason)
+    _answer({"error": reason})
+    return 1
+
+
+def _answer(answer: dict[str, Any]) -> None:
+    """The one line its starter waits for; then stdout goes nowhere (the starter closed its
+    end: a later print must not raise)."""
+    with contextlib.suppress(OSError):
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""Find the helper that serves a port, or start it: what exporter.start() does in a server.
+
+One helper serves one port for one user (exporter.run.helper). Its folder is
+`<tmp>/gpumem-helper-<uid>-<port>`, 0700: several workers calling start() with one port find the
+same folder and the first starts the helper; the others join it (`start.lock` makes them wait
+in turn, so 64 at once start one helper). A folder of another user, or one open to others, is
+refused: its socket would take this process's allocator readings and admin commands. Port 0
+asks for a port of its own: a fresh folder, never joined.
+
+The helper is a fresh interpreter (`sys.executable -m exporter.run.helper FOLDER`): a server
+that holds a CUDA context is never forked. It says on its stdout, in one JSON line, the URL it
+serves or why it cannot (a taken port); the starter reaps it when it leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import select
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from exporter import atomic
+from exporter.config import SETTINGS, Config
+from exporter.run.agent import SOCKET_NAME
+
+HELPER_PREFIX = "gpumem-helper-"
+START_LOCK = "start.lock"  # held by whoever looks for or starts the helper
+HELPER_LOCK = "launcher.lock"  # held by the helper for as long as it lives (launcher.hold_lock)
+SETTINGS_NAME = "helper.json"  # the helper's settings, secrets left out
+URL_NAME = "url"  # what the helper serves, written once it listens
+# How long start() waits for the others starting at once, then for the helper to listen.
+START_TIMEOUT_S = 20.0
+# Secrets reach the helper in its environment, never in a file or its command line.
+SECRETS = frozenset(f.name for f in dataclasses.fields(Config) if not f.repr)
+
+
+class JoinError(Exception):
+    """No helper: why, in one line (on the handle and in the log)."""
+
+
+@dataclass
+class Helper:
+    folder: Path
+    url: str
+    process: subprocess.Popen[bytes] | None  # None: joined, another process started it
+    restarted: bool  # an earlier helper of this folder died without leaving it clean
+
+
+def join_or_start(config: Config, *, timeout_s: float = START_TIMEOUT_S) -> Helper:
+    """The helper serving `config.port` for this user: joined, or started. JoinError if
+    neither (a taken port, a refused folder, a helper that does not answer in time)."""
+    deadline = time.monotonic() + timeout_s
+    if config.port == 0:
+        folder = Path(tempfile.mkdtemp(prefix=f"{HELPER_PREFIX}{os.getuid()}-0-", dir=base()))
+    else:
+        folder = Path(base()) / f"{HELPER_PREFIX}{os.getuid()}-{config.port}"
+    lock = _take_start_lock(folder, deadline)
+    try:
+        url = _live_helpers_url(folder, deadline) if config.port else None
+        if url is not None:
+            return Helper(folder, url, None, restarted=False)
+        restarted = (folder / URL_NAME).exists()  # a helper died and left its URL behind
+        for name in (SOCKET_NAME, URL_NAME):
+            with contextlib.suppress(FileNotFoundError):
+                (folder / name).unlink()
+        settings = {name: getattr(config, name) for name in SETTINGS if name not in SECRETS}
+        atomic.write_bytes(folder / SETTINGS_NAME, json.dumps(settings, default=str).encode())
+        process = _spawn(folder, config)
+        answer = _report(process, deadline)
+        if "url" not in answer:
+            _end(process)
+            shutil.rmtree(folder, ignore_errors=True)  # nothing of it left behind
+            raise JoinError(str(answer.get("error", "the helper did not start")))
+        threading.Thread(target=process.wait, name="gpumem-helper-reaper", daemon=True).start()
+        return Helper(folder, str(answer["url"]), process, restarted)
+    finally:
+        os.close(lock)
+
+
+def base() -> str:
+    """Where helper folders live: the run folders' place (a socket path fits 107 bytes)."""
+    from exporter.run.launcher import run_base
+
+    return run_base()
+
+
+def alive(folder: Path) -> bool:
+    """Whether a helper holds the folder's lock: the kernel drops it when the helper dies,
+    however it dies."""
+    try:
+        fd = os.open(folder / HELPER_LOCK, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def private_folder(folder: Path) -> None:
+    """Make `folder` (0700), or check the one there: this user's, a real folder, closed to
+    others. JoinError otherwise."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder, 0o700)
+    try:
+        info = os.lstat(folder)
+    except OSError as exc:
+        raise JoinError(f"helper folder {folder}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise JoinError(f"helper folder {folder} is not a folder: refused")
+    if info.st_uid != os.getuid():
+        raise JoinError(
+            f"helper folder {folder} belongs to uid {info.st_uid}, not {os.getuid()}: refused "
+            "(another user's helper serves this port?)"
+        )
+    if info.st_mode & 0o077:
+        raise JoinError(f"helper folder {folder} is open to other users: refused")
+
+
+def _take_start_lock(folder: Path, deadline: float) -> int:
+    """The folder's start lock, once the others starting at once are done. The lock is on the
+    file in the folder as it is now: a helper that removed the folder as it left makes this
+    take the new one's."""
+    while True:
+        private_folder(folder)
+        try:
+            fd = os.open(folder / START_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:
+            continue  # removed between the check and the open: make it again
+        except OSError as exc:
+            raise JoinError(f"helper folder {folder}: {exc.strerror or exc}") from None
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise JoinError(
+                        f"helper folder {folder}: still locked by another start"
+                    ) from None
+                time.sleep(0.02)
+        try:
+            same = os.fstat(fd).st_ino == os.stat(folder / START_LOCK).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
+def _live_helpers_url(folder: Path, deadline: float) -> str | None:
+    """The URL of the helper that lives in the folder, or None if none does. A live one with
+    no URL is leaving (its starter held the start lock until it listened): wait it out."""
+    while alive(folder):
+        try:
+            return (folder / URL_NAME).read_text().strip()
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise JoinError(f"the helper in {folder} neither serves nor leaves") from None
+            time.sleep(0.02)
+    return None
+
+
+def _spawn(folder: Path, config: Config) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    for name in SECRETS:
+        value = getattr(config, name)
+        key = SETTINGS[name].env(name)
+        if value:
+            env[key] = str(value)
+        else:
+            env.pop(key, None)
+    # The package this process imported, wherever it came from (a checkout on sys.path).
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "exporter.run.helper", str(folder)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            env=env,
+            close_fds=True,
+            # Not in the server's process group: a Ctrl-C or a group signal meant for the
+            # server does not hit it mid-scrape; it leaves when the server's probes are gone.
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise JoinError(f"cannot start the helper: {exc.strerror or exc}") from None
+
+
+def _report(process: subprocess.Popen[bytes], deadline: float) -> dict[str, Any]:
+    """The helper's one line: {"url": ...} or {"error": ...}; an error if it says nothing."""
+    assert process.stdout is not None
+    data = b""
+    with process.stdout:
+        while b"\n" not in data:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return {"error": "the helper did not answer in time"}
+            ready, _, _ = select.select([process.stdout], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(process.stdout.fileno(), 4096)
+            if not chunk:
+                code = process.wait()
+                return {"error": f"the helper exited with status {code} before it served"}
+            data += chunk
+    try:
+        answer = json.loads(data.partition(b"\n")[0])
+    except ValueError:
+        return {"error": "the helper said something else than its URL"}
+    return answer if isinstance(answer, dict) else {"error": "the helper's answer is not JSON"}
+
+
+def _end(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+    try:
+        process.wait(5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

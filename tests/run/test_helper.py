@@ -1,0 +1,228 @@
+"""exporter.start()'s helper process (exporter.run.helper, exporter.run.join, exporter.run.probe):
+servers that call start() in processes of their own, killed and forked as real ones are; the
+helper found through the processes and folders it leaves (or not)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import pytest
+
+import exporter
+from exporter.run import join
+from tests.helpers import free_port
+
+# A server: start() at argv[1]'s port, say what the handle says, then idle (or fork first).
+SERVER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import exporter
+    port = int(sys.argv[1])
+    handle = exporter.start(port=port, interval_s=0.1)
+    if len(sys.argv) > 2 and sys.argv[2] == "fork":
+        child = os.fork()
+        if child == 0:  # a pre-forking server's worker: its own start() joins anew
+            again = exporter.start(port=port, interval_s=0.1)
+            print(json.dumps({"pid": os.getpid(), "url": again.url}), flush=True)
+            time.sleep(600)
+            os._exit(0)
+    print(json.dumps({"pid": os.getpid(), "url": handle.url, "error": handle.error}), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def helpers(port: int) -> list[psutil.Process]:
+    """The helper processes of this user serving `port` (their folder names it)."""
+    folder = f"{join.HELPER_PREFIX}{os.getuid()}-{port}"
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "exporter.run.helper" in cmdline and any(folder in part for part in cmdline):
+            found.append(process)
+    return found
+
+
+def folder_of(port: int) -> Path:
+    return Path(join.base()) / f"{join.HELPER_PREFIX}{os.getuid()}-{port}"
+
+
+def metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return str(response.read().decode())
+
+
+def wait_for(condition, what: str, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@contextmanager
+def servers(port: int, count: int = 1, *extra: str) -> Iterator[list[subprocess.Popen[str]]]:
+    """`count` servers started at once, each with its handle's answer read; all killed after."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SERVER, str(port), *extra],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(exporter.__file__).parents[1],
+        )
+        for _ in range(count)
+    ]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def answer(proc: subprocess.Popen[str]) -> dict:
+    assert proc.stdout is not None
+    return dict(json.loads(proc.stdout.readline()))
+
+
+def test_a_process_that_called_start_owns_no_listening_socket_and_its_sigkill_leaves_nothing():
+    port = free_port()
+    with servers(port) as [server]:
+        said = answer(server)
+        assert said["error"] is None and said["url"] == f"http://127.0.0.1:{port}"
+        assert "gpumem_exporter_build_info" in metrics(port)
+        listening = [
+            c for c in psutil.Process(server.pid).net_connections("all") if c.status == "LISTEN"
+        ]
+        assert listening == []
+        [helper] = helpers(port)
+        assert helper.pid != server.pid
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+        began = time.monotonic()
+        wait_for(lambda: not helpers(port), "the helper outlived its only process by 5 s", 5.0)
+        left_after = time.monotonic() - began
+    assert not folder_of(port).exists()
+    assert left_after < 5.0
+
+
+def test_workers_with_one_port_share_one_helper_that_leaves_with_the_last():
+    port = free_port()
+    with servers(port, 3) as procs:
+        urls = {answer(p)["url"] for p in procs}
+        assert urls == {f"http://127.0.0.1:{port}"}
+        assert len(helpers(port)) == 1
+        # Every worker is a process of the one endpoint (its host memory, by pid).
+        wait_for(
+            lambda: all(f'pid="{p.pid}"' in metrics(port) for p in procs),
+            "every worker on the one /metrics",
+        )
+        procs[0].kill()
+        procs[0].wait()
+        time.sleep(2.0)  # longer than the helper waits after the last one
+        assert len(helpers(port)) == 1, "the helper left while two workers still use it"
+        for proc in procs[1:]:
+            proc.kill()
+            proc.wait()
+        wait_for(lambda: not helpers(port), "the helper outlived the last worker", 5.0)
+
+
+@pytest.mark.slow
+def test_64_workers_starting_at_once_get_one_helper():
+    port = free_port()
+    with servers(port, 64) as procs:
+        said = [answer(p) for p in procs]
+        assert {s["error"] for s in said} == {None}, said
+        assert {s["url"] for s in said} == {f"http://127.0.0.1:{port}"}
+        assert len(helpers(port)) == 1
+        wait_for(
+            lambda: metrics(port).count("host_process_resident_memory_bytes{") == 64,
+            "all 64 on /metrics",
+            20.0,
+        )
+
+
+def test_a_helper_that_dies_is_started_again_and_counted():
+    port = free_port()
+    with servers(port) as [server]:
+        answer(server)
+        [first] = helpers(port)
+        first.kill()
+        first.wait(5)
+
+        def restarted() -> bool:
+            try:
+                return "\ngpumem_exporter_helper_restarts_total{" in metrics(port)
+            except OSError:
+                return False
+
+        wait_for(restarted, "a new helper, and the restart on /metrics", 15.0)
+        [second] = helpers(port)
+        assert second.pid != first.pid
+        text = metrics(port)
+        line = next(
+            x for x in text.splitlines() if x.startswith("gpumem_exporter_helper_restarts_total")
+        )
+        assert line.endswith(" 1.0"), line
+
+
+def test_a_folder_of_another_user_is_refused(monkeypatch, caplog, tmp_path):
+    """A helper folder for the port that another user made: never joined (its socket would
+    take this process's readings and commands), and the handle says why."""
+    if os.getuid() != 0:
+        pytest.skip("making a folder of another user needs root")
+    monkeypatch.setattr(join, "base", lambda: str(tmp_path))
+    port = free_port()
+    folder = tmp_path / f"{join.HELPER_PREFIX}{os.getuid()}-{port}"
+    folder.mkdir(mode=0o700)
+    os.chown(folder, 65534, 65534)
+    handle = exporter.start(port=port, interval_s=0.1)
+    try:
+        assert handle.url is None
+        assert handle.error is not None and "belongs to uid 65534" in handle.error
+        assert "refused" in caplog.text
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=1)
+    finally:
+        exporter.stop()
+
+
+def test_a_folder_open_to_others_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr(join, "base", lambda: str(tmp_path))
+    port = free_port()
+    folder = tmp_path / f"{join.HELPER_PREFIX}{os.getuid()}-{port}"
+    folder.mkdir()
+    folder.chmod(0o777)
+    handle = exporter.start(port=port, interval_s=0.1)
+    try:
+        assert handle.error is not None and "open to other users" in handle.error
+    finally:
+        exporter.stop()
+
+
+def test_a_fork_after_start_keeps_the_helper_for_the_child_and_leaves_with_both():
+    """A pre-forking server: the child lets go of the parent's connection and joins anew, so
+    the helper serves both, stays while either lives, and leaves when both are gone."""
+    port = free_port()
+    with servers(port, 1, "fork") as [server]:
+        first, second = answer(server), answer(server)
+        child = first["pid"] if first["pid"] != server.pid else second["pid"]
+        assert child != server.pid
+        wait_for(lambda: f'pid="{child}"' in metrics(port), "the child on /metrics")
+        server.kill()
+        server.wait()
+        time.sleep(2.0)
+        assert len(helpers(port)) == 1, "the helper left while the forked child lives"
+        os.kill(child, signal.SIGKILL)
+        wait_for(lambda: not helpers(port), "the helper outlived parent and child", 5.0)

@@ -626,9 +626,16 @@ def catalog_collector(
         },
     )
     process = WORKER if per_process else {}
-    # Under `run`: records the process's probe dropped (served once there are some).
+    # Under `run` or a helper: records the process's probe dropped and helpers it started
+    # again (each served once there are some).
     dropped = 3 if per_process else 0
-    counts = ActionCounts({"manual": 2}, 4096, {"empty_cache/ok": 1}, records_dropped=dropped)
+    counts = ActionCounts(
+        {"manual": 2},
+        4096,
+        {"empty_cache/ok": 1},
+        records_dropped=dropped,
+        helper_restarts=1 if per_process else 0,
+    )
     # An endpoint with a web config and a certificate: every gpumem_exporter_web* family.
     endpoint = EndpointState(
         tls=True,

@@ -5,7 +5,8 @@ The serving process runs an asyncio loop that wakes every 1 ms (as vLLM's and SG
 servers do) beside a thread that allocates and frees GPU memory; a scraper process reads
 `/metrics` once a second over a kept-alive connection with Prometheus 3's headers (OpenMetrics,
 gzip), as Prometheus does. Arms: `off` (no exporter), `probe-1Hz` and `probe-10Hz` (the floor:
-a bare probe, see _bare_probe), `1Hz` and `10Hz` (`exporter.start()`), `1Hz+page` (the live page
+a bare probe, see _bare_probe), `1Hz` and `10Hz` (`exporter.start()`: since issue 49 a probe
+here and a helper process that serves), `1Hz+page` (the live page
 open as well, polling its data once a second), `run-1Hz` and `run-10Hz` (under
 `gpumem-exporter run`: the process's agent samples and sends, the launcher process serves),
 each in a fresh
@@ -49,7 +50,7 @@ ARMS = {
 _BYTES = ("allocated_bytes", "reserved_bytes", "active_bytes", "inactive_split_bytes")
 _POOLS = ("all", "large_pool", "small_pool")
 _COUNTS = ("segment", "allocation", "active", "inactive_split")
-_SCALARS = ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free")
+_SCALARS: tuple[str, ...] = ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free")
 _SCALARS += ("num_sync_all_streams", "max_split_size")
 _OVERSIZE = ("oversize_allocations", "oversize_segments")
 _BARE_PATHS = (
@@ -243,8 +244,13 @@ def serve(arm: str, seconds: float, port: int) -> dict[str, Any]:
     n = len(late)
     agent = sys.modules.get("exporter.run.agent")
     ticks = {}
-    if agent is not None and getattr(agent, "_agent", None) is not None:
-        found = agent._agent
+    # Under `run`, the module's agent; with a helper (exporter.start() since issue 49), the
+    # handle's probe's.
+    found = getattr(agent, "_agent", None) if agent is not None else None
+    probe = getattr(handle, "_probe", None) if handle is not None else None
+    if found is None and probe is not None:
+        found = probe.agent
+    if found is not None:
         for name in ("full_samples", "records_sent", "records_dropped"):
             ticks[name] = getattr(found, name, None)  # None: an agent before the probe
     return {

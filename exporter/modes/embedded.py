@@ -31,8 +31,9 @@ MODE = Mode(
         "embedded",
         frozenset({catalog.ALLOCATOR, catalog.DEVICES, catalog.HOST, catalog.OWN_PROCESS}),
     ),
-    "inside a PyTorch server: exporter.start(), or attach() to its own app",
-    "its own HTTP thread (start), or routes on the app and registry it has (attach)",
+    "inside a PyTorch server: attach() to its own app, or exporter.start() where the host's "
+    "code takes the samples (on_alert, listeners, record_to, serve_http=False, helper=False)",
+    "routes on the app and registry it has (attach), or its own HTTP thread (start)",
     "this process's allocator",
     "the first sample is in",
     first_sample,

@@ -264,6 +264,21 @@ class Config:
         "one exporter per rank without `gpumem-exporter run`: listen on port + LOCAL_RANK",
         _boolean,
     )
+    helper_dir: str | None = setting(
+        None,
+        "folder where exporter.start()'s helper keeps its socket folder (one per user and port): "
+        "a volume shared with a helper sidecar in Kubernetes",
+        _text,
+        default_text="the temp dir",
+        agents=False,
+    )
+    helper_spawn: bool = setting(
+        True,
+        "whether exporter.start() starts the helper when none serves its port (off: a sidecar "
+        "runs it; the probe waits for it)",
+        _boolean,
+        agents=False,
+    )
     detail: str = setting(
         "basic",
         "which families to serve: basic keeps a fleet's series budget (about 40 per GPU at a "

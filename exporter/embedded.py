@@ -251,7 +251,11 @@ def _runtime(config: Config, on_alert: AlertListener | None, **options: Any) -> 
 def _with_helper(config: Config) -> Handle:
     """The probe here, everything else in the helper for the port (joined or started)."""
     handle = Handle(None, _settings=config)
-    probe = Probe(config, on_url=lambda url: setattr(handle, "url", url))
+
+    def found(url: str) -> None:  # a helper again (or at last: a sidecar's)
+        handle.url, handle.error = url, None
+
+    probe = Probe(config, on_url=found)
     handle._probe = probe
     try:
         handle.url = probe.start()

@@ -10,7 +10,12 @@ It leaves LEAVE_AFTER_S after the last process it serves is gone (SIGKILL of a s
 included: the kernel closes its socket), or when none came within FIRST_PEER_S, and removes
 its folder as it goes. SIGTERM or SIGINT make it leave at once.
 
-    python -m exporter.run.helper FOLDER
+    python -m exporter.run.helper FOLDER      # started by exporter.start()
+    python -m exporter.run.helper --sidecar   # a container of its own (Kubernetes)
+
+As a sidecar its settings are its container's GPUMEM_* variables, its folder is in
+GPUMEM_HELPER_DIR (a volume shared with the server's container, whose processes set
+GPUMEM_HELPER_SPAWN=0 and join it), and it stays for as long as its container runs.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from exporter import atomic
-from exporter.config import SETTINGS, load_config
+from exporter.config import SETTINGS, Config, ConfigError, load_config
 from exporter.http.server import ServerStartError
 from exporter.run import join
 from exporter.run.agent import SOCKET_NAME
@@ -52,26 +57,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s gpumem-exporter helper[%(process)d] %(levelname)s %(message)s",
     )
     if len(args) != 1:
-        print("usage: python -m exporter.run.helper FOLDER", file=sys.stderr)
+        print("usage: python -m exporter.run.helper FOLDER | --sidecar", file=sys.stderr)
         return 2
-    folder = Path(args[0])
+    sidecar = args[0] == "--sidecar"
+    try:
+        config = load_config() if sidecar else None
+    except ConfigError as exc:
+        return _failed(str(exc))
+    folder = join.folder_for(config) if config is not None else Path(args[0])
     try:
         join.private_folder(folder)
         lock = hold_lock(str(folder))
     except (join.JoinError, OSError) as exc:
         return _failed(f"cannot hold the helper folder: {exc}")
     try:
-        return _serve(folder)
+        return _serve(folder, config)
     finally:
         _leave(folder)
         os.close(lock)
 
 
-def _serve(folder: Path) -> int:
+def _started_with(folder: Path) -> Config:
+    """The settings exporter.start() wrote for it, and the secrets in its environment."""
+    settings = json.loads((folder / join.SETTINGS_NAME).read_text())
+    secrets = {SETTINGS[n].env(n): os.environ.get(SETTINGS[n].env(n), "") for n in join.SECRETS}
+    return load_config(env=secrets, **settings)
+
+
+def _serve(folder: Path, sidecar: Config | None) -> int:
+    """Serve the folder's probes; `sidecar`: its container's settings, and it stays."""
     try:
-        settings = json.loads((folder / join.SETTINGS_NAME).read_text())
-        secrets = {SETTINGS[n].env(n): os.environ.get(SETTINGS[n].env(n), "") for n in join.SECRETS}
-        config = load_config(env=secrets, **settings)
+        config = sidecar or _started_with(folder)
     except Exception as exc:  # a file its starter wrote: unreadable means a bug or a tamper
         return _failed(f"cannot read its settings: {exc}")
     stop = threading.Event()
@@ -102,6 +118,10 @@ def _serve(folder: Path) -> int:
         atomic.write_bytes(folder / join.URL_NAME, http.url.encode())
         _answer({"url": http.url})
         log.info("serving %s/metrics", http.url)
+        if sidecar is not None:
+            while not stop.wait(1.0):  # a container of its own: until it is told to stop
+                pass
+            return 0
         _until_unneeded(aggregator, stop)
         log.info("no process left to serve: leaving")
     return 0

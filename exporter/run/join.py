@@ -63,14 +63,19 @@ def join_or_start(config: Config, *, timeout_s: float = START_TIMEOUT_S) -> Help
     neither (a taken port, a refused folder, a helper that does not answer in time)."""
     deadline = time.monotonic() + timeout_s
     if config.port == 0:
-        folder = Path(tempfile.mkdtemp(prefix=f"{HELPER_PREFIX}{os.getuid()}-0-", dir=base()))
+        prefix = f"{HELPER_PREFIX}{os.getuid()}-0-"
+        folder = Path(tempfile.mkdtemp(prefix=prefix, dir=base(config)))
     else:
-        folder = Path(base()) / f"{HELPER_PREFIX}{os.getuid()}-{config.port}"
+        folder = folder_for(config)
     lock = _take_start_lock(folder, deadline)
     try:
         url = _live_helpers_url(folder, deadline) if config.port else None
         if url is not None:
             return Helper(folder, url, None, restarted=False)
+        if not config.helper_spawn:
+            raise JoinError(
+                f"no helper serves port {config.port} in {folder} (helper_spawn is off)"
+            )
         restarted = (folder / URL_NAME).exists()  # a helper died and left its URL behind
         for name in (SOCKET_NAME, URL_NAME):
             with contextlib.suppress(FileNotFoundError):
@@ -89,11 +94,19 @@ def join_or_start(config: Config, *, timeout_s: float = START_TIMEOUT_S) -> Help
         os.close(lock)
 
 
-def base() -> str:
-    """Where helper folders live: the run folders' place (a socket path fits 107 bytes)."""
+def base(config: Config) -> str:
+    """Where helper folders live: `helper_dir` (a volume shared with a sidecar), else the run
+    folders' place (where a socket's path fits its 107 bytes)."""
+    if config.helper_dir:
+        return config.helper_dir
     from exporter.run.launcher import run_base
 
     return run_base()
+
+
+def folder_for(config: Config) -> Path:
+    """The helper folder of `config.port` for this user (not for port 0: a fresh one each)."""
+    return Path(base(config)) / f"{HELPER_PREFIX}{os.getuid()}-{config.port}"
 
 
 def alive(folder: Path) -> bool:

@@ -41,7 +41,15 @@ class Probe:
     def start(self) -> str:
         """Join or start the helper and start the probe; the URL served. JoinError if there
         is no helper (a taken port, a refused folder)."""
-        self.helper = join.join_or_start(self.config)
+        try:
+            self.helper = join.join_or_start(self.config)
+        except join.JoinError:
+            if not self.config.helper_spawn:
+                # A sidecar's helper that is not there (yet): the probe connects once it is.
+                folder = join.folder_for(self.config)
+                self.agent = Agent(str(folder), early=True, on_lost=self._lost)
+                self.agent.start()
+            raise
         self.agent = Agent(str(self.helper.folder), early=True, on_lost=self._lost)
         # Connected before start() returns: the helper serves this process from now on, and
         # leaves when it does, even at once (it waits FIRST_PEER_S for a first process).

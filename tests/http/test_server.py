@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
@@ -150,7 +148,7 @@ def test_a_taken_port_is_logged_not_raised(stopped, caplog):
         "served over HTTP (set GPUMEM_PORT or port=...)"
     ]
     # Nothing left behind: no helper, no folder.
-    assert not list(Path(join.base()).glob(f"{join.HELPER_PREFIX}{os.getuid()}-{port}"))
+    assert not join.folder_for(handle.config).exists()
 
 
 def test_a_taken_port_in_process_keeps_the_sampler(stopped, caplog):

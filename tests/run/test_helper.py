@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 import exporter
+from exporter.config import Config
 from exporter.run import join
 from tests.helpers import free_port
 
@@ -56,7 +57,7 @@ def helpers(port: int) -> list[psutil.Process]:
 
 
 def folder_of(port: int) -> Path:
-    return Path(join.base()) / f"{join.HELPER_PREFIX}{os.getuid()}-{port}"
+    return join.folder_for(Config(port=port))
 
 
 def metrics(port: int) -> str:
@@ -177,17 +178,16 @@ def test_a_helper_that_dies_is_started_again_and_counted():
         assert line.endswith(" 1.0"), line
 
 
-def test_a_folder_of_another_user_is_refused(monkeypatch, caplog, tmp_path):
+def test_a_folder_of_another_user_is_refused(caplog, tmp_path):
     """A helper folder for the port that another user made: never joined (its socket would
     take this process's readings and commands), and the handle says why."""
     if os.getuid() != 0:
         pytest.skip("making a folder of another user needs root")
-    monkeypatch.setattr(join, "base", lambda: str(tmp_path))
     port = free_port()
     folder = tmp_path / f"{join.HELPER_PREFIX}{os.getuid()}-{port}"
     folder.mkdir(mode=0o700)
     os.chown(folder, 65534, 65534)
-    handle = exporter.start(port=port, interval_s=0.1)
+    handle = exporter.start(port=port, interval_s=0.1, helper_dir=str(tmp_path))
     try:
         assert handle.url is None
         assert handle.error is not None and "belongs to uid 65534" in handle.error
@@ -198,13 +198,12 @@ def test_a_folder_of_another_user_is_refused(monkeypatch, caplog, tmp_path):
         exporter.stop()
 
 
-def test_a_folder_open_to_others_is_refused(monkeypatch, tmp_path):
-    monkeypatch.setattr(join, "base", lambda: str(tmp_path))
+def test_a_folder_open_to_others_is_refused(tmp_path):
     port = free_port()
     folder = tmp_path / f"{join.HELPER_PREFIX}{os.getuid()}-{port}"
     folder.mkdir()
     folder.chmod(0o777)
-    handle = exporter.start(port=port, interval_s=0.1)
+    handle = exporter.start(port=port, interval_s=0.1, helper_dir=str(tmp_path))
     try:
         assert handle.error is not None and "open to other users" in handle.error
     finally:
@@ -226,3 +225,53 @@ def test_a_fork_after_start_keeps_the_helper_for_the_child_and_leaves_with_both(
         assert len(helpers(port)) == 1, "the helper left while the forked child lives"
         os.kill(child, signal.SIGKILL)
         wait_for(lambda: not helpers(port), "the helper outlived parent and child", 5.0)
+
+
+def test_a_sidecar_helper_is_joined_never_replaced_and_stays():
+    """Kubernetes: the helper in a container of its own (GPUMEM_HELPER_DIR a shared volume),
+    the server's processes with GPUMEM_HELPER_SPAWN=0. A probe that starts before it says so
+    on its handle and connects once it serves; the sidecar stays when the server goes, and
+    leaves clean on SIGTERM."""
+    import tempfile
+
+    port = free_port()
+    shared = tempfile.mkdtemp(prefix="gpumem-shared-")
+    env = dict(os.environ, GPUMEM_HELPER_DIR=shared, GPUMEM_PORT=str(port))
+    server_env = dict(env, GPUMEM_HELPER_SPAWN="0")
+    root = Path(exporter.__file__).parents[1]
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER, str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=server_env,
+        cwd=root,
+    )
+    sidecar = None
+    try:
+        said = answer(server)
+        assert said["url"] is None and "no helper serves port" in said["error"]
+        assert helpers(port) == []  # the probe started none
+        sidecar = subprocess.Popen(
+            [sys.executable, "-m", "exporter.run.helper", "--sidecar"], env=env, cwd=root
+        )
+        wait_for(lambda: f'pid="{server.pid}"' in metrics_or_empty(port), "the probe joined", 15.0)
+        server.kill()
+        server.wait()
+        time.sleep(2.0)
+        assert sidecar.poll() is None, "the sidecar left with the server"
+        sidecar.send_signal(signal.SIGTERM)
+        assert sidecar.wait(10) == 0
+        assert os.listdir(shared) == []
+    finally:
+        server.kill()
+        server.wait()
+        if sidecar is not None and sidecar.poll() is None:
+            sidecar.kill()
+            sidecar.wait()
+
+
+def metrics_or_empty(port: int) -> str:
+    try:
+        return metrics(port)
+    except OSError:
+        return ""

@@ -13,7 +13,7 @@ import sys
 import textwrap
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -65,7 +65,7 @@ def metrics(port: int) -> str:
         return str(response.read().decode())
 
 
-def wait_for(condition, what: str, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, what

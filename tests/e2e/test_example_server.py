@@ -80,8 +80,9 @@ def test_manifest_yaml_style() -> None:
     config = require_module("yamllint.config", "yamllint").YamlLintConfig(
         "{extends: default, rules: {line-length: {max: 100}, document-start: disable}}"
     )
-    problems = [str(p) for p in yamllint.run(MANIFEST.read_text(), config)]
-    assert not problems
+    for manifest in (MANIFEST, EXAMPLE / "deployment-sidecar.yaml"):
+        problems = [str(p) for p in yamllint.run(manifest.read_text(), config)]
+        assert not problems, manifest.name
 
 
 def test_pod_is_scraped_by_the_charts_pod_monitor() -> None:
@@ -305,3 +306,51 @@ def test_clean_shutdown(server: Server) -> None:
     assert "exporter stopped" in log  # the lifespan's shutdown ran
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{server.metrics_url}/metrics", timeout=2)
+
+
+SIDECAR_MANIFEST = EXAMPLE / "deployment-sidecar.yaml"
+
+
+def _sidecar_pod() -> dict[str, Any]:
+    documents = [doc for doc in yaml.safe_load_all(SIDECAR_MANIFEST.read_text()) if doc]
+    assert [doc["kind"] for doc in documents] == ["Deployment"]
+    return dict(documents[0])
+
+
+@pytest.mark.parametrize("version", ["1.30.0", "latest"])  # native sidecars: 1.29+
+def test_sidecar_manifest_is_valid_kubernetes(version: str) -> None:
+    kubernetes_validate = require_module("kubernetes_validate", "kubernetes-validate")
+    if version == "latest":
+        version = kubernetes_validate.latest_version()
+    kubernetes_validate.validate(_sidecar_pod(), version, strict=True)
+
+
+def test_sidecar_manifest_wiring() -> None:
+    """The helper in its own container: a native sidecar that owns the scraped port and the
+    admin token; the server joins it through the shared folder and never starts one."""
+    pod = _sidecar_pod()["spec"]["template"]["spec"]
+    [helper] = pod["initContainers"]
+    [server] = pod["containers"]
+    assert helper["restartPolicy"] == "Always"
+    assert helper["command"][-2:] == ["exporter.run.helper", "--sidecar"]
+    helper_env, server_env = _env(helper), _env(server)
+    ports = {p["name"]: p["containerPort"] for p in helper.get("ports", [])}
+    assert ports[_pod_monitor_values()["portName"]] == int(helper_env["GPUMEM_PORT"])
+    assert "gpumem-metrics" not in {p["name"] for p in server["ports"]}
+    # One folder, mounted at the path both name, on a volume both mount.
+    shared = helper_env["GPUMEM_HELPER_DIR"]
+    assert server_env["GPUMEM_HELPER_DIR"] == shared
+    mounted = [
+        {m["name"] for m in c["volumeMounts"] if m["mountPath"] == shared} for c in (helper, server)
+    ]
+    assert mounted[0] == mounted[1] and len(mounted[0]) == 1
+    assert server_env["GPUMEM_HELPER_SPAWN"] == "0"
+    assert server_env["GPUMEM_PORT"] == helper_env["GPUMEM_PORT"]
+    # The token: the helper's alone.
+    assert "GPUMEM_ADMIN_TOKEN_FILE" in helper_env
+    assert not any(k.startswith("GPUMEM_ADMIN_TOKEN") for k in server_env)
+    token_volumes = {v["name"] for v in pod["volumes"] if "secret" in v}
+    assert not token_volumes & {m["name"] for m in server["volumeMounts"]}
+    # One user for both (the helper refuses another user's probes).
+    assert pod["securityContext"]["runAsUser"] and "runAsUser" not in helper["securityContext"]
+    assert "runAsUser" not in server["securityContext"]

@@ -73,8 +73,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _serve(folder, config)
     finally:
-        _leave(folder)
+        if _still_mine(folder, lock):  # not a new helper's, in a folder made again
+            _leave(folder)
         os.close(lock)
+
+
+def _still_mine(folder: Path, lock: int) -> bool:
+    try:
+        return os.fstat(lock).st_ino == os.stat(folder / join.HELPER_LOCK).st_ino
+    except OSError:
+        return False
 
 
 def _started_with(folder: Path) -> Config:
@@ -119,24 +127,39 @@ def _serve(folder: Path, sidecar: Config | None) -> int:
         _answer({"url": http.url})
         log.info("serving %s/metrics", http.url)
         if sidecar is not None:
-            while not stop.wait(1.0):  # a container of its own: until it is told to stop
+            # A container of its own: until it is told to stop, or its folder goes (then
+            # its container restarts it, with a new one).
+            while not stop.wait(1.0) and _folder_kept(folder):
                 pass
             return 0
-        _until_unneeded(aggregator, stop)
-        log.info("no process left to serve: leaving")
+        _until_unneeded(folder, aggregator, stop)
     return 0
 
 
-def _until_unneeded(aggregator: Aggregator, stop: threading.Event) -> None:
+def _until_unneeded(folder: Path, aggregator: Aggregator, stop: threading.Event) -> None:
     started = last_seen = time.monotonic()
     while not stop.wait(0.1):
+        if not _folder_kept(folder):
+            return
         now = time.monotonic()
         if aggregator.connections():
             last_seen = now
             continue
         served = aggregator.admitted > 0  # one came (and may have left between two looks)
         if now - (last_seen if served else started) > (LEAVE_AFTER_S if served else FIRST_PEER_S):
+            log.info("no process left to serve: leaving")
             return
+
+
+def _folder_kept(folder: Path) -> bool:
+    """Whether its socket is still where probes look for it. Someone removed the folder (a
+    temp cleaner): new processes could not join, and would start a helper that finds the port
+    taken. Leaving closes every probe's connection: the probes start a new helper (counted in
+    gpumem_exporter_helper_restarts_total) in a new folder."""
+    if (folder / SOCKET_NAME).exists():
+        return True
+    log.warning("its folder %s was removed: leaving, for the probes to start a new helper", folder)
+    return False
 
 
 def _leave(folder: Path) -> None:

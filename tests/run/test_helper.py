@@ -23,6 +23,7 @@ import pytest
 import exporter
 from exporter.config import Config
 from exporter.run import join
+from exporter.run.agent import SOCKET_NAME
 from tests.helpers import free_port
 
 # A server: start() at argv[1]'s port, say what the handle says, then idle (or fork first).
@@ -275,3 +276,24 @@ def metrics_or_empty(port: int) -> str:
         return metrics(port)
     except OSError:
         return ""
+
+
+def test_a_removed_folder_makes_the_helper_leave_and_the_probe_start_a_new_one():
+    """A temp cleaner removed the helper's folder: new workers could not join it. The helper
+    leaves, and the probe starts a new helper in a new folder (counted)."""
+    import shutil
+
+    port = free_port()
+    with servers(port) as [server]:
+        answer(server)
+        [first] = helpers(port)
+        shutil.rmtree(folder_of(port))
+        first.wait(5)  # it left
+        wait_for(
+            lambda: "\ngpumem_exporter_helper_restarts_total{" in metrics_or_empty(port),
+            "a new helper, its restart on /metrics",
+            15.0,
+        )
+        [second] = helpers(port)
+        assert second.pid != first.pid
+        assert (folder_of(port) / SOCKET_NAME).exists()

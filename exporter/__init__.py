@@ -1,7 +1,7 @@
 """gpumem-exporter: PyTorch CUDA allocator, NVML and host memory metrics for Prometheus.
 
     import exporter
-    exporter.start()          # sidecar thread + /metrics on 127.0.0.1:9445
+    exporter.start()          # a probe thread here; /metrics on 127.0.0.1:9445 from a helper
     exporter.attach(app)      # or: mount on your own FastAPI app and registry
 
 The embedding API is imported on first use, so that `import exporter.<module>` stays cheap:

@@ -24,21 +24,25 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from prometheus_client import REGISTRY, CollectorRegistry
+from typing import TYPE_CHECKING, Any
 
 from exporter.config import Config, load_config
-from exporter.detectors import Listener as AlertListener
-from exporter.http.server import HttpServer, ServerStartError, add_routes
-from exporter.multiprocess import MultiprocessBridge, multiprocess_dir
 from exporter.run import agent
 from exporter.run.agent import RUN_DIR_ENV
 from exporter.run.join import JoinError
 from exporter.run.probe import Probe
-from exporter.runtime import Runtime, build_runtime, sources_for
-from exporter.sampler import Listener, Sampler
-from exporter.trace import TraceWriter
+
+# The in-process exporter's modules (the web stack, prometheus_client, the sampler) are
+# imported where it starts: a process with a helper loads the probe's modules only.
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from exporter.detectors import Listener as AlertListener
+    from exporter.http.server import HttpServer
+    from exporter.multiprocess import MultiprocessBridge
+    from exporter.runtime import Runtime
+    from exporter.sampler import Listener, Sampler
+    from exporter.trace import TraceWriter
 
 log = logging.getLogger("exporter")
 
@@ -187,6 +191,8 @@ def start(
         recorder = None
         if record_to is not None:
             # Live: a server that crashes keeps what was recorded up to its last sample.
+            from exporter.trace import TraceWriter
+
             recorder = TraceWriter(record_to, meta={"recorded_by": "exporter.start"}, live=True)
             all_listeners.append(recorder)
         runtime = _runtime(config, on_alert, listeners=all_listeners)
@@ -239,6 +245,8 @@ def _difference(name: str, running: Any, asked: Any) -> str:
 
 def _runtime(config: Config, on_alert: AlertListener | None, **options: Any) -> Runtime:
     """The in-process runtime that start() and attach() share: this machine's sources."""
+    from exporter.runtime import build_runtime, sources_for
+
     return build_runtime(
         config,
         mode="embedded",
@@ -286,6 +294,8 @@ def _under_run(config: Config) -> Handle:
         web_config_file=None,
         admin_auth=("token",),
     )
+    from exporter.runtime import build_runtime
+
     _handle = Handle(build_runtime(idle, mode="embedded", sources=[]))
     log.info(
         "gpumem-exporter: running under `gpumem-exporter run`; this process reports "
@@ -295,6 +305,8 @@ def _under_run(config: Config) -> Handle:
 
 
 def _serve(runtime: Runtime, handle: Handle) -> None:
+    from exporter.http.server import ServerStartError
+
     try:
         http = runtime.server()
     except ServerStartError as exc:
@@ -317,7 +329,7 @@ def _serve(runtime: Runtime, handle: Handle) -> None:
 def attach(
     app: Any,
     *,
-    registry: CollectorRegistry = REGISTRY,
+    registry: CollectorRegistry | None = None,
     interval_s: float | None = None,
     labels: dict[str, str] | None = None,
     on_alert: AlertListener | None = None,
@@ -331,6 +343,12 @@ def attach(
     that folder's files, they are also written there on every sample
     (exporter.multiprocess), each process's series labelled with its `pid`.
     """
+    from prometheus_client import REGISTRY
+
+    from exporter.http.server import add_routes
+    from exporter.multiprocess import MultiprocessBridge, multiprocess_dir
+
+    registry = REGISTRY if registry is None else registry
     global _handle
     asked = {"interval_s": interval_s, "labels": labels, **settings}
     options = {

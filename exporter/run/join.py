@@ -97,11 +97,15 @@ def join_or_start(config: Config, *, timeout_s: float = START_TIMEOUT_S) -> Help
 def base(config: Config) -> str:
     """Where helper folders live: `helper_dir` (a volume shared with a sidecar), else the run
     folders' place (where a socket's path fits its 107 bytes)."""
-    if config.helper_dir:
-        return config.helper_dir
-    from exporter.run.launcher import run_base
+    return config.helper_dir or socket_base()
 
-    return run_base()
+
+def socket_base() -> str:
+    """The temp dir, unless a socket's path in a helper's or a launcher's folder there would
+    pass the 107 bytes a Unix socket's path may have: then /tmp."""
+    base = tempfile.gettempdir()
+    longest = os.path.join(base, f"{HELPER_PREFIX}{2**32}-65535-12345678", SOCKET_NAME)
+    return base if len(longest.encode()) <= 107 else "/tmp"
 
 
 def folder_for(config: Config) -> Path:

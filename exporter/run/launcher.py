@@ -35,9 +35,10 @@ from exporter.actions.snapshots import SnapshotStore
 from exporter.config import SETTINGS, Config
 from exporter.http.server import ServerStartError
 from exporter.run import reaper
-from exporter.run.agent import CONFIG_NAME, RUN_DIR_ENV, SOCKET_NAME
+from exporter.run.agent import CONFIG_NAME, RUN_DIR_ENV
 from exporter.run.aggregator import Aggregator
 from exporter.run.fanout import FanOutActions
+from exporter.run.join import socket_base
 from exporter.run.supervisor import PR_SET_DUMPABLE, Supervisor, prctl
 from exporter.runtime import Runtime, build_runtime, sources_for
 from exporter.sources import Source
@@ -96,7 +97,7 @@ def _run(command: Sequence[str], config: Config, supervisor: Supervisor) -> int:
     with contextlib.ExitStack() as cleanup:  # whatever was set up is undone, on any exit
         # 0700: only this user reaches the socket.
         try:
-            run_dir = tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-", dir=run_base())
+            run_dir = tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-", dir=socket_base())
             cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
             cleanup.callback(os.close, hold_lock(run_dir))  # the folder's proof of life
             # Stops the command if this process is killed; without the admin token.
@@ -151,14 +152,6 @@ def serving_runtime(
     return build_runtime(config, mode=mode, sources=sources, actions=actions), machine
 
 
-def run_base() -> str:
-    """The temp dir, unless the socket's path in it would pass the 107 bytes a Unix socket's
-    path may have: then /tmp."""
-    base = tempfile.gettempdir()
-    longest = os.path.join(base, f"{RUN_PREFIX}{2**22}-12345678", SOCKET_NAME)
-    return base if len(longest.encode()) <= 107 else "/tmp"
-
-
 LOCK_NAME = "launcher.lock"
 # A folder without its lock yet may be a launcher between mkdtemp and flock: spared this long.
 NEW_FOLDER_S = 60.0
@@ -199,7 +192,7 @@ def sweep_run_folders() -> None:
     """Remove run folders of this user left by launchers that are gone (one killed together
     with its keeper, e.g. by `kill -9 -PGID`). Liveness is the launcher's own lock on its
     folder, so no launcher removes another's, whatever PID namespace either runs in."""
-    bases = {tempfile.gettempdir(), run_base()}  # run_base may have fallen back to /tmp
+    bases = {tempfile.gettempdir(), socket_base()}  # it may have fallen back to /tmp
     for folder in (f for base in bases for f in Path(base).glob(f"{RUN_PREFIX}*-*")):
         try:
             info = folder.lstat()

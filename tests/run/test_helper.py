@@ -40,7 +40,9 @@ SERVER = textwrap.dedent(
             print(json.dumps({"pid": os.getpid(), "url": again.url}), flush=True)
             time.sleep(600)
             os._exit(0)
-    print(json.dumps({"pid": os.getpid(), "url": handle.url, "error": handle.error}), flush=True)
+    web = [m for m in ("fastapi", "uvicorn", "prometheus_client", "psutil") if m in sys.modules]
+    said = {"pid": os.getpid(), "url": handle.url, "error": handle.error, "web": web}
+    print(json.dumps(said), flush=True)
     time.sleep(600)
     """
 )
@@ -103,6 +105,7 @@ def test_a_process_that_called_start_owns_no_listening_socket_and_its_sigkill_le
     with servers(port) as [server]:
         said = answer(server)
         assert said["error"] is None and said["url"] == f"http://127.0.0.1:{port}"
+        assert said["web"] == []  # the probe's modules only: no web stack in the server
         assert "gpumem_exporter_build_info" in metrics(port)
         listening = [
             c for c in psutil.Process(server.pid).net_connections("all") if c.status == "LISTEN"

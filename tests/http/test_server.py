@@ -119,8 +119,11 @@ def test_a_cpu_only_host_served_by_the_helper(stopped, caplog):
     handle = exporter.start(port=0, interval_s=0.05)
     deadline = time.monotonic() + 10
     while True:
-        with urllib.request.urlopen(handle.url + "/healthz", timeout=5) as response:
-            health = json.loads(response.read())
+        try:
+            with urllib.request.urlopen(handle.url + "/healthz", timeout=5) as response:
+                health = json.loads(response.read())
+        except urllib.error.HTTPError as answer:  # 503 while it starts
+            health = json.loads(answer.read())
         if health["status"] == "ok" or time.monotonic() > deadline:
             break
         time.sleep(0.05)

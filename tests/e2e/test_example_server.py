@@ -274,13 +274,15 @@ def test_exporter_metrics(server: Server) -> None:
         return [s.value for s in samples if s.name == name and labels.items() <= s.labels.items()]
 
     # The model label from MODEL_NAME merged with GPUMEM_LABELS, on every series.
-    assert values("gpumem_exporter_build_info", mode="embedded", model="example-test", tier="test")
+    # Served by the helper exporter.start() started beside the server.
+    assert values("gpumem_exporter_build_info", mode="helper", model="example-test", tier="test")
     host_total = values("host_memory_total_bytes", model="example-test")
     assert host_total
     assert host_total[0] > 0
-    # torch is imported, so its source runs and is up; CUDA is never initialized, so it has
-    # nothing to report: no allocator series at all.
-    assert values("gpumem_exporter_source_up", source="torch") == [1.0]
+    # The server's probe reports (its process on /metrics, by its host memory); CUDA is
+    # never initialized, so it has no allocator to report: no allocator series at all.
+    assert values("gpumem_exporter_source_up", source="agents") == [1.0]
+    assert values("host_process_resident_memory_bytes", model="example-test")
     allocator = sorted({s.name for s in samples if s.name.startswith("torch_cuda_")})
     assert "torch_cuda_reserved_bytes" not in allocator
     assert "torch_cuda_allocated_bytes" not in allocator

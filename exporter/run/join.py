@@ -195,7 +195,9 @@ def _live_helpers_url(folder: Path, deadline: float) -> str | None:
 
 
 def _spawn(folder: Path, config: Config) -> subprocess.Popen[bytes]:
-    env = dict(os.environ)
+    # Not the server's multiprocess folder: the helper's series are its own registry's, and
+    # must not land among the files the server's MultiProcessCollector serves.
+    env = {k: v for k, v in os.environ.items() if k.lower() != "prometheus_multiproc_dir"}
     for name in SECRETS:
         value = getattr(config, name)
         key = SETTINGS[name].env(name)

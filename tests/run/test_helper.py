@@ -76,7 +76,9 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) 
 
 
 @contextmanager
-def servers(port: int, count: int = 1, *extra: str) -> Iterator[list[subprocess.Popen[str]]]:
+def servers(
+    port: int, count: int = 1, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[list[subprocess.Popen[str]]]:
     """`count` servers started at once, each with its handle's answer read; all killed after."""
     procs = [
         subprocess.Popen(
@@ -84,6 +86,7 @@ def servers(port: int, count: int = 1, *extra: str) -> Iterator[list[subprocess.
             stdout=subprocess.PIPE,
             text=True,
             cwd=Path(exporter.__file__).parents[1],
+            env=env,
         )
         for _ in range(count)
     ]
@@ -300,3 +303,16 @@ def test_a_removed_folder_makes_the_helper_leave_and_the_probe_start_a_new_one()
         [second] = helpers(port)
         assert second.pid != first.pid
         assert (folder_of(port) / SOCKET_NAME).exists()
+
+
+def test_the_helper_keeps_out_of_the_servers_multiprocess_folder(tmp_path):
+    """A server with PROMETHEUS_MULTIPROC_DIR (vLLM): the helper has its own registry, and
+    is not told the folder whose files the server's /metrics serves."""
+    port = free_port()
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    with servers(port, env=env) as [server]:
+        answer(server)
+        [helper] = helpers(port)
+        assert "PROMETHEUS_MULTIPROC_DIR" not in helper.environ()
+        assert "gpumem_exporter_build_info" in metrics(port)
+    assert list(tmp_path.iterdir()) == []

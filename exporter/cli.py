@@ -47,7 +47,7 @@ from exporter.trace import TraceError, TraceWriter
 from exporter.version import __version__
 
 if TYPE_CHECKING:
-    from exporter.http.client import AdminClient
+    from exporter.client import AdminClient
 
 log = logging.getLogger("exporter")
 
@@ -549,7 +549,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 def _transport(args: argparse.Namespace) -> tuple[ssl.SSLContext | None, str | None]:
     """The TLS context (https URLs) and basic auth header the transport flags ask for."""
-    from exporter.http.client import ClientError, basic_authorization, tls_context
+    from exporter.client import ClientError, basic_authorization, tls_context
 
     if (args.cert is None) != (args.key is None):
         raise CliError("--cert and --key go together")
@@ -580,7 +580,7 @@ def _transport(args: argparse.Namespace) -> tuple[ssl.SSLContext | None, str | N
 
 
 def _client(args: argparse.Namespace) -> AdminClient:
-    from exporter.http.client import AdminClient, ClientError, kubeconfig_token
+    from exporter.client import AdminClient, ClientError, kubeconfig_token
 
     if args.kubeconfig_token and args.token_file is not None:
         raise CliError("--kubeconfig-token and --token-file: give one")
@@ -680,7 +680,7 @@ def _act(args: argparse.Namespace, action: Action, **params: Any) -> dict[str, A
 
 
 def _client_call(args: argparse.Namespace, call: Callable[[Target], dict[str, Any]]) -> Any:
-    from exporter.http.client import ClientError
+    from exporter.client import ClientError
 
     try:
         return call(_target(args))
@@ -697,7 +697,7 @@ def _output_path(output: Path, process: dict[str, str], filename: str, several: 
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
-    from exporter.http.client import ClientError
+    from exporter.client import ClientError
 
     _check_flags(SNAPSHOT, record_s=args.record_s, stacks=args.stacks, max_entries=args.max_entries)
     _writable(args.output, "-o", folder_ok=True)

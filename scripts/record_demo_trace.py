@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 import exporter
-from exporter.http.client import AdminClient
+from exporter.client import AdminClient
 from exporter.trace import TraceWriter
 
 GiB = 1 << 30

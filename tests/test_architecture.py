@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, ...]] = [
         "answers",
     ),
     ("actions",),  # what the admin API can do, one implementation per mode
-    ("http",),  # the endpoint: /metrics, the admin API, the live page, the client
+    ("http", "client"),  # the endpoint (/metrics, the admin API, the live page); its client
     ("runtime", "modes"),  # assembly: one declaration per way of running
     # entry points; reference writes docs/ tables from the declarations
     ("run", "embedded", "cli", "__init__", "reference"),

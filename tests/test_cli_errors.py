@@ -295,7 +295,7 @@ def test_a_snapshot_download_is_streamed_and_a_cut_one_leaves_no_file(tmp_path, 
     """Snapshots can be GBs: the client writes the answer as it comes (issue 38), and a
     download cut off mid-way is one error with nothing left at the output."""
     from exporter import atomic
-    from exporter.http.client import AdminClient, ClientError
+    from exporter.client import AdminClient, ClientError
 
     body = os.urandom(3 << 20)
     reads: list[int] = []
@@ -401,7 +401,7 @@ def test_an_endless_answer_is_cut_at_a_bound_never_held_whole(monkeypatch):
     import time
     import tracemalloc
 
-    from exporter.http import client
+    from exporter import client
 
     monkeypatch.setattr(client, "MAX_ANSWER_BYTES", 4 << 20)
     with raw_exporter(CHUNKED, endless_chunks) as url:
@@ -423,7 +423,7 @@ def test_a_trickled_answer_is_given_up_at_the_deadline(head, body):
     the socket's timeout); a trickled head too. One deadline holds the whole exchange."""
     import time
 
-    from exporter.http import client
+    from exporter import client
 
     with raw_exporter(head, body) as url:
         started = time.monotonic()

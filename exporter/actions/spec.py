@@ -2,7 +2,7 @@
 
 From this list come the admin API's routes and request models (exporter.http.admin), the
 fan-out's messages and the agents' dispatch under `gpumem-exporter run` (exporter.run), the
-client's requests (exporter.http.client) and the CLI's options (exporter.cli). Adding an
+client's requests (exporter.client) and the CLI's options (exporter.cli). Adding an
 action is one `Action` here and one method on each implementation of `base.Actions`.
 
 Parameters are checked here (`Action.check`), with the same bounds the HTTP models declare,

@@ -194,7 +194,8 @@ try {
     await send("Emulation.setDeviceMetricsOverride", { width, height: 1000, deviceScaleFactor: 1, mobile: false });
     await send("Page.navigate", { url: options.url });
     await waitFor(`charts at ${width} px`, ready);
-    await waitFor("the admin state", `!document.getElementById("admin-state").textContent.startsWith("Checking")`);
+    // Absent for a moment while the page (re)loads under a busy machine: wait, not throw.
+    await waitFor("the admin state", `document.getElementById("admin-state")?.textContent.startsWith("Checking") === false`);
     await screenshot(`live-page-${width}.png`, width);
     result.widths[width] = await evaluate(state);
   }

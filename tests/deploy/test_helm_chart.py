@@ -75,8 +75,21 @@ SECURED: dict[str, Any] = {
     },
     "adminAuth": {"kubernetes": {"enabled": True}},
 }
+# TLS from a Secret of yours, client certificates required.
+REQUIRED_CLIENT_CERT: dict[str, Any] = {
+    "tls": {
+        "enabled": True,
+        "existingSecret": "exporter-tls",
+        "clientAuthType": "RequireAndVerifyClientCert",
+        "clientCA": {"existingSecret": "prometheus-client-ca"},
+    }
+}
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
+    "client-cert-required": {
+        "web": REQUIRED_CLIENT_CERT,
+        "serviceMonitor": {"clientCertificate": {"existingSecret": "prometheus-client"}},
+    },
     "host-pid": {"daemonset": {"hostPID": True}},
     "no-kubelet": {"daemonset": {"kubelet": {"enabled": False}}},
     "pod-reader": {"daemonset": {"kubelet": {"podReader": True}}},
@@ -1064,6 +1077,15 @@ def test_kubernetes_admin_identities_get_review_rights_and_on_call_roles(
             {"web": {"tls": {"enabled": True, "certManager": {"enabled": True}}}},
             "needs web.tls.certManager.issuerRef.name",
         ),
+        # Client certificates required and none for Prometheus: it would be refused.
+        ({"web": REQUIRED_CLIENT_CERT}, "needs serviceMonitor.clientCertificate.existingSecret"),
+        (
+            {
+                "web": REQUIRED_CLIENT_CERT,
+                "serviceMonitor": {"tlsConfig": {"ca": {"secret": {"name": "s", "key": "ca"}}}},
+            },
+            "serviceMonitor.tlsConfig needs cert and keySecret",
+        ),
     ],
 )
 def test_incomplete_security_values_fail_render(values: dict[str, Any], message: str) -> None:
@@ -1096,3 +1118,26 @@ def test_notes_have_no_stray_whitespace(name: str) -> None:
     notes = render_notes(VALUE_SETS[name])
     assert [line for line in notes.splitlines() if line != line.rstrip()] == []
     assert "\n\n\n" not in notes
+
+
+def test_required_client_certificates_make_prometheus_present_one() -> None:
+    """docs/deploy.md's mTLS set-up without a tlsConfig of one's own: the ServiceMonitor
+    presents serviceMonitor.clientCertificate (it once rendered none, and Prometheus was
+    refused with "certificate required"); NOTES' curl presents one too."""
+    values = {
+        "web": REQUIRED_CLIENT_CERT,
+        "serviceMonitor": {"clientCertificate": {"existingSecret": "prometheus-client"}},
+    }
+    endpoint = one(render(values), "ServiceMonitor")["spec"]["endpoints"][0]
+    assert endpoint["tlsConfig"] == {
+        "ca": {"secret": {"name": "exporter-tls", "key": "ca.crt"}},
+        "serverName": "gm-gpumem-exporter.monitoring.svc",
+        "cert": {"secret": {"name": "prometheus-client", "key": "tls.crt"}},
+        "keySecret": {"name": "prometheus-client", "key": "tls.key"},
+    }
+    notes = render_notes(values)
+    assert "--cert client.crt --key client.key" in notes and "required" in notes
+    # Asked for but not required: presented when given, not demanded.
+    optional = {"tls": {**REQUIRED_CLIENT_CERT["tls"], "clientAuthType": "VerifyClientCertIfGiven"}}
+    endpoint = one(render({"web": optional}), "ServiceMonitor")["spec"]["endpoints"][0]
+    assert "cert" not in endpoint["tlsConfig"]

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from tests.conftest import require_tool
+from tests.deploy.test_helm_chart import REQUIRED_CLIENT_CERT, one, render
 from tests.helpers import (
     free_port,
     prometheus_api,
@@ -27,13 +28,21 @@ from tests.support.pki import Authority, web_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
+CHART_VALUES = {
+    "web": REQUIRED_CLIENT_CERT,
+    "serviceMonitor": {"clientCertificate": {"existingSecret": "prometheus-client"}},
+}
+CHART_SERVER_NAME = "gm-gpumem-exporter.monitoring.svc"
+
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory) -> Iterator[dict[str, dict]]:
     prometheus = require_tool("prometheus")
     tmp = tmp_path_factory.mktemp("e2e-tls")
     ca = Authority(tmp / "pki")
-    server, client = ca.issue("exporter"), ca.issue("prometheus", "DNS:prometheus")
+    # The chart's Service name too: the rendered ServiceMonitor checks it (serverName).
+    sans = f"DNS:localhost,IP:127.0.0.1,DNS:{CHART_SERVER_NAME}"
+    server, client = ca.issue("exporter", sans), ca.issue("prometheus", "DNS:prometheus")
     (tmp / "password").write_text("scrape-password\n")
     (tmp / "wrong").write_text("not-it\n")
     hashed = bcrypt.hashpw(b"scrape-password", bcrypt.gensalt(10)).decode()
@@ -66,6 +75,25 @@ def targets(tmp_path_factory) -> Iterator[dict[str, dict]]:
         }
 
     good_auth = {"username": "prometheus", "password_file": str(tmp / "password")}
+    # What the chart renders for docs/deploy.md's mTLS set-up, its Secrets read as the
+    # Prometheus Operator reads them: each (name, key) a file.
+    files = {
+        ("exporter-tls", "ca.crt"): ca.cert,
+        ("prometheus-client", "tls.crt"): client.cert,
+        ("prometheus-client", "tls.key"): client.key,
+    }
+    endpoint = one(render(CHART_VALUES), "ServiceMonitor")["spec"]["endpoints"][0]
+    rendered = endpoint["tlsConfig"]
+
+    def file_of(ref: dict[str, str]) -> str:
+        return str(files[(ref["name"], ref["key"])])
+
+    chart_tls = {
+        "ca_file": file_of(rendered["ca"]["secret"]),
+        "cert_file": file_of(rendered["cert"]["secret"]),
+        "key_file": file_of(rendered["keySecret"]),
+        "server_name": rendered["serverName"],
+    }
     scrape = {
         "global": {"scrape_interval": "1s"},
         "scrape_configs": [
@@ -74,6 +102,8 @@ def targets(tmp_path_factory) -> Iterator[dict[str, dict]]:
                 basic_auth={"username": "prometheus", "password_file": str(tmp / "wrong")}),
             job("no-client-cert", tls_config={"ca_file": str(ca.cert), "server_name": "localhost"},
                 basic_auth=good_auth),
+            job("chart-rendered", tls_config=chart_tls, basic_auth=good_auth,
+                scheme=endpoint["scheme"]),
         ],
     }  # fmt: skip
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(scrape))
@@ -88,7 +118,7 @@ def targets(tmp_path_factory) -> Iterator[dict[str, dict]]:
         while True:
             active = prometheus_api(url, "targets")["activeTargets"]
             by_job = {t["labels"]["job"]: t for t in active}
-            if len(by_job) == 3 and all(t["health"] != "unknown" for t in by_job.values()):
+            if len(by_job) == 4 and all(t["health"] != "unknown" for t in by_job.values()):
                 break
             assert time.monotonic() < deadline, active
             time.sleep(0.5)
@@ -122,3 +152,10 @@ def test_no_client_certificate_is_refused_at_the_handshake(targets):
     assert target["health"] == "down"
     # The TLS alert reaches the client (asyncio alone would reset the connection).
     assert "certificate required" in target["lastError"], target["lastError"]
+
+
+def test_prometheus_scrapes_with_the_tls_settings_the_chart_renders(targets):
+    """Client certificates required: the ServiceMonitor the chart renders (its Secrets as
+    files) scrapes; before, it presented no certificate and was refused."""
+    target = targets["chart-rendered"]
+    assert target["health"] == "up", target["lastError"]

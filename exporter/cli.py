@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_stats_command,
         _add_why_command,
         _add_view_command,
+        _add_hash_password_command,
     ):
         add(commands)
     return parser
@@ -820,6 +821,50 @@ def cmd_view(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_hash_password_command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
+    hashing = commands.add_parser(
+        "hash-password",
+        help="bcrypt hash of a password for the web config's basic_auth_users (htpasswd -B)",
+        description="Read a password (asked twice on a terminal, else the first line of "
+        "stdin; never an argument, which `ps` shows) and print its bcrypt hash for "
+        "basic_auth_users in the web config file or the chart's web.basicAuth.users.",
+    )
+    hashing.add_argument(
+        "--cost",
+        type=int,
+        default=10,
+        help="bcrypt cost, 10 to 16 (default 10: ~70 ms a check, once per user and password)",
+    )
+
+
+# Below 10 a stolen hash falls too fast; above 16 each first check takes seconds.
+HASH_COSTS = range(10, 17)
+
+
+def cmd_hash_password(args: argparse.Namespace) -> int:
+    import getpass
+
+    import bcrypt
+
+    if args.cost not in HASH_COSTS:
+        raise CliError(f"--cost: expected {HASH_COSTS.start} to {HASH_COSTS.stop - 1}")
+    if sys.stdin.isatty():
+        password = getpass.getpass("Password: ")
+        if getpass.getpass("Again: ") != password:
+            raise CliError("the passwords differ")
+    else:
+        password = sys.stdin.readline().removesuffix("\n").removesuffix("\r")
+    if not password:
+        raise CliError("an empty password")
+    encoded = password.encode()
+    if len(encoded) > 72:  # bcrypt reads 72 bytes: the rest would not count
+        raise CliError("a password of more than 72 bytes (bcrypt ignores the rest)")
+    print(bcrypt.hashpw(encoded, bcrypt.gensalt(args.cost)).decode())
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -838,6 +883,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "stats": cmd_stats,
         "why": cmd_why,
         "view": cmd_view,
+        "hash-password": cmd_hash_password,
     }
     if args.command not in handlers:
         parser.print_help(sys.stderr)

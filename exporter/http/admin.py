@@ -585,10 +585,14 @@ _refused_log = RateLimitedLog(audit)
 
 def _audit(request: Request, label: str, outcome: str, status: int) -> None:
     """One line per admin action (what changes state) with who asked and from where; refusals
-    too, at most once a minute per kind (a scanner must not flood the log). Never a credential."""
+    too, at most once a minute per kind (a scanner must not flood the log). Never a credential.
+    Not a read refused because admin actions are off: that is the live page asking what it may
+    show, whenever it is open, and the server's log is the host's."""
     user = getattr(request.state, "admin_user", None) or "-"
     client = request.client.host if request.client else "-"
     line = f"admin {request.method} {label} by {user} from {client}: {outcome} ({status})"
+    if outcome == "disabled" and request.method in ("GET", "HEAD"):
+        return
     if status in (401, 403, 503):
         _refused_log.warning(outcome, line)
     elif request.method not in ("GET", "HEAD"):

@@ -73,7 +73,15 @@ def _nvml(config: Config, made: Made, users: Users) -> Source:
     # node. The node daemon and `run` read every GPU they can see.
     allocators: list[Any] = providing(made, ALLOCATOR)
     uuids = (lambda: allocators[0].uuids_in_use) if allocators else None
-    return NvmlSource(only_uuids=uuids, process_interval_s=config.process_interval_s, users=users)
+    # Why none is in use, in the allocator source's words (the torch source knows a CPU-only
+    # torch; the accelerator source says nothing more).
+    why_idle = (lambda: str(getattr(allocators[0], "idle_reason", ""))) if allocators else None
+    return NvmlSource(
+        only_uuids=uuids,
+        process_interval_s=config.process_interval_s,
+        users=users,
+        why_idle=why_idle,
+    )
 
 
 def _host(config: Config, made: Made, users: Users) -> Source:

@@ -101,6 +101,7 @@ class NvmlSource:
         clock: Any = time.monotonic,
         *,
         only_uuids: Callable[[], Collection[str]] | None = None,
+        why_idle: Callable[[], str] | None = None,
         process_interval_s: float = PROCESS_INTERVAL_S,
         users: Callable[[], Hashable] | None = None,
     ) -> None:
@@ -109,6 +110,8 @@ class NvmlSource:
         # Embedded in a server: only the GPUs this process holds a context on (their UUIDs,
         # from the allocator source). Every GPU of the node is the node daemon's job.
         self._only_uuids = only_uuids
+        # Why the process uses no GPU, in its allocator source's words (a CPU-only torch).
+        self._why_idle = why_idle
         self._process_interval_s = process_interval_s
         # Who uses the GPUs (under `run`: each reporting process and its GPUs). When that
         # changes, the list is read at once: a process that just joined gets its
@@ -175,7 +178,8 @@ class NvmlSource:
     def read(self) -> SourceReading:
         wanted = self._only_uuids() if self._only_uuids is not None else None
         if wanted is not None and not wanted:  # NVML is not even loaded then
-            return SourceReading(unavailable="no GPU in use by this process (yet)")
+            why = self._why_idle() if self._why_idle is not None else ""
+            return SourceReading(unavailable=why or "no GPU in use by this process (yet)")
         devices = self._init()
         if devices is None:
             return SourceReading(unavailable=self._absent)

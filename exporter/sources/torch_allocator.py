@@ -177,6 +177,18 @@ RETRY_LAYOUT_MIN_S = 1.0
 _SETTINGS = ("expandable_segments", "garbage_collection_threshold", "max_split_size")
 
 
+# What an embedded exporter says where the process's torch has no CUDA at all, instead of
+# waiting for a GPU that this torch can never use.
+NO_CUDA_BUILD = "this process's torch is built without CUDA (a CPU-only wheel): no GPU to read"
+
+
+def _built_with_cuda(torch: Any) -> bool:
+    version = getattr(torch, "version", None)
+    if version is None:
+        return True  # cannot tell: read as before
+    return bool(getattr(version, "cuda", None) or getattr(version, "hip", None))
+
+
 class TorchAllocatorSource:
     """Reads every CUDA device this process has already initialized; never initializes one."""
 
@@ -252,8 +264,18 @@ class TorchAllocatorSource:
             return None
         return self._backend, bool(self._expandable)
 
+    @property
+    def idle_reason(self) -> str:
+        """Why this process reports no GPU: a torch built without CUDA never will."""
+        torch = self._load_torch()
+        if torch is not None and not _built_with_cuda(torch):
+            return NO_CUDA_BUILD
+        return "no GPU in use by this process (yet)"
+
     def read(self) -> SourceReading:
         torch = self._load_torch()
+        if torch is not None and not _built_with_cuda(torch):
+            return SourceReading(unavailable=NO_CUDA_BUILD)
         if torch is None or not torch.cuda.is_initialized():
             return SourceReading()
         backend, expandable = self._settings(torch)

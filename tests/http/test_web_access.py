@@ -242,3 +242,25 @@ def test_an_unknown_user_costs_what_a_known_one_does():
     known = min(took("prometheus", f"wrong{n}") for n in range(2))
     unknown = min(took("nobody", f"guess{n}") for n in range(2))
     assert unknown > 0.7 * known, (unknown, known)
+
+
+def test_a_read_refused_because_admin_is_off_is_not_logged_a_write_is(
+    tmp_path, caplog, monkeypatch
+):
+    """The live page asks /snapshots whenever it is open: with admin actions off (no token)
+    that is no incident, and the server's log is the host's (issue 54). A write still is."""
+    from fastapi.testclient import TestClient
+
+    from exporter.http import admin
+    from exporter.ratelimit import RateLimitedLog
+
+    # Once a minute per kind: this test's own first.
+    monkeypatch.setattr(admin, "_refused_log", RateLimitedLog(admin.audit))
+    app, _ = make_app(tmp_path, mode="embedded", admin_token=None)
+    caplog.set_level(logging.INFO, logger="exporter.audit")
+    client = TestClient(app)
+    assert client.get("/snapshots").status_code == 403
+    assert [r for r in caplog.records if r.name == "exporter.audit"] == []
+    assert client.post("/snapshot", json={}).status_code == 403
+    [line] = [r.getMessage() for r in caplog.records if r.name == "exporter.audit"]
+    assert "POST" in line and "disabled (403)" in line

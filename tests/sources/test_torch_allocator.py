@@ -232,3 +232,19 @@ def test_the_light_snapshot_at_an_oom_is_refused_over_the_block_limit_or_while_r
     with pytest.raises(RuntimeError, match="history recording is on"):
         source.light_snapshot()
     assert len(taken) == 1
+
+
+def test_a_torch_built_without_cuda_is_said_so_not_waited_for():
+    """Issue 54: with a CPU-only torch (this machine's wheel), "no GPU in use by this process
+    (yet)" waited for a GPU this torch can never use. The torch source and the NVML source
+    of an embedded exporter say what it is."""
+    torch = pytest.importorskip("torch")
+    if torch.version.cuda or getattr(torch.version, "hip", None):
+        pytest.skip("this torch has CUDA (the GPU machine)")
+    from exporter.config import Config
+    from exporter.runtime import sources_for
+    from exporter.sources.torch_allocator import NO_CUDA_BUILD
+
+    made = {source.name: source for source in sources_for("embedded", Config())}
+    assert made["torch"].read().unavailable == NO_CUDA_BUILD
+    assert made["nvml"].read().unavailable == NO_CUDA_BUILD

@@ -26,6 +26,7 @@ from exporter.actions.base import Target
 from exporter.actions.snapshots import ID_PATTERN, STATUSES
 from exporter.actions.spec import SNAPSHOT, STOP_CAPTURE, Action, ParamError
 from exporter.no_redirects import opener
+from exporter.refusals import basic_auth_hint
 
 EVERY_PROCESS = Target()
 CHUNK_BYTES = 1 << 20  # a download's piece
@@ -215,7 +216,13 @@ class AdminClient:
                 detail = json.loads(detail).get("detail", detail)
             if 300 <= exc.code < 400:  # _NoRedirect: where it pointed, not its body
                 detail = str(exc.msg)
-            if exc.code == 401 and self._token is None:
+            basic = basic_auth_hint(
+                exc.headers.get("WWW-Authenticate") if exc.headers else None,
+                self._basic is not None,
+            )
+            if exc.code == 401 and basic is not None:
+                detail = basic  # the web config's basic auth, before any route but the probes
+            elif exc.code == 401 and self._token is None:
                 detail = (
                     "the exporter asks for an admin token: pass --token-file, or set "
                     "GPUMEM_ADMIN_TOKEN_FILE or GPUMEM_ADMIN_TOKEN"

@@ -28,6 +28,7 @@ from exporter import catalog
 from exporter.catalog import PROCESS_LABELS
 from exporter.no_redirects import opener
 from exporter.oom_verdict import READINGS, OomVerdict, decide
+from exporter.refusals import basic_auth_hint
 from exporter.sample import (
     AllocatorReading,
     GpuReading,
@@ -289,6 +290,12 @@ def scrape(
             return str(response.read().decode("utf-8"))
     except urllib.error.HTTPError as exc:
         where = f" ({exc.msg})" if 300 <= exc.code < 400 else ""
+        basic = basic_auth_hint(
+            exc.headers.get("WWW-Authenticate") if exc.headers else None,
+            "Authorization" in request.headers,
+        )
+        if exc.code == 401 and basic is not None:
+            where = f": {basic}"
         raise RecordError(f"{url} answered HTTP {exc.code}{where}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         # HTTPException: the target died mid-answer (IncompleteRead, a bad status line).

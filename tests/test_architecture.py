@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
         "budget",
         "ratelimit",
         "no_redirects",
+        "refusals",
         "catalog",
         "oom_verdict",
         "sample",

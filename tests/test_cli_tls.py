@@ -62,6 +62,12 @@ def test_record_with_basic_auth(secured):
                     str(tmp / "x.jsonl.gz"), "--duration-s", "1",
                     env=_env(GPUMEM_PASSWORD="nope"))  # fmt: skip
     assert wrong.returncode == 2 and "HTTP 401" in wrong.stderr
+    # The server asked for basic auth: the CLI says so, not "an admin token" (issue 54).
+    assert "asks for basic auth" in wrong.stderr and "refused" in wrong.stderr, wrong.stderr
+    none = run_cli("record", "--url", url, *tls, "-o", str(tmp / "y.jsonl.gz"),
+                   "--duration-s", "1", env=_env())  # fmt: skip
+    assert none.returncode == 2 and "asks for basic auth: pass --user" in none.stderr
+    assert "admin token" not in none.stderr and len(none.stderr.splitlines()) == 1
 
 
 @pytest.mark.slow

@@ -27,15 +27,21 @@ import yaml
 
 from tests.conftest import REPO_ROOT
 from tests.helpers import JS_DIR, require_js_deps, require_module, run_tsc
+from tests.support.chart import (
+    CHART,
+    NAMESPACE,
+    RELEASE,
+    REQUIRED_CLIENT_CERT,
+    by_kind,
+    helm,
+    one,
+    render,
+)
 
-helm = require_module("helm_python", "helm-python-sdk")
 kubernetes_validate = require_module("kubernetes_validate", "kubernetes-validate")
 
-CHART = REPO_ROOT / "deploy" / "helm" / "gpumem-exporter"
 RULES_DIR = REPO_ROOT / "deploy" / "prometheus"
 DASHBOARDS_DIR = REPO_ROOT / "dashboards"
-RELEASE = "gm"
-NAMESPACE = "monitoring"
 # The chart's kubeVersion floor and the newest schema kubernetes-validate ships.
 KUBE_VERSIONS = ("1.25.0", kubernetes_validate.latest_version())
 MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
@@ -74,15 +80,6 @@ SECURED: dict[str, Any] = {
         "tlsConfig": {"ca": {"configMap": {"name": "inference-ca", "key": "ca.crt"}}},
     },
     "adminAuth": {"kubernetes": {"enabled": True}},
-}
-# TLS from a Secret of yours, client certificates required.
-REQUIRED_CLIENT_CERT: dict[str, Any] = {
-    "tls": {
-        "enabled": True,
-        "existingSecret": "exporter-tls",
-        "clientAuthType": "RequireAndVerifyClientCert",
-        "clientCA": {"existingSecret": "prometheus-client-ca"},
-    }
 }
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -217,33 +214,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
 }
 
 
-def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Render the chart as an install would and return its objects (NOTES.txt left out)."""
-    with helm.Chart.load(CHART) as chart:
-        chart.validate_schema(values)
-        manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
-    docs: list[Any] = []
-    for path, text in sorted(manifests.items()):
-        if not path.endswith(".yaml"):
-            continue
-        docs.extend(doc for doc in yaml.safe_load_all(text) if doc)
-    return docs
-
-
 def render_notes(values: dict[str, Any] | None = None) -> str:
     with helm.Chart.load(CHART) as chart:
         manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
     return next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
-
-
-def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [doc for doc in docs if doc["kind"] == kind]
-
-
-def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    found = by_kind(docs, kind)
-    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
-    return found[0]
 
 
 def container(docs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -16,7 +16,6 @@ import pytest
 import yaml
 
 from tests.conftest import require_tool
-from tests.deploy.test_helm_chart import REQUIRED_CLIENT_CERT, one, render
 from tests.helpers import (
     free_port,
     prometheus_api,
@@ -24,6 +23,7 @@ from tests.helpers import (
     stop_processes,
     wait_http,
 )
+from tests.support.chart import REQUIRED_CLIENT_CERT, one, render
 from tests.support.pki import Authority, web_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -62,6 +62,7 @@ def join_or_start(config: Config, *, timeout_s: float = START_TIMEOUT_S) -> Help
     """The helper serving `config.port` for this user: joined, or started. JoinError if
     neither (a taken port, a refused folder, a helper that does not answer in time)."""
     deadline = time.monotonic() + timeout_s
+    sweep(base(config))
     if config.port == 0:
         prefix = f"{HELPER_PREFIX}{os.getuid()}-0-"
         folder = Path(tempfile.mkdtemp(prefix=prefix, dir=base(config)))
@@ -92,6 +93,38 @@ def join_or_start(config: Config, *, timeout_s: float = START_TIMEOUT_S) -> Help
         return Helper(folder, str(answer["url"]), process, restarted)
     finally:
         os.close(lock)
+
+
+# A folder of a dead helper younger than this may be its starter's, between mkdir and spawn.
+SWEEP_AFTER_S = 60.0
+
+
+def sweep(where: str) -> None:
+    """Remove this user's helper folders whose helper is dead (SIGKILL leaves its folder) and
+    that nobody is starting one in: port 0's fresh folders would pile up otherwise."""
+    for folder in Path(where).glob(f"{HELPER_PREFIX}{os.getuid()}-*"):
+        try:
+            info = folder.lstat()
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            continue
+        if time.time() - info.st_mtime < SWEEP_AFTER_S or alive(folder):
+            continue
+        try:
+            fd = os.open(folder / START_LOCK, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(folder, ignore_errors=True)  # under its start lock: nobody inside
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def base(config: Config) -> str:

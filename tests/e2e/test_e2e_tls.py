@@ -53,6 +53,25 @@ def targets(tmp_path_factory) -> Iterator[dict[str, dict]]:
         "  client_allowed_sans: [prometheus]\n"
         f"basic_auth_users:\n  prometheus: {hashed}\n",
     )
+    # What the chart renders for docs/deploy.md's mTLS set-up, its Secrets read as the
+    # Prometheus Operator reads them: each (name, key) a file.
+    files = {
+        ("exporter-tls", "ca.crt"): ca.cert,
+        ("prometheus-client", "tls.crt"): client.cert,
+        ("prometheus-client", "tls.key"): client.key,
+    }
+    endpoint = one(render(CHART_VALUES), "ServiceMonitor")["spec"]["endpoints"][0]
+    rendered = endpoint["tlsConfig"]
+
+    def file_of(ref: dict[str, str]) -> str:
+        return str(files[(ref["name"], ref["key"])])
+
+    chart_tls = {
+        "ca_file": file_of(rendered["ca"]["secret"]),
+        "cert_file": file_of(rendered["cert"]["secret"]),
+        "key_file": file_of(rendered["keySecret"]),
+        "server_name": rendered["serverName"],
+    }
     exporter_port, prometheus_port = free_port(), free_port()
     exporter = subprocess.Popen(
         [sys.executable, "-m", "exporter.cli", "demo", "--port", str(exporter_port),
@@ -75,25 +94,7 @@ def targets(tmp_path_factory) -> Iterator[dict[str, dict]]:
         }
 
     good_auth = {"username": "prometheus", "password_file": str(tmp / "password")}
-    # What the chart renders for docs/deploy.md's mTLS set-up, its Secrets read as the
-    # Prometheus Operator reads them: each (name, key) a file.
-    files = {
-        ("exporter-tls", "ca.crt"): ca.cert,
-        ("prometheus-client", "tls.crt"): client.cert,
-        ("prometheus-client", "tls.key"): client.key,
-    }
-    endpoint = one(render(CHART_VALUES), "ServiceMonitor")["spec"]["endpoints"][0]
-    rendered = endpoint["tlsConfig"]
 
-    def file_of(ref: dict[str, str]) -> str:
-        return str(files[(ref["name"], ref["key"])])
-
-    chart_tls = {
-        "ca_file": file_of(rendered["ca"]["secret"]),
-        "cert_file": file_of(rendered["cert"]["secret"]),
-        "key_file": file_of(rendered["keySecret"]),
-        "server_name": rendered["serverName"],
-    }
     scrape = {
         "global": {"scrape_interval": "1s"},
         "scrape_configs": [

@@ -249,7 +249,7 @@ function createCard(entry) {
   card.dataset.key = entry.info.key;
   const view = {
     card, title, ids, facts, zoom, memChart, memLegend, memNote, ratioChart, ratioLegend, ratioNote,
-    mem: null, ratio: null, mode: null, cursor: null, wholeGpu: null,
+    mem: null, ratio: null, mode: null, cursor: null, wholeGpu: null, wholeShown: true,
     destroy() {
       if (this.mem) this.mem.destroy();
       if (this.ratio) this.ratio.destroy();
@@ -257,7 +257,7 @@ function createCard(entry) {
     },
   };
   zoom.addEventListener("click", () => {
-    view.wholeGpu = !view.wholeGpu;
+    view.wholeGpu = !view.wholeShown;
     applyZoom(entry);
   });
   entry.view = view;
@@ -268,19 +268,24 @@ function createCard(entry) {
 // few GiB in use on a 141 GiB GPU are not a sliver at the bottom.
 function applyZoom(entry) {
   const view = entry.view;
-  if (view.wholeGpu === null) {
+  let whole = view.wholeGpu;
+  if (whole === null) {
     const i = latestIndex();
     const free = valueAt(entry, "free_bytes", i);
     const total = valueAt(entry, "total_bytes", i);
     const inUse = free !== null && total ? (total - free) / total : null;
     // Zoomed in by default only where that shows more: the allocator's layers, using some
     // but less than half of the GPU. NVML alone (used, free) reads best whole.
-    view.wholeGpu = !(view.mode === "allocator" && inUse !== null && inUse > 0.02 && inUse < 0.5);
+    whole = !(view.mode === "allocator" && inUse !== null && inUse > 0.02 && inUse < 0.5);
+    // Decided for good once the GPU's numbers are in: a first sample without NVML's (not
+    // read yet, a busy server) once fixed the whole GPU for as long as the page was open.
+    if (inUse !== null || view.mode !== "allocator") view.wholeGpu = whole;
   }
+  view.wholeShown = whole;
   const freeSeries = view.mem.series.findIndex((s) => s.label === "free");
-  if (freeSeries > 0) view.mem.setSeries(freeSeries, { show: view.wholeGpu });
+  if (freeSeries > 0) view.mem.setSeries(freeSeries, { show: whole });
   view.zoom.hidden = freeSeries < 0;
-  view.zoom.textContent = view.wholeGpu ? "show memory in use" : "show the whole GPU";
+  view.zoom.textContent = whole ? "show memory in use" : "show the whole GPU";
   view.mem.redraw();
 }
 
@@ -306,8 +311,8 @@ function buildCharts(entry) {
   };
   const yRange = (u, min, max) => {
     const cap = capMax(entry);
-    const top = view.wholeGpu ? Math.max(yMax(entry), max || 0) : Math.max(max || 0, cap);
-    return [0, top > 0 ? top * (view.wholeGpu ? 1 : 1.05) : 1];
+    const top = view.wholeShown ? Math.max(yMax(entry), max || 0) : Math.max(max || 0, cap);
+    return [0, top > 0 ? top * (view.wholeShown ? 1 : 1.05) : 1];
   };
   view.mem = new uPlot(
     {

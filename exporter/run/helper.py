@@ -21,11 +21,9 @@ GPUMEM_HELPER_SPAWN=0 and join it), and it stays for as long as its container ru
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -163,24 +161,9 @@ def _folder_kept(folder: Path) -> bool:
 
 
 def _leave(folder: Path) -> None:
-    """Remove the folder, unless a start() is looking at it right now (it holds the start
-    lock, and starts the next helper in it)."""
     with contextlib.suppress(FileNotFoundError):
         (folder / join.URL_NAME).unlink()  # first: a URL left behind means a helper died
-    try:
-        fd = os.open(folder / join.START_LOCK, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        shutil.rmtree(folder, ignore_errors=True)
-        return
-    except OSError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        shutil.rmtree(folder, ignore_errors=True)  # under the lock: no start() inside
-    except BlockingIOError:
-        pass
-    finally:
-        os.close(fd)
+    join.remove_unless_starting(folder)
 
 
 def _failed(reason: str) -> int:

@@ -111,20 +111,26 @@ def sweep(where: str) -> None:
             continue
         if time.time() - info.st_mtime < SWEEP_AFTER_S or alive(folder):
             continue
-        try:
-            fd = os.open(folder / START_LOCK, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            shutil.rmtree(folder, ignore_errors=True)
-            continue
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            shutil.rmtree(folder, ignore_errors=True)  # under its start lock: nobody inside
-        except BlockingIOError:
-            pass
-        finally:
-            os.close(fd)
+        remove_unless_starting(folder)
+
+
+def remove_unless_starting(folder: Path) -> None:
+    """Remove a helper folder, unless a start() is in it right now (it holds the start lock,
+    and starts the next helper there)."""
+    try:
+        fd = os.open(folder / START_LOCK, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        shutil.rmtree(folder, ignore_errors=True)  # under its start lock: nobody inside
+    except BlockingIOError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def base(config: Config) -> str:

@@ -223,6 +223,7 @@ class TorchAllocatorSource:
         self._read_fraction: Any = None  # torch's getter, False where it has none
         self._with_context: set[int] = set()
         self._read_stats: Any = None
+        self._cpu_only: bool | None = None  # torch built without CUDA; None: not loaded yet
         # UUIDs of the GPUs read last time: the ones this process uses (the NVML source of
         # an embedded exporter reads only these).
         self.uuids_in_use: frozenset[str] = frozenset()
@@ -264,18 +265,24 @@ class TorchAllocatorSource:
             return None
         return self._backend, bool(self._expandable)
 
+    def _without_cuda(self) -> bool:
+        """Whether this process's torch is built without CUDA (known once torch is loaded)."""
+        if self._cpu_only is None:
+            torch = self._load_torch()
+            if torch is None:
+                return False
+            self._cpu_only = not _built_with_cuda(torch)
+        return self._cpu_only
+
     @property
     def idle_reason(self) -> str:
         """Why this process reports no GPU: a torch built without CUDA never will."""
-        torch = self._load_torch()
-        if torch is not None and not _built_with_cuda(torch):
-            return NO_CUDA_BUILD
-        return "no GPU in use by this process (yet)"
+        return NO_CUDA_BUILD if self._without_cuda() else "no GPU in use by this process (yet)"
 
     def read(self) -> SourceReading:
-        torch = self._load_torch()
-        if torch is not None and not _built_with_cuda(torch):
+        if self._without_cuda():
             return SourceReading(unavailable=NO_CUDA_BUILD)
+        torch = self._load_torch()
         if torch is None or not torch.cuda.is_initialized():
             return SourceReading()
         backend, expandable = self._settings(torch)

@@ -14,6 +14,7 @@ process, with the exporter package taken from `--root` (a checkout of the code t
 alternating rounds so that drift falls on every arm alike.
 
     python -m bench.loop_lateness --root /path/to/before --root . --seconds 20 --rounds 3
+    python -m bench.loop_lateness --root BEFORE:1Hz,10Hz --root . ...  (some arms of a tree)
 
 Lateness: how much later than asked each 1 ms sleep woke (p99, p99.9, max). CPU: the exporter's
 threads (named gpumem-*, each, and together) and the thread pool of the app's sync routes by
@@ -284,7 +285,12 @@ while time.monotonic() < end:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", action="append", required=True, help="code to measure")
+    parser.add_argument(
+        "--root",
+        action="append",
+        required=True,
+        help="code to measure; ROOT:ARMS measures only those arms of it (a before tree's)",
+    )
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--serve", help=argparse.SUPPRESS)
@@ -298,8 +304,9 @@ def main() -> None:
         return
     results: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
-        for root in args.root:
-            for arm in args.arms.split(","):
+        for given in args.root:
+            root, _, only = given.partition(":")
+            for arm in (only or args.arms).split(","):
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(REPO)]))
                 command = [sys.executable, __file__, "--root", root, "--serve", arm]
                 interval, _, under_run = ARMS[arm]

@@ -86,13 +86,84 @@ def measure(seconds: float, interval_s: float, full_every_tick: bool) -> dict[st
     }
 
 
+def profile_full(ticks: int) -> dict[str, Any]:
+    """Where a full sample's CPU goes: `ticks` full samples with the layout and NVML's process
+    list forced due on each (as every `detail_interval_s` in a real run), then the same
+    without them, and one cProfile of the forced ones (top functions on stderr)."""
+    import cProfile
+    import io
+    import pstats
+    import sys
+
+    import torch
+
+    from exporter.run.agent import Agent
+    from exporter.run.aggregator import Aggregator
+
+    torch.empty(1, device="cuda:0")
+    kept = [torch.empty(n << 20, dtype=torch.uint8, device="cuda:0") for n in (1, 3, 7, 20)]
+    run_dir = Path(tempfile.mkdtemp(prefix="pt-", dir="/tmp"))
+    aggregator = Aggregator(run_dir)
+    agent = Agent(str(run_dir), interval_s=3600)
+    agent.tick()
+
+    def force() -> None:
+        agent._next_full = 0.0
+        layout = getattr(agent.source, "_layout", None)
+        if layout is not None:
+            layout._next = 0.0
+        non_allocator = getattr(agent.source, "_non_allocator", None)
+        if non_allocator is not None:
+            non_allocator._taken.clear()
+
+    def timed(forced: bool) -> list[float]:
+        took = []
+        for _ in range(ticks):
+            if forced:
+                force()
+            else:
+                agent._next_full = 0.0
+            started = time.thread_time()
+            agent.tick()
+            took.append(time.thread_time() - started)
+            time.sleep(0.002)
+        return took
+
+    result = {
+        "full_with_layout_and_process_list_us": summary(timed(True), 1e6),
+        "full_without_us": summary(timed(False), 1e6),
+    }
+    profiler = cProfile.Profile(time.thread_time)
+    for _ in range(ticks):
+        force()
+        profiler.enable()
+        agent.tick()
+        profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    print(text.getvalue(), file=sys.stderr)
+    agent.stop()
+    aggregator.close()
+    del kept
+    for child in run_dir.iterdir():
+        child.unlink()
+    run_dir.rmdir()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=12.0)
     parser.add_argument("--interval-s", type=float, default=1.0)
     parser.add_argument("--full-every-tick", action="store_true")
+    parser.add_argument(
+        "--profile", type=int, default=0, help="this many full samples, their parts (CPU)"
+    )
     args = parser.parse_args()
     os.environ.setdefault("GPUMEM_LOG_LEVEL", "warning")
+    if args.profile:
+        print(json.dumps(profile_full(args.profile)))
+        return
     print(json.dumps(measure(args.seconds, args.interval_s, args.full_every_tick)))
 
 

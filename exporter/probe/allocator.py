@@ -50,6 +50,7 @@ class AllocatorProbe:
         self._ready = False  # CUDA initialized (it never goes back, but in a forked child)
         self._totals: dict[int, int] = {}
         self._paths: tuple[tuple[str, str, str] | None, ...] | None = None
+        self._settings: tuple[str, bool] | None = None  # what the paths were planned for
         self._read_values: Any = None
         self._sequence = 0
         # The counters of the latest records by device: what tells the caller that an
@@ -59,9 +60,13 @@ class AllocatorProbe:
 
     def configure(self, backend: str, expandable_segments: bool) -> None:
         """The allocator's backend and expandable-segments setting, as the full read found
-        them (they decide which numbers are defined; a server may switch the latter)."""
-        self._paths = record.plan(backend, expandable_segments)
-        self._read_values = record.reader(self._paths)
+        them (they decide which numbers are defined; a server may switch the latter), at
+        every full read: the devices are worked out again, the reader compiled again only
+        where the settings changed (compiling costs more than a whole record)."""
+        if (backend, expandable_segments) != self._settings:
+            self._paths = record.plan(backend, expandable_segments)
+            self._read_values = record.reader(self._paths)
+            self._settings = (backend, expandable_segments)
         self._devices = None
 
     def ready(self) -> bool:

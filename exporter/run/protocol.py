@@ -135,6 +135,16 @@ def sample(
     }
 
 
+def allocator_fields(reading: AllocatorReading) -> dict[str, Any]:
+    """One reading as a sample message's allocator: its fields as they are (JSON copies them
+    as it writes; dataclasses.asdict would deep-copy every dict first, ~100 calls a device,
+    every full sample in a serving process), but what the launcher sets itself."""
+    fields_ = {k: v for k, v in vars(reading).items() if k not in FROM_LAUNCHER}
+    if reading.last_oom is not None:
+        fields_["last_oom"] = asdict(reading.last_oom)
+    return fields_
+
+
 def reply(request_id: int, result: ProcessResult) -> dict[str, Any]:
     return {"type": "reply", "id": request_id, "result": result.to_dict()}
 

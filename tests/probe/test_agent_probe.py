@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from exporter.actions.base import Target
 from exporter.probe import record
 from exporter.probe.allocator import AllocatorProbe
 from exporter.run import protocol
@@ -93,6 +94,33 @@ def test_the_full_sample_comes_again_every_detail_interval(run_dir):
         time.sleep(0.25)
         agent.tick()
         assert server.full_ticks == 2
+
+
+def _wakeups(thread: threading.Thread) -> int:
+    """How many times a thread of this process has slept and woken (Linux's count)."""
+    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
+    return int(next(x for x in status.splitlines() if x.startswith("voluntary_ctxt")).split()[1])
+
+
+def test_the_command_reader_sleeps_while_records_go_out(run_dir):
+    """The thread that waits for the launcher's commands costs the serving process nothing
+    per tick: it is not woken each time the launcher takes a record (it was, in recv())."""
+    with probed(run_dir) as (server, aggregator, agent):
+        agent.tick()
+        [reader] = [t for t in threading.enumerate() if t.name == "gpumem-agent-commands"]
+        served(aggregator)
+        before = _wakeups(reader)
+        for _ in range(30):
+            server.allocate(1 << 20)
+            agent.tick()
+            time.sleep(0.005)  # the aggregator takes each record before the next one
+        served(aggregator, allocated_bytes=server.stats["allocated_bytes"]["all"]["current"])
+        assert agent.records_sent == 30
+        assert _wakeups(reader) - before <= 2
+        # It still wakes for what it waits for: a command reaches this process's actions,
+        # which answer (that the test double's torch has no CUDA for them to act on).
+        [result] = aggregator.command("reset_peak", {}, Target(), timeout_s=5.0)
+        assert result.outcome == "unavailable", result
 
 
 def test_a_launcher_that_does_not_read_never_blocks_the_probe(run_dir):
@@ -188,6 +216,26 @@ def test_the_probe_never_reads_a_device_this_process_did_not_initialize():
     [data] = probe.records()
     assert record.unpack(data)[0] == 0
     assert server.cuda.calls == []  # the C call only, never the Python wrapper
+
+
+def test_the_record_reader_is_compiled_again_only_when_the_settings_change():
+    """Every full sample configures the probe; compiling its reader costs more than a whole
+    record, so it happens only where the backend or expandable segments changed, while the
+    devices are worked out again each time (a device initialized later joins)."""
+    server = ProbedServer()
+    server.cuda.count = 2
+    probe = AllocatorProbe(server.torch)
+    probe.configure("native", False)
+    compiled = probe._read_values
+    assert [record.unpack(d)[0] for d in probe.records()] == [0]
+    server.cuda.contexts.add(1)  # the server starts using device 1
+    probe.configure("native", False)
+    assert probe._read_values is compiled
+    assert [record.unpack(d)[0] for d in probe.records()] == [0, 1]
+    probe.configure("native", True)  # expandable segments turned on
+    assert probe._read_values is not compiled
+    [data, _] = probe.records()
+    assert record.unpack(data)[3]["gauges"].get("inactive_split_bytes") is None
 
 
 def test_dropped_records_are_served_only_once_a_process_dropped_one():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields, replace
+from dataclasses import fields, replace
 
 import pytest
 
@@ -152,12 +152,14 @@ def test_every_part_of_an_allocator_reading_has_its_check_on_the_wire():
 def test_every_recorded_reading_travels_whole_from_an_agent():
     """The allocator readings of the recorded traces (layouts, private pools, OOM verdicts),
     sent as an agent sends them, arrive equal; only the process is the launcher's to set."""
-    sent = 0
+    sent = verdicts = 0
     for path in (demo_trace_path(), DATA_DIR / "h200_oom_storm_trace.jsonl.gz"):
         for sample in read_trace(path)[1]:
-            message = protocol.sample([asdict(r) for r in sample.allocators], ActionCounts())
+            allocators = [protocol.allocator_fields(r) for r in sample.allocators]
+            message = protocol.sample(allocators, ActionCounts())
             line = protocol.encode(message).rstrip(b"\n")
             readings, _ = protocol.parse_sample(protocol.decode(line))
             assert readings == [replace(r, process={}) for r in sample.allocators]
             sent += len(readings)
-    assert sent > 500
+            verdicts += sum(r.last_oom is not None for r in readings)
+    assert sent > 500 and verdicts > 0

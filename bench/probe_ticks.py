@@ -15,6 +15,7 @@ last line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
@@ -83,6 +84,103 @@ def measure(seconds: float, interval_s: float, full_every_tick: bool) -> dict[st
         "served_allocated_bytes": served[0].gauges.get("allocated_bytes") if served else None,
         "cpu_ms_per_s": sum(sum(v) for v in kinds.values()) / seconds * 1000,
         "by_kind_us": {k: {"n": len(v), **summary(v, 1e6)} for k, v in kinds.items() if v},
+    }
+
+
+def versus_bare(seconds: float, interval_s: float) -> dict[str, Any]:
+    """The agent's ticks and the bare probe's (bench.loop_lateness's floor: the C call, 47
+    numbers, one struct pack, one non-blocking write to a pipe) in one thread, taking turns
+    at the interval, so that both find the caches as cold; the agent's record tick in its
+    parts (the probe's records, their sending)."""
+    import struct
+    import subprocess
+    import sys
+
+    import torch
+
+    from bench.loop_lateness import _BARE_PATHS, _number
+    from exporter.run.agent import Agent
+    from exporter.run.aggregator import Aggregator
+
+    torch.empty(1, device="cuda:0")
+    stop = threading.Event()
+
+    def allocate() -> None:
+        while not stop.is_set():
+            kept = [torch.empty(4 << 20, dtype=torch.uint8, device="cuda:0") for _ in range(8)]
+            del kept
+            time.sleep(0.005)
+
+    allocator = threading.Thread(target=allocate, daemon=True)
+    allocator.start()
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.buffer.read()"], stdin=subprocess.PIPE
+    )
+    assert reader.stdin is not None
+    fd = reader.stdin.fileno()
+    os.set_blocking(fd, False)
+    read = torch._C._cuda_memoryStats
+    pack = struct.Struct("<" + "q" * len(_BARE_PATHS)).pack
+
+    def bare() -> None:
+        stats = read(0)
+        values = [_number(stats, f, p, s) for f, p, s in _BARE_PATHS]
+        with contextlib.suppress(BlockingIOError):
+            os.write(fd, pack(*values))
+
+    run_dir = Path(tempfile.mkdtemp(prefix="pt-", dir="/tmp"))
+    aggregator = Aggregator(run_dir)
+    agent = Agent(str(run_dir), interval_s=3600)
+    parts: dict[str, list[float]] = {"bare": [], "record": [], "full": [], "records()": []}
+    parts["send"] = []
+    records, send_record, full = agent.probe.records, agent._send_record, agent._full_tick
+    took: list[str] = []
+
+    def timed_records() -> list[bytes]:
+        started = time.thread_time()
+        found = records()
+        parts["records()"].append(time.thread_time() - started)
+        return found
+
+    def timed_send(data: bytes) -> None:
+        started = time.thread_time()
+        send_record(data)
+        parts["send"].append(time.thread_time() - started)
+
+    def full_tick() -> None:
+        took.append("full")
+        full()
+
+    agent.probe.records = timed_records  # type: ignore[method-assign]
+    agent._send_record = timed_send  # type: ignore[method-assign]
+    agent._full_tick = full_tick  # type: ignore[method-assign]
+    agent.tick()
+    stopped = threading.Event()
+    end = time.monotonic() + seconds
+    turn = 0
+    while time.monotonic() < end:
+        stopped.wait(interval_s)  # as both wait: Event.wait with the interval
+        turn += 1
+        took.clear()
+        started = time.thread_time()
+        if turn % 2:
+            bare()
+            parts["bare"].append(time.thread_time() - started)
+            continue
+        agent.tick()
+        parts["full" if took else "record"].append(time.thread_time() - started)
+    stop.set()
+    allocator.join(10)
+    agent.stop()
+    aggregator.close()
+    reader.stdin.close()
+    reader.wait(10)
+    for child in run_dir.iterdir():
+        child.unlink()
+    run_dir.rmdir()
+    return {
+        "interval_s": interval_s,
+        "by_kind_us": {k: summary(v, 1e6) for k, v in parts.items() if v},
     }
 
 
@@ -157,10 +255,16 @@ def main() -> None:
     parser.add_argument("--interval-s", type=float, default=1.0)
     parser.add_argument("--full-every-tick", action="store_true")
     parser.add_argument(
+        "--versus-bare", action="store_true", help="the bare probe's ticks and ours, in turns"
+    )
+    parser.add_argument(
         "--profile", type=int, default=0, help="this many full samples, their parts (CPU)"
     )
     args = parser.parse_args()
     os.environ.setdefault("GPUMEM_LOG_LEVEL", "warning")
+    if args.versus_bare:
+        print(json.dumps(versus_bare(args.seconds, args.interval_s)))
+        return
     if args.profile:
         print(json.dumps(profile_full(args.profile)))
         return

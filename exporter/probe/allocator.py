@@ -53,10 +53,12 @@ class AllocatorProbe:
         self._settings: tuple[str, bool] | None = None  # what the paths were planned for
         self._read_values: Any = None
         self._sequence = 0
-        # The counters of the latest records by device: what tells the caller that an
-        # allocation retry or an OOM happened (it then reads the full sample at once).
-        self.retries: dict[int, int] = {}
-        self.ooms: dict[int, int] = {}
+        # Each device's (allocation retries, OOMs) as the caller's latest full read had them
+        # (expect()); `moved` turns True when a record shows others (or a device that read
+        # did not have): the caller reads the full sample at once, with the layout and the
+        # verdict of that retry or OOM.
+        self._expected: dict[int, tuple[int, int]] = {}
+        self.moved = False
 
     def configure(self, backend: str, expandable_segments: bool) -> None:
         """The allocator's backend and expandable-segments setting, as the full read found
@@ -68,6 +70,11 @@ class AllocatorProbe:
             self._read_values = record.reader(self._paths)
             self._settings = (backend, expandable_segments)
         self._devices = None
+
+    def expect(self, counters: dict[int, tuple[int, int]]) -> None:
+        """(retries, OOMs) by device as a full read found them; clears `moved`."""
+        self._expected = counters
+        self.moved = False
 
     def ready(self) -> bool:
         """Whether this process uses CUDA through torch (and a full read configured us)."""
@@ -112,8 +119,8 @@ class AllocatorProbe:
             values[record.LIMIT] = self._limit(index)
             # Pinned host memory (PINNED) travels in the full sample: it moves when a server
             # pins its staging buffers, not per tick, and its read costs 20 us cold.
-            self.retries[index] = values[record.RETRIES]
-            self.ooms[index] = values[record.OOMS]
+            if (values[record.RETRIES], values[record.OOMS]) != self._expected.get(index):
+                self.moved = True
             self._sequence += 1
             pools = record.private_pools(stats)
             try:

@@ -274,7 +274,14 @@ class Agent:
         allocators = [protocol.allocator_fields(a) for a in reading.allocators]
         self._send(protocol.sample(allocators, self._counts(), pinned))
         self.full_samples += 1
-        self._next_full = time.monotonic() + self.detail_interval_s
+        wait = self.detail_interval_s
+        # A process that has just started may have no value for its bytes outside the
+        # allocator yet (NVML did not list it, or memory moved across the list's read): the
+        # next full sample comes when that value is to be read again, not 10 s later.
+        retry_s = self.source.non_allocator_retry_s()
+        if retry_s is not None:
+            wait = min(wait, max(retry_s, self.interval_s))
+        self._next_full = time.monotonic() + wait
         self.probe.expect(
             {
                 a.device: (

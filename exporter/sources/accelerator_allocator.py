@@ -74,6 +74,10 @@ class AcceleratorAllocatorSource:
         the full sample every tick (exporter.run.agent)."""
         return None
 
+    def non_allocator_retry_s(self) -> float | None:
+        """When the bytes outside the allocator want another read (NonAllocatorProbe)."""
+        return self._non_allocator.retry_in() if self._non_allocator is not None else None
+
     def read(self) -> SourceReading:
         torch = self._load_torch()
         if torch is None:  # not imported: this process uses no accelerator through torch

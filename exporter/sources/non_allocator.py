@@ -33,6 +33,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A GPU without a value yet (no agreeing readings, or NVML not listing this process, as right
+# after the process made its context) is tried again after this, then after twice as long
+# each time, up to refresh_s: soon for a process that just started, rarely for one NVML will
+# never list (another PID namespace).
+FIRST_RETRY_S = 0.5
+
 
 @dataclass(frozen=True)
 class _Taken:
@@ -63,6 +69,8 @@ class NonAllocatorProbe:
         self._ready = False
         self._next_init = 0.0
         self._taken: dict[str, _Taken] = {}
+        # GPUs without a value: when to try again, and the wait that gave that time.
+        self._retry: dict[str, tuple[float, float]] = {}
 
     @classmethod
     def for_config(cls, config: Config) -> NonAllocatorProbe | None:
@@ -115,11 +123,13 @@ class NonAllocatorProbe:
         now = self._clock()
         taken = self._taken.get(reading.gpu_uuid)
         device_used = int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
+        retry = self._retry.get(reading.gpu_uuid)
         due = (
             taken is None
             or taken.reserved != reserved
             or abs(taken.device_used - device_used) > CHANGE_BYTES
             or now - taken.at >= self._refresh_s
+            or (retry is not None and now >= retry[0])
         )
         if due:
             pid = self._pid()
@@ -130,9 +140,22 @@ class NonAllocatorProbe:
                 value = max(int(used[0]) - reserved, 0) if used and used[0] is not None else None
                 taken = _Taken(value, now, reserved, device_used)
                 self._taken[reading.gpu_uuid] = taken
+            if taken is not None and taken.value is not None:
+                self._retry.pop(reading.gpu_uuid, None)
+            else:
+                wait = min(retry[1] * 2 if retry else FIRST_RETRY_S, self._refresh_s)
+                self._retry[reading.gpu_uuid] = (now + wait, wait)
         if taken is not None and taken.value is not None:
             reading.non_allocator_bytes = taken.value
             reading.non_allocator_age_s = max(now - taken.at, 0.0)
+
+    def retry_in(self) -> float | None:
+        """Seconds until a GPU without a value is to be tried again (0: now); None where
+        every GPU read has one. A caller reading less often than every tick (`run`'s agent,
+        its full sample every 10 s) reads again then."""
+        if not self._retry:
+            return None
+        return max(min(at for at, _ in self._retry.values()) - self._clock(), 0.0)
 
     def other_processes(self, uuid: str) -> list[tuple[int, int]]:
         """[(pid, bytes)] of the other processes NVML lists on this GPU, biggest first (~45

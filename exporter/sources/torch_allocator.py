@@ -279,6 +279,10 @@ class TorchAllocatorSource:
         """Why this process reports no GPU: a torch built without CUDA never will."""
         return NO_CUDA_BUILD if self._without_cuda() else "no GPU in use by this process (yet)"
 
+    def non_allocator_retry_s(self) -> float | None:
+        """When the bytes outside the allocator want another read (NonAllocatorProbe)."""
+        return self._non_allocator.retry_in() if self._non_allocator is not None else None
+
     def read(self) -> SourceReading:
         if self._without_cuda():
             return SourceReading(unavailable=NO_CUDA_BUILD)

@@ -123,6 +123,44 @@ def test_the_command_reader_sleeps_while_records_go_out(run_dir):
         assert result.outcome == "unavailable", result
 
 
+def test_a_process_nvml_lists_late_gets_its_outside_bytes_in_a_second_not_ten(run_dir):
+    """The full sample comes every 10 s; a process NVML did not list at its first one (its
+    context just made) gets the next when NonAllocatorProbe reads again, not 10 s later."""
+    import json
+    from types import SimpleNamespace
+
+    from exporter.sources.non_allocator import NonAllocatorProbe
+    from exporter.sources.torch_allocator import TorchAllocatorSource
+    from tests.conftest import DATA_DIR
+    from tests.support.nvml_double import FakeNvml
+
+    capture = json.loads((DATA_DIR / "allocator_native.json").read_text())
+    raw = capture["nvml_raw"]
+    device = raw["devices"][0]
+    (listed,) = device["processes"]
+    listed["pid"] += 1  # not (yet) this process
+    with probed(run_dir) as (server, aggregator, agent):
+        server.cuda.get_device_properties = lambda index: SimpleNamespace(uuid=device["uuid"])
+        probe = NonAllocatorProbe(FakeNvml(raw), pid=lambda: capture["pid"])
+        agent.source = TorchAllocatorSource(server.torch, layout_interval_s=0, non_allocator=probe)
+        agent.interval_s = 1.0  # as at 1 Hz (the test still ticks it by hand)
+        assert agent.detail_interval_s == 10.0
+        agent.tick()
+        assert served(aggregator).non_allocator_bytes is None
+        assert agent._next_full - time.monotonic() <= 1.0  # the next tick, not 10 s away
+        listed["pid"] -= 1  # NVML lists it now
+        time.sleep(0.6)
+        agent._next_full = min(agent._next_full, time.monotonic())  # its time has come
+        agent.tick()
+        assert server.full_ticks == 2
+        reserved = server.stats["reserved_bytes"]["all"]["current"]
+        deadline = time.monotonic() + 5
+        while served(aggregator).non_allocator_bytes is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert served(aggregator).non_allocator_bytes == listed["usedGpuMemory"] - reserved
+        assert agent._next_full - time.monotonic() > 9.0  # back to every 10 s
+
+
 def test_a_launcher_that_does_not_read_never_blocks_the_probe(run_dir):
     """The launcher's loop stalls (here: a socket nobody reads). Each tick still returns at
     once; what does not fit is dropped and counted, and the lines that did go stay whole."""

@@ -142,6 +142,38 @@ def test_a_process_nvml_does_not_list_gets_no_value(capture):
     assert reading.non_allocator_bytes is None
 
 
+def test_a_process_nvml_lists_late_gets_its_value_soon_and_one_never_listed_is_read_rarely(
+    capture,
+):
+    """Right after a process makes its context NVML may not list it yet: the list is read
+    again after FIRST_RETRY_S, then after twice as long each time, up to refresh_s (a process
+    in another PID namespace is never listed: no read every tick)."""
+    from exporter.sources.non_allocator import FIRST_RETRY_S
+
+    nvml, clock, probe, device, listed, reserved = _setup(capture)
+    listed["pid"] += 1  # not (yet) this process
+    probe.apply([_reading(device, reserved)], lambda index: reserved)
+    assert probe.retry_in() == FIRST_RETRY_S
+    waits = []
+    for _ in range(7):
+        nvml.calls.clear()
+        clock.now += probe.retry_in() - 0.01
+        probe.apply([_reading(device, reserved)], lambda index: reserved)
+        assert _process_reads(nvml) == 0  # not before its time
+        clock.now += 0.01
+        assert probe.retry_in() == 0.0
+        probe.apply([_reading(device, reserved)], lambda index: reserved)
+        assert _process_reads(nvml) == 1
+        waits.append(probe.retry_in())
+    assert waits == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0, 10.0]  # up to refresh_s
+    listed["pid"] -= 1  # now NVML lists it
+    clock.now += probe.retry_in()
+    reading = _reading(device, reserved)
+    probe.apply([reading], lambda index: reserved)
+    assert reading.non_allocator_bytes == listed["usedGpuMemory"] - reserved
+    assert probe.retry_in() is None
+
+
 def test_without_nvml_nothing_is_raised_and_init_is_retried_slowly(capture):
     import pynvml
 

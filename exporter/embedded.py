@@ -347,6 +347,7 @@ def attach(
 
     from exporter.http.server import add_routes
     from exporter.multiprocess import MultiprocessBridge, multiprocess_dir
+    from exporter.runtime import MetricNameClash
 
     registry = REGISTRY if registry is None else registry
     global _handle
@@ -368,7 +369,12 @@ def attach(
                 config.web_config_file,
             )
             config = dataclasses.replace(config, web_config_file=None)
-        runtime = _runtime(config, on_alert, registry=registry)
+        try:
+            runtime = _runtime(config, on_alert, registry=registry)
+        except MetricNameClash as exc:
+            # Nothing registered, nothing started: the host's metrics stay as they were.
+            log.error("gpumem-exporter: attach() refused: %s", exc)
+            return Handle(None, error=str(exc), _settings=config, _call="attach")
         paths = {getattr(route, "path", None) for route in app.routes}
         add_routes(app, runtime, include_metrics="/metrics" not in paths)
         handle = Handle(runtime)

@@ -235,6 +235,15 @@ class SampleCollector(Collector):
         for family in self.families():
             yield family.to_metric()
 
+    def describe(self) -> Iterator[Metric]:
+        """Every family this collector may serve (its mode, its detail level), without
+        samples: what client_python's registry checks a new collector's names against, so
+        that a clash with the host's metrics (attach()) is refused when registering, not
+        found later as a broken scrape."""
+        for entry in catalog.FAMILIES:
+            if entry.name not in self._left_out:
+                yield FamilyRows(entry, (), (), ()).to_metric()
+
     def families(self) -> list[FamilyRows]:
         """The families /metrics serves, in order, as rows (what collect() yields, before it
         is made into prometheus_client's families)."""

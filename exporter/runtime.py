@@ -4,6 +4,7 @@ actions implementation of the mode (exporter.actions), picked once here."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -122,6 +123,19 @@ def endpoint_state(config: Config, web: WebSecurity) -> EndpointState:
     )
 
 
+class MetricNameClash(ValueError):
+    """The registry given (the host's, attach()) already has metrics of these names."""
+
+    def __init__(self, names: list[str]) -> None:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        super().__init__(
+            f"the registry already has metrics named {shown}, which this exporter serves: "
+            "two collectors of one name would break every scrape (pass attach() a "
+            "registry of its own, or stop the other exporter)"
+        )
+        self.names = names
+
+
 def sources_for(
     mode: str, config: Config, *, gpu_users: Callable[[], Hashable] | None = None
 ) -> list[Source]:
@@ -195,7 +209,12 @@ def build_runtime(
         admin_requests=requests,
         detail=config.detail,
     )
-    registry.register(collector)
+    try:
+        registry.register(collector)
+    except ValueError as exc:  # a name taken: only in a registry the caller passed (attach())
+        # client_python 0.26+ says which (DuplicateTimeseries.duplicates); before, its message.
+        names = getattr(exc, "duplicates", None) or re.findall(r"'([^']+)'", str(exc))
+        raise MetricNameClash(sorted(names)) from None
     return Runtime(
         config=config,
         declared=declared,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -198,6 +199,33 @@ def test_attach_uses_the_hosts_app_and_registry(stopped):
     assert {"host_app_requests", "gpumem_exporter_source_up"} <= names
     handle.stop()
     assert "gpumem_exporter_source_up" not in {m.name for m in registry.collect()}
+
+
+@pytest.mark.parametrize("auto_describe", [False, True])
+def test_attach_refuses_a_registry_that_has_one_of_its_names(stopped, caplog, auto_describe):
+    """The host (or another exporter) already serves torch_cuda_allocated_bytes: two
+    collectors of one name would break every scrape of the host's /metrics. The clash is
+    found at registration (the collector describes every family it may serve, before any
+    sample has one), said on the handle and in one log line; nothing is added or started."""
+    registry = CollectorRegistry(auto_describe=auto_describe)
+    Gauge("torch_cuda_allocated_bytes", "another exporter's", registry=registry).set(1)
+    app = FastAPI()
+    routes = len(app.routes)
+    threads = set(threading.enumerate())
+    with caplog.at_level(logging.ERROR, logger="exporter"):
+        handle = exporter.attach(app, registry=registry, interval_s=0.05)
+    assert handle.error is not None and "torch_cuda_allocated_bytes" in handle.error
+    assert handle.error in caplog.text
+    assert len(app.routes) == routes
+    assert {m.name for m in registry.collect()} == {"torch_cuda_allocated_bytes"}
+    assert not [t for t in set(threading.enumerate()) - threads if t.name.startswith("gpumem")]
+    handle.stop()
+    # Refused, not remembered: an attach with a registry of its own works.
+    other = CollectorRegistry()
+    fresh = exporter.attach(app, registry=other, interval_s=0.05)
+    assert fresh is not handle and fresh.error is None
+    fresh.sampler.tick()
+    assert "gpumem_exporter_source_up" in {m.name for m in other.collect()}
 
 
 def test_attach_adds_metrics_when_the_app_has_none(stopped):

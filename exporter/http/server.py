@@ -8,14 +8,12 @@ FastAPI app as well.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import functools
 import logging
 import socket
 import threading
 import time
-from asyncio.sslproto import SSLProtocol
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +27,7 @@ from exporter.http.admin import add_admin_routes
 from exporter.http.browser import CrossOriginGuard, LoopbackHostGuard, is_loopback
 from exporter.http.direct import DirectH11Protocol, Routes
 from exporter.http.guard import READ_GRACE_S, READ_TIMEOUT_S
+from exporter.http.internals import AlertingTlsProtocol
 from exporter.http.page import add_page_routes
 from exporter.http.quiet import QuietServer
 from exporter.http.served import Served
@@ -243,12 +242,9 @@ class _Refused(asyncio.Protocol):
         transport.abort()  # type: ignore[attr-defined]
 
 
-class _TlsProtocol(SSLProtocol):
-    """asyncio's TLS protocol, which drops the connection on a failed handshake without
-    sending OpenSSL's alert: the client then sees a reset instead of "certificate required"
-    or "handshake failure". The alert is sent first (best effort: private attributes of
-    asyncio's TLS protocol, 3.11 on). Counted from accept to the handshake's end
-    (_Handshakes)."""
+class _TlsProtocol(AlertingTlsProtocol):
+    """asyncio's TLS protocol, sending OpenSSL's alert when a handshake fails
+    (exporter.http.internals), counted from accept to the handshake's end (_Handshakes)."""
 
     # asyncio's read buffer, allocated whole with each protocol (256 KiB): a TLS record is at
     # most 16 KiB and a request here a few hundred bytes. 32 KiB keeps a flood of connects
@@ -275,23 +271,15 @@ class _TlsProtocol(SSLProtocol):
     def drop(self) -> None:
         """Close a handshake in progress now (its place goes to a newcomer)."""
         self._handshakes.pending.pop(self, None)
-        transport: Any = self._transport
-        if transport is not None:
-            transport.abort()
+        self.abort()
 
-    def _on_handshake_complete(self, handshake_exc: BaseException | None) -> None:
+    def handshake_done(self, exc: BaseException | None) -> bytes | None:
         self._handshakes.pending.pop(self, None)
-        if handshake_exc is not None:
-            with contextlib.suppress(Exception):
-                alert = self._outgoing.read()  # type: ignore[attr-defined]
-                if getattr(handshake_exc, "reason", "") == "HTTP_REQUEST":
-                    # Plain HTTP to the TLS port (a scrape config without scheme: https):
-                    # say so in HTTP, as Go's servers do, instead of a TLS alert it cannot read.
-                    alert = PLAIN_HTTP_TO_TLS
-                transport: Any = self._transport
-                if alert and transport is not None:
-                    transport.write(alert)
-        super()._on_handshake_complete(handshake_exc)
+        if exc is not None and getattr(exc, "reason", "") == "HTTP_REQUEST":
+            # Plain HTTP to the TLS port (a scrape config without scheme: https): say so in
+            # HTTP, as Go's servers do, instead of a TLS alert it cannot read.
+            return PLAIN_HTTP_TO_TLS
+        return None
 
 
 def _protocol_factory(

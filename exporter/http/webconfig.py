@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from exporter.config import read_small_file
+from exporter.http.internals import decode_certificate
 
 log = logging.getLogger(__name__)
 
@@ -503,7 +504,7 @@ def _check_key_file(path: str) -> None:
 def certificate_not_after(path: str) -> float | None:
     """The certificate's notAfter as Unix time, or None where it cannot be read."""
     try:
-        decoded = ssl._ssl._test_decode_cert(path)  # type: ignore[attr-defined]
+        decoded = decode_certificate(path)
         return float(ssl.cert_time_to_seconds(decoded["notAfter"]))
     except (AttributeError, KeyError, ValueError, OSError, ssl.SSLError):
         return None

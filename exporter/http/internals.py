@@ -1,0 +1,96 @@
+"""Every reach into the internals of uvicorn, asyncio and ssl, in one module.
+
+The HTTP layer needs a few things these packages do not offer publicly: a TLS handshake that
+fails sends OpenSSL's alert before the connection closes (asyncio drops it unsent), a
+certificate's expiry read from its file without loading the key, and uvicorn's HTTP/1.1
+protocol and server extended rather than forked (the guard's deadlines and slots, the quiet
+main loop). The underscore names live here and nowhere else in the package; the public but
+undocumented ones that subclasses elsewhere lean on are listed beside them. RELIED_ON names
+each, and tests/http/test_internals.py checks every one against the installed packages, so an
+upgrade that moves one fails that test, not a production server. pyproject.toml bounds the
+uvicorn versions this was checked against. asyncio's and ssl's are Python's, checked on 3.11
+and 3.12; 3.10's TLS protocol has no `_outgoing` (the alert is then not sent: best effort, and
+that test says so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ssl
+from asyncio.sslproto import SSLProtocol
+from typing import Any
+
+# (what it belongs to, the attribute): the class, or the object its instances are, as the test
+# builds them.
+RELIED_ON: tuple[tuple[str, str], ...] = (
+    # asyncio's TLS protocol (Python 3.11+): the handshake's end, the connection under it,
+    # and OpenSSL's outgoing bytes (the alert of a failed handshake).
+    ("asyncio.sslproto.SSLProtocol", "_on_handshake_complete"),
+    ("asyncio.sslproto.SSLProtocol", "_transport"),
+    ("asyncio.sslproto.SSLProtocol", "_outgoing"),
+    # ssl: a certificate file's fields without a context (what `openssl x509` prints).
+    ("ssl._ssl", "_test_decode_cert"),
+    # uvicorn's server (exporter.http.quiet): its main loop, first tick, exit flag, and the
+    # state whose default headers carry Date.
+    ("uvicorn.Server", "main_loop"),
+    ("uvicorn.Server", "on_tick"),
+    ("uvicorn.Server", "should_exit"),
+    ("uvicorn.Server", "handle_exit"),
+    ("uvicorn.server.ServerState", "default_headers"),
+    ("uvicorn.server.ServerState", "connections"),
+    ("uvicorn.Config", "encoded_headers"),
+    ("uvicorn.Config", "date_header"),
+    # uvicorn's h11 protocol (exporter.http.guard, exporter.http.direct): the connection's
+    # h11 state, the request in progress, its loop, transport and server state, the hooks
+    # overridden, and what a finished response calls.
+    ("uvicorn.protocols.http.h11_impl.H11Protocol", "conn"),
+    ("uvicorn.protocols.http.h11_impl.H11Protocol", "cycle"),
+    ("uvicorn.protocols.http.h11_impl.H11Protocol", "loop"),
+    ("uvicorn.protocols.http.h11_impl.H11Protocol", "transport"),
+    ("uvicorn.protocols.http.h11_impl.H11Protocol", "server_state"),
+    ("uvicorn.protocols.http.h11_impl.H11Protocol", "connections"),
+    ("uvicorn.protocols.http.h11_impl.H11Protocol", "config"),
+    ("uvicorn.protocols.http.h11_impl.H11Protocol", "client"),
+    ("uvicorn.protocols.http.h11_impl.H11Protocol", "scheme"),
+    ("uvicorn.protocols.http.h11_impl.H11Protocol", "access_log"),
+    ("uvicorn.protocols.http.h11_impl.H11Protocol", "logger"),
+    ("uvicorn.protocols.http.h11_impl.H11Protocol", "handle_events"),
+    ("uvicorn.protocols.http.h11_impl.H11Protocol", "on_response_complete"),
+    ("uvicorn.protocols.http.h11_impl", "STATUS_PHRASES"),
+)
+
+
+class AlertingTlsProtocol(SSLProtocol):
+    """asyncio's server-side TLS protocol, which sends OpenSSL's alert when a handshake
+    fails (asyncio closes without it: the client then sees a reset, not "certificate
+    required" or "handshake failure"). Subclasses override `handshake_done` and call
+    `abort()`; the private names stay here."""
+
+    def handshake_done(self, exc: BaseException | None) -> bytes | None:
+        """Called at the handshake's end (`exc`: why it failed); what it returns is written
+        to the client before asyncio closes (None: OpenSSL's alert)."""
+        return None
+
+    def abort(self) -> None:
+        """Close the connection at once (a handshake in progress too)."""
+        transport: Any = self._transport
+        if transport is not None:
+            transport.abort()
+
+    def _on_handshake_complete(self, handshake_exc: BaseException | None) -> None:
+        answer = self.handshake_done(handshake_exc)
+        if handshake_exc is not None:
+            with contextlib.suppress(Exception):  # best effort: it closes either way
+                alert = self._outgoing.read()  # type: ignore[attr-defined]
+                transport: Any = self._transport
+                if (answer or alert) and transport is not None:
+                    transport.write(answer or alert)
+        super()._on_handshake_complete(handshake_exc)
+
+
+def decode_certificate(path: str) -> dict[str, Any]:
+    """A PEM certificate file's fields as ssl's getpeercert() gives them (notAfter, subject,
+    ...), without a context or its key. Raises OSError or ssl.SSLError for what is no
+    certificate."""
+    decoded: dict[str, Any] = ssl._ssl._test_decode_cert(path)  # type: ignore[attr-defined]
+    return decoded

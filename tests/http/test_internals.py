@@ -1,0 +1,149 @@
+"""What the HTTP layer takes from the internals of uvicorn, asyncio and ssl is named in one
+place (exporter.http.internals.RELIED_ON) and still there in the installed versions: an
+upgrade that moves one fails here, not in a production server. And no other module of the
+package reaches into them."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import contextlib
+import importlib
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.server import ServerState
+
+from exporter.http import internals
+from tests.conftest import REPO_ROOT
+
+THIRD_PARTY = ("uvicorn", "asyncio", "ssl", "h11", "starlette", "fastapi")
+
+
+async def _app(scope: Any, receive: Any, send: Any) -> None:
+    pass
+
+
+@pytest.fixture
+def instances() -> Iterator[dict[str, Any]]:
+    """One object of each kind RELIED_ON names, built as the exporter builds them: instance
+    attributes exist only on an instance."""
+    loop = asyncio.new_event_loop()
+    config = uvicorn.Config(_app)
+    config.load()
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    yield {
+        "asyncio.sslproto.SSLProtocol": internals.AlertingTlsProtocol(
+            loop, asyncio.Protocol(), context, None, server_side=True
+        ),
+        "uvicorn.Server": uvicorn.Server(config),
+        "uvicorn.server.ServerState": ServerState(),
+        "uvicorn.Config": config,
+        "uvicorn.protocols.http.h11_impl.H11Protocol": H11Protocol(config, ServerState(), {}, loop),
+    }
+    loop.close()
+
+
+def _owner(name: str, instances: dict[str, Any]) -> Any:
+    """The instance built for `name`, else the object its dotted path names (a module, or
+    an attribute of one: ssl._ssl)."""
+    if name in instances:
+        return instances[name]
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            found = getattr(found, part)
+        return found
+    raise AssertionError(f"nothing importable in {name}")
+
+
+@pytest.mark.parametrize(("owner", "attribute"), internals.RELIED_ON)
+def test_each_internal_relied_on_is_there(owner, attribute, instances):
+    assert hasattr(_owner(owner, instances), attribute), (
+        f"{owner}.{attribute} is gone in the installed version: exporter.http.internals "
+        "relies on it (see its docstring); pyproject.toml bounds the versions checked"
+    )
+
+
+def test_a_failed_handshake_sends_what_handshake_done_answers():
+    """The one behaviour built on the private names: at a failed handshake the alert (or the
+    subclass's own answer) is written before asyncio closes."""
+    written: list[bytes] = []
+
+    class Transport:
+        def write(self, data: bytes) -> None:
+            written.append(data)
+
+        def abort(self) -> None:
+            written.append(b"<aborted>")
+
+        def is_closing(self) -> bool:
+            return False
+
+    class Answering(internals.AlertingTlsProtocol):
+        def handshake_done(self, exc: BaseException | None) -> bytes | None:
+            return b"HTTP/1.0 400 Bad Request\r\n\r\n" if exc is not None else None
+
+    loop = asyncio.new_event_loop()
+    try:
+        protocol = Answering(
+            loop, asyncio.Protocol(), ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), None,
+            server_side=True,
+        )  # fmt: skip
+        protocol._transport = Transport()  # what connection_made sets
+        with contextlib.suppress(Exception):  # asyncio's own handling, after ours
+            protocol._on_handshake_complete(ssl.SSLError(1, "handshake failure"))
+        assert written[0] == b"HTTP/1.0 400 Bad Request\r\n\r\n"
+        protocol.abort()
+        assert written[-1] == b"<aborted>"
+    finally:
+        loop.close()
+
+
+def _private_reaches(path: Path) -> Iterator[str]:
+    """`module._name` on a module of THIRD_PARTY (or a name imported from one), and
+    `super()._name`, in one source file."""
+    tree = ast.parse(path.read_text())
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {
+                (a.asname or a.name).split(".")[0]
+                for a in node.names
+                if a.name.split(".")[0] in THIRD_PARTY
+            }
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in THIRD_PARTY:
+            imported |= {a.asname or a.name for a in node.names}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        if node.attr.startswith("__"):
+            continue
+        value = node.value
+        if isinstance(value, ast.Name) and value.id in imported:
+            yield f"{path.name}:{node.lineno} {value.id}.{node.attr}"
+        elif (
+            isinstance(value, ast.Call)
+            and isinstance(value.func, ast.Name)
+            and value.func.id == "super"
+        ):
+            yield f"{path.name}:{node.lineno} super().{node.attr}"
+
+
+def test_no_other_module_reaches_into_their_internals():
+    found = [
+        reach
+        for path in sorted((REPO_ROOT / "exporter").rglob("*.py"))
+        if path.name != "internals.py" or path.parent.name != "http"
+        for reach in _private_reaches(path)
+    ]
+    assert found == []

@@ -9,8 +9,8 @@ undocumented ones that subclasses elsewhere lean on are listed beside them. RELI
 each, and tests/http/test_internals.py checks every one against the installed packages, so an
 upgrade that moves one fails that test, not a production server. pyproject.toml bounds the
 uvicorn versions this was checked against. asyncio's and ssl's are Python's, checked on 3.11
-and 3.12; 3.10's TLS protocol has no `_outgoing` (the alert is then not sent: best effort, and
-that test says so).
+and 3.12; 3.10's TLS protocol has no `_outgoing` (the alert is then not sent: best effort; the
+test of RELIED_ON fails there and says so).
 """
 
 from __future__ import annotations

@@ -218,6 +218,18 @@ def _add_snapshot_command(commands: argparse._SubParsersAction[argparse.Argument
         action="store_true",
         help="end the --record-s capture that is recording now and download what it recorded",
     )
+    window.add_argument(
+        "--id",
+        metavar="ID",
+        help="download a snapshot the exporter keeps (GET /snapshots lists them) instead of "
+        "taking one",
+    )
+    window.add_argument(
+        "--latest-oom",
+        action="store_true",
+        help="download the newest snapshot taken at an OOM (of the process --pid/--rank "
+        "chooses) instead of taking one",
+    )
     _add_action_options(snapshot, SNAPSHOT, "stacks", "max_entries")
 
 
@@ -680,7 +692,7 @@ def _act(args: argparse.Namespace, action: Action, **params: Any) -> dict[str, A
     return answer
 
 
-def _client_call(args: argparse.Namespace, call: Callable[[Target], dict[str, Any]]) -> Any:
+def _client_call(args: argparse.Namespace, call: Callable[[Target], Any]) -> Any:
     from exporter.client import ClientError
 
     try:
@@ -703,6 +715,8 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     _check_flags(SNAPSHOT, record_s=args.record_s, stacks=args.stacks, max_entries=args.max_entries)
     _writable(args.output, "-o", folder_ok=True)
     client = _client(args)
+    if args.id is not None or args.latest_oom:
+        return _download_kept(args, client)
     if args.stop:
         answer = _client_call(args, client.stop_capture)
     else:
@@ -738,6 +752,46 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"replay": bool(answer.get("replay")), "written": written}, indent=2))
     return _failures(answer)
+
+
+def _download_kept(args: argparse.Namespace, client: AdminClient) -> int:
+    """`snapshot --id ID` / `--latest-oom`: one snapshot the exporter already keeps."""
+    from exporter.actions.snapshots import ID_PATTERN
+    from exporter.client import ClientError
+
+    if args.stacks is not None or args.max_entries is not None:
+        raise CliError("--stacks and --max-entries shape a new snapshot: not with --id")
+    if args.id is not None and not ID_PATTERN.fullmatch(args.id):
+        raise CliError(f"--id {args.id!r}: not a snapshot id (like 20261127T220259Z-1a2b3c4d)")
+    listed = _client_call(args, client.list_snapshots)
+    if args.id is not None:
+        found = [info for info in listed if info["id"] == args.id]
+        missing = f"no snapshot {args.id} among the {len(listed)} this exporter keeps"
+    else:
+        found = [info for info in listed if info.get("trigger") == "oom"]  # newest first
+        missing = f"no snapshot taken at an OOM among the {len(listed)} this exporter keeps"
+    if not found:
+        raise CliError(missing)
+    info = found[0]
+    if info.get("status") != "ready":
+        status = terminal_safe(str(info.get("status")), newlines=False)
+        raise CliError(f"snapshot {info['id']} is {status}: nothing to download yet")
+    path = _output_path(args.output, {}, info["filename"], several=False)
+    try:
+        size = client.download(info["id"], path)
+    except ClientError as exc:
+        raise CliError(str(exc)) from None
+    except OSError as exc:
+        raise CliError(f"cannot write {path}: {exc.strerror or exc}") from None
+    meta = info.get("meta")
+    process = meta.get("process") if isinstance(meta, dict) else None
+    if args.json:
+        print(json.dumps({"written": [{**info, "path": str(path), "bytes": size}]}, indent=2))
+    else:
+        of = f" of {describe_process(process)}" if isinstance(process, dict) and process else ""
+        line = f"snapshot {info['id']}{of} ({info.get('trigger')}): {size} bytes written to {path}"
+        print(terminal_safe(line, newlines=False))
+    return 0
 
 
 def cmd_empty_cache(args: argparse.Namespace) -> int:

@@ -334,6 +334,14 @@ class AdminClient:
         _, size = self._exchange("GET", f"/snapshots/{snapshot_id}", None, save)
         return int(size)
 
+    def list_snapshots(self, target: Target = EVERY_PROCESS) -> list[dict[str, Any]]:
+        """The snapshots the exporter keeps (of the selected processes), newest first."""
+        answer = self._json("GET", self._query("/snapshots", target))
+        listed = answer.get("snapshots")
+        if not isinstance(listed, list):
+            raise ClientError("GET /snapshots: the answer has no list of snapshots")
+        return [_snapshot_info(entry, "GET /snapshots") for entry in listed]
+
     def stats(self, target: Target = EVERY_PROCESS) -> dict[str, Any]:
         return self._json("GET", self._query("/stats", target))
 

@@ -73,6 +73,50 @@ def test_snapshot_view_and_empty_cache_clients(demo_env, tmp_path):
 
 
 @pytest.mark.slow
+def test_snapshot_id_and_latest_oom_download_what_the_exporter_keeps(demo_env, tmp_path):
+    """`snapshot --id ID` and `--latest-oom` take no new snapshot: they download one the
+    exporter lists (the OOM's, taken by its observer at the OOM); bad or unknown ids are one
+    line each."""
+    from exporter.actions.snapshots import SnapshotStore
+
+    env, token_file = demo_env
+    flags = ["--url", "", "--token-file", str(token_file)]
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return run_cli("snapshot", *flags, *args)
+
+    with running("demo", env=env) as url:
+        flags[1] = url
+        taken = cli("-o", str(tmp_path / "taken.pickle"), "--json")
+        assert taken.returncode == 0, taken.stderr
+        [api] = json.loads(taken.stdout)["written"]
+        none = cli("--latest-oom", "-o", str(tmp_path / "none.pickle"))
+        assert none.returncode == 2 and none.stderr.count("\n") == 1
+        assert "no snapshot taken at an OOM among the 1 this exporter keeps" in none.stderr
+        # What the OOM observer writes at an OOM, into the folder the exporter keeps.
+        oom = {"segments": [{"device": 0, "total_size": 2 << 20, "blocks": []}], "at": "oom"}
+        process = {"pid": "4242", "rank": "0", "local_rank": "0", "role": "worker"}
+        store = SnapshotStore(tmp_path / "snaps", process=process)
+        kept = store.write(oom, "oom", device=0, meta={"process": process})
+        got = cli("--latest-oom", "-o", str(tmp_path))
+        assert got.returncode == 0, got.stderr
+        assert pickle.loads((tmp_path / kept.filename).read_bytes()) == oom
+        assert f"snapshot {kept.id} of pid 4242 rank 0 (worker) (oom)" in got.stdout
+        by_id = cli("--id", api["id"], "-o", str(tmp_path / "again.pickle"))
+        assert by_id.returncode == 0, by_id.stderr
+        again = (tmp_path / "again.pickle").read_bytes()
+        assert again == (tmp_path / "taken.pickle").read_bytes()
+        bad = cli("--id", "../../etc/passwd", "-o", str(tmp_path / "x.pickle"))
+        assert bad.returncode == 2 and "not a snapshot id" in bad.stderr
+        unknown = cli("--id", "20990101T000000Z-deadbeef", "-o", str(tmp_path / "x.pickle"))
+        assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1
+        assert "no snapshot 20990101T000000Z-deadbeef among the 2" in unknown.stderr
+        both = cli("--id", api["id"], "--record-s", "1", "-o", str(tmp_path / "x.pickle"))
+        assert both.returncode == 2 and "not allowed with argument" in both.stderr
+        assert not (tmp_path / "x.pickle").exists()
+
+
+@pytest.mark.slow
 def test_client_errors_are_one_line(demo_env, tmp_path):
     env, _ = demo_env
     wrong = tmp_path / "wrong"

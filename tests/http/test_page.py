@@ -745,6 +745,20 @@ def test_a_retry_alert_on_the_page_says_what_its_process_is_building():
 
 
 @pytest.mark.slow
+def test_runbook_tables_fit_the_window_without_scrolling_sideways(tmp_path):
+    """Every table of /runbooks, its "what to do" column included, is whole at 1400 px and
+    on a phone: long code and words wrap inside their cells."""
+    runtime = runtime_for(tmp_path, "node", [StubSource("nvml", SourceReading(unavailable="x"))])
+    with serving(runtime) as url:
+        result = drive(
+            url, tmp_path, "runbooks", widths=[], min_gpus=0, runbooks_widths=[1400, 1920, 420]
+        )
+    for width in ("1400", "1920", "420"):
+        shown = result["runbooks"][width]
+        assert shown["tables"] >= 4 and shown["clipped"] == [], (width, shown)
+
+
+@pytest.mark.slow
 def test_the_page_is_told_why_no_gpu_reading_comes(tmp_path):
     """Under `run` before any agent reports, or a daemon without NVML: the page says why, as
     the log does, instead of only "No GPU reading yet" (issue 38)."""

@@ -199,6 +199,25 @@ try {
     await screenshot(`live-page-${width}.png`, width);
     result.widths[width] = await evaluate(state);
   }
+  if (options.runbooks_widths) {
+    // The runbooks page: whether any table is wider than its box or the window (then a
+    // column is cut off, or needs scrolling sideways), at each width.
+    result.runbooks = {};
+    for (const width of options.runbooks_widths) {
+      await send("Emulation.setDeviceMetricsOverride", { width, height: 1000, deviceScaleFactor: 1, mobile: false });
+      await send("Page.navigate", { url: new URL("runbooks", options.url).href });
+      await waitFor("the runbooks", `document.querySelectorAll("main table").length > 0`);
+      await screenshot(`runbooks-${width}.png`, width);
+      result.runbooks[width] = await evaluate(`(() => {
+        const right = document.documentElement.clientWidth;
+        const tables = [...document.querySelectorAll("main table")];
+        const clipped = tables.filter((t) => t.scrollWidth > t.clientWidth + 1 ||
+          [...t.querySelectorAll("td, th")].some((c) => c.getBoundingClientRect().right > right + 1));
+        return { tables: tables.length,
+          clipped: clipped.map((t) => t.closest("section").id + ": " + t.querySelector("th").textContent) };
+      })()`);
+    }
+  }
   if (options.actions) {
     const actions = result.actions;
     if (options.token) {

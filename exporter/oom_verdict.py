@@ -23,8 +23,9 @@ agents import this.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -290,6 +291,10 @@ class OomLog:
         self._lock = threading.Lock()
         self._last: dict[int, OomVerdict] = {}
         self._counts: dict[int, dict[str, int]] = {}
+        # Called (no argument) when a verdict or its snapshot comes in: `run`'s agent sends
+        # its full sample then, not at its next detail interval (the count of the OOM went
+        # out with a record while the observer was still taking its readings).
+        self.on_change: list[Callable[[], None]] = []
 
     def record(self, verdict: OomVerdict) -> bool:
         """Keep `verdict`; True when it differs from the device's previous verdict (the
@@ -299,6 +304,7 @@ class OomLog:
             self._last[verdict.device] = verdict
             counts = self._counts.setdefault(verdict.device, {})
             counts[verdict.verdict] = counts.get(verdict.verdict, 0) + 1
+        self._changed()
         return previous is None or previous.verdict != verdict.verdict
 
     def set_snapshot(self, device: int, timestamp: float, snapshot_id: str) -> None:
@@ -307,6 +313,12 @@ class OomLog:
             last = self._last.get(device)
             if last is not None and last.timestamp == timestamp:
                 self._last[device] = replace(last, snapshot=snapshot_id)
+        self._changed()
+
+    def _changed(self) -> None:
+        for call in self.on_change:
+            with contextlib.suppress(Exception):  # runs on the OOM-ing thread: never raise
+                call()
 
     def last(self, device: int) -> OomVerdict | None:
         with self._lock:

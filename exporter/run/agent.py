@@ -118,6 +118,9 @@ class Agent:
     def start(self) -> None:
         self.thread.start()
 
+    def _full_next(self) -> None:
+        self._next_full = 0.0
+
     def connect(self) -> bool:
         """Connect now, before start() (an early probe); False if nothing answers."""
         return self._sock is not None or self._dial()
@@ -160,6 +163,11 @@ class Agent:
             features = actions.sample_listeners(detectors)
             self._listeners = [detectors, *features] if config.remediate else features
             self._remediating = config.remediate
+            # A verdict (or its snapshot) that comes in after the OOM's count went out with a
+            # record brings the full sample at the next tick, not 10 s later.
+            ooms = getattr(self.source, "ooms", None)
+            if ooms is not None:
+                ooms.on_change.append(self._full_next)
             self.actions = actions
         return self.actions
 

@@ -86,6 +86,32 @@ def test_a_retry_an_oom_or_a_command_brings_the_full_sample_at_once(run_dir):
         assert server.full_ticks == 4  # the action's counts go out with the next tick
 
 
+def test_a_verdict_that_comes_after_the_ooms_count_brings_the_full_sample_at_once(run_dir):
+    """The OOM's count goes out with a record (a full sample follows at once) while the OOM
+    observer is still taking its readings on the OOM-ing thread: its verdict, when it comes,
+    brings the next full sample at the next tick, not at the detail interval (10 s)."""
+    from exporter.oom_verdict import OomVerdict, decide
+
+    with probed(run_dir) as (server, aggregator, agent):
+        agent.tick()
+        server.stats["num_ooms"] += 1
+        agent.tick()  # the count moved: full sample, no verdict in it yet
+        agent.tick()
+        assert server.full_ticks == 2
+        assert served(aggregator).last_oom is None
+        verdict = decide(OomVerdict(0, time.time(), 1 << 30, device_free_bytes=0))
+        agent.source.ooms.record(verdict)  # what the observer does when it is done
+        agent.tick()
+        assert server.full_ticks == 3
+        deadline = time.monotonic() + 5
+        while served(aggregator).last_oom is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert served(aggregator).last_oom.verdict == verdict.verdict
+        agent.source.ooms.set_snapshot(0, verdict.timestamp, "20261127T000000Z-0a1b2c3d")
+        agent.tick()  # the snapshot written after it: linked at the next tick too
+        assert server.full_ticks == 4
+
+
 def test_the_full_sample_comes_again_every_detail_interval(run_dir):
     with probed(run_dir, process_interval_s=0.2) as (server, _, agent):
         agent.tick()

@@ -88,6 +88,11 @@ def oom_answer(stats: dict[str, Any]) -> str:
     """`gpumem-exporter why`: each process and device's OOMs, the latest with its verdict, the
     deciding numbers, the action and its snapshot; from GET /stats."""
     sample = stats.get("sample") or {}
+    pending = {
+        (str(row.get("pid")), row.get("device")): row
+        for row in stats.get("ooms_pending") or []
+        if isinstance(row, dict)
+    }
     lines = []
     for allocator in sample.get("allocators", []):
         ooms = int((allocator.get("counters") or {}).get("ooms", 0))
@@ -99,10 +104,18 @@ def oom_answer(stats: dict[str, Any]) -> str:
         counts = allocator.get("ooms_by_verdict") or {}
         by_verdict = ", ".join(f"{v} {n}" for v, n in sorted(counts.items()))
         lines.append(f"{where}: {ooms} OOM(s)" + (f" ({by_verdict})" if by_verdict else ""))
-        if ooms > sum(counts.values()):
+        waiting = pending.get((str(process.get("pid")), allocator.get("device")))
+        awaiting = int(waiting.get("count", 0)) if waiting else 0
+        if waiting:
+            at = time.strftime("%H:%M:%S UTC", time.gmtime(float(waiting.get("since", 0))))
             lines.append(
-                f"  {ooms - sum(counts.values())} without a verdict (before the OOM observer "
-                "was armed, or recorded by an older exporter)"
+                f"  verdict pending: {awaiting} OOM(s) since {at} (the OOM observer is taking "
+                "its readings; ask again in a few seconds)"
+            )
+        if ooms - awaiting > sum(counts.values()):
+            lines.append(
+                f"  {ooms - awaiting - sum(counts.values())} without a verdict (before the OOM "
+                "observer was armed, or recorded by an older exporter)"
             )
         if last:
             lines.extend(_verdict_lines(OomVerdict.from_dict(last)))

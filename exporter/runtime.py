@@ -28,6 +28,7 @@ from exporter.kubernetes.api import ApiError, ApiServer
 from exporter.metrics import ActionStats, EndpointState, SampleCollector
 from exporter.modes import MODES, Mode
 from exporter.modes.run import silent_processes
+from exporter.oom_pending import PendingOoms
 from exporter.request_counts import RequestCounts
 from exporter.sampler import Listener, Sampler
 from exporter.sources import Source, kinds
@@ -47,6 +48,7 @@ class Runtime:
     actions: Actions
     admin: Admin
     window: SampleWindow  # recent samples, for the live page (exporter.http.page)
+    pending_ooms: PendingOoms  # OOMs counted, their verdicts not in yet (page, /stats)
     # Why /readyz answers 503, or None when ready; picked once for the mode (readiness).
     not_ready: Callable[[], str | None]
     # /metrics bytes rendered once per tick; None where the registry is not ours (attach():
@@ -177,10 +179,11 @@ def build_runtime(
     detectors = Detectors(config, listeners=list(on_alert))
     features = actions.sample_listeners(detectors)
     window = SampleWindow(config.interval_s)
+    pending_ooms = PendingOoms()
     sampler = Sampler(
         sources,
         interval_s=config.interval_s,
-        listeners=[detectors, *features, window, *listeners],
+        listeners=[detectors, *features, window, pending_ooms, *listeners],
     )
     web = web_security(config)
     requests = RequestCounts()
@@ -192,6 +195,7 @@ def build_runtime(
         traits,
         identities=kubernetes_identities(config),
         requests=requests,
+        pending_ooms=pending_ooms,
     )
 
     def action_stats() -> ActionStats:
@@ -225,6 +229,7 @@ def build_runtime(
         actions=actions,
         admin=admin,
         window=window,
+        pending_ooms=pending_ooms,
         not_ready=lambda: declared.ready(sampler),
         web=web,
         exposition=(

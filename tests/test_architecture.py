@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
         "alerts",
         "detectors",
         "window",
+        "oom_pending",
         "metrics",
         "exposition",
         "exposition_templates",

@@ -40,6 +40,7 @@ from exporter.detectors import Detectors
 from exporter.http.browser import is_loopback
 from exporter.http.identities import RESOURCES, VERBS, IdentityUnavailable, KubernetesIdentities
 from exporter.identity import describe_process, process_labels
+from exporter.oom_pending import PendingOoms
 from exporter.ratelimit import RateLimitedLog
 from exporter.request_counts import RequestCounts
 from exporter.sampler import Sampler
@@ -128,8 +129,10 @@ class Admin:
         traits: Traits | None = None,
         identities: KubernetesIdentities | None = None,
         requests: RequestCounts | None = None,
+        pending_ooms: PendingOoms | None = None,
     ) -> None:
         self.config = config
+        self.pending_ooms = pending_ooms if pending_ooms is not None else PendingOoms()
         self.identities = identities
         self.actions = actions
         self.sampler = sampler
@@ -387,7 +390,17 @@ class Admin:
             for alert, labels, is_firing in (self.detectors.firing() if self.detectors else [])
             if is_firing and (not target.selective or target.matches(labels))
         ]
-        return {"mode": self.traits.name, "sample": data, "alerts_firing": firing}
+        pending = [
+            row
+            for row in self.pending_ooms.rows()
+            if not target.selective or target.matches(_str_labels(row))
+        ]
+        return {
+            "mode": self.traits.name,
+            "sample": data,
+            "alerts_firing": firing,
+            "ooms_pending": pending,
+        }
 
 
 def _problems(exc: ValidationError) -> str:

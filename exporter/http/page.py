@@ -128,7 +128,15 @@ def window_payload(runtime: Served, since: float | None) -> dict[str, Any]:
         **window.to_dict(since),
         "host": _host(sample),
         "processes": process_rows(sample) if sample else [],
-        "ooms": oom_rows(sample, runbook_url(config, "out-of-memory-verdicts")) if sample else [],
+        "ooms": (
+            oom_rows(
+                sample,
+                runbook_url(config, "out-of-memory-verdicts"),
+                runtime.pending_ooms.rows(),
+            )
+            if sample
+            else []
+        ),
         "alerts": [
             {
                 "alert": firing.alert,
@@ -175,10 +183,15 @@ def alert_note(sample: Sample | None, alert: str, labels: dict[str, str]) -> str
     return ""
 
 
-def oom_rows(sample: Sample, runbook: str) -> list[dict[str, Any]]:
+def oom_rows(
+    sample: Sample, runbook: str, pending: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """The latest OOM of each process and device that had one, newest first: its verdict with
-    the deciding numbers and the action (exporter/oom_verdict.py), for the page's banner."""
-    latest: list[tuple[float, dict[str, Any]]] = []
+    the deciding numbers and the action (exporter/oom_verdict.py), for the page's banner; an
+    OOM whose verdict is not in yet (exporter.oom_pending) comes first, as pending."""
+    latest: list[tuple[float, dict[str, Any]]] = [
+        (row["since"], {**row, "pending": True, "runbook_url": runbook}) for row in pending or []
+    ]
     for reading in sample.allocators:
         last = reading.last_oom
         if last is None:

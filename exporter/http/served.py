@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from exporter.exposition import ExpositionCache
     from exporter.http.admin import Admin
     from exporter.http.web import WebSecurity
+    from exporter.oom_pending import PendingOoms
     from exporter.sampler import Sampler
     from exporter.traits import Traits
     from exporter.window import SampleWindow
@@ -30,6 +31,7 @@ class Served(Protocol):
     actions: Actions
     admin: Admin
     window: SampleWindow  # recent samples, for the live page
+    pending_ooms: PendingOoms  # OOMs counted whose verdicts are not in yet
     exposition: ExpositionCache | None  # /metrics bytes rendered once per tick, where ours
     web: WebSecurity | None  # TLS, basic auth, headers, rate limit (the web config)
 

@@ -34,7 +34,27 @@ function counts(row) {
   return `${total} OOM${total === 1 ? "" : "s"}` + (parts.length ? ` (${parts.join(", ")})` : "");
 }
 
+// An OOM the allocator counted whose verdict is not in yet: said from the moment the count
+// moves, so that the banner never explains an earlier OOM as if it were this one.
+function pendingEntry(row, now) {
+  const ago = Math.max(0, Math.round(now - row.since));
+  const more = row.count > 1 ? ` · ${row.count} OOMs awaiting their verdict` : "";
+  return el(
+    "li",
+    { class: "oom pending", "data-verdict": "pending" },
+    el(
+      "div",
+      { class: "head" },
+      el("span", { class: "label", text: "Out of memory" }),
+      el("span", { class: "verdict", text: "verdict pending" }),
+      el("span", { class: "where", text: `${where(row)} · ${fmtClock(row.since)} (${ago} s ago)${more}` }),
+    ),
+    el("div", { class: "reason", text: "The OOM observer is taking its readings at the OOM (seconds when memory history is recorded); the verdict, its numbers and the snapshot follow here." }),
+  );
+}
+
 function entry(row, now) {
+  if (row.pending) return pendingEntry(row, now);
   const v = row.verdict;
   const numbers = NUMBERS.filter(([key]) => v[key] !== null && v[key] !== undefined).map(
     ([key, label]) => el("span", { class: "number", "data-reading": key }, `${label} `, el("b", { text: fmtBytes(v[key]) })),

@@ -4,6 +4,7 @@ screenshots."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -563,6 +564,34 @@ def test_live_page_shows_each_oom_verdict_in_a_banner_at_the_top(tmp_path):
         assert "1 OOM (fragmentation 1)" in entry["text"]
         assert ["runbook", "runbooks#out-of-memory-verdicts"] in entry["links"]
         assert ["snapshot at the OOM", f"snapshots/{verdict.snapshot}/view"] in entry["links"]
+
+
+@pytest.mark.slow
+def test_live_page_says_verdict_pending_from_the_moment_the_count_moves(tmp_path):
+    """An OOM counted whose verdict the observer has not recorded yet (it takes its readings
+    on the OOM-ing thread): the banner says so at the top instead of explaining the earlier
+    OOM, which stays below it."""
+    (sample,) = [
+        s for s in captured_oom_samples() if s.allocators[0].ooms_by_verdict.get("fragmentation")
+    ]
+    judged = sample.allocators[0]
+
+    def reading(reads: int) -> SourceReading:
+        ooms = 1 if reads == 1 else 2  # the second OOM from the second read on
+        counters = {**judged.counters, "ooms": ooms}
+        return SourceReading(allocators=[dataclasses.replace(judged, counters=counters)])
+
+    runtime = runtime_for(tmp_path, "embedded", [StubSource("torch", reading)], interval_s=0.2)
+    with serving(runtime) as url:
+        wait_for_points(runtime, 3)
+        result = drive(url, tmp_path, "pending", widths=[1280], min_points=2)
+    assert unexpected(result["errors"], "/snapshots") == []  # admin is off here: 403
+    oom = result["widths"]["1280"]["oom"]
+    assert not oom["hidden"] and oom["above"], oom
+    first, earlier = oom["entries"]
+    assert first["verdict"] == "pending" and "verdict pending" in first["text"], first
+    assert "the verdict, its numbers and the snapshot follow here" in first["text"]
+    assert earlier["verdict"] == "fragmentation"
 
 
 STORM_TRACE = REPO_ROOT / "tests" / "data" / "h200_oom_storm_trace.jsonl.gz"

@@ -773,6 +773,37 @@ def test_a_retry_alert_on_the_page_says_what_its_process_is_building():
     assert alert_note(sample, "GpuMemOutOfMemory", labels) == ""
 
 
+def test_a_retry_alert_beside_an_oom_verdict_gives_one_diagnosis():
+    """Retries and an OOM on one process: the note leads with the verdict taken at the OOM and
+    keeps only what agrees with it (never "close to the cap" under a fragmentation verdict)."""
+    from exporter.http.page import alert_note
+    from exporter.oom_verdict import OomVerdict
+    from exporter.sample import AllocatorReading
+
+    both = AllocatorReading(
+        0,
+        "GPU-0",
+        "native",
+        False,
+        gauges={"reserved_bytes": 39 * GiB // 2, "memory_limit_bytes": 20 * GiB},
+        layout={"free_in_used_segments_bytes": 3 * GiB, "largest_free_block_bytes": 1 << 27},
+        process={"pid": "1", "rank": "", "local_rank": "", "role": "w"},
+    )
+    labels = {"device": "0", "gpu_uuid": "GPU-0", "pid": "1", "role": "w"}
+    before = alert_note(Sample(timestamp=1.0, allocators=[both]), "GpuMemAllocRetries", labels)
+    assert "fragmentation building" in before and "close to the cap" in before  # no OOM yet
+    for verdict, kept, dropped in (
+        ("fragmentation", "fragmentation building", "close to the cap"),
+        ("cap", "close to the cap", "fragmentation building"),
+        ("exhaustion", None, "close to the cap"),
+    ):
+        last = OomVerdict(0, 2.0, 1 << 30, verdict=verdict)
+        sample = Sample(timestamp=3.0, allocators=[dataclasses.replace(both, last_oom=last)])
+        note = alert_note(sample, "GpuMemAllocRetries", labels)
+        assert note.startswith(f"its latest OOM: {verdict}"), note
+        assert dropped not in note and (kept is None or kept in note), note
+
+
 @pytest.mark.slow
 def test_runbook_tables_fit_the_window_without_scrolling_sideways(tmp_path):
     """Every table of /runbooks, its "what to do" column included, is whole at 1400 px and

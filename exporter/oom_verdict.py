@@ -283,6 +283,12 @@ def describe(verdict: OomVerdict) -> str:
     return f"{verdict.verdict}: {verdict.reason} -> {verdict.action}"
 
 
+# The key under which an OOM snapshot's pickle carries its verdict (beside PyTorch's own
+# "segments" and "device_traces", which the viewers read; an extra key is ignored there), so
+# that a downloaded snapshot keeps its verdict offline (exporter.viewer shows it).
+SNAPSHOT_KEY = "gpumem_oom_verdict"
+
+
 class OomLog:
     """This process's OOM verdicts: the latest per device and counts by verdict. Written by
     the OOM observer (any thread), read by the allocator source on every tick."""

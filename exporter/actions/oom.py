@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from exporter.oom_verdict import OomLog, OomVerdict, decide, describe
+from exporter.oom_verdict import SNAPSHOT_KEY, OomLog, OomVerdict, decide, describe
 
 if TYPE_CHECKING:
     from exporter.actions.snapshots import SnapshotStore
@@ -162,6 +162,8 @@ class OomCapture:
                 "oom": verdict.to_dict(),
                 "process": self.actions.process,
             }
+            if isinstance(snapshot, dict):  # the verdict travels with the file, offline too
+                snapshot = {**snapshot, SNAPSHOT_KEY: verdict.to_dict()}
             info = self.actions.store.write(snapshot, "oom", device=verdict.device, meta=meta)
             self.actions.count_snapshot("oom")
             self.reader.ooms.set_snapshot(verdict.device, verdict.timestamp, info.id)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import islice
 from typing import Any
 
+from exporter.oom_verdict import SNAPSHOT_KEY
 from exporter.units import fmt_bytes as _fmt_bytes
 from exporter.viewer.load import (
     MAX_DEVICES,
@@ -285,14 +286,74 @@ def _meta_value(value: Any) -> str:
     return str(value)
 
 
+# Header values that are times (Unix seconds) or byte counts: shown as a person reads them.
+_META_TIMES = frozenset({"created"})
+_META_BYTES = frozenset({"alloc_size", "device_free", "size_bytes"})
+
+
 def _meta_html(meta: Mapping[str, Any] | None) -> Html:
     if not meta:
         return Html("")
+
+    def shown(key: str, value: Any) -> str:
+        if key in _META_TIMES and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(value))
+        if key in _META_BYTES and isinstance(value, int) and not isinstance(value, bool):
+            return _fmt_bytes(value)
+        return _meta_value(value)
+
     items = join(
-        html("<span><b>{key}</b> {value}</span>", key=k, value=_meta_value(v))
+        html("<span><b>{key}</b> {value}</span>", key=k, value=shown(k, v))
         for k, v in meta.items()
+        if k != "oom"  # the verdict card shows it
     )
     return html('<div class="meta">{items}</div>', items=items)
+
+
+# The verdict card: the deciding readings in the order an on-call compares them.
+_VERDICT_NUMBERS = (
+    ("requested_bytes", "asked"),
+    ("free_in_holes_bytes", "free in the cache"),
+    ("largest_free_block_bytes", "largest free block"),
+    ("cap_room_bytes", "room under the cap"),
+    ("device_free_bytes", "GPU free"),
+    ("other_processes_bytes", "other processes"),
+)
+
+
+def _verdict_html(verdict: Any) -> Html:
+    """The OOM this snapshot was taken at: its verdict, the numbers that decided it, what to
+    do. Empty for a snapshot taken otherwise (or a verdict of another shape)."""
+    if not isinstance(verdict, Mapping) or not isinstance(verdict.get("verdict"), str):
+        return Html("")
+    numbers = join(
+        html("<span>{label} <b>{value}</b></span>", label=label, value=_fmt_bytes(value))
+        for key, label in _VERDICT_NUMBERS
+        if isinstance(value := verdict.get(key), int) and not isinstance(value, bool)
+    )
+    at = verdict.get("timestamp")
+    when = (
+        time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))
+        if isinstance(at, (int, float)) and not isinstance(at, bool)
+        else "?"
+    )
+    return html(
+        '<div class="verdict"><h2>Out of memory: {verdict}</h2>'
+        '<div class="where">cuda:{device} at {when}</div>'
+        '<div class="numbers">{numbers}</div><p>{reason}</p><p><b>Do:</b> {action}</p>'
+        "{missing}</div>",
+        verdict=verdict["verdict"],
+        device=_meta_value(verdict.get("device", "?")),
+        when=when,
+        numbers=numbers,
+        reason=str(verdict.get("reason", "")),
+        action=str(verdict.get("action", "")),
+        missing=(
+            html('<p class="missing">Not read: {m}</p>', m=str(verdict["missing"]))
+            if verdict.get("missing")
+            else Html("")
+        ),
+    )
 
 
 # -- segment map -----------------------------------------------------------------------------
@@ -812,6 +873,11 @@ nav a{margin-right:14px;color:var(--a);text-decoration:none}
 .meta b{color:var(--fg);font-weight:600}
 .banner{background:#fff4d6;border:1px solid #e7c66b;padding:6px 10px;border-radius:4px;
 margin:8px 0}
+.verdict{background:#fde8e8;border-left:4px solid #b42318;padding:8px 12px;margin:8px 0;
+border-radius:4px}
+.verdict h2{margin:0 0 4px;border:0;padding:0}
+.verdict .numbers{display:flex;flex-wrap:wrap;gap:4px 16px}
+.verdict p{margin:4px 0}
 .cards{display:grid;grid-template-columns:repeat(6,1fr);gap:10px;margin:10px 0 14px}
 .card{background:#fff;border:1px solid var(--line);border-radius:6px;padding:10px 12px}
 .card .label{color:var(--muted);font-size:12px;text-transform:uppercase;letter-spacing:.04em}
@@ -898,7 +964,10 @@ def render_html(
         )
 
     sections = _sections(snapshot, segments, by_device, traces, top_n, max_segments, budget)
-    return _page(title, meta, sections)
+    # The OOM's verdict: in the pickle itself (a downloaded snapshot, offline) or in the
+    # snapshot store's sidecar (exporter.actions.oom writes both).
+    verdict = snapshot.get(SNAPSHOT_KEY) or (meta or {}).get("oom")
+    return _page(title, meta, sections, _verdict_html(verdict))
 
 
 def _sections(
@@ -961,7 +1030,12 @@ def _sections(
     return sections
 
 
-def _page(title: str, meta: Mapping[str, Any] | None, sections: list[tuple[str, str, Html]]) -> str:
+def _page(
+    title: str,
+    meta: Mapping[str, Any] | None,
+    sections: list[tuple[str, str, Html]],
+    verdict: Html,
+) -> str:
     nav = join(
         html('<a href="#{sid}">{name}</a>', sid=sid, name=name.split(" (")[0])
         for sid, name, _ in sections
@@ -987,13 +1061,14 @@ def _page(title: str, meta: Mapping[str, Any] | None, sections: list[tuple[str, 
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         '<meta name="referrer" content="no-referrer">'
         "<title>{title}</title><style>{css}</style></head>"
-        "<body><main><h1>{title}</h1>{meta}{banner}<nav>{nav}</nav>"
+        "<body><main><h1>{title}</h1>{meta}{banner}{verdict}<nav>{nav}</nav>"
         "{body}</main></body></html>\n",
         csp=Html(PAGE_CSP),
         title=title,
         css=_CSS,
         meta=_meta_html(meta),
         banner=banner,
+        verdict=verdict,
         nav=nav,
         body=body,
     )

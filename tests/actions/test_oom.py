@@ -113,6 +113,31 @@ def test_an_oom_gets_its_verdict_and_a_listed_linked_snapshot(tmp_path) -> None:
     assert actions.counted == ["oom"]
 
 
+def test_the_oom_snapshot_carries_its_verdict_and_the_viewer_shows_it_offline(tmp_path) -> None:
+    """A downloaded OOM snapshot keeps the verdict (in the pickle, beside the segments): the
+    viewer shows it as a card, from the file alone, with the numbers and the action."""
+    import pickle
+
+    from exporter.oom_verdict import SNAPSHOT_KEY
+    from exporter.viewer import render_html
+
+    reader = Reader()
+    capture, actions, _ = _observer(tmp_path, reader)
+    capture.observe(0, 1 << 29, 6 << 30, 70 << 30)
+    _wait_for_snapshot(reader)
+    (listed,) = actions.store.list()
+    kept = pickle.loads(actions.store.path(listed).read_bytes())
+    assert kept["segments"] == ["full"]  # PyTorch's own keys as they were
+    assert kept[SNAPSHOT_KEY]["verdict"] == "fragmentation"
+    assert kept[SNAPSHOT_KEY]["requested_bytes"] == reader.verdict.requested_bytes
+    page = render_html({"segments": [], SNAPSHOT_KEY: kept[SNAPSHOT_KEY]}, meta={"file": "x"})
+    assert "Out of memory: fragmentation" in page
+    assert "asked <b>512 MiB</b>" in page and "largest free block <b>160 MiB</b>" in page
+    assert "<b>Do:</b> set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in page
+    plain = render_html({"segments": []}, meta={"file": "x", "created": 0.0})
+    assert "Out of memory" not in plain and "1970-01-01 00:00:00 UTC" in plain
+
+
 def test_a_failing_reading_leaves_a_counted_unknown_and_raises_nothing(tmp_path) -> None:
     reader = Reader()
     reader.fail_read = RuntimeError("NVML is gone")

@@ -186,11 +186,14 @@ def test_slow_connections_are_capped_and_scrapes_still_answer(tmp_path):
             sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the rest
             slow.append(sock)
         try:
-            # Closing is asynchronous: let the loop finish what it started. At most the cap
-            # and the probes' reserve stay open (the others got 503 or made room).
+            # Let the loop finish what it started: the slots fill with the first slow ones it
+            # accepts (the cap and the probes' reserve), the others get 503 and close after
+            # lingering. Until then a count under the cap only says the loop is behind (a
+            # loaded machine: the newest slow ones, not yet past the grace, cannot be closed
+            # for room, and the scrape below would get a fair 503).
             cap = guard.MAX_CONNECTIONS + guard.PROBE_RESERVE
-            deadline = time.monotonic() + 5
-            while (held := len(server._server.server_state.connections)) > cap + 1:
+            deadline = time.monotonic() + 15
+            while not cap - 1 <= (held := len(server._server.server_state.connections)) <= cap + 1:
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.05)

@@ -126,8 +126,13 @@ def oom_answer(stats: dict[str, Any]) -> str:
 
 def _verdict_lines(verdict: OomVerdict) -> list[str]:
     at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(verdict.timestamp))
+    followed = (
+        f" (the burst's most complete record; {verdict.followed} more OOM(s) followed)"
+        if verdict.followed
+        else ""
+    )
     lines = [
-        f"  latest at {at}: {verdict.verdict}",
+        f"  latest at {at}: {verdict.verdict}{followed}",
         f"    why: {verdict.reason}",
         f"    do:  {verdict.action}",
     ]

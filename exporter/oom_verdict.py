@@ -77,6 +77,9 @@ class OomVerdict:
     missing: str = ""  # the readings that could not be taken, "name: why; ..."
     snapshot: str = ""  # id of the allocator snapshot taken at this OOM, when one was
     observe_s: float = 0.0  # time the observer took on the OOM-ing thread
+    # OOMs of the same burst after this one (OomLog keeps the burst's most complete record:
+    # later OOMs of a storm lack the snapshot, and often the layout's readings).
+    followed: int = 0
 
     @property
     def cap_room_bytes(self) -> int | None:
@@ -144,7 +147,7 @@ def _checked(name: str, value: Any) -> Any:
         if not number or not 0 <= value < 1e12:  # NaN fails both comparisons
             raise ValueError(f"OOM verdict: {name} is not a non-negative number")
         return float(value)
-    if value is None and name not in ("device", "requested_bytes"):
+    if value is None and name not in ("device", "requested_bytes", "followed"):
         return None
     if not _whole(value):
         raise ValueError(f"OOM verdict: {name} is not a whole number")
@@ -289,29 +292,61 @@ def describe(verdict: OomVerdict) -> str:
 SNAPSHOT_KEY = "gpumem_oom_verdict"
 
 
+# OOMs less than this apart are one burst (a storm: a server retrying the same request).
+BURST_GAP_S = 30.0
+
+
+def _completeness(verdict: OomVerdict, snapshot_coming: bool) -> int:
+    """How much an OOM's record tells: its readings taken, and its snapshot (worth two)."""
+    readings = len(verdict.deciding_bytes())
+    return readings + (2 if verdict.snapshot or snapshot_coming else 0) - bool(verdict.missing)
+
+
 class OomLog:
-    """This process's OOM verdicts: the latest per device and counts by verdict. Written by
-    the OOM observer (any thread), read by the allocator source on every tick."""
+    """This process's OOM verdicts: per device the most complete of the latest burst (with
+    how many OOMs followed it) and counts by verdict. Written by the OOM observer (any
+    thread), read by the allocator source on every tick."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._last: dict[int, OomVerdict] = {}
         self._counts: dict[int, dict[str, int]] = {}
+        self._latest_at: dict[int, float] = {}  # the device's latest OOM, kept or not
+        self._latest_verdict: dict[int, str] = {}  # and its verdict (what is logged)
+        self._snapshot_coming: dict[int, float] = {}  # OOM time whose snapshot is written
         # Called (no argument) when a verdict or its snapshot comes in: `run`'s agent sends
         # its full sample then, not at its next detail interval (the count of the OOM went
         # out with a record while the observer was still taking its readings).
         self.on_change: list[Callable[[], None]] = []
 
-    def record(self, verdict: OomVerdict) -> bool:
-        """Keep `verdict`; True when it differs from the device's previous verdict (the
-        observer logs only those: an OOM storm would otherwise log hundreds of lines)."""
+    def record(self, verdict: OomVerdict, *, snapshot_coming: bool = False) -> bool:
+        """Count `verdict` and keep it, unless it follows a more complete one of the same
+        burst (then that one stays, counting it as followed); `snapshot_coming`: a snapshot
+        of this OOM is being written. True when the verdict differs from the device's
+        previous one (the observer logs only those: a storm would log hundreds of lines)."""
+        device = verdict.device
         with self._lock:
-            previous = self._last.get(verdict.device)
-            self._last[verdict.device] = verdict
+            previous = self._last.get(device)
+            said = self._latest_verdict.get(device)
+            self._latest_verdict[device] = verdict.verdict
+            latest = self._latest_at.get(device)
+            in_burst = latest is not None and verdict.timestamp - latest <= BURST_GAP_S
+            if (
+                previous is not None
+                and in_burst
+                and _completeness(previous, self._snapshot_coming.get(device) == previous.timestamp)
+                > _completeness(verdict, snapshot_coming)
+            ):
+                self._last[device] = replace(previous, followed=previous.followed + 1)
+            else:
+                self._last[device] = verdict
+                if snapshot_coming:
+                    self._snapshot_coming[device] = verdict.timestamp
+            self._latest_at[device] = max(verdict.timestamp, latest or 0.0)
             counts = self._counts.setdefault(verdict.device, {})
             counts[verdict.verdict] = counts.get(verdict.verdict, 0) + 1
         self._changed()
-        return previous is None or previous.verdict != verdict.verdict
+        return said != verdict.verdict
 
     def set_snapshot(self, device: int, timestamp: float, snapshot_id: str) -> None:
         """Link the snapshot written for the OOM at `timestamp` (written after the observer)."""

@@ -82,6 +82,7 @@ def test_the_page_stats_and_why_say_verdict_pending_then_the_verdict(tmp_path):
         rows = client.get("/api/window").json()["ooms"]
         return rows, client.get("/stats", headers=auth).json()
 
+    earlier = replace(earlier, followed=2)  # the burst's most complete record
     step(_reading(1, {earlier.verdict: 1}, earlier))
     rows, stats = step(_reading(2, {earlier.verdict: 1}, earlier))  # a second OOM, being judged
     assert rows[0]["pending"] is True and rows[0]["count"] == 1
@@ -89,6 +90,7 @@ def test_the_page_stats_and_why_say_verdict_pending_then_the_verdict(tmp_path):
     assert stats["ooms_pending"][0]["count"] == 1
     said = oom_answer(stats)
     assert "verdict pending: 1 OOM(s) since " in said
+    assert "(the burst's most complete record; 2 more OOM(s) followed)" in said
     assert "without a verdict" not in said
     latest = decide(OomVerdict(0, 60.0, 2 << 30, device_free_bytes=0))
     rows, stats = step(_reading(2, {earlier.verdict: 2}, latest))

@@ -138,6 +138,38 @@ def test_the_log_keeps_the_latest_per_device_counts_and_reports_verdict_changes(
     assert set(log.counts(0)) <= set(VERDICTS)
 
 
+def test_in_a_burst_the_most_complete_record_stays_and_counts_what_followed() -> None:
+    """A storm: the first OOM has every reading and its snapshot coming; the next ones lack
+    the layout's readings (history recording on) and get no snapshot (cooldown). The first
+    stays shown, linked to its snapshot, with how many followed; a more complete one of the
+    burst takes its place; after a quiet gap a new burst starts with whatever comes."""
+    from exporter.oom_verdict import BURST_GAP_S
+
+    log = OomLog()
+    first = _captured("fragmentation")
+    poor = replace(
+        first,
+        free_in_holes_bytes=None,
+        largest_free_block_bytes=None,
+        verdict="unknown",
+        missing="allocator snapshot: history recording is on: a snapshot would build every stack",
+    )
+    log.record(first, snapshot_coming=True)
+    for i in range(1, 4):
+        log.record(replace(poor, timestamp=first.timestamp + 2 * i))
+    shown = log.last(0)
+    assert shown is not None and shown.timestamp == first.timestamp and shown.followed == 3
+    assert log.counts(0) == {"fragmentation": 1, "unknown": 3}
+    log.set_snapshot(0, first.timestamp, "20261127T000000Z-00000001")  # written after it
+    assert log.last(0).snapshot == "20261127T000000Z-00000001"  # type: ignore[union-attr]
+    richer = replace(first, timestamp=first.timestamp + 10, snapshot="", missing="")
+    log.record(richer, snapshot_coming=True)  # as complete, and newer: it is shown
+    assert log.last(0) == richer
+    later = replace(poor, timestamp=richer.timestamp + BURST_GAP_S + 1)  # a new burst
+    log.record(later)
+    assert log.last(0) == later
+
+
 @pytest.mark.parametrize(
     ("holes", "largest", "reserved", "limit", "says"),
     [

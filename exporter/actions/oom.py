@@ -137,7 +137,7 @@ class OomCapture:
                 )
             took = time.perf_counter() - started
             verdict = decide(replace(readings, timestamp=at, observe_s=took))
-            if self.reader.ooms.record(verdict):
+            if self.reader.ooms.record(verdict, snapshot_coming=due and snapshot is not None):
                 log.warning("OOM on cuda:%d: %s", device, describe(verdict))
             if due and snapshot is not None:
                 self._hand_to_writer(snapshot, verdict)

@@ -72,6 +72,9 @@ function entry(row, now) {
       el("span", { class: "verdict", text: VERDICT_TITLE[v.verdict] || v.verdict }),
       el("span", { class: "where", text: `${where(row)} · ${fmtClock(v.timestamp)} (${ago} s ago) · ${counts(row)}` }),
     ),
+    // In a storm: this is the burst's most complete record (numbers, snapshot); the later ones
+    // lack some of it.
+    v.followed ? el("div", { class: "followed", text: `The burst's most complete record: ${v.followed} more OOM${v.followed === 1 ? "" : "s"} followed it.` }) : null,
     el("div", { class: "numbers" }, ...numbers),
     el("div", { class: "reason", text: v.reason }),
     el("div", { class: "action" }, el("b", { text: "Do: " }), v.action),

@@ -184,7 +184,7 @@ def test_a_failing_snapshot_is_named_and_the_verdict_still_decided(tmp_path) -> 
 def test_an_exception_anywhere_in_the_observer_never_reaches_the_oom(tmp_path, caplog) -> None:
     reader = Reader()
 
-    def broken(verdict: OomVerdict) -> bool:
+    def broken(verdict: OomVerdict, **_: Any) -> bool:
         raise OSError("disk gone")
 
     reader.ooms.record = broken  # type: ignore[method-assign]

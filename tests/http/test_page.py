@@ -575,6 +575,8 @@ def test_live_page_says_verdict_pending_from_the_moment_the_count_moves(tmp_path
         s for s in captured_oom_samples() if s.allocators[0].ooms_by_verdict.get("fragmentation")
     ]
     judged = sample.allocators[0]
+    assert judged.last_oom is not None
+    judged = dataclasses.replace(judged, last_oom=dataclasses.replace(judged.last_oom, followed=2))
 
     def reading(reads: int) -> SourceReading:
         ooms = 1 if reads == 1 else 2  # the second OOM from the second read on
@@ -592,6 +594,7 @@ def test_live_page_says_verdict_pending_from_the_moment_the_count_moves(tmp_path
     assert first["verdict"] == "pending" and "verdict pending" in first["text"], first
     assert "the verdict, its numbers and the snapshot follow here" in first["text"]
     assert earlier["verdict"] == "fragmentation"
+    assert "The burst's most complete record: 2 more OOMs followed it." in earlier["text"]
 
 
 STORM_TRACE = REPO_ROOT / "tests" / "data" / "h200_oom_storm_trace.jsonl.gz"

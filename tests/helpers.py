@@ -555,6 +555,28 @@ def wait_http(
             time.sleep(0.2)
 
 
+# Prometheus 3's server (the path in GPUMEM_PROMETHEUS3: .ci/run unpacks Debian sid's package
+# there, beside its promtool) for the end-to-end tests that run under both majors.
+PROMETHEUS3_ENV = "GPUMEM_PROMETHEUS3"
+
+
+def prometheus_server(major: int) -> str:
+    """The Prometheus server of `major` (2: Debian's, on PATH), checked to be that version."""
+    if major == 2:
+        path = require_tool("prometheus")
+    else:
+        found = os.environ.get(PROMETHEUS3_ENV)
+        if not (found and os.access(found, os.X_OK)):
+            _missing(f"{PROMETHEUS3_ENV} names no Prometheus 3 server (.ci/run unpacks one)")
+        path = str(found)
+    version = subprocess.run(
+        [path, "--version"], capture_output=True, text=True, timeout=30, check=False
+    )
+    said = re.search(r"version (\d+)\.", version.stdout + version.stderr)
+    assert said and int(said.group(1)) == major, (path, version.stdout, version.stderr)
+    return path
+
+
 def start_prometheus(binary: str, folder: Path, port: int) -> subprocess.Popen[str]:
     """Prometheus on 127.0.0.1:`port` with `folder`/prometheus.yml, its data in `folder`."""
     return subprocess.Popen(

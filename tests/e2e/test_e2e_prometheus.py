@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import pytest
 import yaml
 
-from tests.conftest import REPO_ROOT, require_tool
+from tests.conftest import REPO_ROOT
 from tests.helpers import (
     free_port,
     iter_annotation_queries,
@@ -34,6 +34,7 @@ from tests.helpers import (
     names_detail_family,
     needs_kubelet,
     prometheus_api,
+    prometheus_server,
     short_rules,
     start_prometheus,
     stop_processes,
@@ -70,9 +71,11 @@ class Stack:
         return data
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory) -> Iterator[Stack]:
-    prometheus = require_tool("prometheus")
+@pytest.fixture(scope="module", params=[2, 3], ids=["prometheus2", "prometheus3"])
+def stack(request, tmp_path_factory) -> Iterator[Stack]:
+    """The whole chain under Prometheus 2 (Debian's 2.42) and 3 (Debian sid's 3.5): 3.0
+    changed what a range selects, which the rules and dashboards must not depend on."""
+    prometheus = prometheus_server(request.param)
     tmp = tmp_path_factory.mktemp("e2e")
     exporter_port, prometheus_port = free_port(), free_port()
     env = dict(

@@ -3,7 +3,6 @@ between alerts, their promtool tests and docs/runbooks.md."""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -15,7 +14,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO_ROOT, require_tool
-from tests.helpers import github_anchor, markdown_anchors
+from tests.helpers import github_anchor, markdown_anchors, promtool
 
 RULES_DIR = REPO_ROOT / "deploy" / "prometheus"
 ALERTS_FILE = RULES_DIR / "alerts.yaml"
@@ -47,27 +46,6 @@ def _rules(path: Path) -> list[dict[str, Any]]:
 
 def _alerts() -> list[dict[str, Any]]:
     return [rule for rule in _rules(ALERTS_FILE) if "alert" in rule]
-
-
-# Prometheus 2 (Debian's `promtool`, on PATH) and 3 (the path in GPUMEM_PROMTOOL3: .ci/run
-# unpacks Debian sid's package there): 3.0 changed what a range selects (the sample at its start
-# is left out), which once made two rule tests and the alerts' last minute differ.
-PROMTOOL3_ENV = "GPUMEM_PROMTOOL3"
-
-
-def promtool(major: int) -> str:
-    """The promtool of Prometheus `major`, checked to be that major version."""
-    if major == 2:
-        path = require_tool("promtool")
-    else:
-        found = os.environ.get(PROMTOOL3_ENV)
-        path = found if found and os.access(found, os.X_OK) else require_tool(PROMTOOL3_ENV)
-    version = subprocess.run(
-        [path, "--version"], capture_output=True, text=True, timeout=30, check=False
-    )
-    said = re.search(r"version (\d+)\.", version.stdout + version.stderr)
-    assert said and int(said.group(1)) == major, (path, version.stdout, version.stderr)
-    return path
 
 
 def _run_promtool(*args: str, major: int = 2) -> None:

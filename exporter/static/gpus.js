@@ -115,10 +115,11 @@ function countDrawn(u) {
 }
 
 // The cap (dashed, where a process has one) and the counter markers. Events closer than a
-// label's width merge into one marker carrying their total, shaded over the time it spans,
-// so that an OOM storm reads as "OOM ×40", not as a solid red bar; labels never overlap
-// each other (OOMs at the top, retries at the bottom) nor leave the plot. What was drawn is
-// left in data-markers for the browser tests.
+// label's width merge into one marker carrying their total, its span shaded in a strip along
+// the plot's edge (OOMs at the top, retries at the bottom), not over the series: shading over
+// them turned the allocated blue into the non-allocator purple. So an OOM storm reads as
+// "OOM ×40", not as a solid red bar; labels never overlap each other nor leave the plot.
+// What was drawn is left in data-markers for the browser tests.
 function drawMarkers(entry) {
   return (u) => {
     const ctx = u.ctx;
@@ -149,10 +150,14 @@ function drawMarkers(entry) {
       let labelEnd = -Infinity;
       for (const group of groups) {
         ctx.strokeStyle = ctx.fillStyle = marker.color;
+        let band = null;
         if (group.x1 > group.x0) {
-          ctx.globalAlpha = 0.18;
-          ctx.fillRect(group.x0, top, group.x1 - group.x0, height);
+          const strip = 4 * pad;
+          const y = marker.kind === "OOM" ? top : top + height - strip;
+          ctx.globalAlpha = 0.35;
+          ctx.fillRect(group.x0, y, group.x1 - group.x0, strip);
           ctx.globalAlpha = 1;
+          band = [y / ratio, (y + strip) / ratio];
         }
         ctx.lineWidth = (marker.kind === "OOM" ? 2 : 1.5) * ratio;
         ctx.setLineDash(marker.kind === "OOM" ? [] : [4 * ratio, 3 * ratio]);
@@ -160,7 +165,7 @@ function drawMarkers(entry) {
         ctx.moveTo(group.x1, top);
         ctx.lineTo(group.x1, top + height);
         ctx.stroke();
-        drawn.markers.push({ kind: marker.kind, x0: group.x0 / ratio, x1: group.x1 / ratio, count: group.count });
+        drawn.markers.push({ kind: marker.kind, x0: group.x0 / ratio, x1: group.x1 / ratio, count: group.count, band });
         const text = group.count > 1 ? `${marker.kind} ×${group.count}` : marker.kind;
         const textWidth = ctx.measureText(text).width;
         // Right of the marker; left of it where the plot ends first.

@@ -628,6 +628,13 @@ def test_live_page_stays_readable_in_an_oom_storm(tmp_path):
         assert in_view >= 100 and sum(m["count"] for m in ooms) == in_view
         # Merged: far fewer markers than rises, at least one carrying many OOMs.
         assert len(ooms) < 10 and max(m["count"] for m in ooms) >= 20, ooms
+        # A merged span is shaded in a strip along the plot's top, not over the series
+        # (whose colours it would change).
+        plot_top, plot_bottom = labels[0]["plot"][1], labels[0]["plot"][3]
+        bands = [m["band"] for m in ooms if m["band"]]
+        assert bands, ooms
+        for y0, y1 in bands:
+            assert plot_top - 1 <= y0 and y1 - y0 <= 0.1 * (plot_bottom - plot_top), (y0, y1)
         for label in labels:
             left, top, right, bottom = label["plot"]
             assert left <= label["x0"] and label["x1"] <= right, label

@@ -416,6 +416,7 @@ def _serve(config: Config, sources: Sequence[Source], mode: str) -> int:
     runtime = build_runtime(config, mode=mode, sources=sources)
     try:
         http = runtime.server()
+        health = runtime.health_server()
     except ServerStartError as exc:
         raise CliError(str(exc)) from None
     # uvicorn shuts down on SIGTERM, then raises it again with the handler it found: this one
@@ -430,9 +431,14 @@ def _serve(config: Config, sources: Sequence[Source], mode: str) -> int:
         http.url,
         http.url,
     )
+    if health is not None:
+        health.start()
+        log.info("health checks (/healthz, /readyz) also at %s", health.url)
     try:
         http.run()
     finally:
+        if health is not None:
+            health.stop()
         runtime.sampler.stop()
     return 0
 

@@ -249,6 +249,14 @@ class Config:
         agents=False,
     )
     port: int = setting(DEFAULT_PORT, "port to listen on", _port, agents=False)
+    health_port: int = setting(
+        0,
+        "serve and demo: a second port, plain HTTP, that answers only /healthz and /readyz "
+        "(0 = none), for the kubelet's probes where the main port asks for a client "
+        "certificate",
+        _port,
+        agents=False,
+    )
     interval_s: float = setting(1.0, "seconds between samples", _seconds(0.01, 3600.0))
     labels: dict[str, str] = setting(  # noqa: RUF009 - a field with a default_factory
         {}, "constant labels on every series, e.g. model=llama3,tier=prod", _labels

@@ -20,7 +20,7 @@ from exporter.detectors import Listener as AlertListener
 from exporter.exposition import ExpositionCache
 from exporter.http.admin import Admin
 from exporter.http.identities import KubernetesIdentities
-from exporter.http.server import HttpServer, create_app
+from exporter.http.server import HttpServer, create_app, create_health_app
 from exporter.http.web import WebSecurity
 from exporter.http.webconfig import WebConfigError
 from exporter.identity import identity_labels
@@ -75,6 +75,13 @@ class Runtime:
         the background (start(), run's launcher). ServerStartError in one line where the
         address is taken or invalid."""
         return HttpServer(create_app(self), self.config.host, self.config.port)
+
+    def health_server(self) -> HttpServer | None:
+        """The plain-HTTP server of /healthz and /readyz on health_port (None where 0), not
+        started; ServerStartError in one line where the address is taken or invalid."""
+        if not self.config.health_port:
+            return None
+        return HttpServer(create_health_app(self), self.config.host, self.config.health_port)
 
 
 def web_security(config: Config) -> WebSecurity:

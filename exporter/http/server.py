@@ -151,6 +151,27 @@ def create_app(runtime: Served) -> FastAPI:
     return app
 
 
+def create_health_app(runtime: Served) -> FastAPI:
+    """Only /healthz and /readyz, for a port of their own (health_port): plain HTTP where the
+    main port asks for a client certificate, which the kubelet's probes cannot show. What
+    they say (a sample's age, failing sources, readiness) is no secret; nothing else is
+    served there."""
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/healthz")
+    def healthz() -> Response:
+        return health_response(runtime)
+
+    @app.get("/readyz")
+    def readyz() -> Response:
+        return readiness_response(runtime)
+
+    app.state.direct_routes = {
+        path: route for path, route in direct_routes(runtime).items() if path != b"/metrics"
+    }
+    return app
+
+
 def direct_routes(runtime: Served) -> Routes:
     exposition = runtime.exposition
     routes: dict[bytes, Callable[[dict[bytes, bytes]], Response]] = {

@@ -974,8 +974,13 @@ def test_secured_release_probes_and_monitors_follow_tls(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
     secured, tls_only = container(rendered["secured"]), container(rendered["tls-existing-secret"])
-    # Kubelet probes have no client certificate: TCP where one is required, else HTTPS.
-    assert "tcpSocket" in secured["livenessProbe"] and "tcpSocket" in secured["readinessProbe"]
+    # Kubelet probes have no client certificate: where one is required they ask the health
+    # port (plain HTTP, /healthz and /readyz only), else the main port over HTTPS.
+    ports = {p["name"]: p["containerPort"] for p in secured["ports"]}
+    assert env_of(rendered["secured"])["GPUMEM_HEALTH_PORT"] == str(ports["health"])
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        assert secured[probe]["httpGet"] == {"path": path, "port": "health", "scheme": "HTTP"}
+    assert "GPUMEM_HEALTH_PORT" not in env_of(rendered["tls-existing-secret"])
     assert tls_only["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
     assert tls_only["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
     endpoint = one(rendered["tls-existing-secret"], "ServiceMonitor")["spec"]["endpoints"][0]

@@ -157,6 +157,40 @@ def test_client_certificates_required_and_verified(tmp_path, pki):
         assert _get(server, "/healthz", _client(ca, ca.issue("p2", "DNS:prometheus")))[0] == 200
 
 
+def test_the_health_port_answers_plain_probes_while_the_main_port_asks_for_a_certificate(
+    tmp_path, pki
+):
+    """The kubelet's httpGet probes show no client certificate: with one required on the
+    main port, health_port answers /healthz and /readyz in plain HTTP (a hung sampler still
+    restarts the pod) and serves nothing else."""
+    from tests.helpers import free_port
+
+    ca, pair = pki
+    path = _tls(
+        tmp_path, pair,
+        f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {ca.cert}\n",
+    )  # fmt: skip
+    port = free_port()
+    with served(tmp_path, web_config_file=str(path), health_port=port) as (server, runtime):
+        health = runtime.health_server()
+        assert health is not None and health.url == f"http://127.0.0.1:{port}"
+        health.start()
+        try:
+            refused = (ssl.SSLError, ConnectionResetError, http.client.RemoteDisconnected)
+            with pytest.raises(refused):
+                _get(server, "/healthz", _client(ca))  # no client certificate: refused
+            for probe, expected in (("/healthz", 200), ("/readyz", 200), ("/metrics", 404)):
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                connection.request("GET", probe)
+                response = connection.getresponse()
+                body = response.read()
+                connection.close()
+                assert response.status == expected, (probe, response.status, body)
+            assert b"torch_cuda" not in body
+        finally:
+            health.stop()
+
+
 def test_a_san_not_allowed_is_answered_403_with_the_reason(tmp_path, pki):
     ca, pair = pki
     path = _tls(

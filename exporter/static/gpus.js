@@ -115,11 +115,15 @@ function countDrawn(u) {
 }
 
 // The cap (dashed, where a process has one) and the counter markers. Events closer than a
-// label's width merge into one marker carrying their total, its span shaded in a strip along
+// label's width and less than BURST_GAP_S apart (one burst, as the OOM banner counts them;
+// further apart they stay two markers, however close in pixels) merge into one marker
+// carrying their total, its span shaded in a strip along
 // the plot's edge (OOMs at the top, retries at the bottom), not over the series: shading over
 // them turned the allocated blue into the non-allocator purple. So an OOM storm reads as
 // "OOM ×40", not as a solid red bar; labels never overlap each other nor leave the plot.
 // What was drawn is left in data-markers for the browser tests.
+const BURST_GAP_S = 30;
+
 function drawMarkers(entry) {
   return (u) => {
     const ctx = u.ctx;
@@ -140,11 +144,13 @@ function drawMarkers(entry) {
         const x = Math.round(u.valToPos(store.t[event.i], "x", true));
         if (x < left || x > left + width) continue;
         const last = groups[groups.length - 1];
-        if (last && x - last.x1 < spacing) {
+        const at = store.t[event.i];
+        if (last && x - last.x1 < spacing && at - last.t1 <= BURST_GAP_S) {
           last.x1 = x;
+          last.t1 = at;
           last.count += event.count;
         } else {
-          groups.push({ x0: x, x1: x, count: event.count });
+          groups.push({ x0: x, x1: x, t1: at, count: event.count });
         }
       }
       let labelEnd = -Infinity;

@@ -597,6 +597,29 @@ def test_live_page_says_verdict_pending_from_the_moment_the_count_moves(tmp_path
     assert "The burst's most complete record: 2 more OOMs followed it." in earlier["text"]
 
 
+@pytest.mark.slow
+def test_ooms_a_burst_apart_stay_apart_on_the_chart(tmp_path):
+    """Two OOMs 40 s apart in a 10-minute view on a phone are a few pixels apart: they are
+    two markers, not one band, as the banner counts bursts (30 s)."""
+    (sample,) = [
+        s for s in captured_oom_samples() if s.allocators[0].ooms_by_verdict.get("fragmentation")
+    ]
+    judged = sample.allocators[0]
+    runtime = runtime_for(tmp_path, "embedded", [StubSource("torch", SourceReading())])
+    now = time.time()
+    for i in range(600):  # the last ten minutes, a sample a second
+        ooms = (i >= 300) + (i >= 340)
+        counters = {**judged.counters, "ooms": ooms}
+        reading = dataclasses.replace(judged, counters=counters)
+        runtime.window(Sample(timestamp=now - 600 + i, allocators=[reading]))
+    with serving(runtime) as url:
+        result = drive(url, tmp_path, "apart", widths=[420], min_points=100)
+    markers = result["widths"]["420"]["cards"][0]["markers"]["markers"]
+    ooms = [m for m in markers if m["kind"] == "OOM"]
+    assert [m["count"] for m in ooms] == [1, 1], ooms
+    assert ooms[1]["x0"] - ooms[0]["x1"] < 60  # close enough that pixels alone would merge
+
+
 STORM_TRACE = REPO_ROOT / "tests" / "data" / "h200_oom_storm_trace.jsonl.gz"
 
 

@@ -84,7 +84,9 @@ class Alert:
     name: str
     severity: str  # the `severity` label of its rule
     on: str  # one of ON
-    measures: str  # what its value is, for the live page
+    # What its value is, for the live page; {window}: the counter alerts' window, in words
+    # (their value is the counter's rise within it, not its total).
+    measures: str
     unit: str  # one of UNITS
     summary: str  # its rule's summary annotation
     condition: Condition
@@ -285,7 +287,7 @@ ALERTS: tuple[Alert, ...] = (
         "GpuMemAllocRetries",
         "warning",
         "allocator",
-        "new retries",
+        "retries in the last {window}",
         "count",
         "PyTorch had to free its CUDA cache and retry allocations.",
         _counter("alloc_retries"),
@@ -297,7 +299,7 @@ ALERTS: tuple[Alert, ...] = (
         "GpuMemOutOfMemory",
         "critical",
         "allocator",
-        "new OOMs",
+        "OOMs in the last {window}",
         "count",
         "PyTorch raised CUDA out-of-memory errors.",
         _counter("ooms"),
@@ -309,7 +311,7 @@ ALERTS: tuple[Alert, ...] = (
         "GpuMemOomFragmentation",
         "critical",
         "allocator",
-        "new fragmentation OOMs",
+        "fragmentation OOMs in the last {window}",
         "count",
         "CUDA out-of-memory errors from a fragmented cache, not from a full GPU.",
         _fragmentation_ooms,

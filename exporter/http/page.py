@@ -144,7 +144,9 @@ def window_payload(runtime: Served, since: float | None) -> dict[str, Any]:
                 "severity": firing.severity,
                 "since": firing.since,
                 "value": firing.value,
-                "value_label": BY_NAME[firing.alert].measures,
+                "value_label": BY_NAME[firing.alert].measures.format(
+                    window=_in_words(config.detect_counter_window_s)
+                ),
                 "value_unit": BY_NAME[firing.alert].unit,
                 "runbook_url": runbook_url(config, firing.alert),
                 "note": alert_note(sample, firing.alert, firing.labels),
@@ -196,6 +198,15 @@ def _beside_the_verdict(note: str, last_oom: OomVerdict | None) -> str:
     agreeing = _AGREES.get(last_oom.verdict)
     kept = [part for part in note.split("; ") if agreeing and part.startswith(agreeing)]
     return "; ".join([f"its latest OOM: {last_oom.verdict} (the banner has the numbers)", *kept])
+
+
+def _in_words(seconds: float) -> str:
+    """10 min, 90 s, 2 h: a window as the page says it."""
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{seconds / 3600:g} h"
+    if seconds >= 60 and seconds % 60 == 0:
+        return f"{seconds / 60:g} min"
+    return f"{seconds:g} s"
 
 
 def oom_rows(

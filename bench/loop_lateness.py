@@ -72,12 +72,10 @@ def _number(stats: Any, family: str, pool: str, stat: str) -> int:
     return value if isinstance(value, int) else -1
 
 
-def _bare_probe(interval_s: float, stop: Any) -> Any:
-    """The floor of exporting from inside a server: a thread that reads the allocator's nested
-    stats with its C call, pulls out 47 numbers, packs them with struct and writes them,
-    without blocking, to a pipe another process reads. No exporter code at all."""
+def bare_tick() -> tuple[Any, Any]:
+    """The bare probe's tick (the C call, 47 numbers, one struct pack, one non-blocking write
+    to a pipe another process reads; no exporter code) and that reading process."""
     import struct
-    import threading
 
     import torch
 
@@ -90,12 +88,25 @@ def _bare_probe(interval_s: float, stop: Any) -> Any:
     read = torch._C._cuda_memoryStats
     pack = struct.Struct("<" + "q" * len(_BARE_PATHS)).pack
 
+    def tick() -> None:
+        stats = read(0)
+        values = [_number(stats, f, p, s) for f, p, s in _BARE_PATHS]
+        with contextlib.suppress(BlockingIOError):  # dropped, never waited for
+            os.write(fd, pack(*values))
+
+    return tick, reader
+
+
+def _bare_probe(interval_s: float, stop: Any) -> Any:
+    """The floor of exporting from inside a server: a thread that ticks bare_tick() at the
+    interval. No exporter code at all."""
+    import threading
+
+    tick, reader = bare_tick()
+
     def run() -> None:
         while not stop.wait(interval_s):
-            stats = read(0)
-            values = [_number(stats, f, p, s) for f, p, s in _BARE_PATHS]
-            with contextlib.suppress(BlockingIOError):  # dropped, never waited for
-                os.write(fd, pack(*values))
+            tick()
 
     thread = threading.Thread(target=run, name="gpumem-bare-probe", daemon=True)
     thread.start()

@@ -15,7 +15,6 @@ last line.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import tempfile
@@ -27,11 +26,10 @@ from typing import Any
 from bench.common import summary
 
 
-def measure(seconds: float, interval_s: float, full_every_tick: bool) -> dict[str, Any]:
+def _allocating() -> tuple[threading.Event, threading.Thread]:
+    """CUDA initialized and a thread allocating and freeing GPU memory beside the ticks, as
+    in bench.loop_lateness; set the event and join the thread to end it."""
     import torch
-
-    from exporter.run.agent import Agent
-    from exporter.run.aggregator import Aggregator
 
     torch.empty(1, device="cuda:0")
     stop = threading.Event()
@@ -44,6 +42,15 @@ def measure(seconds: float, interval_s: float, full_every_tick: bool) -> dict[st
 
     allocator = threading.Thread(target=allocate, daemon=True)
     allocator.start()
+    return stop, allocator
+
+
+def measure(seconds: float, interval_s: float, full_every_tick: bool) -> dict[str, Any]:
+
+    from exporter.run.agent import Agent
+    from exporter.run.aggregator import Aggregator
+
+    stop, allocator = _allocating()
     run_dir = Path(tempfile.mkdtemp(prefix="pt-", dir="/tmp"))
     aggregator = Aggregator(run_dir)
     agent = Agent(str(run_dir), interval_s=3600)
@@ -92,42 +99,13 @@ def versus_bare(seconds: float, interval_s: float) -> dict[str, Any]:
     numbers, one struct pack, one non-blocking write to a pipe) in one thread, taking turns
     at the interval, so that both find the caches as cold; the agent's record tick in its
     parts (the probe's records, their sending)."""
-    import struct
-    import subprocess
-    import sys
 
-    import torch
-
-    from bench.loop_lateness import _BARE_PATHS, _number
+    from bench.loop_lateness import bare_tick
     from exporter.run.agent import Agent
     from exporter.run.aggregator import Aggregator
 
-    torch.empty(1, device="cuda:0")
-    stop = threading.Event()
-
-    def allocate() -> None:
-        while not stop.is_set():
-            kept = [torch.empty(4 << 20, dtype=torch.uint8, device="cuda:0") for _ in range(8)]
-            del kept
-            time.sleep(0.005)
-
-    allocator = threading.Thread(target=allocate, daemon=True)
-    allocator.start()
-    reader = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.buffer.read()"], stdin=subprocess.PIPE
-    )
-    assert reader.stdin is not None
-    fd = reader.stdin.fileno()
-    os.set_blocking(fd, False)
-    read = torch._C._cuda_memoryStats
-    pack = struct.Struct("<" + "q" * len(_BARE_PATHS)).pack
-
-    def bare() -> None:
-        stats = read(0)
-        values = [_number(stats, f, p, s) for f, p, s in _BARE_PATHS]
-        with contextlib.suppress(BlockingIOError):
-            os.write(fd, pack(*values))
-
+    stop, allocator = _allocating()
+    bare, reader = bare_tick()
     run_dir = Path(tempfile.mkdtemp(prefix="pt-", dir="/tmp"))
     aggregator = Aggregator(run_dir)
     agent = Agent(str(run_dir), interval_s=3600)

@@ -39,7 +39,11 @@ def instances() -> Iterator[dict[str, Any]]:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     yield {
         "asyncio.sslproto.SSLProtocol": internals.AlertingTlsProtocol(
-            loop, asyncio.Protocol(), context, None, server_side=True
+            loop,
+            asyncio.Protocol(),
+            context,
+            None,  # type: ignore[arg-type]  # no waiter: asyncio's own servers pass None
+            server_side=True,
         ),
         "uvicorn.Server": uvicorn.Server(config),
         "uvicorn.server.ServerState": ServerState(),
@@ -96,7 +100,8 @@ def test_a_failed_handshake_sends_what_handshake_done_answers():
     loop = asyncio.new_event_loop()
     try:
         protocol = Answering(
-            loop, asyncio.Protocol(), ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), None,
+            loop, asyncio.Protocol(), ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER),
+            None,  # no waiter, as asyncio's own servers
             server_side=True,
         )  # fmt: skip
         protocol._transport = Transport()  # what connection_made sets

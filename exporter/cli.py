@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import ssl
 import sys
@@ -324,13 +325,21 @@ def _add_view_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
         description="Render an allocator snapshot (pickle, optionally gzipped) as one HTML "
         "page that loads nothing from the network.",
     )
-    view.add_argument("snapshot", type=Path, help="snapshot pickle")
+    view.add_argument(
+        "snapshot",
+        help="snapshot pickle, or a snapshot's URL on an exporter "
+        "(http://POD:9445/snapshots/ID, as GET /snapshots and the live page list them; the "
+        "admin token from --token-file or GPUMEM_ADMIN_TOKEN_FILE/GPUMEM_ADMIN_TOKEN)",
+    )
     view.add_argument(
         "-o",
         "--output",
         type=Path,
-        help="HTML file to write (default: the snapshot's name with .html, beside it)",
+        help="HTML file to write (default: the snapshot's name with .html, beside it; for a "
+        "URL, ID.html here)",
     )
+    view.add_argument("--token-file", type=Path, help="file holding the admin bearer token")
+    _add_transport_flags(view)
 
 
 def _add_transport_flags(parser: argparse.ArgumentParser) -> None:
@@ -853,25 +862,57 @@ def _print_why(args: argparse.Namespace, stats: dict[str, Any]) -> None:
         print(terminal_safe(oom_answer(stats)), end="")
 
 
+# A snapshot on an exporter: BASE/snapshots/ID, or its /view or /info page.
+_SNAPSHOT_URL = re.compile(r"(?P<base>.*?)/snapshots/(?P<id>[^/?#]+)(?:/view|/info)?/?")
+
+
+def _fetched_snapshot(args: argparse.Namespace, url: str, folder: Path) -> tuple[Path, str]:
+    """`view URL`: the snapshot downloaded into `folder` (private, temporary), and its id."""
+    from exporter.actions.snapshots import ID_PATTERN
+    from exporter.client import ClientError
+
+    found = _SNAPSHOT_URL.fullmatch(url)
+    if found is None or not ID_PATTERN.fullmatch(found["id"]):
+        raise CliError(f"{url!r} is not a snapshot's URL (http://HOST:PORT/snapshots/ID)")
+    args.url, args.kubeconfig_token, args.timeout_s = found["base"], False, 60.0
+    path = folder / f"{found['id']}.pickle"
+    try:
+        _client(args).download(found["id"], path)
+    except ClientError as exc:
+        raise CliError(str(exc)) from None
+    return path, found["id"]
+
+
 def cmd_view(args: argparse.Namespace) -> int:
+    import tempfile
+
     from exporter.viewer import SnapshotError, load_snapshot, render_html
 
-    try:
-        snapshot = load_snapshot(args.snapshot)
-    except SnapshotError as exc:
-        raise CliError(str(exc)) from None
+    with tempfile.TemporaryDirectory(prefix="gpumem-view-") as folder:
+        if "://" in args.snapshot:
+            path, snapshot_id = _fetched_snapshot(args, args.snapshot, Path(folder))
+            if args.output is None:
+                args.output = Path(f"{snapshot_id}.html")
+            source = args.snapshot
+        else:
+            path = Path(args.snapshot)
+            source = str(path)
+        try:
+            snapshot = load_snapshot(path)
+        except SnapshotError as exc:
+            raise CliError(str(exc)) from None
     if args.output is None:  # snap.pickle(.gz) -> snap.html, beside it
-        name = args.snapshot.name.removesuffix(".gz").removesuffix(".pickle")
-        args.output = args.snapshot.with_name((name or args.snapshot.name) + ".html")
+        name = path.name.removesuffix(".gz").removesuffix(".pickle")
+        args.output = path.with_name((name or path.name) + ".html")
     _writable(args.output, "-o")
     try:
         html = render_html(
             snapshot,
-            title=f"GPU memory snapshot {args.snapshot.name}",
-            meta={"file": str(args.snapshot)},
+            title=f"GPU memory snapshot {path.name}",
+            meta={"file" if source == str(path) else "url": source},
         )
     except SnapshotError as exc:  # over the viewer's limits: too large to draw
-        raise CliError(f"{args.snapshot}: {exc}") from None
+        raise CliError(f"{source}: {exc}") from None
     # The user's own file, named by them: their umask, like `> FILE` (snapshots stay 0600).
     try:
         atomic.write_bytes(args.output, html.encode("utf-8"), private=False)

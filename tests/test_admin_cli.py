@@ -117,6 +117,37 @@ def test_snapshot_id_and_latest_oom_download_what_the_exporter_keeps(demo_env, t
 
 
 @pytest.mark.slow
+def test_view_takes_a_snapshots_url_on_the_exporter(demo_env, tmp_path):
+    """`view URL` (as /snapshots and the live page list them) downloads with the admin token
+    and renders offline; a URL that names no snapshot, or no token, is one line."""
+    env, token_file = demo_env
+    with running("demo", env=env) as url:
+        taken = run_cli(
+            "snapshot", "--url", url, "--token-file", str(token_file), "-o",
+            str(tmp_path / "s.pickle"), "--json",
+        )  # fmt: skip
+        assert taken.returncode == 0, taken.stderr
+        [entry] = json.loads(taken.stdout)["written"]
+        html = tmp_path / "view.html"
+        viewed = run_cli(
+            "view", f"{url}/snapshots/{entry['id']}/view", "--token-file", str(token_file),
+            "-o", str(html),
+        )  # fmt: skip
+        assert viewed.returncode == 0, viewed.stderr
+        page = html.read_text()
+        assert page.startswith("<!") and "https://" not in page and entry["id"] in page
+        assert not list(tmp_path.glob("gpumem-view-*"))  # the download went with the run
+        bad = run_cli("view", f"{url}/metrics", "-o", str(tmp_path / "x.html"))
+        assert bad.returncode == 2 and "is not a snapshot's URL" in bad.stderr
+        no_token = run_cli(
+            "view", f"{url}/snapshots/{entry['id']}", "-o", str(tmp_path / "x.html"),
+            env={"GPUMEM_ADMIN_TOKEN_FILE": ""},
+        )  # fmt: skip
+        assert no_token.returncode == 2 and no_token.stderr.count("\n") == 1
+        assert "HTTP 401" in no_token.stderr and not (tmp_path / "x.html").exists()
+
+
+@pytest.mark.slow
 def test_client_errors_are_one_line(demo_env, tmp_path):
     env, _ = demo_env
     wrong = tmp_path / "wrong"

@@ -261,11 +261,14 @@ def retry_pressure(
     largest_free_block: int | None,
     reserved: int | None,
     limit: int | None,
+    last_oom: OomVerdict | None = None,
 ) -> str:
     """What an allocation retry is the step before, in words ("" where nothing says):
     "fragmentation building" when the free cache is in small pieces, "close to the cap" when
-    the process's cap (or the device, without one) has little room left."""
-    notes = []
+    the process's cap (or the device, without one) has little room left. Where the process
+    already had an OOM, its verdict (taken at the OOM, with every reading) leads and only
+    the note that agrees with it stays: one diagnosis on one screen."""
+    notes = []  # (the verdict the note points at, the note)
     if (
         free_in_holes is not None
         and largest_free_block is not None
@@ -273,12 +276,19 @@ def retry_pressure(
         and largest_free_block < RETRY_SHATTERED_SHARE * free_in_holes
     ):
         notes.append(
-            f"fragmentation building: {fmt_bytes(free_in_holes)} free between live tensors, "
-            f"largest piece {fmt_bytes(largest_free_block)}"
+            (
+                "fragmentation",
+                f"fragmentation building: {fmt_bytes(free_in_holes)} free between live "
+                f"tensors, largest piece {fmt_bytes(largest_free_block)}",
+            )
         )
     if limit and reserved is not None and limit - reserved < RETRY_CAP_ROOM_SHARE * limit:
-        notes.append(f"close to the cap: {fmt_bytes(max(limit - reserved, 0))} left under it")
-    return "; ".join(notes)
+        room = fmt_bytes(max(limit - reserved, 0))
+        notes.append(("cap", f"close to the cap: {room} left under it"))
+    if last_oom is None:
+        return "; ".join(note for _, note in notes)
+    lead = f"its latest OOM: {last_oom.verdict} (the banner has the numbers)"
+    return "; ".join([lead, *(note for cause, note in notes if cause == last_oom.verdict)])
 
 
 def describe(verdict: OomVerdict) -> str:

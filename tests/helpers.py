@@ -555,40 +555,22 @@ def wait_http(
             time.sleep(0.2)
 
 
-# Prometheus 2 (Debian's `promtool`, on PATH) and 3 (the path in GPUMEM_PROMTOOL3: .ci/run
-# unpacks Debian sid's package there): 3.0 changed what a range selects (the sample at its start
-# is left out), which once made two rule tests and the alerts' last minute differ.
+# Prometheus 2 (Debian's `promtool` and `prometheus`, on PATH) and 3 (the paths in
+# GPUMEM_PROMTOOL3 and GPUMEM_PROMETHEUS3: .ci/run unpacks Debian sid's packages there): 3.0
+# changed what a range selects (the sample at its start is left out), which once made two rule
+# tests and the alerts' last minute differ.
 PROMTOOL3_ENV = "GPUMEM_PROMTOOL3"
-
-
-def promtool(major: int) -> str:
-    """The promtool of Prometheus `major`, checked to be that major version."""
-    if major == 2:
-        path = require_tool("promtool")
-    else:
-        found = os.environ.get(PROMTOOL3_ENV)
-        path = found if found and os.access(found, os.X_OK) else require_tool(PROMTOOL3_ENV)
-    version = subprocess.run(
-        [path, "--version"], capture_output=True, text=True, timeout=30, check=False
-    )
-    said = re.search(r"version (\d+)\.", version.stdout + version.stderr)
-    assert said and int(said.group(1)) == major, (path, version.stdout, version.stderr)
-    return path
-
-
-# Prometheus 3's server (the path in GPUMEM_PROMETHEUS3: .ci/run unpacks Debian sid's package
-# there, beside its promtool) for the end-to-end tests that run under both majors.
 PROMETHEUS3_ENV = "GPUMEM_PROMETHEUS3"
 
 
-def prometheus_server(major: int) -> str:
-    """The Prometheus server of `major` (2: Debian's, on PATH), checked to be that version."""
+def _prometheus_tool(name: str, major: int, env_3: str) -> str:
+    """Prometheus `major`'s `name` binary, checked to be that major version."""
     if major == 2:
-        path = require_tool("prometheus")
+        path = require_tool(name)
     else:
-        found = os.environ.get(PROMETHEUS3_ENV)
+        found = os.environ.get(env_3)
         if not (found and os.access(found, os.X_OK)):
-            _missing(f"{PROMETHEUS3_ENV} names no Prometheus 3 server (.ci/run unpacks one)")
+            _missing(f"{env_3} names no Prometheus 3 {name} (.ci/run unpacks one)")
         path = str(found)
     version = subprocess.run(
         [path, "--version"], capture_output=True, text=True, timeout=30, check=False
@@ -596,6 +578,14 @@ def prometheus_server(major: int) -> str:
     said = re.search(r"version (\d+)\.", version.stdout + version.stderr)
     assert said and int(said.group(1)) == major, (path, version.stdout, version.stderr)
     return path
+
+
+def promtool(major: int) -> str:
+    return _prometheus_tool("promtool", major, PROMTOOL3_ENV)
+
+
+def prometheus_server(major: int) -> str:
+    return _prometheus_tool("prometheus", major, PROMETHEUS3_ENV)
 
 
 def start_prometheus(binary: str, folder: Path, port: int) -> subprocess.Popen[str]:

@@ -27,7 +27,7 @@ from exporter.alerts import BY_NAME
 from exporter.http.runbooks import runbook_url, runbooks_html
 from exporter.http.served import Served
 from exporter.identity import identity_labels
-from exporter.oom_verdict import OomVerdict, retry_pressure
+from exporter.oom_verdict import retry_pressure
 from exporter.sample import Sample
 from exporter.version import __version__
 
@@ -176,28 +176,14 @@ def alert_note(sample: Sample | None, alert: str, labels: dict[str, str]) -> str
     for reading in sample.allocators:
         ids = {"device": str(reading.device), "gpu_uuid": reading.gpu_uuid, **reading.process}
         if all(ids.get(name, "") == value for name, value in labels.items()):
-            note = retry_pressure(
+            return retry_pressure(
                 reading.layout.get("free_in_used_segments_bytes"),
                 reading.layout.get("largest_free_block_bytes"),
                 reading.gauges.get("reserved_bytes"),
                 reading.gauges.get("memory_limit_bytes"),
+                reading.last_oom,
             )
-            return _beside_the_verdict(note, reading.last_oom)
     return ""
-
-
-# The part of a retries note that agrees with each OOM verdict (retry_pressure's wording).
-_AGREES = {"fragmentation": "fragmentation building", "cap": "close to the cap"}
-
-
-def _beside_the_verdict(note: str, last_oom: OomVerdict | None) -> str:
-    """One diagnosis on one screen: where this process already had an OOM, its verdict (taken
-    at the OOM, with every reading) leads, and of the retries' note only what agrees stays."""
-    if last_oom is None:
-        return note
-    agreeing = _AGREES.get(last_oom.verdict)
-    kept = [part for part in note.split("; ") if agreeing and part.startswith(agreeing)]
-    return "; ".join([f"its latest OOM: {last_oom.verdict} (the banner has the numbers)", *kept])
 
 
 def _in_words(seconds: float) -> str:

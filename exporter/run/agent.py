@@ -357,7 +357,7 @@ class Agent:
             result = ProcessResult(
                 process_labels(), False, error=f"{type(exc).__name__}: {exc}", outcome="error"
             )
-        self._next_full = 0.0  # the counts the action changed go out with the next tick
+        self._full_next()  # the counts the action changed go out with the next tick
         try:
             self._send(protocol.reply(request_id, result))
         except OSError:

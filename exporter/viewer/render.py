@@ -291,13 +291,17 @@ _META_TIMES = frozenset({"created"})
 _META_BYTES = frozenset({"alloc_size", "device_free", "size_bytes"})
 
 
+def _utc(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(timestamp))
+
+
 def _meta_html(meta: Mapping[str, Any] | None) -> Html:
     if not meta:
         return Html("")
 
     def shown(key: str, value: Any) -> str:
         if key in _META_TIMES and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(value))
+            return _utc(value)
         if key in _META_BYTES and isinstance(value, int) and not isinstance(value, bool):
             return _fmt_bytes(value)
         return _meta_value(value)
@@ -332,11 +336,7 @@ def _verdict_html(verdict: Any) -> Html:
         if isinstance(value := verdict.get(key), int) and not isinstance(value, bool)
     )
     at = verdict.get("timestamp")
-    when = (
-        time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))
-        if isinstance(at, (int, float)) and not isinstance(at, bool)
-        else "?"
-    )
+    when = _utc(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else "?"
     return html(
         '<div class="verdict"><h2>Out of memory: {verdict}</h2>'
         '<div class="where">cuda:{device} at {when}</div>'
@@ -815,11 +815,7 @@ def _timeline_html(
     start = entries[0].time_us / 1e6
     # time_us is wall-clock microseconds on the torch versions we know; print the start only
     # when it looks like one.
-    started = (
-        f", starting {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(start))}"
-        if 1e9 < start < 1e10
-        else ""
-    )
+    started = f", starting {_utc(start)}" if 1e9 < start < 1e10 else ""
     a_lo, a_hi = min(replay.allocated), max(replay.allocated)
     facts = escape(
         f"{len(entries)} entries "

@@ -120,9 +120,9 @@ def versus_bare(seconds: float, interval_s: float) -> dict[str, Any]:
         parts["records()"].append(time.thread_time() - started)
         return found
 
-    def timed_send(data: bytes) -> None:
+    def timed_send(data: bytes, count: int = 1) -> None:
         started = time.thread_time()
-        send_record(data)
+        send_record(data, count)
         parts["send"].append(time.thread_time() - started)
 
     def full_tick() -> None:

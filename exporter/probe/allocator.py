@@ -46,12 +46,12 @@ class AllocatorProbe:
         # The devices this process had initialized at the last full read: a tick reads only
         # these (worked out again at each configure(), so a device initialized later joins
         # with the next full sample).
-        self._devices: list[int] | None = None
+        self._devices: list[tuple[int, int]] | None = None  # (index, total memory)
         self._ready = False  # CUDA initialized (it never goes back, but in a forked child)
         self._totals: dict[int, int] = {}
         self._paths: tuple[tuple[str, str, str] | None, ...] | None = None
         self._settings: tuple[str, bool] | None = None  # what the paths were planned for
-        self._read_values: Any = None
+        self._pack: Any = None  # record.packer() for the settings in force
         self._sequence = 0
         # Each device's (allocation retries, OOMs) as the caller's latest full read had them
         # (expect()); `moved` turns True when a record shows others (or a device that read
@@ -67,7 +67,7 @@ class AllocatorProbe:
         where the settings changed (compiling costs more than a whole record)."""
         if (backend, expandable_segments) != self._settings:
             self._paths = record.plan(backend, expandable_segments)
-            self._read_values = record.reader(self._paths)
+            self._pack = record.packer(self._paths)
             self._settings = (backend, expandable_segments)
         self._devices = None
 
@@ -88,54 +88,69 @@ class AllocatorProbe:
         return self._ready
 
     def records(self) -> list[bytes]:
-        """One record per device this process initialized; [] before `ready()`."""
-        if not self.ready():
+        """One record per device this process initialized; [] before `ready()`. Per device:
+        the C call, the limit's getter and one compiled call into struct (record.packer);
+        the checked path only where that one cannot take the stats (private pools, a value
+        that is no int, a family this torch lacks)."""
+        if not self._ready and not self.ready():
             return []
-        torch, paths = self._torch, self._paths
-        assert paths is not None
+        if self._devices is None:
+            self._find_devices()
+        read, fraction, pack = self._read_stats, self._read_fraction, self._pack
+        expected = self._expected
+        now = time.time()
+        found = []
+        for index, total in self._devices or ():
+            stats = read(index)
+            if not stats:
+                continue
+            limit = int(min(fraction(index), 1.0) * total) if fraction else record.ABSENT
+            self._sequence += 1
+            try:
+                if record.PRIVATE_POOLS_KEY in stats:
+                    raise KeyError(record.PRIVATE_POOLS_KEY)  # pools follow: the checked path
+                data, counts = pack(stats, index, self._sequence, now, limit)
+            except (KeyError, TypeError, struct.error):
+                data, counts = self._checked(stats, index, now, limit)
+            if index not in self._with_context and not self._was_used(stats):
+                continue  # torch could not say, and this device was never used
+            if counts != expected.get(index):
+                self.moved = True
+            found.append(data)
+        return found
+
+    def _find_devices(self) -> None:
+        """The devices this process initialized, with each one's memory (for the limit);
+        what to read them with, looked up once."""
+        torch = self._torch
         if self._read_stats is None:
             self._read_stats = getattr(
                 torch._C, "_cuda_memoryStats", torch.cuda.memory_stats_as_nested_dict
             )
             self._read_fraction = getattr(torch._C, "_cuda_getMemoryFraction", False)
-        if self._devices is None:
-            self._devices = [
-                index
-                for index in range(torch.cuda.device_count())
-                if has_context(torch, "cuda", index, self._with_context)
-            ]
-        now = time.time()
-        found = []
-        for index in self._devices:
-            stats = self._read_stats(index)
-            if not stats:
-                continue
-            try:
-                values = self._read_values(stats)
-            except (KeyError, TypeError):  # a torch without one of them: one by one
-                values = record.values_from_stats(stats, paths)
-            if index not in self._with_context and values[record.PEAK_RESERVED] <= 0:
-                continue  # torch could not say, and this device was never used
-            values[record.LIMIT] = self._limit(index)
-            # Pinned host memory (PINNED) travels in the full sample: it moves when a server
-            # pins its staging buffers, not per tick, and its read costs 20 us cold.
-            if (values[record.RETRIES], values[record.OOMS]) != self._expected.get(index):
-                self.moved = True
-            self._sequence += 1
-            pools = record.private_pools(stats)
-            try:
-                found.append(record.pack(index, self._sequence, now, values, pools))
-            except (struct.error, TypeError):  # a value that is no int: checked one by one
-                values = record.values_from_stats(stats, paths)
-                values[record.LIMIT] = self._limit(index)
-                found.append(record.pack(index, self._sequence, now, values, pools))
-        return found
+        devices = []
+        for index in range(torch.cuda.device_count()):
+            if has_context(torch, "cuda", index, self._with_context):
+                if index not in self._totals and self._read_fraction:
+                    properties = torch.cuda.get_device_properties(index)
+                    self._totals[index] = int(properties.total_memory)
+                devices.append((index, self._totals.get(index, 0)))
+        self._devices = devices
 
-    def _limit(self, index: int) -> int:
-        """The allocator's cap (fraction x the device's memory), as the full source reads it;
-        ABSENT without a getter."""
-        if not self._read_fraction:
-            return record.ABSENT
-        if index not in self._totals:
-            self._totals[index] = int(self._torch.cuda.get_device_properties(index).total_memory)
-        return int(min(self._read_fraction(index), 1.0) * self._totals[index])
+    def _checked(
+        self, stats: Any, index: int, now: float, limit: int
+    ) -> tuple[bytes, tuple[int, int]]:
+        """The record read number by number (values_from_stats), with the private pools."""
+        assert self._paths is not None
+        values = record.values_from_stats(stats, self._paths)
+        values[record.LIMIT] = limit
+        pools = record.private_pools(stats)
+        data = record.pack(index, self._sequence, now, values, pools)
+        return data, (values[record.RETRIES], values[record.OOMS])
+
+    @staticmethod
+    def _was_used(stats: Any) -> bool:
+        try:
+            return int(stats["reserved_bytes"]["all"]["peak"]) > 0
+        except (KeyError, TypeError, ValueError):
+            return False

@@ -7,12 +7,16 @@ a buffer made once: no dataclass, no dict of results, no JSON. Everything else a
 at its own, slower pace and travels in the full sample (exporter.run.protocol), which a record
 then updates.
 
-    header   magic "GMPR", version, device, sequence, Unix time, private-pool count
+    header   magic "GMPR", version, size in bytes, device, sequence, Unix time, private-pool
+             count (the first three stay where they are in every version: a reader of a
+             byte stream finds where a record of any version ends)
     values   one int64 per FIELDS entry, ABSENT where the allocator does not define it
     pools    (pool id, pool id, reserved bytes) for each private pool
 
 Versioned: a reader refuses a record of another version (RecordError("record_version")),
-never misreads one. Standard library only: the probe imports it in the serving process.
+never misreads one. Records travel as they are (no base64, no line): the stream they share
+with JSON lines tells them apart by their magic (exporter.run.protocol.StreamReader).
+Standard library only: the probe imports it in the serving process.
 """
 
 from __future__ import annotations
@@ -22,13 +26,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 MAGIC = b"GMPR"
-VERSION = 1
+# 1: sent as a base64 line; 2: as it is, with its size in the header.
+VERSION = 2
 ABSENT = -(1 << 63)  # a number the allocator does not define here (never a real value)
 # At most this many private pools per device travel in a record (the exporter serves 16 plus
 # "other"; the rest are summed by the reader's budget, which needs to see them all).
 MAX_POOLS = 64
 
-HEADER = struct.Struct("<4sHHIdH")
+PREFIX = struct.Struct("<4sHH")  # magic, version, size: the same in every version
+HEADER = struct.Struct("<4sHHHIdH")
 POOL = struct.Struct("<QQq")
 
 # Allocator stat family -> the reading's gauge key, for `.all.current` and `.all.peak`.
@@ -85,6 +91,9 @@ FIELDS: tuple[tuple[str, str], ...] = (
 VALUES = struct.Struct("<" + "q" * len(FIELDS))
 # Header and values in one call: a tick packs with one struct call where no pool follows.
 _WHOLE = struct.Struct(HEADER.format + "q" * len(FIELDS))
+MAX_BYTES = _WHOLE.size + MAX_POOLS * POOL.size
+# torch 2.13's reserved bytes per private pool (absent before): a record with pools.
+PRIVATE_POOLS_KEY = "reserved_bytes_by_private_pools"
 # Where the probe finds each field in the nested stats dict: (family, pool, stat), or a top
 # level key (family, "", ""), or None for what the probe adds itself (limit, pinned).
 _PATHS: tuple[tuple[str, str, str] | None, ...] = (
@@ -98,6 +107,7 @@ _PATHS: tuple[tuple[str, str, str] | None, ...] = (
     None,
 )
 LIMIT = FIELDS.index(("gauge", "memory_limit_bytes"))
+MAX_SPLIT = FIELDS.index(("max_split", "max_split_size_bytes"))
 PEAK_RESERVED = FIELDS.index(("gauge", "reserved_peak_bytes"))
 PINNED = FIELDS.index(("pinned", "held_bytes"))
 RETRIES = FIELDS.index(("counter", "alloc_retries"))
@@ -158,30 +168,43 @@ def values_from_stats(
     return values
 
 
-def reader(
+def packer(
     paths: tuple[tuple[str, str, str] | None, ...],
-) -> Callable[[Mapping[str, Any]], list[int]]:
-    """values_from_stats as one expression compiled for these paths: a tick runs a single
-    list display instead of a loop (what a serving process pays at 1 Hz is mostly cold
-    caches, so less code touched is less time). It raises KeyError or TypeError where the
-    dict lacks a path, and takes values as they are but max_split_size (-1 where unset):
-    the caller falls back to values_from_stats, and struct refuses what is not an int."""
+) -> Callable[[Mapping[str, Any], int, int, float, int], tuple[bytes, tuple[Any, Any]]]:
+    """pack(device, sequence, time, values_from_stats(stats, paths) with the limit, []) as
+    one expression compiled for these paths, with (allocation retries, OOMs) beside it: a
+    tick runs one call into struct with the stats' lookups as its arguments, no list, no
+    loop (what a serving process pays at 1 Hz is mostly cold caches, so less code touched
+    is less time). It raises KeyError or TypeError where the dict lacks a path, struct.error
+    where a value is no int64, and takes values as they are but max_split_size (-1 where
+    unset): the caller falls back to values_from_stats; the reader refuses a negative."""
     parts = []
-    for path in paths:
-        if path is None:
+    for index, path in enumerate(paths):
+        if index == LIMIT:
+            parts.append("L")
+        elif path is None:
             parts.append("A")
-        elif path[0] == "max_split_size":
+        elif index == MAX_SPLIT:
             parts.append("M(s.get('max_split_size'))")
-        elif path[1]:
-            parts.append(f"s[{path[0]!r}][{path[1]!r}][{path[2]!r}]")
         else:
-            parts.append(f"s[{path[0]!r}]")
-    source = "lambda s: [" + ", ".join(parts) + "]"
-    # Compiled from this module's own constants (the paths above), never from input.
-    compiled: Callable[[Mapping[str, Any]], list[int]] = eval(
-        source, {"A": ABSENT, "M": _size_or_absent}
+            parts.append(_lookup(path))
+    counts = (paths[RETRIES], paths[OOMS])
+    source = (
+        f"lambda s, d, q, t, L: (P(G, {VERSION}, {_WHOLE.size}, d, q & 0xFFFFFFFF, t, 0, "
+        + ", ".join(parts)
+        + "), ("
+        + ", ".join("A" if path is None else _lookup(path) for path in counts)
+        + "))"
     )
+    # Compiled from this module's own constants (the paths above), never from input.
+    compiled: Callable[[Mapping[str, Any], int, int, float, int], tuple[bytes, tuple[Any, Any]]]
+    compiled = eval(source, {"A": ABSENT, "M": _size_or_absent, "P": _WHOLE.pack, "G": MAGIC})
     return compiled
+
+
+def _lookup(path: tuple[str, str, str]) -> str:
+    family, pool, stat = path
+    return f"s[{family!r}][{pool!r}][{stat!r}]" if pool else f"s[{family!r}]"
 
 
 def _size_or_absent(value: Any) -> int:
@@ -190,7 +213,7 @@ def _size_or_absent(value: Any) -> int:
 
 def private_pools(stats: Mapping[str, Any]) -> list[tuple[int, int, int]]:
     """(pool id, pool id, reserved bytes) of torch 2.13's per-private-pool stats; [] before."""
-    by_pool = stats.get("reserved_bytes_by_private_pools")
+    by_pool = stats.get(PRIVATE_POOLS_KEY)
     if not isinstance(by_pool, Mapping):
         return []
     found = []
@@ -214,7 +237,8 @@ def pack(
     pools: list[tuple[int, int, int]],
 ) -> bytes:
     """One record. Values outside int64 (none the allocator gives) become ABSENT."""
-    head = (MAGIC, VERSION, device, sequence & 0xFFFFFFFF, timestamp, len(pools))
+    size = _WHOLE.size + len(pools) * POOL.size
+    head = (MAGIC, VERSION, size, device, sequence & 0xFFFFFFFF, timestamp, len(pools))
     try:
         whole = _WHOLE.pack(*head, *values)
     except struct.error:
@@ -228,13 +252,16 @@ def unpack(data: bytes) -> tuple[int, int, float, dict[str, Any]]:
     """(device, sequence, Unix time, parts) of one record, parts shaped as AllocatorReading's
     fields: gauges, counters, pools, max_split_size_bytes, private_pools (raw ids) and pinned
     (held, in use) or None. RecordError for anything that is not a record of this version."""
-    if len(data) < HEADER.size or data[:4] != MAGIC:
+    if len(data) < PREFIX.size or data[:4] != MAGIC:
         raise RecordError("record", f"not a probe record ({len(data)} bytes)")
-    _, version, device, sequence, timestamp, count = HEADER.unpack_from(data)
+    _, version, size = PREFIX.unpack_from(data)
     if version != VERSION:
         raise RecordError("record_version", f"a record of version {version}, not {VERSION}")
+    if len(data) < HEADER.size:
+        raise RecordError("record", f"a record of {len(data)} bytes, shorter than its header")
+    _, _, _, device, sequence, timestamp, count = HEADER.unpack_from(data)
     expected = HEADER.size + VALUES.size + count * POOL.size
-    if count > MAX_POOLS or len(data) != expected:
+    if count > MAX_POOLS or len(data) != expected or size != expected:
         raise RecordError("record", f"a record of {len(data)} bytes, not {expected}")
     if not timestamp == timestamp or timestamp < 0:  # NaN or negative
         raise RecordError("record", "a record without a valid time")
@@ -251,7 +278,7 @@ def unpack(data: bytes) -> tuple[int, int, float, dict[str, Any]]:
             parts["counters"][key] = value
         elif kind.startswith("pool:"):
             parts["pools"].setdefault(kind[5:], {})[key] = value
-    max_split = values[FIELDS.index(("max_split", "max_split_size_bytes"))]
+    max_split = values[MAX_SPLIT]
     parts["max_split_size_bytes"] = None if max_split == ABSENT else max_split
     held, in_use = values[PINNED], values[PINNED + 1]
     parts["pinned"] = None if ABSENT in (held, in_use) else (held, in_use)

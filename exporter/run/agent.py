@@ -106,7 +106,7 @@ class Agent:
         self.helper_restarts = 0  # helpers this probe started again after one died
         self.records_sent = 0  # with full_samples: what the ticks did (for benchmarks)
         self.full_samples = 0
-        self._unsent = b""  # the rest of a record line the socket took only part of
+        self._unsent = b""  # the rest of a record the socket took only part of
         self.actions: LocalActions | None = None
         self._listeners: list[Listener] = []
         self._sock: socket.socket | None = None
@@ -185,18 +185,17 @@ class Agent:
             return
         data = protocol.encode(message)
         with self._send_lock:
-            if self._unsent:  # finish the record line first: the stream's lines stay whole
+            if self._unsent:  # finish the record first: the stream's messages stay whole
                 sock.sendall(self._unsent)
                 self._unsent = b""
             sock.sendall(data)
 
-    def _send_record(self, data: bytes) -> None:
-        """One record, without blocking: dropped (and counted) where the socket has no room,
-        or while part of an earlier line still waits."""
+    def _send_record(self, data: bytes, count: int = 1) -> None:
+        """This tick's records, as they are, without blocking: dropped (and counted) where
+        the socket has no room, or while part of an earlier one still waits."""
         sock = self._sock
         if sock is None:
             return
-        line = protocol.encode_record(data)
         with self._send_lock:
             if self._unsent:
                 try:
@@ -205,15 +204,16 @@ class Agent:
                     sent = 0
                 self._unsent = self._unsent[sent:]
                 if self._unsent:
-                    self.records_dropped += 1
+                    self.records_dropped += count
                     return
             try:
-                sent = sock.send(line, socket.MSG_DONTWAIT)
+                sent = sock.send(data, socket.MSG_DONTWAIT)
             except BlockingIOError:
-                self.records_dropped += 1
+                self.records_dropped += count
                 return
-            self.records_sent += 1
-            self._unsent = line[sent:]
+            self.records_sent += count
+            if sent < len(data):
+                self._unsent = data[sent:]
 
     def _close(self) -> None:
         sock, self._sock = self._sock, None
@@ -260,8 +260,10 @@ class Agent:
         if not records or self.probe.moved:
             self._full_tick()  # a retry or an OOM: its layout and verdict now, not later
             return
-        for data in records:
-            self._send_record(data)
+        if len(records) == 1:
+            self._send_record(records[0])
+        else:  # one send for all devices
+            self._send_record(b"".join(records), len(records))
 
     def _full_tick(self) -> None:
         reading = self.source.read()  # empty until this process uses CUDA
@@ -315,7 +317,7 @@ class Agent:
     # -- commands ------------------------------------------------------------------------
 
     def _read(self, sock: socket.socket) -> None:
-        reader = protocol.LineReader()
+        reader = protocol.StreamReader()
         # Waits in poll() for input only, not in recv(): a recv() blocked on a Unix socket
         # wakes each time the other end takes what this process sent (the kernel's
         # write-space wake-up), so this thread would run once per record, 19 us a time on

@@ -76,7 +76,7 @@ class _Peer:
     pid: int
     id: int = field(default_factory=lambda: next(_CONNECTION_IDS))  # never reused, unlike fds
     connected_at: float = field(default_factory=time.monotonic)
-    reader: protocol.LineReader = field(default_factory=protocol.LineReader)
+    reader: protocol.StreamReader = field(default_factory=protocol.StreamReader)
     process: dict[str, str] = field(default_factory=dict)
     allocators: list[AllocatorReading] = field(default_factory=list)
     sampled_at: float = 0.0  # time.monotonic() when `allocators` arrived
@@ -251,7 +251,7 @@ class Aggregator:
         try:
             for line in peer.reader.feed(chunk):
                 self._handle(peer, line)
-        except protocol.ProtocolError as exc:  # a line over the bound: no way to resync
+        except protocol.ProtocolError as exc:  # over the bound, or no size: no way to resync
             self._reject(peer, exc)
             self._drop(peer)
 
@@ -341,13 +341,16 @@ class Aggregator:
         return refused
 
     def _handle(self, peer: _Peer, line: bytes) -> None:
-        if line[:1] == protocol.RECORD:
+        if line[:4] == record.MAGIC:
             try:
-                self._record(peer, protocol.decode_record(line))
+                self._record(peer, line)
             except protocol.ProtocolError as exc:
                 self._reject(peer, exc)
             except record.RecordError as exc:
                 self._reject(peer, protocol.ProtocolError(exc.reason, str(exc)))
+            return
+        if line[:1] == protocol.OLD_RECORD_LINE:  # a probe of version 1: refused, not misread
+            self._reject(peer, protocol.ProtocolError("record_version", "a version 1 record"))
             return
         try:
             message = protocol.decode(line)

@@ -1,9 +1,11 @@
-"""The agent protocol of `gpumem-exporter run`: newline-delimited JSON over a Unix socket.
+"""The agent protocol of `gpumem-exporter run`: newline-delimited JSON over a Unix socket,
+and the probe's binary records between the lines.
 
     agent -> aggregator   {"type": "hello", "version": 1, "process": {pid, rank, local_rank, role}}
                           {"type": "sample", "allocators": [AllocatorReading...], "actions": {...}}
-                          R<base64 of a probe record> (exporter.probe.record): one device's
-                            numbers of one tick, updating that device's latest sample
+                          a probe record as it is (exporter.probe.record: "GMPR", its version
+                            and its size first): one device's numbers of one tick, updating
+                            that device's latest sample
                           {"type": "reply", "id": N, "result": ProcessResult}
     aggregator -> agent   {"type": "command", "id": N, "action": NAME, "params": {...}}
 
@@ -14,8 +16,6 @@ gpumem_exporter_agent_messages_rejected_total). Standard library only: agents im
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -26,6 +26,7 @@ from exporter.actions.base import OUTCOME_STATUS, ProcessResult
 from exporter.actions.spec import BY_NAME
 from exporter.catalog import PROCESS_LABELS
 from exporter.oom_verdict import VERDICTS, OomVerdict
+from exporter.probe import record
 from exporter.sample import (
     ALLOCATOR_COUNTERS,
     ALLOCATOR_GAUGES,
@@ -60,39 +61,56 @@ def encode(message: Mapping[str, Any]) -> bytes:
     return json.dumps(message, separators=(",", ":"), allow_nan=False).encode() + b"\n"
 
 
-class LineReader:
-    """Splits a byte stream into lines, never holding more than MAX_LINE_BYTES of one."""
+class StreamReader:
+    """Splits a byte stream into its messages: JSON lines (never more than MAX_LINE_BYTES of
+    one) and probe records, which start with record.MAGIC (a JSON line starts with "{") and
+    say their size in their first bytes, in every version: a record of another version is
+    taken whole and refused by record.unpack, the stream stays in step."""
 
     def __init__(self, max_line_bytes: int = MAX_LINE_BYTES) -> None:
         self.max_line_bytes = max_line_bytes
         self._buffer = bytearray()
 
     def feed(self, chunk: bytes) -> Iterator[bytes]:
-        self._buffer += chunk
-        start = 0
-        while (end := self._buffer.find(b"\n", start)) >= 0:
+        buffer = self._buffer
+        buffer += chunk
+        start, size = 0, len(buffer)
+        while start < size:
+            if buffer[start] == _MAGIC_FIRST:
+                end = self._record_end(buffer, start, size)
+                if end is None:
+                    break
+                yield bytes(buffer[start:end])
+                start = end
+                continue
+            end = buffer.find(b"\n", start)
+            if end < 0:
+                break
             if end - start > self.max_line_bytes:
                 raise ProtocolError("too_long", f"a line of {end - start} bytes")
-            yield bytes(self._buffer[start:end])
+            yield bytes(buffer[start:end])
             start = end + 1
-        del self._buffer[:start]
-        if len(self._buffer) > self.max_line_bytes:
+        del buffer[:start]
+        if len(buffer) > self.max_line_bytes:
             raise ProtocolError("too_long", f"over {self.max_line_bytes} bytes without a newline")
 
+    @staticmethod
+    def _record_end(buffer: bytearray, start: int, size: int) -> int | None:
+        """Where the record at `start` ends; None until all of it is here."""
+        if size - start < record.PREFIX.size:
+            if not record.MAGIC.startswith(bytes(buffer[start : min(size, start + 4)])):
+                raise ProtocolError("record", "neither a JSON line nor a probe record")
+            return None
+        magic, _, length = record.PREFIX.unpack_from(buffer, start)
+        if magic != record.MAGIC or not record.PREFIX.size <= length <= record.MAX_BYTES:
+            # No size to trust: nothing after this can be told apart again.
+            raise ProtocolError("record", f"a record of {length} bytes cannot be taken")
+        return start + length if size - start >= length else None
 
-RECORD = b"R"  # the first byte of a record's line; a JSON message's is "{"
 
-
-def encode_record(data: bytes) -> bytes:
-    """A probe record as one line (base64 keeps the line framing: ~1 us for 500 bytes)."""
-    return RECORD + base64.b64encode(data) + b"\n"
-
-
-def decode_record(line: bytes) -> bytes:
-    try:
-        return base64.b64decode(line[1:], validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ProtocolError("record", f"a record line that is not base64: {exc}") from None
+_MAGIC_FIRST = record.MAGIC[0]
+# The first byte of version 1's record lines (base64 after it): a probe of that version.
+OLD_RECORD_LINE = b"R"
 
 
 def decode(line: bytes) -> dict[str, Any]:

@@ -5,6 +5,7 @@ over a test double of torch serving the allocator dict captured on an H200."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import socket
 import threading
@@ -226,10 +227,10 @@ def test_a_launcher_that_does_not_read_never_blocks_the_probe(run_dir):
             if not chunk:
                 break
             received += chunk
-        lines = received.split(b"\n")
-        records = [protocol.decode_record(line) for line in lines if line[:1] == b"R"]
+        reader = protocol.StreamReader()
+        records = [m for m in reader.feed(received) if m[:4] == record.MAGIC]
         assert len(records) > 10
-        for data in records[:-1]:  # the last may be cut where the buffer filled
+        for data in records:  # whole: the last one cut where the buffer filled waits
             assert record.unpack(data)[0] == 0
     finally:
         agent.stop()
@@ -252,17 +253,22 @@ def test_a_record_of_another_version_is_refused_and_counted_never_misread(run_di
         values = [record.ABSENT] * len(record.FIELDS)
         values[0] = 7  # allocated_bytes, as version 1 places it
         newer = bytearray(record.pack(0, 1, time.time(), values, []))
-        newer[4:6] = (2).to_bytes(2, "little")
-        conn.sendall(protocol.encode_record(bytes(newer)))
-        conn.sendall(protocol.encode_record(b"GMPR-not-a-record"))
+        newer[4:6] = (record.VERSION + 1).to_bytes(2, "little")
+        newer += b"\0" * 8  # and longer: its size says so, and the stream stays in step
+        newer[6:8] = len(newer).to_bytes(2, "little")
+        conn.sendall(bytes(newer))
+        conn.sendall(b"R" + base64.b64encode(record.pack(0, 1, time.time(), values, [])) + b"\n")
+        short = bytearray(record.pack(0, 1, time.time(), values, []))[:-8]
+        short[6:8] = len(short).to_bytes(2, "little")  # its size agrees, its layout does not
+        conn.sendall(bytes(short))
         deadline = time.monotonic() + 5
-        while sum(aggregator.rejected.values()) < 2 and time.monotonic() < deadline:
+        while sum(aggregator.rejected.values()) < 3 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert aggregator.rejected["record_version"] == 1
+        assert aggregator.rejected["record_version"] == 2  # this one's next, and version 1's
         assert aggregator.rejected["record"] == 1
         assert all(r.gauges.get("allocated_bytes") != 7 for r in aggregator.read().allocators)
         # A record of this version for a device with no full sample is out of order.
-        conn.sendall(protocol.encode_record(record.pack(3, 2, time.time(), values, [])))
+        conn.sendall(record.pack(3, 2, time.time(), values, []))
         while aggregator.rejected["order"] < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert aggregator.rejected["order"] == 1
@@ -290,14 +296,14 @@ def test_the_record_reader_is_compiled_again_only_when_the_settings_change():
     server.cuda.count = 2
     probe = AllocatorProbe(server.torch)
     probe.configure("native", False)
-    compiled = probe._read_values
+    compiled = probe._pack
     assert [record.unpack(d)[0] for d in probe.records()] == [0]
     server.cuda.contexts.add(1)  # the server starts using device 1
     probe.configure("native", False)
-    assert probe._read_values is compiled
+    assert probe._pack is compiled
     assert [record.unpack(d)[0] for d in probe.records()] == [0, 1]
     probe.configure("native", True)  # expandable segments turned on
-    assert probe._read_values is not compiled
+    assert probe._pack is not compiled
     [data, _] = probe.records()
     assert record.unpack(data)[3]["gauges"].get("inactive_split_bytes") is None
 

@@ -48,10 +48,14 @@ def test_a_record_carries_what_the_full_source_reads(name):
 
 
 @pytest.mark.parametrize("name", CAPTURES)
-def test_the_compiled_reader_reads_what_the_checked_one_does(name):
+def test_the_compiled_packer_packs_what_the_checked_path_does(name):
     stats, backend, expandable = capture(name)
     paths = plan(backend, expandable)
-    assert record.reader(paths)(stats) == values_from_stats(stats, paths)
+    values = values_from_stats(stats, paths)
+    values[record.LIMIT] = 22 << 30
+    data, counts = record.packer(paths)(stats, 1, 7, 1234.5, 22 << 30)
+    assert data == pack(1, 7, 1234.5, values, [])
+    assert counts == (values[record.RETRIES], values[record.OOMS])
 
 
 def test_a_stats_dict_the_compiled_reader_cannot_take_is_read_one_by_one():
@@ -104,6 +108,9 @@ def test_what_is_not_a_number_of_this_allocator_is_absent_not_zero():
     assert "allocated_peak_bytes" not in parts["gauges"]
 
 
+V, SIZE = record.VERSION, record.HEADER.size + record.VALUES.size
+
+
 def good() -> bytes:
     stats, backend, expandable = capture("native")
     return pack(0, 1, 1.0, values_from_stats(stats, plan(backend, expandable)), [(1, 0, 5)])
@@ -116,12 +123,15 @@ def good() -> bytes:
         (b"GMPX" + good()[4:], "record"),
         (good()[:-1], "record"),
         (good() + b"\0", "record"),
-        (record.HEADER.pack(record.MAGIC, 2, 0, 1, 1.0, 0), "record_version"),
-        (record.HEADER.pack(record.MAGIC, 99, 0, 1, 1.0, 0) + b"\0" * 400, "record_version"),
-        (record.HEADER.pack(record.MAGIC, 1, 0, 1, math.nan, 0) + b"\0" * record.VALUES.size,
+        (record.PREFIX.pack(record.MAGIC, 1, 8), "record_version"),
+        (record.HEADER.pack(record.MAGIC, 99, 424, 0, 1, 1.0, 0) + b"\0" * 400, "record_version"),
+        (record.HEADER.pack(record.MAGIC, V, SIZE, 0, 1, math.nan, 0) + b"\0" * record.VALUES.size,
          "record"),
-        (record.HEADER.pack(record.MAGIC, 1, 0, 1, 1.0, 0) + struct.pack(
+        (record.HEADER.pack(record.MAGIC, V, SIZE, 0, 1, 1.0, 0) + struct.pack(
             "<" + "q" * len(record.FIELDS), *([-1] * len(record.FIELDS))), "record"),
+        (record.HEADER.pack(record.MAGIC, V, SIZE + 1, 0, 1, 1.0, 0) + b"\0" * record.VALUES.size,
+         "record"),
+        (record.HEADER.pack(record.MAGIC, V, SIZE, 0, 1, 1.0, 0)[:12], "record"),
         (good()[: -record.POOL.size] + record.POOL.pack(1, 0, -1), "record"),
     ],
 )  # fmt: skip

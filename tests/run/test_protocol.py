@@ -7,6 +7,7 @@ from dataclasses import fields, replace
 import pytest
 
 from exporter.oom_verdict import OomVerdict
+from exporter.probe import record
 from exporter.run import protocol
 from exporter.sample import ActionCounts, AllocatorReading
 from exporter.sources.replay import demo_trace_path
@@ -52,11 +53,41 @@ def test_hello_needs_this_protocol_version():
 
 
 def test_lines_are_bounded_with_or_without_a_newline():
-    reader = protocol.LineReader(max_line_bytes=10)
+    reader = protocol.StreamReader(max_line_bytes=10)
     assert list(reader.feed(b"short\nrest")) == [b"short"]
     assert list(reader.feed(b"\n")) == [b"rest"]
-    assert reason(lambda: list(protocol.LineReader(10).feed(b"x" * 11 + b"\n"))) == "too_long"
-    assert reason(lambda: list(protocol.LineReader(10).feed(b"x" * 11))) == "too_long"
+    assert reason(lambda: list(protocol.StreamReader(10).feed(b"x" * 11 + b"\n"))) == "too_long"
+    assert reason(lambda: list(protocol.StreamReader(10).feed(b"x" * 11))) == "too_long"
+
+
+def test_records_between_lines_are_taken_whole_however_the_stream_is_cut():
+    """Records go as they are, no line around them: the reader finds where each ends by the
+    size at its start, whichever byte the kernel cuts the stream at."""
+    values = [record.ABSENT] * len(record.FIELDS)
+    first = record.pack(0, 1, 1.0, values, [(1, 0, 5)])
+    second = record.pack(1, 2, 2.0, values, [])
+    line = protocol.encode({"type": "sample", "allocators": []})
+    stream = first + line + second + second + line
+    for cut in range(1, 40):
+        reader = protocol.StreamReader()
+        found = []
+        for at in range(0, len(stream), cut):
+            found += reader.feed(stream[at : at + cut])
+        assert found == [first, line[:-1], second, second, line[:-1]], cut
+
+
+@pytest.mark.parametrize(
+    "stream",
+    [
+        record.PREFIX.pack(record.MAGIC, 2, 4),  # a size shorter than its own prefix
+        record.PREFIX.pack(record.MAGIC, 2, record.MAX_BYTES + 1),
+        b"GMPX" + bytes(100),
+        b"Gx",
+    ],
+)
+def test_a_record_without_a_size_to_trust_ends_the_stream(stream):
+    """Nothing after it could be told apart again: the connection is dropped, not misread."""
+    assert reason(lambda: list(protocol.StreamReader().feed(stream))) == "record"
 
 
 def test_json_and_types_are_checked():

@@ -20,7 +20,7 @@ from typing import Any
 
 from exporter.sample import SourceReading
 from exporter.sources import ALLOCATOR
-from exporter.sources.non_allocator import NonAllocatorProbe
+from exporter.sources.non_allocator import NonAllocatorProbe, memory_state
 from exporter.sources.torch_allocator import (
     NATIVE,
     allocator_reading_from_stats,
@@ -112,7 +112,7 @@ class AcceleratorAllocatorSource:
             readings.append(reading)
         self.uuids_in_use = frozenset(r.gpu_uuid for r in readings if r.gpu_uuid)
         if self._non_allocator is not None:
-            self._non_allocator.apply(readings, lambda i: self._reserved_now(stats_of, i))
+            self._non_allocator.apply(readings, lambda i: memory_state(stats_of(i)))
         return SourceReading(allocators=readings)
 
     def _backend(self, torch: Any, kind: str) -> str:
@@ -128,13 +128,6 @@ class AcceleratorAllocatorSource:
             uuid = getattr(properties(index), "uuid", None) if properties is not None else None
             self._uuids[index] = nvml_uuid(uuid) if uuid else ""
         return self._uuids[index]
-
-    @staticmethod
-    def _reserved_now(stats_of: Any, index: int) -> int | None:
-        try:
-            return int(stats_of(index)["reserved_bytes"]["all"]["current"])
-        except (KeyError, TypeError):
-            return None
 
     def close(self) -> None:
         if self._non_allocator is not None:

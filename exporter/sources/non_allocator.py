@@ -5,9 +5,13 @@ The value is NVML's per-process used minus the allocator's reserved: CUDA contex
 library workspaces. Both move while a server works, so a value built from a process list of
 one moment and a reserved of another is off by whatever moved in between (seen on an H100:
 768 MiB published where the truth was 518). Here the process list is read between two reads
-of reserved, and a value is taken only when they agree; otherwise the last value taken stays,
-with its age. The allocator's stats are read under the same mutex that cudaMalloc and
-cudaFree run under, so equal readings before and after mean the list saw that reserved.
+of the allocator's state (reserved and its counts of cudaMalloc and cudaFree calls), and a
+value is taken only when they agree; otherwise the last value taken stays, with its age.
+Reserved alone is not enough: a segment allocated and freed again between the two reads
+(a server emptying its cache) leaves it equal while the list saw the segment (an H100 under
+such churn served values 92 MiB off in a third of its scrapes). The allocator's stats are
+read under the same mutex that cudaMalloc and cudaFree run under, so equal states before and
+after mean the list saw that reserved.
 
 When: on the first tick, whenever reserved or the device's used memory (NVML's cheap device
 reading, ~5 us) moved since the value was taken, and every `refresh_s` in any case. The
@@ -38,6 +42,44 @@ log = logging.getLogger(__name__)
 # each time, up to refresh_s: soon for a process that just started, rarely for one NVML will
 # never list (another PID namespace).
 FIRST_RETRY_S = 0.5
+
+
+# (reserved bytes, cudaMalloc calls, cudaFree calls) of one device; a count is None where the
+# allocator does not keep it (cudaMallocAsync): reserved alone is compared there.
+MemoryState = tuple[int | None, int | None, int | None]
+
+
+def memory_state(stats: Any) -> MemoryState:
+    """The state of one nested stats dict (`_cuda_memoryStats(i)`), what apply() compares."""
+
+    def number(value: Any) -> int | None:
+        return value if type(value) is int else None
+
+    try:
+        reserved = number(stats["reserved_bytes"]["all"]["current"])
+    except (KeyError, TypeError):
+        reserved = None
+    try:
+        return reserved, number(stats.get("num_device_alloc")), number(stats.get("num_device_free"))
+    except AttributeError:
+        return reserved, None, None
+
+
+def reading_state(reading: AllocatorReading) -> MemoryState:
+    """The same state, as the reading (read before the list) has it."""
+    counters = reading.counters
+    return (
+        reading.gauges.get("reserved_bytes"),
+        counters.get("device_malloc"),
+        counters.get("device_free"),
+    )
+
+
+def _agree(before: MemoryState, after: MemoryState) -> bool:
+    """Reserved equal, and each count the reading has (none under cudaMallocAsync) too."""
+    return before[0] == after[0] and all(
+        was is None or was == now for was, now in zip(before[1:], after[1:], strict=True)
+    )
 
 
 @dataclass(frozen=True)
@@ -102,19 +144,20 @@ class NonAllocatorProbe:
         return self._handles[uuid]
 
     def apply(
-        self, readings: list[AllocatorReading], reserved_now: Callable[[int], int | None]
+        self, readings: list[AllocatorReading], state_now: Callable[[int], MemoryState]
     ) -> None:
-        """Set the value on this tick's readings; `reserved_now(device)` reads reserved again
-        (after the process list). Never raises: a GPU NVML cannot read gets no value."""
+        """Set the value on this tick's readings; `state_now(device)` reads the allocator's
+        state again (after the process list). Never raises: a GPU NVML cannot read gets no
+        value."""
         if not readings or not self._init():
             return
         for reading in readings:
             try:
-                self._apply(reading, reserved_now)
+                self._apply(reading, state_now)
             except Exception as exc:  # NVMLError (lost GPU, not supported) or a torch error
                 log.debug("non-allocator bytes of GPU %s: %s", reading.gpu_uuid, exc)
 
-    def _apply(self, reading: AllocatorReading, reserved_now: Callable[[int], int | None]) -> None:
+    def _apply(self, reading: AllocatorReading, state_now: Callable[[int], MemoryState]) -> None:
         reserved = reading.gauges.get("reserved_bytes")
         if reserved is None:
             return
@@ -134,8 +177,8 @@ class NonAllocatorProbe:
         if due:
             pid = self._pid()
             entries = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            # Reserved again, after the list: equal means the list saw this reserved.
-            if reserved_now(reading.device) == reserved:
+            # The state again, after the list: equal means the list saw this reserved.
+            if _agree(reading_state(reading), state_now(reading.device)):
                 used = [e.usedGpuMemory for e in entries if e.pid == pid]
                 value = max(int(used[0]) - reserved, 0) if used and used[0] is not None else None
                 taken = _Taken(value, now, reserved, device_used)

@@ -41,7 +41,7 @@ from exporter.sources.allocator_layout import (
     layouts_from_segments,
     pool_label,
 )
-from exporter.sources.non_allocator import NonAllocatorProbe
+from exporter.sources.non_allocator import MemoryState, NonAllocatorProbe, memory_state
 
 NATIVE = "native"
 
@@ -321,7 +321,7 @@ class TorchAllocatorSource:
             readings.append(reading)
         self.uuids_in_use = frozenset(reading.gpu_uuid for reading in readings)
         if self._non_allocator is not None:
-            self._non_allocator.apply(readings, self._reserved_now)
+            self._non_allocator.apply(readings, self._state_now)
         if readings and layout is not None:
             due = self._retries_rose(readings) or layout.due()
             blocks = sum(block_count(st, expandable) for st in read_stats) if due else 0
@@ -364,13 +364,10 @@ class TorchAllocatorSource:
             self._totals[index] = int(torch.cuda.get_device_properties(index).total_memory)
         return self._totals[index]
 
-    def _reserved_now(self, index: int) -> int | None:
-        """Reserved bytes of device `index` read again (the probe's second reading)."""
-        stats = self._read_stats(index)
-        try:
-            return int(stats["reserved_bytes"]["all"]["current"])
-        except (KeyError, TypeError):
-            return None
+    def _state_now(self, index: int) -> MemoryState:
+        """Device `index`'s reserved bytes and segment counts read again (the non-allocator
+        probe's second reading)."""
+        return memory_state(self._read_stats(index))
 
     def _layout_reader(self, torch: Any, backend: str) -> LayoutReader | None:
         if self._layout is None and backend == NATIVE and self._layout_interval_s > 0:

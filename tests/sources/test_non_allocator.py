@@ -54,7 +54,7 @@ def _process_reads(nvml: FakeNvml) -> int:
 def test_taken_from_a_process_list_between_two_equal_reservations(capture):
     nvml, _clock, probe, device, listed, reserved = _setup(capture)
     reading = _reading(device, reserved)
-    probe.apply([reading], lambda index: reserved)
+    probe.apply([reading], lambda index: (reserved, None, None))
     assert reading.non_allocator_bytes == listed["usedGpuMemory"] - reserved
     assert reading.non_allocator_age_s == 0.0
     assert _process_reads(nvml) == 1
@@ -63,7 +63,7 @@ def test_taken_from_a_process_list_between_two_equal_reservations(capture):
 def test_readings_that_disagree_are_never_published_and_the_last_value_ages(capture):
     nvml, clock, probe, device, listed, reserved = _setup(capture)
     first = _reading(device, reserved)
-    probe.apply([first], lambda index: reserved)
+    probe.apply([first], lambda index: (reserved, None, None))
     expected = listed["usedGpuMemory"] - reserved
 
     # The server grows its cache by 512 MiB while the list is read: NVML's used may or may
@@ -73,7 +73,7 @@ def test_readings_that_disagree_are_never_published_and_the_last_value_ages(capt
     clock.now += 1.0
     nvml.calls.clear()
     moving = _reading(device, reserved)
-    probe.apply([moving], lambda index: reserved + 512 * MiB)
+    probe.apply([moving], lambda index: (reserved + 512 * MiB, None, None))
     assert _process_reads(nvml) == 1  # the list was read: memory moved
     assert moving.non_allocator_bytes == expected  # not expected + 512 MiB
     assert moving.non_allocator_age_s == 1.0
@@ -81,26 +81,44 @@ def test_readings_that_disagree_are_never_published_and_the_last_value_ages(capt
     # Next tick the allocator reads the new reserved, and it holds across the list.
     clock.now += 1.0
     settled = _reading(device, reserved + 512 * MiB)
-    probe.apply([settled], lambda index: reserved + 512 * MiB)
+    probe.apply([settled], lambda index: (reserved + 512 * MiB, None, None))
     assert settled.non_allocator_bytes == expected
     assert settled.non_allocator_age_s == 0.0
+
+
+def test_a_segment_that_came_and_went_while_the_list_was_read_is_no_agreement(capture):
+    """A server emptying its cache: a segment cudaMalloc'd and cudaFree'd between the two
+    reads leaves reserved equal while NVML's list may have seen it; the allocator's counts of
+    those calls say so (an H100 under such churn served values 92 MiB off without this)."""
+    nvml, _clock, probe, device, listed, reserved = _setup(capture)
+    reading = _reading(device, reserved)
+    reading.counters = {"device_malloc": 40, "device_free": 30}
+    listed["usedGpuMemory"] += 92 * MiB  # the list saw the passing segment
+    probe.apply([reading], lambda index: (reserved, 41, 31))
+    assert reading.non_allocator_bytes is None
+    assert _process_reads(nvml) == 1
+    listed["usedGpuMemory"] -= 92 * MiB
+    again = _reading(device, reserved)
+    again.counters = {"device_malloc": 41, "device_free": 31}
+    probe.apply([again], lambda index: (reserved, 41, 31))  # nothing came or went
+    assert again.non_allocator_bytes == listed["usedGpuMemory"] - reserved
 
 
 def test_without_a_first_agreeing_reading_there_is_no_value(capture):
     _nvml, _clock, probe, device, _listed, reserved = _setup(capture)
     reading = _reading(device, reserved)
-    probe.apply([reading], lambda index: reserved + 2 * MiB)
+    probe.apply([reading], lambda index: (reserved + 2 * MiB, None, None))
     assert reading.non_allocator_bytes is None and reading.non_allocator_age_s is None
 
 
 def test_the_list_is_read_when_memory_moves_and_otherwise_every_refresh(capture):
     nvml, clock, probe, device, listed, reserved = _setup(capture)
-    probe.apply([_reading(device, reserved)], lambda index: reserved)
+    probe.apply([_reading(device, reserved)], lambda index: (reserved, None, None))
     for _ in range(5):  # nothing moved: the device reading only
         clock.now += 1.0
         nvml.calls.clear()
         reading = _reading(device, reserved)
-        probe.apply([reading], lambda index: reserved)
+        probe.apply([reading], lambda index: (reserved, None, None))
         assert _process_reads(nvml) == 0 and "memory_v1:0" in nvml.calls
         assert reading.non_allocator_age_s == clock.now - 1000.0
 
@@ -110,7 +128,7 @@ def test_the_list_is_read_when_memory_moves_and_otherwise_every_refresh(capture)
     clock.now += 1.0
     nvml.calls.clear()
     reading = _reading(device, reserved)
-    probe.apply([reading], lambda index: reserved)
+    probe.apply([reading], lambda index: (reserved, None, None))
     assert _process_reads(nvml) == 1
     assert reading.non_allocator_bytes == listed["usedGpuMemory"] - reserved
     assert reading.non_allocator_age_s == 0.0
@@ -119,17 +137,21 @@ def test_the_list_is_read_when_memory_moves_and_otherwise_every_refresh(capture)
     device["memory_v1"]["used"] += MiB // 2
     clock.now += 1.0
     nvml.calls.clear()
-    probe.apply([_reading(device, reserved)], lambda index: reserved)
+    probe.apply([_reading(device, reserved)], lambda index: (reserved, None, None))
     assert _process_reads(nvml) == 0
 
     # Reserved moving is a reason too, and so is the refresh period.
     clock.now += 1.0
     nvml.calls.clear()
-    probe.apply([_reading(device, reserved + 2 * MiB)], lambda index: reserved + 2 * MiB)
+    probe.apply(
+        [_reading(device, reserved + 2 * MiB)], lambda index: (reserved + 2 * MiB, None, None)
+    )
     assert _process_reads(nvml) == 1
     clock.now += 10.0
     nvml.calls.clear()
-    probe.apply([_reading(device, reserved + 2 * MiB)], lambda index: reserved + 2 * MiB)
+    probe.apply(
+        [_reading(device, reserved + 2 * MiB)], lambda index: (reserved + 2 * MiB, None, None)
+    )
     assert _process_reads(nvml) == 1
 
 
@@ -138,7 +160,7 @@ def test_a_process_nvml_does_not_list_gets_no_value(capture):
     _nvml, _clock, probe, device, listed, reserved = _setup(capture)
     listed["pid"] += 1
     reading = _reading(device, reserved)
-    probe.apply([reading], lambda index: reserved)
+    probe.apply([reading], lambda index: (reserved, None, None))
     assert reading.non_allocator_bytes is None
 
 
@@ -152,24 +174,24 @@ def test_a_process_nvml_lists_late_gets_its_value_soon_and_one_never_listed_is_r
 
     nvml, clock, probe, device, listed, reserved = _setup(capture)
     listed["pid"] += 1  # not (yet) this process
-    probe.apply([_reading(device, reserved)], lambda index: reserved)
+    probe.apply([_reading(device, reserved)], lambda index: (reserved, None, None))
     assert probe.retry_in() == FIRST_RETRY_S
     waits = []
     for _ in range(7):
         nvml.calls.clear()
         clock.now += probe.retry_in() - 0.01
-        probe.apply([_reading(device, reserved)], lambda index: reserved)
+        probe.apply([_reading(device, reserved)], lambda index: (reserved, None, None))
         assert _process_reads(nvml) == 0  # not before its time
         clock.now += 0.01
         assert probe.retry_in() == 0.0
-        probe.apply([_reading(device, reserved)], lambda index: reserved)
+        probe.apply([_reading(device, reserved)], lambda index: (reserved, None, None))
         assert _process_reads(nvml) == 1
         waits.append(probe.retry_in())
     assert waits == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0, 10.0]  # up to refresh_s
     listed["pid"] -= 1  # now NVML lists it
     clock.now += probe.retry_in()
     reading = _reading(device, reserved)
-    probe.apply([reading], lambda index: reserved)
+    probe.apply([reading], lambda index: (reserved, None, None))
     assert reading.non_allocator_bytes == listed["usedGpuMemory"] - reserved
     assert probe.retry_in() is None
 
@@ -180,13 +202,13 @@ def test_without_nvml_nothing_is_raised_and_init_is_retried_slowly(capture):
     nvml, clock, probe, device, _listed, reserved = _setup(capture)
     nvml.init_error = pynvml.NVMLError_LibraryNotFound()
     reading = _reading(device, reserved)
-    probe.apply([reading], lambda index: reserved)
-    probe.apply([reading], lambda index: reserved)
+    probe.apply([reading], lambda index: (reserved, None, None))
+    probe.apply([reading], lambda index: (reserved, None, None))
     assert reading.non_allocator_bytes is None
     assert nvml.calls.count("init") == 1
     nvml.init_error = None
     clock.now += 61.0
-    probe.apply([reading], lambda index: reserved)
+    probe.apply([reading], lambda index: (reserved, None, None))
     assert reading.non_allocator_bytes is not None
 
 
@@ -196,7 +218,7 @@ def test_a_failing_gpu_leaves_the_others_their_value(capture):
     nvml, _clock, probe, device, _listed, reserved = _setup(capture)
     nvml.failures[("processes", 0)] = pynvml.NVMLError_GpuIsLost()
     reading = _reading(device, reserved)
-    probe.apply([reading], lambda index: reserved)  # must not raise
+    probe.apply([reading], lambda index: (reserved, None, None))  # must not raise
     assert reading.non_allocator_bytes is None
 
 

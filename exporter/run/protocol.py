@@ -142,14 +142,16 @@ def sample(
     counts: ActionCounts,
     pinned_host: PinnedHostReading | None = None,
 ) -> dict[str, Any]:
+    # Fields as they are, not dataclasses.asdict: it deep-copies each one first, and this runs
+    # in the serving process with every full sample (JSON copies them as it writes).
     pinned = None
     if pinned_host is not None:
-        pinned = {k: v for k, v in asdict(pinned_host).items() if k not in FROM_LAUNCHER}
+        pinned = {k: v for k, v in vars(pinned_host).items() if k not in FROM_LAUNCHER}
     return {
         "type": "sample",
         "allocators": allocators,
         "pinned_host": pinned,
-        "actions": asdict(counts),
+        "actions": vars(counts),
     }
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 PROCESS_LABELS = ("pid", "rank", "local_rank", "role")
 ALLOCATOR_LABELS = ("device", "gpu_uuid")
 GPU_LABELS = ("gpu", "gpu_uuid")
+# A MIG GPU instance: its whole GPU's labels, NVML's GPU instance ID and its profile.
+MIG_LABELS = (*GPU_LABELS, "gpu_instance", "profile")
 HOST_PROCESS_LABELS = ("pid", "role", "rank")
 # gpumem_exporter_alert_firing: one meaning per label, whatever the alert is about.
 ALERT_LABELS = ("alert", "device", "gpu", "gpu_uuid", *PROCESS_LABELS)
@@ -648,6 +650,59 @@ FAMILIES: tuple[Family, ...] = (
         DEVICES,
         key="used_bytes",
         full_only=EVERYWHERE,
+    ),
+    # MIG: one row per GPU instance (its compute instances share its memory: counted once),
+    # joined to the whole GPU's series by gpu_uuid; present only where MIG is on.
+    Family(
+        "gpu_mig_memory_total_bytes",
+        "gauge",
+        "Memory of a MIG GPU instance (NVML, through one of its MIG devices).",
+        MIG_LABELS,
+        "nvml",
+        DEVICES,
+        "gpu_mig_memory",
+        "total_bytes",
+    ),
+    Family(
+        "gpu_mig_memory_used_bytes",
+        "gauge",
+        "Memory in use in a MIG GPU instance, by its processes and what no process owns "
+        "(NVML; its compute instances share it: counted once).",
+        MIG_LABELS,
+        "nvml",
+        DEVICES,
+        "gpu_mig_memory",
+        "used_bytes",
+    ),
+    Family(
+        "gpu_mig_memory_free_bytes",
+        "gauge",
+        "Memory of a MIG GPU instance that nothing holds (NVML).",
+        MIG_LABELS,
+        "nvml",
+        DEVICES,
+        "gpu_mig_memory",
+        "free_bytes",
+    ),
+    Family(
+        "gpu_mig_non_process_memory_bytes",
+        "gauge",
+        "Memory in use in a MIG GPU instance that none of its processes holds: used minus "
+        "what NVML's process list gives the processes running in it.",
+        MIG_LABELS,
+        "nvml",
+        DEVICES,
+        key="non_process_bytes",
+    ),
+    Family(
+        "gpu_mig_device",
+        "info",
+        "A MIG device (one compute instance) and the GPU instance whose memory it shares: "
+        "what device plugins assign to pods by its UUID.",
+        (*GPU_LABELS, "gpu_instance", "mig_uuid"),
+        "nvml",
+        DEVICES,
+        info_labels=("profile",),
     ),
     Family(
         "gpu_up",

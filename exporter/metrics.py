@@ -33,6 +33,7 @@ from exporter.sample import (
 from exporter.traits import Traits
 
 _GPU_MEMORY = catalog.group("gpu_memory")
+_MIG_MEMORY = catalog.group("gpu_mig_memory")
 _MACHINE_HOST = catalog.group("machine_host")
 _OWN_PROCESS_HOST = catalog.group("own_process_host")
 _PINNED_HOST = catalog.group("pinned_host")
@@ -512,6 +513,29 @@ class SampleCollector(Collector):
             labels = {"gpu": entry.gpu_index, "gpu_uuid": entry.gpu_uuid, "pid": entry.pid}
             process.add(labels, entry.used_bytes)
         yield from ((family, False) for family in (*memory.values(), process, up, info))
+        if sample.mig_instances:
+            yield from ((family, False) for family in self._mig_families(sample))
+
+    def _mig_families(self, sample: Sample) -> Iterator[FamilyRows]:
+        memory = {entry.key: self._fill(entry) for entry in _MIG_MEMORY}
+        non_process = self._fill(catalog.family("gpu_mig_non_process_memory_bytes"))
+        devices = self._fill(catalog.family("gpu_mig_device"))
+        for instance in sample.mig_instances:
+            ids = Labels(
+                gpu=instance.gpu_index,
+                gpu_uuid=instance.gpu_uuid,
+                gpu_instance=instance.gpu_instance_id,
+            )
+            labels = Labels(ids, profile=instance.profile)
+            for key, family in memory.items():
+                value = getattr(instance, key)
+                if value is not None:
+                    family.add(labels, value)
+            if instance.used_bytes is not None and instance.process_bytes is not None:
+                non_process.add(labels, max(instance.used_bytes - instance.process_bytes, 0))
+            for uuid in instance.mig_uuids:
+                devices.add_info(Labels(ids, mig_uuid=uuid), {"profile": instance.profile})
+        yield from (*memory.values(), non_process, devices)
 
     def _kubernetes_families(self, sample: Sample) -> Iterator[tuple[FamilyRows, bool]]:
         """The node daemon's attribution (exporter.attribution): info series joined to the

@@ -125,6 +125,23 @@ class GpuReading:
 
 
 @dataclass
+class MigInstanceReading:
+    """One MIG GPU instance of a GPU, as NVML sees it: the memory its compute instances
+    share (each MIG device of it reports the same numbers), counted once."""
+
+    gpu_index: int
+    gpu_uuid: str  # the whole GPU's: joins gpu_memory_* and the GPU's pods
+    gpu_instance_id: int  # NVML's, from placement (2, 3, 9, 10 on an H100), not 0..n
+    profile: str  # the GPU instance's profile as NVML names it (3g.40gb), "" if it names none
+    mig_uuids: list[str] = field(default_factory=list)  # its compute instances' MIG devices
+    total_bytes: int | None = None
+    used_bytes: int | None = None
+    free_bytes: int | None = None
+    # What NVML's process list says its processes hold (None until that list is read).
+    process_bytes: int | None = None
+
+
+@dataclass
 class ProcessGpuReading:
     """One process's memory on one GPU, as NVML reports it (host PIDs)."""
 
@@ -313,6 +330,7 @@ class Readings:
 
     allocators: list[AllocatorReading] = part(EXTEND)
     gpus: list[GpuReading] = part(EXTEND)
+    mig_instances: list[MigInstanceReading] = part(EXTEND)
     processes: list[ProcessGpuReading] = part(EXTEND)
     host: HostReading | None = part(LATEST)
     host_processes: list[HostProcessReading] = part(EXTEND)

@@ -767,6 +767,16 @@ def node_shaped(sample: Sample) -> Sample:
     return sample
 
 
+def mig_node_sample(machine: str = "h200-mig", state: str = "load") -> Sample:
+    """What the node daemon's NVML source reads on a MIG machine, from the real captures
+    (tests/support/mig_nvml.py)."""
+    from exporter.sources.nvml import NvmlSource
+    from tests.support.mig_nvml import CapturedNvml
+
+    reading = NvmlSource(CapturedNvml(machine, state)).read()
+    return Sample(timestamp=1.0, **reading.parts())
+
+
 def every_family_cases() -> list[tuple[str, bool, dict[str, str], Sample]]:
     """(mode, per_process, constant labels, sample) that together serve every family the
     catalog declares: three allocator backends captured on a GPU, the demo trace (layout,
@@ -782,6 +792,7 @@ def every_family_cases() -> list[tuple[str, bool, dict[str, str], Sample]]:
         found.append(("demo", False, {}, sample))
         found.append(("run", True, {}, run_shaped(sample)))
     found.append(("node", False, {}, node_shaped(demo[0])))
+    found.append(("node", False, {}, mig_node_sample()))
     refused = node_shaped(demo[0])  # the claim reader without RBAC
     assert refused.kubelet is not None
     refused.kubelet.claims, refused.kubelet.claims_error = None, "HTTP 403 Forbidden"

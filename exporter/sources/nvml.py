@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
-from exporter.sample import GpuReading, ProcessGpuReading, SourceReading
+from exporter.sample import GpuReading, MigInstanceReading, ProcessGpuReading, SourceReading
 from exporter.sources import DEVICE_MEMORY, PROCESS_MEMORY
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,12 @@ class _Device:
         except nvml.NVMLError:
             self.pci_bus_id = ""
         self.minor_number = _minor_number(nvml, self.handle)
-        self.mig_uuids = _mig_uuids(nvml, self.handle)
+        self.migs = _mig_devices(nvml, self.handle)
+        self.mig_uuids = [mig.uuid for mig in self.migs]
+        # One MIG device per GPU instance: its compute instances report the same memory.
+        self.instances: dict[int, list[_MigDevice]] = {}
+        for mig in self.migs:
+            self.instances.setdefault(mig.gpu_instance_id, []).append(mig)
         self.lost = False
         self.memory_v2 = True
         self.processes_supported = True
@@ -67,9 +72,33 @@ def _minor_number(nvml: Any, handle: Any) -> int | None:
         return None
 
 
-def _mig_uuids(nvml: Any, handle: Any) -> list[str]:
-    """The UUIDs of the GPU's MIG devices (MIG-...), which the device plugin assigns to pods
-    under the MIG strategies; [] where MIG is off or not supported."""
+class _MigDevice:
+    """One MIG device (a compute instance of a GPU instance), read once."""
+
+    def __init__(self, nvml: Any, handle: Any) -> None:
+        self.handle = handle
+        self.uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+        self.gpu_instance_id = int(nvml.nvmlDeviceGetGpuInstanceId(handle))
+        try:
+            self.profile = gpu_instance_profile(_text(nvml.nvmlDeviceGetName(handle)))
+        except nvml.NVMLError:
+            self.profile = ""
+
+
+def gpu_instance_profile(name: str) -> str:
+    """The GPU instance's profile from a MIG device's NVML name ("NVIDIA H100 80GB HBM3 MIG
+    3g.40gb"): `3g.40gb`, also for a compute instance of it (`1c.3g.71gb` -> `3g.71gb`, as
+    nvidia-smi -L lists one of several); "" where the name has none. Never from sizes."""
+    _, found, profile = name.rpartition(" MIG ")
+    if not found:
+        return ""
+    parts = profile.split(".")
+    return ".".join(parts[1:]) if len(parts) == 3 and parts[0].endswith("c") else profile
+
+
+def _mig_devices(nvml: Any, handle: Any) -> list[_MigDevice]:
+    """The GPU's MIG devices, whose UUIDs (MIG-...) the device plugin assigns to pods under
+    the MIG strategies; [] where MIG is off or not supported."""
     try:
         current, _pending = nvml.nvmlDeviceGetMigMode(handle)
         if current != nvml.NVML_DEVICE_MIG_ENABLE:
@@ -77,14 +106,13 @@ def _mig_uuids(nvml: Any, handle: Any) -> list[str]:
         count = nvml.nvmlDeviceGetMaxMigDeviceCount(handle)
     except (nvml.NVMLError, AttributeError):
         return []
-    uuids = []
+    found = []
     for index in range(count):
         try:
-            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
-            uuids.append(_text(nvml.nvmlDeviceGetUUID(mig)))
+            found.append(_MigDevice(nvml, nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)))
         except nvml.NVMLError:  # NotFound: that slot holds no MIG device
             continue
-    return uuids
+    return found
 
 
 def _text(value: Any) -> str:
@@ -123,6 +151,8 @@ class NvmlSource:
         self._next_init = 0.0
         self._absent = ""  # why there is no NVML here, while there is none
         self._processes: dict[str, list[ProcessGpuReading]] = {}  # by GPU UUID
+        # What each MIG GPU instance's processes hold, by GPU UUID, as of the last list.
+        self._instance_processes: dict[str, dict[int, int]] = {}
         self._processes_due = 0.0
         self._used_at_read: dict[str, int] = {}  # each GPU's used memory then
         # Host PIDs with memory on some GPU at the last read (the node daemon reads their
@@ -208,6 +238,8 @@ class NvmlSource:
             if read_processes:
                 self._processes[device.uuid] = self._read_processes(device) if gpu.up else []
             reading.processes.extend(self._processes[device.uuid])
+            if device.instances and not device.lost:
+                reading.mig_instances.extend(self._read_instances(device))
         self.last_pids = frozenset(p.pid for p in reading.processes)
         return reading
 
@@ -264,6 +296,34 @@ class NvmlSource:
         gpu.used_bytes = int(mem.used)
         gpu.free_bytes = int(mem.free)
 
+    def _read_instances(self, device: _Device) -> list[MigInstanceReading]:
+        """Each GPU instance's memory, read through one of its MIG devices (~5 us each)."""
+        nvml = self._nvml
+        by_instance = self._instance_processes.get(device.uuid)
+        found = []
+        for instance_id, migs in sorted(device.instances.items()):
+            instance = MigInstanceReading(
+                gpu_index=device.index,
+                gpu_uuid=device.uuid,
+                gpu_instance_id=instance_id,
+                profile=migs[0].profile,
+                mig_uuids=[mig.uuid for mig in migs],
+                process_bytes=None if by_instance is None else by_instance.get(instance_id, 0),
+            )
+            try:
+                if device.memory_v2:
+                    mem = nvml.nvmlDeviceGetMemoryInfo(migs[0].handle, version=nvml.nvmlMemory_v2)
+                else:
+                    mem = nvml.nvmlDeviceGetMemoryInfo(migs[0].handle)
+            except nvml.NVMLError as exc:
+                log.debug("memory of GPU %s instance %s: %s", device.index, instance_id, exc)
+            else:
+                instance.total_bytes = int(mem.total)
+                instance.used_bytes = int(mem.used)
+                instance.free_bytes = int(mem.free)
+            found.append(instance)
+        return found
+
     def _read_processes(self, device: _Device) -> list[ProcessGpuReading]:
         if not device.processes_supported:
             return []
@@ -274,6 +334,13 @@ class NvmlSource:
             log.info("per-process memory of GPU %s unavailable: %s", device.index, exc)
             device.processes_supported = False
             return []
+        if device.instances:  # which GPU instance each runs in: the instance's share
+            by_instance: dict[int, int] = {}
+            for entry in entries:
+                instance = getattr(entry, "gpuInstanceId", None)
+                if instance is not None and entry.usedGpuMemory is not None:
+                    by_instance[instance] = by_instance.get(instance, 0) + int(entry.usedGpuMemory)
+            self._instance_processes[device.uuid] = by_instance
         return [
             ProcessGpuReading(
                 gpu_index=device.index,

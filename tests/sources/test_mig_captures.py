@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from exporter.sources.nvml import NvmlSource
+from exporter.sources.nvml import NvmlSource, gpu_instance_profile
 from tests.conftest import REPO_ROOT
-from tests.support.mig_nvml import NOT_AVAILABLE, CapturedNvml, gpu_instance_profile
+from tests.support.mig_nvml import NOT_AVAILABLE, CapturedNvml
 from tests.support.nvidia_smi_capture import CAPTURES, FILES, MIB, read, sections
 
 MACHINES = tuple(FILES)
@@ -210,3 +210,64 @@ def test_the_whole_gpus_series_stay_exact_on_a_mig_node(machine):
     assert [(p.pid, p.used_bytes) for p in reading.processes] == [
         (p.pid, p.used_mib * MIB) for p in gpu.processes
     ]
+
+
+def _served(machine: str, state: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """The node daemon's /metrics over a capture: family -> [(labels, value)]."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.helpers import catalog_collector, mig_node_sample
+
+    registry = CollectorRegistry()
+    registry.register(catalog_collector(mig_node_sample(machine, state), "node", {}, False))
+    text = generate_latest(registry).decode()
+    found: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[sample.name].append((sample.labels, sample.value))
+    return found
+
+
+@pytest.mark.parametrize("state", STATES)
+@pytest.mark.parametrize("machine", ["h100-mig", "h200-mig"])
+def test_the_node_daemon_serves_each_gpu_instance_once_as_the_capture_has_it(machine, state):
+    served = _served(machine, state)
+    [gpu] = read(machine, state)
+    instances = {m.gpu_instance_id: m for m in gpu.mig_devices}  # one per GPU instance
+    for name, field_ in (("used", "used"), ("total", "total"), ("free", "free")):
+        rows = {
+            int(labels["gpu_instance"]): (labels["profile"], value)
+            for labels, value in served[f"gpu_mig_memory_{name}_bytes"]
+        }
+        assert len(served[f"gpu_mig_memory_{name}_bytes"]) == len(instances)
+        assert rows == {
+            gi: (gpu_instance_profile(f"x MIG {m.profile}"), getattr(m.memory, field_) * MIB)
+            for gi, m in instances.items()
+        }
+    # Counted once, the instances add up to the whole GPU (within nvidia-smi's rounding).
+    whole = {v for labels, v in served["gpu_memory_used_bytes"]}
+    used = sum(v for _, v in served["gpu_mig_memory_used_bytes"])
+    assert abs(used - whole.pop()) <= 2 * MIB
+    # Memory no process owns, per instance: its used minus its processes'.
+    owned: dict[int, int] = defaultdict(int)
+    for p in gpu.processes:
+        assert p.gpu_instance_id is not None
+        owned[p.gpu_instance_id] += p.used_mib * MIB
+    non_process = {
+        int(labels["gpu_instance"]): value
+        for labels, value in served["gpu_mig_non_process_memory_bytes"]
+    }
+    assert non_process == {gi: m.memory.used * MIB - owned[gi] for gi, m in instances.items()}
+    if (machine, state) == ("h100-mig", "load"):
+        assert non_process[2] == 39 * MIB  # 11091 MiB used, 11052 by its three processes
+    # Every MIG device is named with the GPU instance whose memory it shares.
+    rows = served["gpu_mig_device_info"]
+    devices = {labels["mig_uuid"]: int(labels["gpu_instance"]) for labels, _ in rows}
+    assert devices == {m.uuid: m.gpu_instance_id for m in gpu.mig_devices}
+
+
+def test_without_mig_no_instance_series():
+    served = _served("h100", "load")
+    assert not [name for name in served if name.startswith("gpu_mig_")]
+    assert served["gpu_memory_used_bytes"]

@@ -10,8 +10,7 @@ here (said so that nobody mistakes it for a capture):
 - NVML's memory info v1 from `-q`'s numbers: v1's used includes the driver's reservation
   (docs FACTS: v1 used = v2 used + reserved), total and free as v2's.
 - A MIG device's name is the GPU's name and ` MIG <profile>` (-L's profile), as NVML names
-  MIG devices; its GPU instance profile is that profile without a compute-instance prefix
-  (`1c.3g.71gb` is a compute instance of a `3g.71gb` GPU instance).
+  MIG devices (-L prints that part of it).
 - `nvmlDeviceGetMaxMigDeviceCount` answers how many MIG devices -L lists, plus
   `empty_slots`; NVML answers the hardware's maximum and NOT_FOUND for slots without a
   device, which `empty_slots` models.
@@ -43,12 +42,6 @@ class _Parent:
 class _Mig:
     parent: int
     index: int
-
-
-def gpu_instance_profile(profile: str) -> str:
-    """`3g.71gb` for `1c.3g.71gb` (one of several compute instances) and for `3g.71gb`."""
-    parts = profile.split(".")
-    return ".".join(parts[1:]) if parts[0].endswith("c") and len(parts) == 3 else profile
 
 
 class CapturedNvml:

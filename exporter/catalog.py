@@ -714,6 +714,17 @@ FAMILIES: tuple[Family, ...] = (
         key="up",
     ),
     Family(
+        "gpu_memory_unavailable",
+        "info",
+        "Why the GPU's own memory series are absent while NVML answers for it: inside a "
+        "container given a MIG slice, NVML refuses the whole GPU's memory (its instance's "
+        "memory is in gpu_mig_memory_*).",
+        GPU_LABELS,
+        "nvml",
+        DEVICES,
+        info_labels=("reason",),
+    ),
+    Family(
         "gpu",
         "info",
         "GPU identity from NVML.",

@@ -493,9 +493,12 @@ class SampleCollector(Collector):
         memory = {entry.key: self._fill(entry) for entry in _GPU_MEMORY}
         up = self._fill(catalog.family("gpu_up"))
         info = self._fill(catalog.family("gpu"))
+        refused = self._fill(catalog.family("gpu_memory_unavailable"))
         for gpu in sample.gpus:
             ids = Labels(gpu=gpu.index, gpu_uuid=gpu.uuid)
             up.add(ids, 1.0 if gpu.up else 0.0)
+            if gpu.memory_unavailable:
+                refused.add_info(ids, {"reason": gpu.memory_unavailable})
             info.add_info(
                 ids,
                 {
@@ -513,6 +516,8 @@ class SampleCollector(Collector):
             labels = {"gpu": entry.gpu_index, "gpu_uuid": entry.gpu_uuid, "pid": entry.pid}
             process.add(labels, entry.used_bytes)
         yield from ((family, False) for family in (*memory.values(), process, up, info))
+        if any(gpu.memory_unavailable for gpu in sample.gpus):
+            yield refused, False
         if sample.mig_instances:
             yield from ((family, False) for family in self._mig_families(sample))
 

@@ -122,6 +122,9 @@ class GpuReading:
     # of /dev/nvidia<N> (GKE) and the UUIDs of its MIG devices.
     minor_number: int | None = None
     mig_uuids: list[str] = field(default_factory=list)
+    # Why the whole GPU's memory is not read while NVML still answers for its MIG devices
+    # (inside a container given a MIG slice, NVML refuses the parent's memory): "" when read.
+    memory_unavailable: str = ""
 
 
 @dataclass

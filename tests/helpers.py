@@ -767,13 +767,15 @@ def node_shaped(sample: Sample) -> Sample:
     return sample
 
 
-def mig_node_sample(machine: str = "h200-mig", state: str = "load") -> Sample:
+def mig_node_sample(
+    machine: str = "h200-mig", state: str = "load", in_slice: int | None = None
+) -> Sample:
     """What the node daemon's NVML source reads on a MIG machine, from the real captures
-    (tests/support/mig_nvml.py)."""
+    (tests/support/mig_nvml.py); `in_slice`: inside a container given that MIG device."""
     from exporter.sources.nvml import NvmlSource
     from tests.support.mig_nvml import CapturedNvml
 
-    reading = NvmlSource(CapturedNvml(machine, state)).read()
+    reading = NvmlSource(CapturedNvml(machine, state, in_slice=in_slice)).read()
     return Sample(timestamp=1.0, **reading.parts())
 
 
@@ -793,6 +795,7 @@ def every_family_cases() -> list[tuple[str, bool, dict[str, str], Sample]]:
         found.append(("run", True, {}, run_shaped(sample)))
     found.append(("node", False, {}, node_shaped(demo[0])))
     found.append(("node", False, {}, mig_node_sample()))
+    found.append(("node", False, {}, mig_node_sample("h100-mig", in_slice=1)))
     refused = node_shaped(demo[0])  # the claim reader without RBAC
     assert refused.kubelet is not None
     refused.kubelet.claims, refused.kubelet.claims_error = None, "HTTP 403 Forbidden"

@@ -59,6 +59,7 @@ class _Device:
         for mig in self.migs:
             self.instances.setdefault(mig.gpu_instance_id, []).append(mig)
         self.lost = False
+        self.refused_logged = False  # the parent's memory refused (in a MIG slice): said once
         self.memory_v2 = True
         self.processes_supported = True
 
@@ -272,7 +273,23 @@ class NvmlSource:
             log.error("GPU %s (%s) is lost; no longer polling it", device.index, device.uuid)
             device.lost = True
             gpu.up = False
-        except (nvml.NVMLError_NotSupported, nvml.NVMLError_NoPermission) as exc:
+        except nvml.NVMLError_NoPermission as exc:
+            if not device.migs:
+                log.debug("memory info of GPU %s: %s", device.index, exc)
+                gpu.up = False
+                return gpu
+            # Inside a MIG slice: the parent's memory is refused while its MIG devices
+            # answer. The GPU is there (never "down", never 0): its instance's memory is in
+            # the MIG series, and the whole GPU's are absent, saying why.
+            gpu.memory_unavailable = (
+                f"NVML refused the whole GPU's memory ({exc}): this container sees only MIG "
+                f"device(s) {', '.join(device.mig_uuids)}, whose GPU instance's memory is in "
+                "gpu_mig_memory_*"
+            )
+            if not device.refused_logged:
+                log.info("GPU %s: %s", device.index, gpu.memory_unavailable)
+                device.refused_logged = True
+        except nvml.NVMLError_NotSupported as exc:
             log.debug("memory info of GPU %s: %s", device.index, exc)
             gpu.up = False
         return gpu

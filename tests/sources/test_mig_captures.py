@@ -212,7 +212,9 @@ def test_the_whole_gpus_series_stay_exact_on_a_mig_node(machine):
     ]
 
 
-def _served(machine: str, state: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+def _served(
+    machine: str, state: str, in_slice: int | None = None
+) -> dict[str, list[tuple[dict[str, str], float]]]:
     """The node daemon's /metrics over a capture: family -> [(labels, value)]."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
@@ -220,12 +222,14 @@ def _served(machine: str, state: str) -> dict[str, list[tuple[dict[str, str], fl
     from tests.helpers import catalog_collector, mig_node_sample
 
     registry = CollectorRegistry()
-    registry.register(catalog_collector(mig_node_sample(machine, state), "node", {}, False))
+    registry.register(
+        catalog_collector(mig_node_sample(machine, state, in_slice), "node", {}, False)
+    )
     text = generate_latest(registry).decode()
     found: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
     for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            found[sample.name].append((sample.labels, sample.value))
+        for row in family.samples:
+            found[row.name].append((row.labels, row.value))
     return found
 
 
@@ -271,3 +275,23 @@ def test_without_mig_no_instance_series():
     served = _served("h100", "load")
     assert not [name for name in served if name.startswith("gpu_mig_")]
     assert served["gpu_memory_used_bytes"]
+
+
+def test_inside_a_slice_the_whole_gpus_memory_is_absent_with_its_reason_never_zero(caplog):
+    """A container given MIG device 1 of the H100 (GPU instance 3, 2g.20gb): NVML refuses
+    the whole GPU's memory. Its series are absent, the GPU is not "down", the reason is on
+    /metrics and in one log line, and the slice's own instance is served exactly."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="exporter.sources.nvml"):
+        served = _served("h100-mig", "load", in_slice=1)
+    for name in ("used", "total", "free"):
+        assert served[f"gpu_memory_{name}_bytes"] == []
+    assert [v for _, v in served["gpu_up"]] == [1.0]
+    [(labels, _)] = served["gpu_memory_unavailable_info"]
+    assert "refused" in labels["reason"] and "MIG-00000001" in labels["reason"]
+    assert [(r.levelname, "refused" in r.getMessage()) for r in caplog.records] == [("INFO", True)]
+    [(labels, used)] = served["gpu_mig_memory_used_bytes"]
+    assert (labels["gpu_instance"], labels["profile"], used) == ("3", "2g.20gb", 17 * MIB)
+    [(labels, total)] = served["gpu_mig_memory_total_bytes"]
+    assert total == 20096 * MIB

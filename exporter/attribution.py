@@ -32,7 +32,11 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from exporter.kubernetes.device_ids import base_device_id, device_gpu_uuid
+from exporter.kubernetes.device_ids import (
+    base_device_id,
+    device_gpu_uuid,
+    resolve_mig_instance,
+)
 from exporter.ratelimit import RateLimitedLog
 from exporter.sample import KubeletReading, ProcessContainerReading, Sample
 
@@ -109,9 +113,23 @@ class UnattributedProcess:
     used_bytes: int
 
 
+@dataclass(frozen=True)
+class GpuPodInstance:
+    """A container's MIG device and the GPU instance it is in: the memory that is the pod's
+    on a MIG GPU (the whole GPU's is shared by every instance's pods)."""
+
+    gpu_uuid: str
+    gpu_instance: int
+    device_id: str
+    namespace: str
+    pod: str
+    container: str
+
+
 @dataclass
 class Attribution:
     gpu_pods: list[GpuPod] = field(default_factory=list)
+    gpu_pod_instances: list[GpuPodInstance] = field(default_factory=list)
     dra_claims: list[DraClaim] = field(default_factory=list)
     claim_memory: list[ClaimMemory] = field(default_factory=list)
     process_pods: list[ProcessPod] = field(default_factory=list)
@@ -144,6 +162,18 @@ def attribute(sample: Sample) -> Attribution | None:
         if row not in seen:  # time-slicing gives one container several replicas
             seen.add(row)
             result.gpu_pods.append(row)
+            instance = resolve_mig_instance(row.device_id, sample.mig_instances)
+            if instance is not None and not device.dynamic:
+                result.gpu_pod_instances.append(
+                    GpuPodInstance(
+                        instance.gpu_uuid,
+                        instance.gpu_instance_id,
+                        row.device_id,
+                        row.namespace,
+                        row.pod,
+                        row.container,
+                    )
+                )
             if not row.gpu_uuid and sample.gpus:
                 # Still listed (the assignment is the kubelet's), with gpu_uuid="": said, so
                 # that an on-call knows why that pod's GPU memory is joined to nothing.

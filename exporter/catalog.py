@@ -807,6 +807,16 @@ FAMILIES: tuple[Family, ...] = (
         KUBERNETES,
     ),
     Family(
+        "gpu_pod_mig_instance",
+        "info",
+        "Each container the kubelet assigned a MIG device to (by the device plugin's "
+        "MIG-<uuid>), with the GPU instance it is in: joins gpu_mig_memory_* by gpu_uuid and "
+        "gpu_instance.",
+        ("gpu_uuid", "gpu_instance", "device_id", "namespace", "pod", "container"),
+        "kubelet",
+        KUBERNETES,
+    ),
+    Family(
         "gpu_dra_claim_info",
         "gauge",
         "1 for each device a ResourceClaim gave a pod's container (Dynamic Resource "

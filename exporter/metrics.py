@@ -598,6 +598,9 @@ class SampleCollector(Collector):
         gpu_pods = self._fill(catalog.family("gpu_pod_info"))
         for row in attribution.gpu_pods:
             gpu_pods.add(vars(row), 1.0)
+        instances = self._fill(catalog.family("gpu_pod_mig_instance"))
+        for placed in attribution.gpu_pod_instances:
+            instances.add_info(vars(placed), {})
         claims = self._fill(catalog.family("gpu_dra_claim_info"))
         for claim in attribution.dra_claims:
             claims.add(vars(claim), 1.0)
@@ -640,6 +643,7 @@ class SampleCollector(Collector):
             per_process.add(labels, entry.used_bytes)
         families = (
             gpu_pods,
+            instances,
             claims,
             claimed,
             claim_used,

@@ -779,6 +779,33 @@ def mig_node_sample(
     return Sample(timestamp=1.0, **reading.parts())
 
 
+def mig_node_shaped(machine: str = "h100-mig") -> Sample:
+    """The node daemon on a MIG machine under load (the real capture): the kubelet assigned
+    MIG devices 0 and 1 to two pods by the device plugin's IDs (MIG-<uuid>; device 1 in the
+    form before driver R470), and the processes of the first run in its pod."""
+    sample = mig_node_sample(machine, "load")
+    gpu = sample.gpus[0]
+    first, second = (i for i in sample.mig_instances[:2])
+    old_form = f"MIG-{gpu.uuid}/{second.gpu_instance_id}/0"
+    sample.kubelet = KubeletReading(
+        "/var/lib/kubelet/pod-resources/kubelet.sock",
+        up=True,
+        asked_s=1.0,
+        devices=[
+            PodDevice("ml", "llama-0", "server", "nvidia.com/mig-3g.40gb", first.mig_uuids[0]),
+            PodDevice("ml", "embed-0", "server", "nvidia.com/mig-2g.20gb", old_form),
+        ],
+        pods={"uid-1": ("ml", "llama-0")},
+        containers={"cid-1": "server"},
+        pods_api=True,
+        logs_folder="/var/log/containers",
+    )
+    sample.process_containers = [
+        ProcessContainerReading(p.pid, "container", "uid-1", "cid-1") for p in sample.processes
+    ]
+    return sample
+
+
 def every_family_cases() -> list[tuple[str, bool, dict[str, str], Sample]]:
     """(mode, per_process, constant labels, sample) that together serve every family the
     catalog declares: three allocator backends captured on a GPU, the demo trace (layout,
@@ -796,6 +823,7 @@ def every_family_cases() -> list[tuple[str, bool, dict[str, str], Sample]]:
     found.append(("node", False, {}, node_shaped(demo[0])))
     found.append(("node", False, {}, mig_node_sample()))
     found.append(("node", False, {}, mig_node_sample("h100-mig", in_slice=1)))
+    found.append(("node", False, {}, mig_node_shaped()))
     refused = node_shaped(demo[0])  # the claim reader without RBAC
     assert refused.kubelet is not None
     refused.kubelet.claims, refused.kubelet.claims_error = None, "HTTP 403 Forbidden"

@@ -20,12 +20,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-from exporter.sample import GpuReading, PodDevice
+from exporter.sample import GpuReading, MigInstanceReading, PodDevice
 
 _GKE = re.compile(r"nvidia(\d+)(?:/(?:gi|vgpu)\d+)*")
 NVIDIA_DRA_DRIVER = "gpu.nvidia.com"
 _NVIDIA_DRA = re.compile(r"gpu-(\d+)(?:-mig-[0-9a-z-]+-\d+-\d+)?")
 _OLD_MIG = re.compile(r"MIG-(GPU-[0-9a-fA-F-]+)/\d+/\d+")
+_OLD_MIG_PARTS = re.compile(r"MIG-(GPU-[0-9a-fA-F-]+)/(\d+)/\d+")
 
 
 def base_device_id(device_id: str) -> str:
@@ -64,6 +65,25 @@ def resolve_dra_gpu_uuid(driver: str, device: str, gpus: Iterable[GpuReading]) -
         return ""
     minor = int(named.group(1))
     return next((g.uuid for g in gpus if g.minor_number == minor), "")
+
+
+def resolve_mig_instance(
+    device_id: str, instances: Iterable[MigInstanceReading]
+) -> MigInstanceReading | None:
+    """The MIG GPU instance a device plugin's MIG device is in (`MIG-<uuid>`, or the form
+    before R470, `MIG-GPU-<uuid>/<gi>/<ci>`), as NVML reports it; None for anything else
+    (a whole GPU, GKE's and DRA's names: not guessed)."""
+    base = base_device_id(device_id)
+    instances = list(instances)
+    if (old := _OLD_MIG_PARTS.fullmatch(base)) is not None:
+        uuid, gpu_instance = old.group(1), int(old.group(2))
+        return next(
+            (i for i in instances if (i.gpu_uuid, i.gpu_instance_id) == (uuid, gpu_instance)),
+            None,
+        )
+    if base.startswith("MIG-"):
+        return next((i for i in instances if base in i.mig_uuids), None)
+    return None
 
 
 def resolve_gpu_uuid(device_id: str, gpus: Iterable[GpuReading]) -> str:

@@ -295,3 +295,31 @@ def test_inside_a_slice_the_whole_gpus_memory_is_absent_with_its_reason_never_ze
     assert (labels["gpu_instance"], labels["profile"], used) == ("3", "2g.20gb", 17 * MIB)
     [(labels, total)] = served["gpu_mig_memory_total_bytes"]
     assert total == 20096 * MIB
+
+
+def test_a_mig_device_the_kubelet_assigned_names_its_pod_with_its_gpu_instance():
+    """By the device plugin's MIG-<uuid> and by the form before R470 (MIG-GPU-<uuid>/gi/ci):
+    each pod is joined to its own GPU instance's memory, not the whole GPU's."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.helpers import catalog_collector, mig_node_shaped
+
+    registry = CollectorRegistry()
+    registry.register(catalog_collector(mig_node_shaped(), "node", {}, False))
+    families = {
+        f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())
+    }
+    rows = {
+        s.labels["pod"]: (s.labels["gpu_instance"], s.labels["device_id"])
+        for s in families["gpu_pod_mig_instance_info"].samples
+    }
+    [gpu] = read("h100-mig", "load")
+    assert rows == {
+        "llama-0": ("2", gpu.mig_devices[0].uuid),
+        "embed-0": ("3", f"MIG-{gpu.uuid}/3/0"),
+    }
+    used = {
+        s.labels["gpu_instance"]: s.value for s in families["gpu_mig_memory_used_bytes"].samples
+    }
+    assert used["2"] == 11091 * MIB and used["3"] == 17 * MIB  # what each pod's instance holds

@@ -714,6 +714,16 @@ FAMILIES: tuple[Family, ...] = (
         key="up",
     ),
     Family(
+        "gpu_mig_mode",
+        "info",
+        "MIG mode of a GPU where it is on or about to change (NVML): a pending mode other "
+        "than the current one takes effect after a GPU reset.",
+        GPU_LABELS,
+        "nvml",
+        DEVICES,
+        info_labels=("current", "pending"),
+    ),
+    Family(
         "gpu_memory_unavailable",
         "info",
         "Why the GPU's own memory series are absent while NVML answers for it: inside a "

@@ -494,11 +494,14 @@ class SampleCollector(Collector):
         up = self._fill(catalog.family("gpu_up"))
         info = self._fill(catalog.family("gpu"))
         refused = self._fill(catalog.family("gpu_memory_unavailable"))
+        mig_mode = self._fill(catalog.family("gpu_mig_mode"))
         for gpu in sample.gpus:
             ids = Labels(gpu=gpu.index, gpu_uuid=gpu.uuid)
             up.add(ids, 1.0 if gpu.up else 0.0)
             if gpu.memory_unavailable:
                 refused.add_info(ids, {"reason": gpu.memory_unavailable})
+            if "enabled" in (gpu.mig_mode, gpu.mig_mode_pending):
+                mig_mode.add_info(ids, {"current": gpu.mig_mode, "pending": gpu.mig_mode_pending})
             info.add_info(
                 ids,
                 {
@@ -516,8 +519,7 @@ class SampleCollector(Collector):
             labels = {"gpu": entry.gpu_index, "gpu_uuid": entry.gpu_uuid, "pid": entry.pid}
             process.add(labels, entry.used_bytes)
         yield from ((family, False) for family in (*memory.values(), process, up, info))
-        if any(gpu.memory_unavailable for gpu in sample.gpus):
-            yield refused, False
+        yield from ((refused, False), (mig_mode, False))
         if sample.mig_instances:
             yield from ((family, False) for family in self._mig_families(sample))
 

@@ -122,6 +122,10 @@ class GpuReading:
     # of /dev/nvidia<N> (GKE) and the UUIDs of its MIG devices.
     minor_number: int | None = None
     mig_uuids: list[str] = field(default_factory=list)
+    # MIG mode as NVML reports it, "enabled" or "disabled" ("" where the GPU has no MIG): a
+    # pending mode other than the current one takes effect only after a GPU reset.
+    mig_mode: str = ""
+    mig_mode_pending: str = ""
     # Why the whole GPU's memory is not read while NVML still answers for its MIG devices
     # (inside a container given a MIG slice, NVML refuses the parent's memory): "" when read.
     memory_unavailable: str = ""

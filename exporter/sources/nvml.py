@@ -52,16 +52,37 @@ class _Device:
         except nvml.NVMLError:
             self.pci_bus_id = ""
         self.minor_number = _minor_number(nvml, self.handle)
-        self.migs = _mig_devices(nvml, self.handle)
-        self.mig_uuids = [mig.uuid for mig in self.migs]
+        self.mig_mode: tuple[str, str] = ("", "")
+        self._mode_said: tuple[str, str] = ("", "")  # a pending mode change logged once
+        self.migs: list[_MigDevice] = []
+        self.mig_uuids: list[str] = []
         # One MIG device per GPU instance: its compute instances report the same memory.
         self.instances: dict[int, list[_MigDevice]] = {}
-        for mig in self.migs:
-            self.instances.setdefault(mig.gpu_instance_id, []).append(mig)
+        self.find_migs(nvml)
         self.lost = False
+        self.migs_stale = False  # an instance did not answer: read the MIG devices again
         self.refused_logged = False  # the parent's memory refused (in a MIG slice): said once
         self.memory_v2 = True
         self.processes_supported = True
+
+    def find_migs(self, nvml: Any) -> None:
+        """The GPU's MIG mode and devices, read again whenever they may have changed (an
+        instance that vanished, the process list's read): MIG can be reconfigured live."""
+        self.mig_mode = _mig_mode(nvml, self.handle)
+        current, pending = self.mig_mode
+        if pending != current and self.mig_mode != self._mode_said:
+            log.info(
+                "GPU %s: MIG mode is %s, %s pending (takes effect after a GPU reset)",
+                self.index,
+                current,
+                pending,
+            )
+        self._mode_said = self.mig_mode
+        self.migs = _mig_devices(nvml, self.handle) if current == "enabled" else []
+        self.mig_uuids = [mig.uuid for mig in self.migs]
+        self.instances = {}
+        for mig in self.migs:
+            self.instances.setdefault(mig.gpu_instance_id, []).append(mig)
 
 
 def _minor_number(nvml: Any, handle: Any) -> int | None:
@@ -71,6 +92,19 @@ def _minor_number(nvml: Any, handle: Any) -> int | None:
         return int(nvml.nvmlDeviceGetMinorNumber(handle))
     except (nvml.NVMLError, AttributeError):
         return None
+
+
+def _mig_mode(nvml: Any, handle: Any) -> tuple[str, str]:
+    """(current, pending) MIG mode, "enabled"/"disabled"; ("", "") where there is no MIG."""
+    try:
+        current, pending = nvml.nvmlDeviceGetMigMode(handle)
+    except (nvml.NVMLError, AttributeError):
+        return "", ""
+    enabled = nvml.NVML_DEVICE_MIG_ENABLE
+    return (
+        "enabled" if current == enabled else "disabled",
+        "enabled" if pending == enabled else "disabled",
+    )
 
 
 class _MigDevice:
@@ -98,12 +132,9 @@ def gpu_instance_profile(name: str) -> str:
 
 
 def _mig_devices(nvml: Any, handle: Any) -> list[_MigDevice]:
-    """The GPU's MIG devices, whose UUIDs (MIG-...) the device plugin assigns to pods under
-    the MIG strategies; [] where MIG is off or not supported."""
+    """The GPU's MIG devices (MIG mode on), whose UUIDs (MIG-...) the device plugin assigns
+    to pods under the MIG strategies; [] where NVML cannot list them."""
     try:
-        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
-        if current != nvml.NVML_DEVICE_MIG_ENABLE:
-            return []
         count = nvml.nvmlDeviceGetMaxMigDeviceCount(handle)
     except (nvml.NVMLError, AttributeError):
         return []
@@ -224,6 +255,13 @@ class NvmlSource:
             frozenset(d.uuid for d in devices),
             self._users() if self._users is not None else None,
         )
+        # MIG can be reconfigured while the daemon runs: its devices are read again with the
+        # process list's period, and at once where an instance stopped answering.
+        periodic = now >= self._processes_due
+        for device in devices:
+            if (device.migs_stale or (periodic and device.mig_mode[0])) and not device.lost:
+                device.migs_stale = False
+                device.find_migs(self._nvml)
         gpus = [self._read_device(device) for device in devices]
         used = {gpu.uuid: gpu.used_bytes for gpu in gpus if gpu.used_bytes is not None}
         read_processes = (
@@ -263,6 +301,8 @@ class NvmlSource:
             pci_bus_id=device.pci_bus_id,
             minor_number=device.minor_number,
             mig_uuids=device.mig_uuids,
+            mig_mode=device.mig_mode[0],
+            mig_mode_pending=device.mig_mode[1],
         )
         if device.lost:
             gpu.up = False
@@ -333,7 +373,15 @@ class NvmlSource:
                 else:
                     mem = nvml.nvmlDeviceGetMemoryInfo(migs[0].handle)
             except nvml.NVMLError as exc:
-                log.debug("memory of GPU %s instance %s: %s", device.index, instance_id, exc)
+                # Its MIG device is gone (MIG reconfigured) or refused: no number for it on
+                # this tick, and the GPU's MIG devices are read again for the next.
+                log.info(
+                    "GPU %s: GPU instance %s did not answer (%s); reading its MIG devices again",
+                    device.index,
+                    instance_id,
+                    exc,
+                )
+                device.migs_stale = True
             else:
                 instance.total_bytes = int(mem.total)
                 instance.used_bytes = int(mem.used)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from exporter.sample import Sample
 from exporter.sources.nvml import NvmlSource, gpu_instance_profile
 from tests.conftest import REPO_ROOT
 from tests.support.mig_nvml import NOT_AVAILABLE, CapturedNvml
@@ -323,3 +324,53 @@ def test_a_mig_device_the_kubelet_assigned_names_its_pod_with_its_gpu_instance()
         s.labels["gpu_instance"]: s.value for s in families["gpu_mig_memory_used_bytes"].samples
     }
     assert used["2"] == 11091 * MIB and used["3"] == 17 * MIB  # what each pod's instance holds
+
+
+def test_a_gpu_instance_that_vanishes_is_read_again_never_served_stale(caplog):
+    """MIG reconfigured while the daemon runs: the destroyed instance's handle answers
+    NOT_FOUND. That tick serves no number for it (and says so once); the next reads the GPU's
+    MIG devices again and serves what is there."""
+    import logging
+
+    nvml = CapturedNvml("h100-mig", "load")
+    source = NvmlSource(nvml)
+    assert [i.gpu_instance_id for i in source.read().mig_instances] == [2, 3, 9, 10]
+    gpu = nvml.gpus[0]
+    [gone] = [m.uuid for m in gpu.mig_devices if m.gpu_instance_id == 9]
+    gpu.mig_devices = [m for m in gpu.mig_devices if m.gpu_instance_id != 9]
+    with caplog.at_level(logging.INFO, logger="exporter.sources.nvml"):
+        during = {i.gpu_instance_id: i.used_bytes for i in source.read().mig_instances}
+    assert during[9] is None and during[2] == 11091 * MIB
+    assert len([r for r in caplog.records if "instance 9" in r.getMessage()]) == 1
+    after = source.read()
+    assert [i.gpu_instance_id for i in after.mig_instances] == [2, 3, 10]
+    assert gone not in [u for i in after.mig_instances for u in i.mig_uuids]
+    assert len(after.gpus[0].mig_uuids) == 3
+
+
+def test_empty_slots_and_a_pending_mig_mode_are_states_not_errors(caplog):
+    import logging
+
+    nvml = CapturedNvml("h200-mig", "load", empty_slots=2)  # NVML's NOT_FOUND slots
+    assert len(NvmlSource(nvml).read().mig_instances) == 4
+    off = CapturedNvml("h100", "idle")
+    off.gpus[0].mig_pending = True  # `nvidia-smi -mig 1` before the reset
+    with caplog.at_level(logging.INFO, logger="exporter.sources.nvml"):
+        reading = NvmlSource(off).read()
+    [gpu] = reading.gpus
+    assert (gpu.mig_mode, gpu.mig_mode_pending, reading.mig_instances) == (
+        "disabled",
+        "enabled",
+        [],
+    )
+    assert len([r for r in caplog.records if "pending" in r.getMessage()]) == 1
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tests.helpers import catalog_collector
+
+    registry = CollectorRegistry()
+    sample = Sample(timestamp=1.0, **reading.parts())
+    registry.register(catalog_collector(sample, "node", {}, False))
+    text = generate_latest(registry).decode()
+    assert 'gpu_mig_mode_info{current="disabled",gpu="0"' in text
+    assert 'pending="enabled"' in text

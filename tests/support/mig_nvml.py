@@ -65,7 +65,9 @@ class CapturedNvml:
         self.gpus: list[Gpu] = read(capture, state)
         self.driver = driver_version(capture)
         self.in_slice = in_slice
-        self.empty_slots = empty_slots
+        # Fixed, as NVML's is (the hardware's maximum): a device destroyed later leaves its
+        # slot NOT_FOUND, the rest keep their indices.
+        self.max_count = [len(gpu.mig_devices) + empty_slots for gpu in self.gpus]
         self.calls: list[str] = []
 
     # -- handles ---------------------------------------------------------------------------
@@ -76,7 +78,10 @@ class CapturedNvml:
     def _mig(self, handle: Any) -> MigDevice:
         if not isinstance(handle, _Mig):
             raise pynvml.NVMLError_InvalidArgument()
-        return self._gpu(handle).mig_devices[handle.index]
+        for mig in self._gpu(handle).mig_devices:
+            if mig.index == handle.index:
+                return mig
+        raise pynvml.NVMLError_NotFound()  # a handle of a MIG device destroyed since
 
     def _visible(self, gpu: Gpu) -> list[MigDevice]:
         if self.in_slice is None:
@@ -155,10 +160,9 @@ class CapturedNvml:
         return int(gpu.mig_current), int(gpu.mig_pending)
 
     def nvmlDeviceGetMaxMigDeviceCount(self, handle: Any) -> int:
-        gpu = self._gpu(handle)
-        if not gpu.mig_current:
+        if not self._gpu(handle).mig_current:
             return 0
-        return len(gpu.mig_devices) + self.empty_slots
+        return self.max_count[handle.index]
 
     def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Any, index: int) -> _Mig:
         gpu = self._gpu(handle)

@@ -135,6 +135,9 @@ class Attribution:
     process_pods: list[ProcessPod] = field(default_factory=list)
     # By GPU UUID: (NVML index, bytes no pod owns). Only once the kubelet has answered.
     unattributed_gpus: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # By (GPU UUID, MIG GPU instance): (NVML index, bytes no pod owns), on MIG GPUs whose
+    # every assignment names its instance (the device plugin's MIG-<uuid>).
+    unattributed_instances: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     unattributed_processes: list[UnattributedProcess] = field(default_factory=list)
     # (NVML index, GPU UUID, namespace, pod, container) -> bytes its named processes use there:
     # per-process memory keyed by what a restart keeps.
@@ -235,7 +238,49 @@ def attribute(sample: Sample) -> Attribution | None:
         else:
             continue
         result.unattributed_gpus[gpu.uuid] = (gpu.index, counted)
+    result.unattributed_instances = _unattributed_instances(sample, result, located)
     return result
+
+
+def _unattributed_instances(
+    sample: Sample, result: Attribution, located: dict[int, ProcessContainerReading]
+) -> dict[tuple[str, int], tuple[int, int]]:
+    """Memory no pod owns per MIG GPU instance: all of an instance no pod holds, else its
+    processes' that their pod does not hold (as per GPU). Only on GPUs whose every assignment
+    names its GPU instance: an assignment by GKE's or DRA's names says the GPU, not which of
+    its instances, and judging instances without it would blame the wrong ones."""
+    kubelet = sample.kubelet
+    assert kubelet is not None
+    placed: dict[tuple[str, int], set[tuple[str, str, str]]] = defaultdict(set)
+    for row in result.gpu_pod_instances:
+        placed[(row.gpu_uuid, row.gpu_instance)].add((row.namespace, row.pod, row.container))
+    by_instance = {(row.gpu_uuid, row.device_id) for row in result.gpu_pod_instances}
+    unjudged = {
+        row.gpu_uuid
+        for row in result.gpu_pods
+        if row.gpu_uuid and (row.gpu_uuid, row.device_id) not in by_instance
+    }
+    found = {}
+    for instance in sample.mig_instances:
+        uuid, gpu_instance = instance.gpu_uuid, instance.gpu_instance_id
+        if instance.used_bytes is None or uuid in unjudged:
+            continue
+        holders = placed.get((uuid, gpu_instance))
+        if not holders:
+            found[(uuid, gpu_instance)] = (instance.gpu_index, instance.used_bytes)
+            continue
+        counted = 0
+        for entry in sample.processes:
+            if (entry.gpu_uuid, entry.gpu_instance_id) != (uuid, gpu_instance):
+                continue
+            where = located.get(entry.pid)
+            reason = _unattributed_reason(
+                where, _holds(kubelet, where, holders), _fresh(kubelet, where)
+            )
+            if reason in COUNTED_REASONS:
+                counted += entry.used_bytes
+        found[(uuid, gpu_instance)] = (instance.gpu_index, counted)
+    return found
 
 
 def _claim_memory(sample: Sample, result: Attribution) -> list[ClaimMemory]:

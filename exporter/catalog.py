@@ -914,6 +914,25 @@ FAMILIES: tuple[Family, ...] = (
         KUBERNETES,
     ),
     Family(
+        "gpu_mig_memory_unattributed_bytes",
+        "gauge",
+        "Memory of a MIG GPU instance that no pod holding it owns: all of an instance no pod "
+        "was given, else its processes their pod does not hold. On GPUs whose every "
+        "assignment names its instance (the device plugin's MIG-<uuid>).",
+        (*GPU_LABELS, "gpu_instance"),
+        "kubelet",
+        KUBERNETES,
+    ),
+    Family(
+        "gpu_process_mig_instance",
+        "info",
+        "The MIG GPU instance a process runs in (NVML's process record): joins "
+        "gpu_process_memory_used_bytes to gpu_mig_memory_* by gpu_uuid, pid and gpu_instance.",
+        (*GPU_LABELS, "pid", "gpu_instance"),
+        "nvml",
+        DEVICES,
+    ),
+    Family(
         "gpu_container_memory_used_bytes",
         "gauge",
         "GPU memory used on one GPU by the processes of one container whose pod is certain "

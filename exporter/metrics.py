@@ -515,11 +515,14 @@ class SampleCollector(Collector):
                 if value is not None:
                     family.add(ids, value)
         process = self._fill(catalog.family("gpu_process_memory_used_bytes"))
+        in_instance = self._fill(catalog.family("gpu_process_mig_instance"))
         for entry in sample.processes:
             labels = {"gpu": entry.gpu_index, "gpu_uuid": entry.gpu_uuid, "pid": entry.pid}
             process.add(labels, entry.used_bytes)
+            if entry.gpu_instance_id is not None:
+                in_instance.add_info({**labels, "gpu_instance": entry.gpu_instance_id}, {})
         yield from ((family, False) for family in (*memory.values(), process, up, info))
-        yield from ((refused, False), (mig_mode, False))
+        yield from ((refused, False), (mig_mode, False), (in_instance, False))
         if sample.mig_instances:
             yield from ((family, False) for family in self._mig_families(sample))
 
@@ -634,6 +637,9 @@ class SampleCollector(Collector):
         unattributed = self._fill(catalog.family("gpu_memory_unattributed_bytes"))
         for uuid, (index, value) in sorted(attribution.unattributed_gpus.items()):
             unattributed.add({"gpu": index, "gpu_uuid": uuid}, value)
+        per_instance = self._fill(catalog.family("gpu_mig_memory_unattributed_bytes"))
+        for (uuid, instance), (index, value) in sorted(attribution.unattributed_instances.items()):
+            per_instance.add({"gpu": index, "gpu_uuid": uuid, "gpu_instance": instance}, value)
         per_process = self._fill(catalog.family("gpu_process_memory_unattributed_bytes"))
         for entry in attribution.unattributed_processes:
             labels = {
@@ -653,6 +659,7 @@ class SampleCollector(Collector):
             named,
             by_container,
             unattributed,
+            per_instance,
             per_process,
         )
         yield from ((family, False) for family in families)

@@ -156,6 +156,8 @@ class ProcessGpuReading:
     gpu_uuid: str
     pid: int
     used_bytes: int
+    # On a MIG GPU: the GPU instance the process runs in (NVML's process record); else None.
+    gpu_instance_id: int | None = None
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,13 @@ def _mig_devices(nvml: Any, handle: Any) -> list[_MigDevice]:
     return found
 
 
+def _instance_of(entry: Any, device: _Device) -> int | None:
+    """The MIG GPU instance a process record runs in; None off MIG (NVML's "not
+    available" ID) or for an instance this reader does not know (yet)."""
+    instance = getattr(entry, "gpuInstanceId", None)
+    return instance if isinstance(instance, int) and instance in device.instances else None
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -402,7 +409,7 @@ class NvmlSource:
         if device.instances:  # which GPU instance each runs in: the instance's share
             by_instance: dict[int, int] = {}
             for entry in entries:
-                instance = getattr(entry, "gpuInstanceId", None)
+                instance = _instance_of(entry, device)
                 if instance is not None and entry.usedGpuMemory is not None:
                     by_instance[instance] = by_instance.get(instance, 0) + int(entry.usedGpuMemory)
             self._instance_processes[device.uuid] = by_instance
@@ -412,6 +419,7 @@ class NvmlSource:
                 gpu_uuid=device.uuid,
                 pid=int(entry.pid),
                 used_bytes=int(entry.usedGpuMemory),
+                gpu_instance_id=_instance_of(entry, device),
             )
             for entry in entries
             # None when the driver withholds it (e.g. without the host PID namespace).

@@ -374,3 +374,44 @@ def test_empty_slots_and_a_pending_mig_mode_are_states_not_errors(caplog):
     text = generate_latest(registry).decode()
     assert 'gpu_mig_mode_info{current="disabled",gpu="0"' in text
     assert 'pending="enabled"' in text
+
+
+def test_memory_no_pod_owns_is_judged_per_gpu_instance():
+    """The H100 under load: MIG device 0 (instance 2, its three processes in the pod) and
+    device 1 (instance 3) given to pods; instances 9 and 10 to none."""
+    from exporter.attribution import attribute
+    from exporter.sample import PodDevice
+    from tests.helpers import mig_node_shaped
+
+    sample = mig_node_shaped()
+    result = attribute(sample)
+    assert result is not None
+    uuid = sample.gpus[0].uuid
+    assert result.unattributed_instances == {
+        (uuid, 2): (0, 0),
+        (uuid, 3): (0, 0),
+        (uuid, 9): (0, 9 * MIB),
+        (uuid, 10): (0, 9 * MIB),
+    }
+    # Instance 2 given to no pod: all of it, its processes' pod holds nothing there.
+    assert sample.kubelet is not None and sample.kubelet.devices is not None
+    sample.kubelet.devices = sample.kubelet.devices[1:]
+    result = attribute(sample)
+    assert result is not None and result.unattributed_instances[(uuid, 2)] == (0, 11091 * MIB)
+    # An assignment that names the GPU, not an instance (GKE's nvidia0/gi0): not judged.
+    sample.kubelet.devices.append(
+        PodDevice("ml", "other", "app", "nvidia.com/mig-1g.10gb", "nvidia0/gi9")
+    )
+    result = attribute(sample)
+    assert result is not None and result.unattributed_instances == {}
+
+
+def test_each_process_is_named_with_its_gpu_instance():
+    served = _served("h100-mig", "load")
+    rows = {
+        labels["pid"]: labels["gpu_instance"]
+        for labels, _ in served["gpu_process_mig_instance_info"]
+    }
+    [gpu] = read("h100-mig", "load")
+    assert rows == {str(p.pid): str(p.gpu_instance_id) for p in gpu.processes}
+    assert not _served("h100", "load").get("gpu_process_mig_instance_info")

@@ -30,7 +30,7 @@ import pynvml
 
 from tests.support.nvidia_smi_capture import MIB, Gpu, MigDevice, driver_version, read
 
-NOT_AVAILABLE = pynvml.NVML_VALUE_NOT_AVAILABLE_uint
+NOT_AVAILABLE = int(pynvml.NVML_VALUE_NOT_AVAILABLE_uint.value)  # 0xFFFFFFFF, as records carry it
 
 
 @dataclass(frozen=True)

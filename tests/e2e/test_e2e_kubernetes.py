@@ -16,6 +16,7 @@ deploy/prometheus/ rules every second:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -87,7 +88,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[Cluster]:
-    prometheus = require_tool("prometheus")
+    require_tool("prometheus")  # before anything starts: a missing server skips at once
     tmp = tmp_path_factory.mktemp("k8s")
     proc = tmp / "proc" / str(PID)
     proc.mkdir(parents=True)
@@ -118,8 +119,23 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         pods=lambda: PodsClient("gpu-node-1", api=api.client_api(tmp / "token")),
         claims=lambda: ClaimsClient(api.client_api(tmp / "token"), "gpu-node-1"),
     )
+    try:
+        with daemon_under_prometheus(tmp, [nvml, source]) as url:
+            yield Cluster(url, state, api)
+    finally:
+        api.stop()
+        kubelet.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def daemon_under_prometheus(tmp: Path, sources: list) -> Iterator[str]:
+    """A node daemon over `sources` (the real runtime and HTTP server, in this process) and a
+    real Prometheus scraping it as the chart's ServiceMonitor does, evaluating the shipped
+    rules every second: the Prometheus URL."""
+    prometheus = require_tool("prometheus")
     runtime: Runtime = build_runtime(
-        load_config(env={}, interval_s=0.5), mode="node", sources=[nvml, source]
+        load_config(env={}, interval_s=0.5), mode="node", sources=sources
     )
     exporter_port, prometheus_port = free_port(), free_port()
     http = HttpServer(create_app(runtime), "127.0.0.1", exporter_port)
@@ -142,14 +158,11 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     server = start_prometheus(prometheus, tmp, prometheus_port)
     try:
         wait_http(f"http://127.0.0.1:{prometheus_port}/-/ready", server)
-        yield Cluster(f"http://127.0.0.1:{prometheus_port}", state, api)
+        yield f"http://127.0.0.1:{prometheus_port}"
     finally:
-        api.stop()
         stop_processes((server,))
         http.stop()
         runtime.sampler.stop()
-        kubelet.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def values(result: list[dict], label: str) -> dict[str, float]:

@@ -15,16 +15,11 @@ import shutil
 from collections.abc import Iterator
 
 import pytest
-import yaml
 
-from exporter.config import load_config
-from exporter.http.server import HttpServer, create_app
-from exporter.runtime import build_runtime
 from exporter.sources.kubelet import KubeletSource
 from exporter.sources.nvml import NvmlSource
 from tests.conftest import require_tool
-from tests.e2e.test_e2e_kubernetes import DAEMON_TARGET, Cluster, values
-from tests.helpers import free_port, short_rules, start_prometheus, stop_processes, wait_http
+from tests.e2e.test_e2e_kubernetes import Cluster, daemon_under_prometheus, values
 from tests.support.kubelet_standin import StandInKubelet, pod, write_state
 from tests.support.mig_nvml import CapturedNvml
 from tests.support.nvidia_smi_capture import MIB, read
@@ -37,7 +32,7 @@ BY_INSTANCE = {m.gpu_instance_id: m for m in GPU.mig_devices}
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[Cluster]:
-    prometheus = require_tool("prometheus")
+    require_tool("prometheus")
     tmp = tmp_path_factory.mktemp("mig")
     state = tmp / "kubelet.json"
     write_state(
@@ -57,35 +52,10 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     source = KubeletSource(
         lambda: nvml.last_pids, socket_path=str(tmp / "kubelet.sock"), refresh_s=0.5
     )
-    runtime = build_runtime(
-        load_config(env={}, interval_s=0.5), mode="node", sources=[nvml, source]
-    )
-    exporter_port, prometheus_port = free_port(), free_port()
-    http = HttpServer(create_app(runtime), "127.0.0.1", exporter_port)
-    runtime.sampler.start()
-    http.start()
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": short_rules(tmp),
-        "scrape_configs": [
-            {
-                "job_name": "gpumem-node",
-                "honor_labels": True,
-                "static_configs": [
-                    {"targets": [f"127.0.0.1:{exporter_port}"], "labels": DAEMON_TARGET}
-                ],
-            }
-        ],
-    }
-    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    server = start_prometheus(prometheus, tmp, prometheus_port)
     try:
-        wait_http(f"http://127.0.0.1:{prometheus_port}/-/ready", server)
-        yield Cluster(f"http://127.0.0.1:{prometheus_port}", state, None)  # type: ignore[arg-type]
+        with daemon_under_prometheus(tmp, [nvml, source]) as url:
+            yield Cluster(url, state, None)  # type: ignore[arg-type]
     finally:
-        stop_processes((server,))
-        http.stop()
-        runtime.sampler.stop()
         kubelet.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -29,6 +29,7 @@ from typing import Any
 import pynvml
 
 from tests.support.nvidia_smi_capture import MIB, Gpu, MigDevice, driver_version, read
+from tests.support.nvml_double import NvmlErrors
 
 NOT_AVAILABLE = int(pynvml.NVML_VALUE_NOT_AVAILABLE_uint.value)  # 0xFFFFFFFF, as records carry it
 
@@ -44,17 +45,9 @@ class _Mig:
     index: int
 
 
-class CapturedNvml:
-    NVMLError = pynvml.NVMLError
-    NVMLError_GpuIsLost = pynvml.NVMLError_GpuIsLost
-    NVMLError_NotSupported = pynvml.NVMLError_NotSupported
-    NVMLError_NoPermission = pynvml.NVMLError_NoPermission
+class CapturedNvml(NvmlErrors):
     NVMLError_NotFound = pynvml.NVMLError_NotFound
     NVMLError_InvalidArgument = pynvml.NVMLError_InvalidArgument
-    NVMLError_ArgumentVersionMismatch = pynvml.NVMLError_ArgumentVersionMismatch
-    NVMLError_LibraryNotFound = pynvml.NVMLError_LibraryNotFound
-    NVMLError_DriverNotLoaded = pynvml.NVMLError_DriverNotLoaded
-    nvmlMemory_v2 = pynvml.nvmlMemory_v2
     NVML_DEVICE_MIG_ENABLE = pynvml.NVML_DEVICE_MIG_ENABLE
     NVML_DEVICE_MIG_DISABLE = pynvml.NVML_DEVICE_MIG_DISABLE
 

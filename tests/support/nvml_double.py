@@ -9,7 +9,9 @@ from types import SimpleNamespace
 import pynvml
 
 
-class FakeNvml:
+class NvmlErrors:
+    """The binding's exception classes and constants a source looks up on its module."""
+
     NVMLError = pynvml.NVMLError
     NVMLError_GpuIsLost = pynvml.NVMLError_GpuIsLost
     NVMLError_NotSupported = pynvml.NVMLError_NotSupported
@@ -19,6 +21,8 @@ class FakeNvml:
     NVMLError_DriverNotLoaded = pynvml.NVMLError_DriverNotLoaded
     nvmlMemory_v2 = pynvml.nvmlMemory_v2
 
+
+class FakeNvml(NvmlErrors):
     def __init__(self, raw: dict):
         self.raw = raw
         self.failures: dict[tuple[str, int], Exception] = {}

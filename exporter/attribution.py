@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from exporter.kubernetes.device_ids import (
     base_device_id,
     device_gpu_uuid,
+    resolve_dra_mig_instance,
     resolve_mig_instance,
 )
 from exporter.ratelimit import RateLimitedLog
@@ -165,8 +166,13 @@ def attribute(sample: Sample) -> Attribution | None:
         if row not in seen:  # time-slicing gives one container several replicas
             seen.add(row)
             result.gpu_pods.append(row)
-            instance = resolve_mig_instance(row.device_id, sample.mig_instances)
-            if instance is not None and not device.dynamic:
+            if device.dynamic:
+                instance = resolve_dra_mig_instance(
+                    device.resource, row.device_id, sample.gpus, sample.mig_instances
+                )
+            else:
+                instance = resolve_mig_instance(row.device_id, sample.mig_instances)
+            if instance is not None:
                 result.gpu_pod_instances.append(
                     GpuPodInstance(
                         instance.gpu_uuid,

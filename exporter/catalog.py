@@ -819,9 +819,9 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "gpu_pod_mig_instance",
         "info",
-        "Each container the kubelet assigned a MIG device to (by the device plugin's "
-        "MIG-<uuid>), with the GPU instance it is in: joins gpu_mig_memory_* by gpu_uuid and "
-        "gpu_instance.",
+        "Each container the kubelet assigned a MIG device to, with the GPU instance it is in "
+        "(the device plugin's MIG-<uuid>; NVIDIA's DRA name where its GPU has one instance of "
+        "that profile): joins gpu_mig_memory_* by gpu_uuid and gpu_instance.",
         ("gpu_uuid", "gpu_instance", "device_id", "namespace", "pod", "container"),
         "kubelet",
         KUBERNETES,

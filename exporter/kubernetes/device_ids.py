@@ -25,6 +25,7 @@ from exporter.sample import GpuReading, MigInstanceReading, PodDevice
 _GKE = re.compile(r"nvidia(\d+)(?:/(?:gi|vgpu)\d+)*")
 NVIDIA_DRA_DRIVER = "gpu.nvidia.com"
 _NVIDIA_DRA = re.compile(r"gpu-(\d+)(?:-mig-[0-9a-z-]+-\d+-\d+)?")
+_NVIDIA_DRA_MIG = re.compile(r"gpu-(\d+)-mig-([0-9a-z-]+)-\d+-\d+")
 _OLD_MIG = re.compile(r"MIG-(GPU-[0-9a-fA-F-]+)/\d+/\d+")
 _OLD_MIG_PARTS = re.compile(r"MIG-(GPU-[0-9a-fA-F-]+)/(\d+)/\d+")
 
@@ -84,6 +85,28 @@ def resolve_mig_instance(
     if base.startswith("MIG-"):
         return next((i for i in instances if base in i.mig_uuids), None)
     return None
+
+
+def resolve_dra_mig_instance(
+    driver: str, device: str, gpus: Iterable[GpuReading], instances: Iterable[MigInstanceReading]
+) -> MigInstanceReading | None:
+    """The GPU instance a DRA MIG device name (`gpu-<minor>-mig-<profile>-<profile ID>-
+    <placement start>`, the profile without dots and `+me` as `-me`) is, where its GPU has
+    exactly one GPU instance of that profile. The placement start is not the GPU instance ID
+    and NVML's placements are not read here: with two instances of one profile, None (the
+    device is still attributed to its GPU)."""
+    if driver != NVIDIA_DRA_DRIVER or (named := _NVIDIA_DRA_MIG.fullmatch(device)) is None:
+        return None
+    minor, profile = int(named.group(1)), named.group(2)
+    uuid = next((g.uuid for g in gpus if g.minor_number == minor), "")
+    found = [i for i in instances if i.gpu_uuid == uuid and dra_profile(i.profile) == profile]
+    return found[0] if uuid and len(found) == 1 else None
+
+
+def dra_profile(profile: str) -> str:
+    """A MIG profile as NVIDIA's DRA driver writes it in a device name: `1g.10gb+me` ->
+    `1g10gb-me`."""
+    return profile.replace(".", "").replace("+", "-")
 
 
 def resolve_gpu_uuid(device_id: str, gpus: Iterable[GpuReading]) -> str:

@@ -415,3 +415,50 @@ def test_each_process_is_named_with_its_gpu_instance():
     [gpu] = read("h100-mig", "load")
     assert rows == {str(p.pid): str(p.gpu_instance_id) for p in gpu.processes}
     assert not _served("h100", "load").get("gpu_process_mig_instance_info")
+
+
+def test_a_dra_mig_name_is_its_gpu_instance_where_the_profile_says_which():
+    """NVIDIA's DRA names (kubernetes-sigs/dra-driver-nvidia-gpu PR 852): the profile without
+    dots, `+me` as `-me`, then the profile ID and the placement start, which is not the GPU
+    instance ID. On the H100 capture 3g.40gb is one instance (GI 2); 1g.10gb is two (GI 9 and
+    10): which one a name means is not guessed."""
+    from exporter.kubernetes.device_ids import dra_profile, resolve_dra_mig_instance
+    from tests.helpers import mig_node_sample
+
+    sample = mig_node_sample("h100-mig", "load")
+    sample.gpus[0].minor_number = 0  # the capture's "Minor Number : 0"
+    found = resolve_dra_mig_instance(
+        "gpu.nvidia.com", "gpu-0-mig-3g40gb-9-0", sample.gpus, sample.mig_instances
+    )
+    assert found is not None and found.gpu_instance_id == 2
+    assert (
+        resolve_dra_mig_instance(
+            "gpu.nvidia.com", "gpu-0-mig-1g10gb-19-6", sample.gpus, sample.mig_instances
+        )
+        is None
+    )
+    assert (
+        resolve_dra_mig_instance("gpu.nvidia.com", "gpu-0", sample.gpus, sample.mig_instances)
+        is None
+    )
+    assert dra_profile("1g.24gb+me") == "1g24gb-me"
+    assert dra_profile("3g.40gb") == "3g40gb"
+
+
+def test_a_claims_mig_device_is_attributed_to_its_gpu_instance():
+    from exporter.attribution import attribute
+    from exporter.sample import PodDevice
+    from tests.helpers import mig_node_shaped
+
+    sample = mig_node_shaped()
+    sample.gpus[0].minor_number = 0
+    assert sample.kubelet is not None and sample.kubelet.devices is not None
+    sample.kubelet.devices = [
+        PodDevice(
+            "batch", "job-0", "main", "gpu.nvidia.com", "gpu-0-mig-2g20gb-14-4",
+            claim="job-0-gpu", claim_namespace="batch", pool="gpu-node-1",
+        )
+    ]  # fmt: skip
+    result = attribute(sample)
+    assert result is not None
+    assert [(p.pod, p.gpu_instance) for p in result.gpu_pod_instances] == [("job-0", 3)]

@@ -163,6 +163,17 @@ def attribute(sample: Sample) -> Attribution | None:
             device.pod,
             device.container,
         )
+        if device.dynamic and not row.gpu_uuid and sample.gpus:
+            # A DRA name that resolves to nothing here (`gpu-99`, another driver's device)
+            # names no pod anywhere: a claim's row would carry its pod beside a GPU of no
+            # one. Said once, with the claim, so that an on-call knows why.
+            _unresolved.warning(
+                f"{device.resource}/{device.device_id}",
+                f"{device.resource} device {device.device_id!r} of claim "
+                f"{device.claim_namespace}/{device.claim} (pod {device.namespace}/{device.pod}) "
+                "is no GPU NVML reports on this node: not attributed",
+            )
+            continue
         if row not in seen:  # time-slicing gives one container several replicas
             seen.add(row)
             result.gpu_pods.append(row)

@@ -153,6 +153,52 @@ def attribute(sample: Sample) -> Attribution | None:
     result = Attribution()
     if kubelet.devices is None:  # never answered: no assignment known, nothing to judge
         return result
+    _assignments(sample, kubelet, result)
+    holders: dict[str, set[tuple[str, str, str]]] = defaultdict(set)
+    for row in result.gpu_pods:
+        if row.gpu_uuid:
+            holders[row.gpu_uuid].add((row.namespace, row.pod, row.container))
+    located = {c.pid: c for c in sample.process_containers}
+    result.process_pods = _process_pods(sample, located)
+    named = {p.pid: p for p in result.process_pods if p.pod}
+    for entry in sample.processes:
+        if (owner := named.get(entry.pid)) is not None:
+            key = (entry.gpu_index, entry.gpu_uuid, owner.namespace, owner.pod, owner.container)
+            result.container_memory[key] = result.container_memory.get(key, 0) + entry.used_bytes
+    for entry in sample.processes:
+        where = located.get(entry.pid)
+        reason = _unattributed_reason(
+            where, _holds(kubelet, where, holders.get(entry.gpu_uuid)), _fresh(kubelet, where)
+        )
+        if reason is not None:
+            result.unattributed_processes.append(
+                UnattributedProcess(
+                    entry.gpu_index, entry.gpu_uuid, entry.pid, reason, entry.used_bytes
+                )
+            )
+    result.claim_memory = _claim_memory(sample, result)
+    for gpu in sample.gpus:
+        if not gpu.up:
+            continue
+        if gpu.uuid in holders:
+            counted = sum(
+                p.used_bytes
+                for p in result.unattributed_processes
+                if p.gpu_uuid == gpu.uuid and p.reason in COUNTED_REASONS
+            )
+        elif gpu.used_bytes is not None:
+            counted = gpu.used_bytes  # no pod holds this GPU: all of its memory
+        else:
+            continue
+        result.unattributed_gpus[gpu.uuid] = (gpu.index, counted)
+    result.unattributed_instances = _unattributed_instances(sample, result, located)
+    return result
+
+
+def _assignments(sample: Sample, kubelet: KubeletReading, result: Attribution) -> None:
+    """The kubelet's assignments as rows: gpu_pods (and each MIG device's GPU instance where
+    it is known) and the DRA devices' claims."""
+    assert kubelet.devices is not None
     seen = set()
     for device in kubelet.devices:
         row = GpuPod(
@@ -218,45 +264,6 @@ def attribute(sample: Sample) -> Attribution | None:
                     device.share_id,
                 )
             )
-    holders: dict[str, set[tuple[str, str, str]]] = defaultdict(set)
-    for row in result.gpu_pods:
-        if row.gpu_uuid:
-            holders[row.gpu_uuid].add((row.namespace, row.pod, row.container))
-    located = {c.pid: c for c in sample.process_containers}
-    result.process_pods = _process_pods(sample, located)
-    named = {p.pid: p for p in result.process_pods if p.pod}
-    for entry in sample.processes:
-        if (owner := named.get(entry.pid)) is not None:
-            key = (entry.gpu_index, entry.gpu_uuid, owner.namespace, owner.pod, owner.container)
-            result.container_memory[key] = result.container_memory.get(key, 0) + entry.used_bytes
-    for entry in sample.processes:
-        where = located.get(entry.pid)
-        reason = _unattributed_reason(
-            where, _holds(kubelet, where, holders.get(entry.gpu_uuid)), _fresh(kubelet, where)
-        )
-        if reason is not None:
-            result.unattributed_processes.append(
-                UnattributedProcess(
-                    entry.gpu_index, entry.gpu_uuid, entry.pid, reason, entry.used_bytes
-                )
-            )
-    result.claim_memory = _claim_memory(sample, result)
-    for gpu in sample.gpus:
-        if not gpu.up:
-            continue
-        if gpu.uuid in holders:
-            counted = sum(
-                p.used_bytes
-                for p in result.unattributed_processes
-                if p.gpu_uuid == gpu.uuid and p.reason in COUNTED_REASONS
-            )
-        elif gpu.used_bytes is not None:
-            counted = gpu.used_bytes  # no pod holds this GPU: all of its memory
-        else:
-            continue
-        result.unattributed_gpus[gpu.uuid] = (gpu.index, counted)
-    result.unattributed_instances = _unattributed_instances(sample, result, located)
-    return result
 
 
 def _unattributed_instances(

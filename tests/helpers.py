@@ -829,3 +829,75 @@ def every_family_cases() -> list[tuple[str, bool, dict[str, str], Sample]]:
     refused.kubelet.claims, refused.kubelet.claims_error = None, "HTTP 403 Forbidden"
     found.append(("node", False, {}, refused))
     return found
+
+
+# -- a node daemon under a real Prometheus (the attribution end-to-end tests) ----------------
+
+
+def write_prometheus_config(
+    tmp: Path, job: str, port: int, labels: dict[str, str], *, honor_labels: bool = False
+) -> None:
+    """tmp/prometheus.yml: one job scraping 127.0.0.1:port every second with these target
+    labels, the shipped rules (every second, `for:` shortened) evaluated every second."""
+    scrape: dict[str, Any] = {
+        "job_name": job,
+        "static_configs": [{"targets": [f"127.0.0.1:{port}"], "labels": labels}],
+    }
+    if honor_labels:
+        scrape["honor_labels"] = True
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": short_rules(tmp),
+        "scrape_configs": [scrape],
+    }
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+
+
+# What Prometheus adds to every series of the daemon's target, as service discovery would.
+DAEMON_TARGET = {"cluster": "e2e", "namespace": "monitoring", "pod": "gpumem-node-x"}
+
+
+@dataclasses.dataclass
+class Cluster:
+    prometheus: str
+    state: Path
+    api: Any  # the stand-in Kubernetes API, where the test runs one
+
+    def query(self, expr: str) -> list[dict]:
+        result: list[dict] = prometheus_api(self.prometheus, "query", query=expr)["result"]
+        return result
+
+    def wait(self, expr: str, timeout_s: float = 60) -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            result = self.query(expr)
+            if result or time.monotonic() > deadline:
+                return result
+            time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def daemon_under_prometheus(tmp: Path, sources: list) -> Iterator[str]:
+    """A node daemon over `sources` (the real runtime and HTTP server, in this process) and a
+    real Prometheus scraping it as the chart's ServiceMonitor does, evaluating the shipped
+    rules every second: the Prometheus URL."""
+    prometheus = require_tool("prometheus")
+    runtime = build_runtime(load_config(env={}, interval_s=0.5), mode="node", sources=sources)
+    exporter_port, prometheus_port = free_port(), free_port()
+    http = HttpServer(create_app(runtime), "127.0.0.1", exporter_port)
+    runtime.sampler.start()
+    http.start()
+    # honor_labels: as the chart's ServiceMonitor (honorLabels: true)
+    write_prometheus_config(tmp, "gpumem-node", exporter_port, DAEMON_TARGET, honor_labels=True)
+    server = start_prometheus(prometheus, tmp, prometheus_port)
+    try:
+        wait_http(f"http://127.0.0.1:{prometheus_port}/-/ready", server)
+        yield f"http://127.0.0.1:{prometheus_port}"
+    finally:
+        stop_processes((server,))
+        http.stop()
+        runtime.sampler.stop()
+
+
+def values(result: list[dict], label: str) -> dict[str, float]:
+    return {r["metric"].get(label, ""): float(r["value"][1]) for r in result}

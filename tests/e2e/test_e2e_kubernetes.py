@@ -16,34 +16,24 @@ deploy/prometheus/ rules every second:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-import yaml
 
-from exporter.config import load_config
-from exporter.http.server import HttpServer, create_app
 from exporter.kubernetes.claims import ClaimsClient
 from exporter.kubernetes.pods import PodsClient
-from exporter.runtime import Runtime, build_runtime
 from exporter.sources.kubelet import KubeletSource
 from exporter.sources.nvml import NvmlSource
 from tests.conftest import DATA_DIR, REPO_ROOT, require_tool
 from tests.helpers import (
-    free_port,
+    Cluster,
+    daemon_under_prometheus,
     iter_panel_queries,
     needs_kubelet,
-    prometheus_api,
-    short_rules,
-    start_prometheus,
-    stop_processes,
-    wait_http,
+    values,
 )
 from tests.support.kube_api_standin import CRIO_ID, TOKEN, UID_A, UID_B, StandInApi, resource_claim
 from tests.support.kube_api_standin import pod as api_pod
@@ -63,27 +53,6 @@ GPU0, GPU1 = (d["uuid"] for d in RAW["devices"])
 USED0 = RAW["devices"][0]["memory_v2"]["used"]
 PID = RAW["devices"][0]["processes"][0]["pid"]
 PID_USED = RAW["devices"][0]["processes"][0]["usedGpuMemory"]
-# What Prometheus adds to every series of the daemon's target, as service discovery would.
-DAEMON_TARGET = {"cluster": "e2e", "namespace": "monitoring", "pod": "gpumem-node-x"}
-
-
-@dataclass
-class Cluster:
-    prometheus: str
-    state: Path
-    api: StandInApi
-
-    def query(self, expr: str) -> list[dict]:
-        result: list[dict] = prometheus_api(self.prometheus, "query", query=expr)["result"]
-        return result
-
-    def wait(self, expr: str, timeout_s: float = 60) -> list[dict]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            result = self.query(expr)
-            if result or time.monotonic() > deadline:
-                return result
-            time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -126,47 +95,6 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         api.stop()
         kubelet.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def daemon_under_prometheus(tmp: Path, sources: list) -> Iterator[str]:
-    """A node daemon over `sources` (the real runtime and HTTP server, in this process) and a
-    real Prometheus scraping it as the chart's ServiceMonitor does, evaluating the shipped
-    rules every second: the Prometheus URL."""
-    prometheus = require_tool("prometheus")
-    runtime: Runtime = build_runtime(
-        load_config(env={}, interval_s=0.5), mode="node", sources=sources
-    )
-    exporter_port, prometheus_port = free_port(), free_port()
-    http = HttpServer(create_app(runtime), "127.0.0.1", exporter_port)
-    runtime.sampler.start()
-    http.start()
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": short_rules(tmp),
-        "scrape_configs": [
-            {
-                "job_name": "gpumem-node",
-                "honor_labels": True,  # the chart's ServiceMonitor: honorLabels: true
-                "static_configs": [
-                    {"targets": [f"127.0.0.1:{exporter_port}"], "labels": DAEMON_TARGET}
-                ],
-            }
-        ],
-    }
-    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    server = start_prometheus(prometheus, tmp, prometheus_port)
-    try:
-        wait_http(f"http://127.0.0.1:{prometheus_port}/-/ready", server)
-        yield f"http://127.0.0.1:{prometheus_port}"
-    finally:
-        stop_processes((server,))
-        http.stop()
-        runtime.sampler.stop()
-
-
-def values(result: list[dict], label: str) -> dict[str, float]:
-    return {r["metric"].get(label, ""): float(r["value"][1]) for r in result}
 
 
 def test_gpu_memory_by_namespace_pod_and_container(cluster):

@@ -19,7 +19,7 @@ import pytest
 from exporter.sources.kubelet import KubeletSource
 from exporter.sources.nvml import NvmlSource
 from tests.conftest import require_tool
-from tests.e2e.test_e2e_kubernetes import Cluster, daemon_under_prometheus, values
+from tests.helpers import Cluster, daemon_under_prometheus, values
 from tests.support.kubelet_standin import StandInKubelet, pod, write_state
 from tests.support.mig_nvml import CapturedNvml
 from tests.support.nvidia_smi_capture import MIB, read
@@ -54,7 +54,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     )
     try:
         with daemon_under_prometheus(tmp, [nvml, source]) as url:
-            yield Cluster(url, state, None)  # type: ignore[arg-type]
+            yield Cluster(url, state, None)
     finally:
         kubelet.stop()
         shutil.rmtree(tmp, ignore_errors=True)

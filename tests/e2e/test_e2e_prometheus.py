@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-import yaml
 
 from tests.conftest import REPO_ROOT
 from tests.helpers import (
@@ -35,10 +34,10 @@ from tests.helpers import (
     needs_kubelet,
     prometheus_api,
     prometheus_server,
-    short_rules,
     start_prometheus,
     stop_processes,
     wait_http,
+    write_prometheus_config,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -99,19 +98,7 @@ def stack(request, tmp_path_factory) -> Iterator[Stack]:
         text=True,
         env=env,
     )
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": short_rules(tmp),
-        "scrape_configs": [
-            {
-                "job_name": "gpumem-demo",
-                "static_configs": [
-                    {"targets": [f"127.0.0.1:{exporter_port}"], "labels": TARGET_LABELS}
-                ],
-            }
-        ],
-    }
-    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+    write_prometheus_config(tmp, "gpumem-demo", exporter_port, TARGET_LABELS)
     server = start_prometheus(prometheus, tmp, prometheus_port)
     try:
         wait_http(f"http://127.0.0.1:{exporter_port}/readyz", exporter)

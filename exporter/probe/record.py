@@ -108,7 +108,6 @@ _PATHS: tuple[tuple[str, str, str] | None, ...] = (
 )
 LIMIT = FIELDS.index(("gauge", "memory_limit_bytes"))
 MAX_SPLIT = FIELDS.index(("max_split", "max_split_size_bytes"))
-PEAK_RESERVED = FIELDS.index(("gauge", "reserved_peak_bytes"))
 PINNED = FIELDS.index(("pinned", "held_bytes"))
 RETRIES = FIELDS.index(("counter", "alloc_retries"))
 OOMS = FIELDS.index(("counter", "ooms"))

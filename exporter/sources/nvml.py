@@ -55,7 +55,6 @@ class _Device:
         self.mig_mode: tuple[str, str] = ("", "")
         self._mode_said: tuple[str, str] = ("", "")  # a pending mode change logged once
         self.migs: list[_MigDevice] = []
-        self.mig_uuids: list[str] = []
         # One MIG device per GPU instance: its compute instances report the same memory.
         self.instances: dict[int, list[_MigDevice]] = {}
         self.find_migs(nvml)
@@ -64,6 +63,10 @@ class _Device:
         self.refused_logged = False  # the parent's memory refused (in a MIG slice): said once
         self.memory_v2 = True
         self.processes_supported = True
+
+    @property
+    def mig_uuids(self) -> list[str]:
+        return [mig.uuid for mig in self.migs]
 
     def find_migs(self, nvml: Any) -> None:
         """The GPU's MIG mode and devices, read again whenever they may have changed (an
@@ -79,7 +82,6 @@ class _Device:
             )
         self._mode_said = self.mig_mode
         self.migs = _mig_devices(nvml, self.handle) if current == "enabled" else []
-        self.mig_uuids = [mig.uuid for mig in self.migs]
         self.instances = {}
         for mig in self.migs:
             self.instances.setdefault(mig.gpu_instance_id, []).append(mig)

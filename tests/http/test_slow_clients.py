@@ -415,6 +415,34 @@ def test_polite_kept_alive_clients_never_lock_out_new_scrapes_and_probes(tmp_pat
     assert int(out) > 300
 
 
+def test_a_client_yet_to_send_keeps_its_slot_while_the_reserve_has_room(tmp_path):
+    """A client that has connected but not yet sent its request (a moment between connect()
+    and send(), longer on a busy machine) is not closed for a probe while the probes' reserve
+    has room: the probe takes a reserved slot. Closing it was the 1-in-60 503 that the polite
+    checkers' test saw in CI: a new scrape's connection, silent for a few milliseconds, was
+    closed for a checker's reconnect."""
+    with served(tmp_path) as (server, _):
+        address = ("127.0.0.1", server.port)
+        held = []
+        for _ in range(guard.MAX_CONNECTIONS):  # polite: answered, kept alive, idle
+            connection = http.client.HTTPConnection(*address, timeout=10)
+            connection.request("GET", "/readyz")
+            connection.getresponse().read()
+            held.append(connection)
+        try:
+            with socket.create_connection(address, timeout=10) as quiet:
+                time.sleep(0.3)  # connected, seen by the server, nothing sent yet
+                assert status_line(address, "/healthz") == b"HTTP/1.1 200 OK"
+                quiet.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                answer = b""
+                while chunk := quiet.recv(65536):  # until the server closes
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer[:200]
+        finally:
+            for connection in held:
+                connection.close()
+
+
 @pytest.mark.parametrize("through_app", [False, True])
 def test_a_reserved_slot_answers_one_request_then_closes(tmp_path, through_app):
     with served(tmp_path) as (server, _):
@@ -443,9 +471,10 @@ def test_a_reserved_slot_answers_one_request_then_closes(tmp_path, through_app):
 def test_churning_silent_connections_never_lock_out_new_scrapes_and_probes(tmp_path):
     """Round 4, HIGH 3: 100 connections that each close and reopen every 0.4 s without sending
     a byte were never old enough to be closed for room (READ_GRACE_S) yet held every slot, the
-    reserve included: every new /metrics and /healthz got 503 for as long as they churned. A
-    connection that has sent nothing gives way to one whose request line asks for a probe
-    path, whatever its age."""
+    reserve included (then 16): every new /metrics and /healthz got 503 for as long as they
+    churned. A connection that has sent nothing gives way to one whose request line asks for
+    a probe path, whatever its age, once the reserve is full: here 32 more churners than
+    the regular slots and the reserve together."""
     with served(tmp_path) as (server, _):
         address = ("127.0.0.1", server.port)
         stop = threading.Event()
@@ -458,13 +487,13 @@ def test_churning_silent_connections_never_lock_out_new_scrapes_and_probes(tmp_p
                 except OSError:
                     stop.wait(0.05)
 
-        statuses = probes_beside(address, churn, 100, stop, settle_s=1.5, count=40)
+        churners = guard.MAX_CONNECTIONS + guard.PROBE_RESERVE + 32
+        statuses = probes_beside(address, churn, churners, stop, settle_s=1.5, count=40)
     counts = Counter(statuses)
-    # Never 503 (it was 40 of 40). A few connections of the 250 a second this storm opens are
-    # closed by the server unanswered before their first read (ENOTCONN from the socket, never
-    # through the guard's own closes): at most 1 in 10 here; docs/reliability.md.
-    assert b"HTTP/1.1 503 Service Unavailable" not in counts, counts
-    assert counts[b"HTTP/1.1 200 OK"] >= 36, counts
+    # Every one answered 200 (it was 503 for 40 of 40). Neither 503 nor b"": a churner closed
+    # to make room whose client had already gone made shutdown() raise ENOTCONN inside the
+    # newcomer's request, which ended unanswered (7 of 40 here).
+    assert counts == Counter({b"HTTP/1.1 200 OK": 40}), counts
 
 
 # 80 clients in a process of their own, each asking for /metrics on a new connection with a

@@ -6,7 +6,9 @@ Prometheus 3's headers (OpenMetrics, gzip) every `--every-s`, so a tenth of the 
 
     python -m bench.scrape_keepalive --root /path/to/before --root . --rounds 3
 
-One JSON object on stdout: per tree, the latency's p50, p99 and max (ms) of each round.
+One JSON object on stdout: per tree, the latency's p50, p99 and max (ms) of each round, and the
+server's CPU per scrape (us): its CPU time while scraped, less its CPU time over as long a
+time unscraped just after (the sampler's ticks and the idle loop), over the scrapes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from bench.common import free_port, summary
 from bench.loop_lateness import PROMETHEUS_ACCEPT
@@ -51,18 +55,32 @@ def measure(root: str, scrapes: int, every_s: float) -> dict[str, Any]:
                     raise
                 time.sleep(0.1)
         headers = {"Accept": PROMETHEUS_ACCEPT, "Accept-Encoding": "gzip"}
+        process = psutil.Process(server.pid)
         times = []
+        phase_started, cpu_started = time.perf_counter(), _cpu_s(process)
         for _ in range(scrapes):
             started = time.perf_counter()
             conn.request("GET", "/metrics", headers=headers)
             conn.getresponse().read()
             times.append(time.perf_counter() - started)
             time.sleep(every_s)
+        scraped_s = time.perf_counter() - phase_started
+        scraped_cpu_s = _cpu_s(process) - cpu_started
+        cpu_started = _cpu_s(process)
+        time.sleep(scraped_s)  # as long again, unscraped (the connection kept)
+        idle_cpu_s = _cpu_s(process) - cpu_started
         conn.close()
-        return summary(times[10:], 1e3)
+        result = summary(times[10:], 1e3)
+        result["cpu_per_scrape_us"] = round((scraped_cpu_s - idle_cpu_s) / scrapes * 1e6, 1)
+        return result
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def _cpu_s(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
 
 
 def main() -> None:

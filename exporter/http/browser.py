@@ -9,7 +9,7 @@ page can read the endpoint as if it were its own origin. Two checks close both:
   OPTIONS) that a browser marks as coming from another origin (an Origin header that is not
   this Host, "null", or Sec-Fetch-Site: cross-site) is refused with 403. The live page's own
   requests are same-origin; curl, the CLI and Prometheus send no Origin and pass.
-- LoopbackHostGuard (the exporter's own server, while it listens on a loopback address only):
+- HostGuard (the exporter's own server), while it listens on a loopback address only:
   the Host header must name this machine's loopback (localhost, 127.0.0.0/8, [::1]); another
   name is a rebinding page and gets 403. Listening on other addresses, the admin token guards
   state changes and the metrics are meant to be read.
@@ -17,6 +17,7 @@ page can read the endpoint as if it were its own origin. Two checks close both:
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 from typing import Any
@@ -41,6 +42,7 @@ def _hostname(host: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
+@functools.lru_cache(maxsize=64)  # a server sees a handful of Host values, on every request
 def is_loopback(host: str) -> bool:
     """Whether an address or host name is this machine's loopback."""
     name = _hostname(host).strip().lower().rstrip(".")
@@ -52,12 +54,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-async def _refuse(send: Any, detail: str) -> None:
+async def _answer(send: Any, status: int, detail: str) -> None:
     body = json.dumps({"detail": detail}).encode()
     await send(
         {
             "type": "http.response.start",
-            "status": 403,
+            "status": status,
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
@@ -84,22 +86,33 @@ class CrossOriginGuard:
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] not in SAFE_METHODS and cross_origin(scope):
-            await _refuse(send, "cross-origin request refused: use the exporter's own page")
+            await _answer(send, 403, "cross-origin request refused: use the exporter's own page")
             return
         await self.app(scope, receive, send)
 
 
-class LoopbackHostGuard:
-    def __init__(self, app: Any) -> None:
-        self.app = app
+class HostGuard:
+    """The Host header as HTTP/1.1 asks (RFC 9112, 3.2: exactly one; 400 without one or with
+    several, which h11 answered and llhttp leaves to the server), and, with `loopback_only`,
+    a loopback name (the module's docstring says why)."""
+
+    def __init__(self, app: Any, *, loopback_only: bool) -> None:
+        self.app, self.loopback_only = app, loopback_only
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        host = _header(scope, b"host")
-        # No Host at all is an HTTP/1.0 client (HTTP/1.1 needs one: h11 answers 400), never a
-        # browser, which always names the host it thinks it talks to.
-        if scope["type"] == "http" and host is not None and not is_loopback(host):
-            await _refuse(
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        hosts = [bytes(v) for k, v in scope["headers"] if k == b"host"]
+        if len(hosts) > 1 or (not hosts and scope["http_version"] != "1.0"):
+            await _answer(send, 400, "a request needs exactly one Host header (RFC 9112)")
+            return
+        # No Host at all is an HTTP/1.0 client, never a browser, which always names the host
+        # it thinks it talks to.
+        if self.loopback_only and hosts and not is_loopback(hosts[0].decode("latin-1")):
+            await _answer(
                 send,
+                403,
                 "this exporter listens on loopback only: address it as localhost or "
                 "127.0.0.1 (another Host name is how a web page rebinds to it)",
             )

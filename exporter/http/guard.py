@@ -40,16 +40,19 @@ adds:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import logging
+import socket
 import struct
 import termios
 import time
 from typing import Any
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from exporter.http.quiet import refresh_date
+from exporter.http.web import WebSecurity
 from exporter.ratelimit import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -71,12 +74,24 @@ PROBE_RESERVE = 64
 PROBE_PATHS = (b"/metrics", b"/healthz", b"/readyz")
 # The longest request line a full server waits for before it answers 503.
 MAX_REQUEST_LINE = 8192
+# The longest request head (request line and header fields) read: beyond it, 431 and close.
+# Prometheus sends ~400 bytes; h11, which uvicorn used before, stopped at 16 KiB too.
+MAX_HEAD_BYTES = 16 * 1024
 RETRY_AFTER_S = 1
 # How long a connection being closed is drained of what its client still sends (after the
 # 503 and a FIN) before it is closed for good.
 LINGER_S = 2.0
 
 _BUSY_BODY = b"the exporter has too many connections; retry shortly\n"
+_CORK: int | None = getattr(socket, "TCP_CORK", None)
+
+_LARGE_BODY = b"request header fields too large\n"
+HEAD_TOO_LARGE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+    b"Content-Type: text/plain; charset=utf-8\r\n"
+    b"Connection: close\r\n"
+    b"Content-Length: " + str(len(_LARGE_BODY)).encode() + b"\r\n\r\n" + _LARGE_BODY
+)
 BUSY_RESPONSE = (
     b"HTTP/1.1 503 Service Unavailable\r\n"
     b"Content-Type: text/plain; charset=utf-8\r\n"
@@ -86,18 +101,38 @@ BUSY_RESPONSE = (
 )
 
 
-class GuardedH11Protocol(H11Protocol):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+async def _head_too_large(scope: Any, receive: Any, send: Any) -> None:
+    headers, _, body = HEAD_TOO_LARGE.partition(b"\r\n\r\n")
+    fields = [line.split(b": ", 1) for line in headers.split(b"\r\n")[1:]]
+    await send({"type": "http.response.start", "status": 431, "headers": fields})
+    await send({"type": "http.response.body", "body": body})
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol on httptools (llhttp, Node.js's parser), with the deadlines
+    and slots above, the request head bounded (MAX_HEAD_BYTES), the Date header kept current
+    without uvicorn's timer (exporter.http.quiet), and, where the web config asks for client
+    certificates with allowed names, a 403 for every request of a connection whose certificate
+    has none of them. Made with functools.partial (uvicorn creates one per connection)."""
+
+    def __init__(self, *args: Any, web: WebSecurity | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # uvicorn logs each request when its "uvicorn.access" logger has handlers, whatever
         # Config.access_log says: in a host served by uvicorn that is the host's access log,
         # which Prometheus's scrapes must not fill. Protocol errors go to our own logger too.
         self.access_log = False
         self.logger = log
+        self.web = web
+        # Why this connection's client certificate is refused (client_allowed_sans).
+        self.refused: str | None = None
         self.opened = time.monotonic()
         self._read_deadline: asyncio.TimerHandle | None = None
         self._reading_since = 0.0
         self._write_deadline: asyncio.TimerHandle | None = None
+        # The request head in progress (None: not in one): its bytes parsed, and the bytes of
+        # the reads that left it open.
+        self._head_bytes: int | None = None
+        self._head_read = 0
         # The first bytes of a connection that found the server full, until its request line
         # says whether it may have a reserved slot; None once admitted.
         self._waiting: bytearray | None = None
@@ -119,6 +154,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.web is not None and self.scheme == "https":
+            self.refused = self.web.peer_refused(transport.get_extra_info("peercert"))
         self._arm()
         full = len(self.connections) > MAX_CONNECTIONS and self._open() > MAX_CONNECTIONS
         if full and not self._make_room():
@@ -136,15 +173,75 @@ class GuardedH11Protocol(H11Protocol):
         self.heard = True
         if self._lingering is not None:
             return  # the connection is being closed: read, so that closing sends no reset
+        if self.refused is not None:
+            self._refuse(self.refused)
+            return
         if self._waiting is not None:
             self._admit(data)
             return
         super().data_received(data)
-        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):
-            if not self.reading:  # the first bytes of the next request on a kept-alive one
-                self._arm()
-        else:  # the request is in (DONE), or the connection is over
-            self._disarm()
+        if self._head_bytes is not None and not self.transport.is_closing():
+            # A head still open after this read: httptools keeps a header field's bytes until
+            # it ends, so what this read brought counts (at most a read of earlier requests'
+            # bytes too many).
+            self._head_read += len(data)
+            if self._head_read > MAX_HEAD_BYTES:
+                if self.cycle is not None and not self.cycle.response_complete:
+                    self.transport.close()  # an answer going out: no room for ours
+                else:
+                    self._linger(HEAD_TOO_LARGE)
+
+    # -- the parser's callbacks: where a request starts and ends ---------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes, self._head_read = 0, 0
+        if not self.reading:  # the first bytes of the next request on a kept-alive one
+            self._arm()
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        if self._head_bytes is not None:
+            self._head_bytes += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        super().on_header(name, value)
+        if self._head_bytes is not None:
+            self._head_bytes += len(name) + len(value) + 4
+
+    def on_headers_complete(self) -> None:
+        too_large = (self._head_bytes or 0) > MAX_HEAD_BYTES
+        self._head_bytes = None
+        refresh_date(self.server_state, self.config)
+        if too_large:  # a whole head in one read: answered 431 instead of by the app
+            app, self.app = self.app, _head_too_large
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
+        else:
+            super().on_headers_complete()
+        if self.one_request and self.cycle is not None:
+            self.cycle.keep_alive = False  # the answer says Connection: close, then closes
+        self._cork(True)
+
+    def on_response_complete(self) -> None:
+        self._cork(False)  # the answer's last bytes leave now
+        super().on_response_complete()
+
+    def _cork(self, on: bool) -> None:
+        """uvicorn writes an answer's head and body apart, and with TCP_NODELAY (bind_socket
+        says why) each write was a segment of its own: a scrape's two sends cost the server
+        more than the rest of its answer (docs/performance.md). Corked, the kernel sends
+        them as one segment when the answer is complete (Linux; elsewhere a no-op)."""
+        sock = self.transport.get_extra_info("socket") if _CORK is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, _CORK, on)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()  # the request is in: no read deadline while it is answered
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -154,6 +251,13 @@ class GuardedH11Protocol(H11Protocol):
     def resume_writing(self) -> None:
         super().resume_writing()
         self._disarm_write()
+
+    def _refuse(self, reason: str) -> None:
+        body = reason.encode() + b"\n"
+        self._linger(
+            b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
 
     # -- admission of a connection that found the server full ----------------------------
 
@@ -179,19 +283,6 @@ class GuardedH11Protocol(H11Protocol):
         buffered, self._waiting = bytes(self._waiting), None
         self.data_received(buffered)
 
-    def handle_events(self) -> None:
-        super().handle_events()
-        cycle = self.cycle
-        close = (b"connection", b"close")
-        # h11 closes the connection after an answer that says Connection: close.
-        if (
-            self.one_request
-            and cycle is not None
-            and not cycle.response_started
-            and close not in cycle.default_headers
-        ):
-            cycle.default_headers = [*cycle.default_headers, close]
-
     def _open(self) -> int:
         """The connections that hold a slot: not those being closed lingering (answered,
         half-closed, drained for up to LINGER_S), which would otherwise keep the slots of
@@ -199,7 +290,7 @@ class GuardedH11Protocol(H11Protocol):
         return sum(
             1
             for c in self.connections
-            if not (isinstance(c, GuardedH11Protocol) and c._lingering is not None)
+            if not (isinstance(c, GuardedProtocol) and c._lingering is not None)
         )
 
     def _busy(self) -> None:
@@ -268,16 +359,14 @@ class GuardedH11Protocol(H11Protocol):
 
     # -- making room -----------------------------------------------------------------------
 
-    def _others(self) -> list[GuardedH11Protocol]:
+    def _others(self) -> list[GuardedProtocol]:
         """The other connections that may be closed for room, oldest first (not those going
         already: closing one frees nothing)."""
         return sorted(
             (
                 c
                 for c in self.connections
-                if isinstance(c, GuardedH11Protocol)
-                and c is not self
-                and not c.transport.is_closing()
+                if isinstance(c, GuardedProtocol) and c is not self and not c.transport.is_closing()
             ),
             key=lambda c: c.opened,
         )

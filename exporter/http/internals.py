@@ -40,23 +40,25 @@ RELIED_ON: tuple[tuple[str, str], ...] = (
     ("uvicorn.server.ServerState", "connections"),
     ("uvicorn.Config", "encoded_headers"),
     ("uvicorn.Config", "date_header"),
-    # uvicorn's h11 protocol (exporter.http.guard, exporter.http.direct): the connection's
-    # h11 state, the request in progress, its loop, transport and server state, the hooks
-    # overridden, and what a finished response calls.
-    ("uvicorn.protocols.http.h11_impl.H11Protocol", "conn"),
-    ("uvicorn.protocols.http.h11_impl.H11Protocol", "cycle"),
-    ("uvicorn.protocols.http.h11_impl.H11Protocol", "loop"),
-    ("uvicorn.protocols.http.h11_impl.H11Protocol", "transport"),
-    ("uvicorn.protocols.http.h11_impl.H11Protocol", "server_state"),
-    ("uvicorn.protocols.http.h11_impl.H11Protocol", "connections"),
-    ("uvicorn.protocols.http.h11_impl.H11Protocol", "config"),
-    ("uvicorn.protocols.http.h11_impl.H11Protocol", "client"),
-    ("uvicorn.protocols.http.h11_impl.H11Protocol", "scheme"),
-    ("uvicorn.protocols.http.h11_impl.H11Protocol", "access_log"),
-    ("uvicorn.protocols.http.h11_impl.H11Protocol", "logger"),
-    ("uvicorn.protocols.http.h11_impl.H11Protocol", "handle_events"),
-    ("uvicorn.protocols.http.h11_impl.H11Protocol", "on_response_complete"),
-    ("uvicorn.protocols.http.h11_impl", "STATUS_PHRASES"),
+    # uvicorn's HTTP/1.1 protocol on httptools (exporter.http.guard): the parser's callbacks
+    # it extends, the request in progress (whose keep_alive and response_started it reads
+    # and sets), its parser, loop, transport, connections and server state, and the loggers
+    # it replaces.
+    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "on_message_begin"),
+    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "on_headers_complete"),
+    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "on_message_complete"),
+    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "cycle"),
+    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "parser"),
+    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "loop"),
+    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "transport"),
+    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "server_state"),
+    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "connections"),
+    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "config"),
+    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "scheme"),
+    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "access_log"),
+    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "logger"),
+    ("uvicorn.protocols.http.httptools_impl.RequestResponseCycle", "keep_alive"),
+    ("uvicorn.protocols.http.httptools_impl.RequestResponseCycle", "response_started"),
 )
 
 

@@ -14,7 +14,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -24,9 +24,8 @@ from prometheus_client.exposition import choose_encoder
 from starlette.routing import BaseRoute, Match
 
 from exporter.http.admin import add_admin_routes
-from exporter.http.browser import CrossOriginGuard, LoopbackHostGuard, is_loopback
-from exporter.http.direct import DirectH11Protocol, Routes
-from exporter.http.guard import READ_GRACE_S, READ_TIMEOUT_S
+from exporter.http.browser import CrossOriginGuard, HostGuard, is_loopback
+from exporter.http.guard import READ_GRACE_S, READ_TIMEOUT_S, GuardedProtocol
 from exporter.http.internals import AlertingTlsProtocol
 from exporter.http.page import add_page_routes
 from exporter.http.quiet import QuietServer
@@ -93,9 +92,9 @@ def readiness_response(runtime: Served) -> JSONResponse:
 def add_routes(app: FastAPI, runtime: Served, *, include_metrics: bool = True) -> None:
     """The open routes, and the token-protected admin API (exporter.http.admin).
 
-    On the exporter's own server the open routes are answered before they reach this app
-    (exporter.http.direct), by the same functions: these serve attach()'s host app, HEAD
-    requests, and whatever the direct path leaves to the app."""
+    On the exporter's own server the open routes' GET and HEAD are answered before they reach
+    this app (OpenRoutes), by the same functions: these serve attach()'s host app and the
+    open routes' other methods (405)."""
     registry, exposition = runtime.registry, runtime.exposition
     add_admin_routes(app, runtime.admin)
     if include_metrics:
@@ -144,9 +143,8 @@ def create_app(runtime: Served) -> FastAPI:
     add_routes(app, runtime)
     add_page_routes(app, runtime)  # here, not in add_routes: attach() must not take the host's `/`
     app.add_middleware(CrossOriginGuard)  # a web page must not act through the user's browser
-    # What HttpServer answers on the connection (exporter.http.direct), by the routes' own
-    # functions.
-    app.state.direct_routes = direct_routes(runtime)
+    # What HttpServer answers before the app (OpenRoutes), by the routes' own functions.
+    app.state.open_routes = open_routes(runtime)
     app.state.web = runtime.web  # HttpServer serves with it (TLS, basic auth, headers)
     return app
 
@@ -166,25 +164,47 @@ def create_health_app(runtime: Served) -> FastAPI:
     def readyz() -> Response:
         return readiness_response(runtime)
 
-    app.state.direct_routes = {
-        path: route for path, route in direct_routes(runtime).items() if path != b"/metrics"
+    app.state.open_routes = {
+        path: route for path, route in open_routes(runtime).items() if path != "/metrics"
     }
     return app
 
 
-def direct_routes(runtime: Served) -> Routes:
+# path -> the answer, from the request's headers (lower-case names, as ASGI gives them).
+Routes = Mapping[str, Callable[[dict[bytes, bytes]], Response]]
+
+
+def open_routes(runtime: Served) -> Routes:
     exposition = runtime.exposition
-    routes: dict[bytes, Callable[[dict[bytes, bytes]], Response]] = {
-        b"/healthz": lambda headers: health_response(runtime),
-        b"/readyz": lambda headers: readiness_response(runtime),
+    routes: dict[str, Callable[[dict[bytes, bytes]], Response]] = {
+        "/healthz": lambda headers: health_response(runtime),
+        "/readyz": lambda headers: readiness_response(runtime),
     }
     if exposition is not None:
-        routes[b"/metrics"] = lambda headers: metrics_response(
+        routes["/metrics"] = lambda headers: metrics_response(
             exposition,
             headers.get(b"accept", b"").decode("latin-1"),
             headers.get(b"accept-encoding", b"").decode("latin-1"),
         )
     return routes
+
+
+class OpenRoutes:
+    """ASGI: GET and HEAD of the open routes answered by their functions, without the app.
+    Prometheus scrapes and the kubelet probes for as long as the server runs, and the app's
+    round trip (Starlette's routing and middleware, FastAPI's dependency solving) cost 4x the
+    answer's own work (docs/performance.md). Everything else goes to the app. It sits inside
+    the access checks (WebGuard, HostGuard), which every request passes."""
+
+    def __init__(self, app: Any, routes: Routes) -> None:
+        self.app, self.routes = app, routes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        route = self.routes.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if route is None or scope["method"] not in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        await route(dict(scope["headers"]))(scope, receive, send)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -303,9 +323,7 @@ class _TlsProtocol(AlertingTlsProtocol):
         return None
 
 
-def _protocol_factory(
-    routes: Routes, loopback_only: bool, web: WebSecurity | None
-) -> Callable[..., asyncio.Protocol]:
+def _protocol_factory(web: WebSecurity | None) -> Callable[..., asyncio.Protocol]:
     """What uvicorn calls for each accepted connection. With TLS on, the HTTP protocol sits on
     asyncio's own TLS protocol, built here with the context in force now: this is how a
     rotated certificate (or client CA) is used from the next handshake on, as Go's
@@ -314,7 +332,7 @@ def _protocol_factory(
     handshakes = _Handshakes()
 
     def create(**kwargs: Any) -> asyncio.Protocol:
-        protocol = DirectH11Protocol(routes=routes, loopback_only=loopback_only, web=web, **kwargs)
+        protocol = GuardedProtocol(web=web, **kwargs)
         context = web.context_for_connection() if web is not None else None
         if context is None:
             return protocol
@@ -349,27 +367,27 @@ _NOT_FROM_OUR_THREAD = _NotFromOurThread()  # one filter, added once however oft
 
 class HttpServer:
     """uvicorn on a pre-bound socket, in the calling thread (`run`) or a daemon thread; the
-    app's `state.direct_routes` (create_app) are answered on the connection."""
+    app's `state.open_routes` (create_app) are answered before the app (OpenRoutes)."""
 
     def __init__(self, app: FastAPI, host: str, port: int) -> None:
         self.sock = bind_socket(host, port)
         self.host = host
         self.port = self.sock.getsockname()[1]
         # The web config (TLS, basic auth, headers, rate limit), where create_app was given one.
-        # Without a file nothing is checked per request: the direct path stays as it was.
+        # Without a file nothing is checked per request (no WebGuard).
         web: WebSecurity | None = getattr(app.state, "web", None)
         self.web = web if web is not None and web.path else None
         # On loopback only: every Host must be a loopback name (exporter.http.browser).
         loopback_only = is_loopback(host)
-        served: Any = LoopbackHostGuard(app) if loopback_only else app
+        served: Any = OpenRoutes(app, getattr(app.state, "open_routes", {}))
+        served = HostGuard(served, loopback_only=loopback_only)
         if self.web is not None:
             served = WebGuard(served, self.web, functools.partial(_is_admin, app))
-        routes = getattr(app.state, "direct_routes", {})
         config = uvicorn.Config(
             served,
             # Slow or hostile clients cannot hold connections (GuardedH11Protocol); TLS
             # with the context in force at each handshake (_protocol_factory).
-            http=_protocol_factory(routes, loopback_only, self.web),  # type: ignore[arg-type]
+            http=_protocol_factory(self.web),  # type: ignore[arg-type]
             log_config=None,  # never reconfigure the host process's logging
             # True, because False makes uvicorn empty the process-wide "uvicorn.access"
             # logger: a host served by uvicorn would lose its own access log. Ours is off
@@ -377,6 +395,10 @@ class HttpServer:
             access_log=True,
             lifespan="off",
             timeout_graceful_shutdown=2,
+            # No proxy stands before this server: the peer's address is the client's. Trusted
+            # from 127.0.0.1 (uvicorn's default), X-Forwarded-For let any local process name
+            # any address in the audit trail and take another client's rate-limit bucket.
+            proxy_headers=False,
         )
         self._server = QuietServer(config)
         self._thread: threading.Thread | None = None

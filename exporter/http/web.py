@@ -7,7 +7,7 @@ next handshake) and at most once a second between requests (users, headers, rate
 reading that cannot be used keeps the last good one: it is logged once and shown on /metrics
 (gpumem_exporter_web_config_last_reload_successful), as Prometheus does with its own config.
 
-Every request meets `admit()` (the direct path and the app alike): the rate limit, then basic
+Every request meets `admit()` (WebGuard, before any route): the rate limit, then basic
 auth, except for the probes (/healthz, /readyz: a kubelet probe cannot log in without the
 password in the pod spec, and is never rate limited) and for admin routes where the admin API
 has credentials of its own (exporter.http.admin authenticates those).
@@ -232,7 +232,7 @@ class WebSecurity:
 
 
 class WebGuard:
-    """ASGI: admit() for each request the app serves (the direct path checks its own), and the
+    """ASGI: admit() for each request, the open routes' too (it wraps OpenRoutes), and the
     web config's headers on every answer. `is_admin(scope)`: whether the request is for an
     admin route (those authenticate themselves where the admin API has credentials)."""
 

@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
 from exporter.http import internals
 from tests.conftest import REPO_ROOT
 
-THIRD_PARTY = ("uvicorn", "asyncio", "ssl", "h11", "starlette", "fastapi")
+THIRD_PARTY = ("uvicorn", "asyncio", "ssl", "httptools", "h11", "starlette", "fastapi")
 
 
 async def _app(scope: Any, receive: Any, send: Any) -> None:
@@ -37,6 +37,7 @@ def instances() -> Iterator[dict[str, Any]]:
     config = uvicorn.Config(_app)
     config.load()
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    protocol = HttpToolsProtocol(config, ServerState(), {}, loop)
     yield {
         "asyncio.sslproto.SSLProtocol": internals.AlertingTlsProtocol(
             loop,
@@ -48,7 +49,20 @@ def instances() -> Iterator[dict[str, Any]]:
         "uvicorn.Server": uvicorn.Server(config),
         "uvicorn.server.ServerState": ServerState(),
         "uvicorn.Config": config,
-        "uvicorn.protocols.http.h11_impl.H11Protocol": H11Protocol(config, ServerState(), {}, loop),
+        "uvicorn.protocols.http.httptools_impl.HttpToolsProtocol": protocol,
+        "uvicorn.protocols.http.httptools_impl.RequestResponseCycle": RequestResponseCycle(
+            scope={},  # type: ignore[typeddict-item]
+            transport=None,  # type: ignore[arg-type]
+            flow=None,  # type: ignore[arg-type]
+            logger=protocol.logger,
+            access_logger=protocol.logger,
+            access_log=False,
+            default_headers=[],
+            message_event=asyncio.Event(),
+            expect_100_continue=False,
+            keep_alive=True,
+            on_response=lambda: None,
+        ),
     }
     loop.close()
 

@@ -264,3 +264,26 @@ def test_a_read_refused_because_admin_is_off_is_not_logged_a_write_is(
     assert client.post("/snapshot", json={}).status_code == 403
     [line] = [r.getMessage() for r in caplog.records if r.name == "exporter.audit"]
     assert "POST" in line and "disabled (403)" in line
+
+
+def test_a_client_cannot_name_its_own_address_with_x_forwarded_for(tmp_path, caplog, monkeypatch):
+    """uvicorn trusts X-Forwarded-For from 127.0.0.1 unless told not to: any local process
+    could then put any address in the audit trail and take another's rate-limit bucket. No
+    proxy stands before this server, so the peer's address is the client's."""
+    from exporter.http import admin
+    from exporter.ratelimit import RateLimitedLog
+
+    monkeypatch.setattr(admin, "_refused_log", RateLimitedLog(admin.audit))
+    caplog.set_level(logging.INFO, logger="exporter.audit")
+    with served(tmp_path) as (server, _):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request(
+            "POST",
+            "/snapshot",
+            body=b"{}",
+            headers={"X-Forwarded-For": "10.9.9.9", "Authorization": "Bearer wrong"},
+        )
+        assert conn.getresponse().status == 401
+        conn.close()
+    [line] = [r.getMessage() for r in caplog.records if r.name == "exporter.audit"]
+    assert "from 127.0.0.1" in line and "10.9.9.9" not in line, line

@@ -6,25 +6,22 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.registry import Collector
 
 from exporter.actions.base import Actions
-from exporter.config import Config, ConfigError
+from exporter.config import Config
 from exporter.detectors import Detectors
 from exporter.detectors import Listener as AlertListener
 from exporter.exposition import ExpositionCache
 from exporter.http.admin import Admin
-from exporter.http.identities import KubernetesIdentities
+from exporter.http.identities import kubernetes_identities
 from exporter.http.server import HttpServer, create_app, create_health_app
-from exporter.http.web import WebSecurity
-from exporter.http.webconfig import WebConfigError
+from exporter.http.web import WebSecurity, web_security
 from exporter.identity import identity_labels
-from exporter.kubernetes.api import ApiError, ApiServer
 from exporter.metrics import ActionStats, EndpointState, SampleCollector
 from exporter.modes import MODES, Mode
 from exporter.modes.run import silent_processes
@@ -82,38 +79,6 @@ class Runtime:
         if not self.config.health_port:
             return None
         return HttpServer(create_health_app(self), self.config.host, self.config.health_port)
-
-
-def web_security(config: Config) -> WebSecurity:
-    """The endpoint's web config, read and checked now (ConfigError in one line)."""
-    try:
-        return WebSecurity(
-            config.web_config_file,
-            admin_has_credentials=lambda: (
-                "kubernetes" in config.admin_auth
-                or bool(config.admin_token or config.admin_token_file)
-            ),
-        )
-    except WebConfigError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def kubernetes_identities(
-    config: Config, env: Mapping[str, str] = os.environ
-) -> KubernetesIdentities | None:
-    """The API server's reviews of admin callers, where admin_auth names kubernetes."""
-    if "kubernetes" not in config.admin_auth:
-        return None
-    try:
-        api = ApiServer.in_cluster(env, credentials=Path(config.kubernetes_service_account_dir))
-        return KubernetesIdentities(
-            api,
-            namespace=api.namespace() or env.get("POD_NAMESPACE", ""),
-            authorization=config.admin_kubernetes_authorization,
-            node_name=env.get("NODE_NAME", ""),
-        )
-    except ApiError as exc:
-        raise ConfigError(f"admin_auth kubernetes: {exc}") from None
 
 
 def endpoint_state(config: Config, web: WebSecurity) -> EndpointState:

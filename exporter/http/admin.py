@@ -31,13 +31,14 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
+from starlette.routing import BaseRoute
 
 from exporter.actions.base import OUTCOME_STATUS, Actions, ProcessResult, Target
 from exporter.actions.snapshots import SnapshotInfo
 from exporter.actions.spec import ACTIONS, Action
 from exporter.config import Config, ConfigError
 from exporter.detectors import Detectors
-from exporter.http.browser import is_loopback
+from exporter.http.access import is_loopback
 from exporter.http.identities import RESOURCES, VERBS, IdentityUnavailable, KubernetesIdentities
 from exporter.identity import describe_process, process_labels
 from exporter.oom_pending import PendingOoms
@@ -454,9 +455,10 @@ SELECTOR_QUERY = {
 }
 
 
-def add_admin_routes(app: FastAPI, admin: Admin) -> None:
+def add_admin_routes(app: FastAPI, admin: Admin) -> list[BaseRoute]:
     """Every admin route: one per declared action, and the snapshot store's and /stats.
-    Each is authorized first (a dependency) and counted under its name (_route_class)."""
+    Each is authorized first (a dependency) and counted under its name (_route_class).
+    Returned: the access check knows them by this declaration (exporter.http.access)."""
     router = APIRouter(
         tags=["admin"],
         route_class=_route_class(admin),
@@ -474,6 +476,7 @@ def add_admin_routes(app: FastAPI, admin: Admin) -> None:
     # The routes themselves, not include_router's lazily included router: the app lists
     # every route it serves (OpenAPI, tests, an embedding host).
     app.router.routes.extend(router.routes)
+    return list(router.routes)
 
 
 def _route_class(admin: Admin) -> type[APIRoute]:

@@ -221,8 +221,14 @@ class GuardedProtocol(HttpToolsProtocol):
                 self.app = app
         else:
             super().on_headers_complete()
-        if self.one_request and self.cycle is not None:
-            self.cycle.keep_alive = False  # the answer says Connection: close, then closes
+        # A reserved slot serves one request; and a client's "Connection: close" ends the
+        # connection (uvicorn 0.40 and older kept it open on httptools: the version decided).
+        cycle = self.cycle
+        if cycle is not None and (self.one_request or not self.parser.should_keep_alive()):
+            # The answer says Connection: close (uvicorn 0.40 and older only closed), then the
+            # connection closes. A list of this answer's own: the server's is shared.
+            cycle.keep_alive = False
+            cycle.default_headers = [*cycle.default_headers, (b"connection", b"close")]
         self._cork(True)
 
     def on_response_complete(self) -> None:

@@ -23,11 +23,15 @@ asked at once and REVIEWS_PER_S a second (a bucket of REVIEWS_BURST); past eithe
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from exporter.config import Config, ConfigError
 from exporter.kubernetes.api import ApiError, ApiServer
 from exporter.ratelimit import TokenBucket
 
@@ -201,3 +205,21 @@ def _user(data: dict[str, Any]) -> User:
         tuple(str(g) for g in groups),
         {str(k): [str(v) for v in (vs or [])] for k, vs in extra.items()},
     )
+
+
+def kubernetes_identities(
+    config: Config, env: Mapping[str, str] = os.environ
+) -> KubernetesIdentities | None:
+    """The API server's reviews of admin callers, where admin_auth names kubernetes."""
+    if "kubernetes" not in config.admin_auth:
+        return None
+    try:
+        api = ApiServer.in_cluster(env, credentials=Path(config.kubernetes_service_account_dir))
+        return KubernetesIdentities(
+            api,
+            namespace=api.namespace() or env.get("POD_NAMESPACE", ""),
+            authorization=config.admin_kubernetes_authorization,
+            node_name=env.get("NODE_NAME", ""),
+        )
+    except ApiError as exc:
+        raise ConfigError(f"admin_auth kubernetes: {exc}") from None

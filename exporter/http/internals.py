@@ -41,9 +41,9 @@ RELIED_ON: tuple[tuple[str, str], ...] = (
     ("uvicorn.Config", "encoded_headers"),
     ("uvicorn.Config", "date_header"),
     # uvicorn's HTTP/1.1 protocol on httptools (exporter.http.guard): the parser's callbacks
-    # it extends, the request in progress (whose keep_alive and response_started it reads
-    # and sets), its parser, loop, transport, connections and server state, and the loggers
-    # it replaces.
+    # it extends, the request in progress (whose keep_alive, default_headers and
+    # response_started it reads and sets), its parser, loop, transport, connections and
+    # server state, and the loggers it replaces.
     ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "on_message_begin"),
     ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "on_headers_complete"),
     ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "on_message_complete"),
@@ -58,6 +58,7 @@ RELIED_ON: tuple[tuple[str, str], ...] = (
     ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "access_log"),
     ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "logger"),
     ("uvicorn.protocols.http.httptools_impl.RequestResponseCycle", "keep_alive"),
+    ("uvicorn.protocols.http.httptools_impl.RequestResponseCycle", "default_headers"),
     ("uvicorn.protocols.http.httptools_impl.RequestResponseCycle", "response_started"),
 )
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import functools
 import logging
 import socket
 import threading
@@ -21,16 +20,16 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import choose_encoder
-from starlette.routing import BaseRoute, Match
+from starlette.routing import BaseRoute
 
+from exporter.http.access import NO_ADMIN, AccessCheck, AdminPaths, is_loopback
 from exporter.http.admin import add_admin_routes
-from exporter.http.browser import CrossOriginGuard, HostGuard, is_loopback
 from exporter.http.guard import READ_GRACE_S, READ_TIMEOUT_S, GuardedProtocol
 from exporter.http.internals import AlertingTlsProtocol
 from exporter.http.page import add_page_routes
 from exporter.http.quiet import QuietServer
 from exporter.http.served import Served
-from exporter.http.web import WebGuard, WebSecurity
+from exporter.http.web import WebSecurity
 
 if TYPE_CHECKING:
     from exporter.exposition import ExpositionCache
@@ -89,14 +88,14 @@ def readiness_response(runtime: Served) -> JSONResponse:
     return JSONResponse(body, status_code=200 if reason is None else 503)
 
 
-def add_routes(app: FastAPI, runtime: Served, *, include_metrics: bool = True) -> None:
+def add_routes(app: FastAPI, runtime: Served, *, include_metrics: bool = True) -> list[BaseRoute]:
     """The open routes, and the token-protected admin API (exporter.http.admin).
 
     On the exporter's own server the open routes' GET and HEAD are answered before they reach
     this app (OpenRoutes), by the same functions: these serve attach()'s host app and the
-    open routes' other methods (405)."""
+    open routes' other methods (405). Returned: the admin routes (exporter.http.access)."""
     registry, exposition = runtime.registry, runtime.exposition
-    add_admin_routes(app, runtime.admin)
+    admin_routes = add_admin_routes(app, runtime.admin)
     if include_metrics:
 
         @app.api_route("/metrics", methods=["GET", "HEAD"], tags=["exporter"])
@@ -132,6 +131,8 @@ def add_routes(app: FastAPI, runtime: Served, *, include_metrics: bool = True) -
         answers NVML (runtime.readiness): otherwise 503 with the reason."""
         return readiness_response(runtime)
 
+    return admin_routes
+
 
 def create_app(runtime: Served) -> FastAPI:
     app = FastAPI(
@@ -140,9 +141,9 @@ def create_app(runtime: Served) -> FastAPI:
         docs_url=None,  # the Swagger page loads its scripts from a CDN: off for air-gapped use
         redoc_url=None,
     )
-    add_routes(app, runtime)
+    # The access check (HttpServer) knows the admin routes by this declaration.
+    app.state.admin_paths = AdminPaths(add_routes(app, runtime))
     add_page_routes(app, runtime)  # here, not in add_routes: attach() must not take the host's `/`
-    app.add_middleware(CrossOriginGuard)  # a web page must not act through the user's browser
     # What HttpServer answers before the app (OpenRoutes), by the routes' own functions.
     app.state.open_routes = open_routes(runtime)
     app.state.web = runtime.web  # HttpServer serves with it (TLS, basic auth, headers)
@@ -194,7 +195,7 @@ class OpenRoutes:
     Prometheus scrapes and the kubelet probes for as long as the server runs, and the app's
     round trip (Starlette's routing and middleware, FastAPI's dependency solving) cost 4x the
     answer's own work (docs/performance.md). Everything else goes to the app. It sits inside
-    the access checks (WebGuard, HostGuard), which every request passes."""
+    the access check (exporter.http.access), which every request passes."""
 
     def __init__(self, app: Any, routes: Routes) -> None:
         self.app, self.routes = app, routes
@@ -228,18 +229,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise ServerStartError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     sock.set_inheritable(False)
     return sock
-
-
-def _is_admin(app: FastAPI, scope: dict[str, Any]) -> bool:
-    """Whether a request is for one of the admin API's routes (tagged "admin")."""
-    for route in app.router.routes:
-        if (
-            "admin" in getattr(route, "tags", ())
-            and isinstance(route, BaseRoute)
-            and route.matches(scope)[0] is not Match.NONE
-        ):
-            return True
-    return False
 
 
 _PLAIN_BODY = b"Client sent an HTTP request to an HTTPS server.\n"
@@ -374,15 +363,16 @@ class HttpServer:
         self.host = host
         self.port = self.sock.getsockname()[1]
         # The web config (TLS, basic auth, headers, rate limit), where create_app was given one.
-        # Without a file nothing is checked per request (no WebGuard).
+        # Without a file the web config's rules are not checked per request.
         web: WebSecurity | None = getattr(app.state, "web", None)
         self.web = web if web is not None and web.path else None
-        # On loopback only: every Host must be a loopback name (exporter.http.browser).
-        loopback_only = is_loopback(host)
-        served: Any = OpenRoutes(app, getattr(app.state, "open_routes", {}))
-        served = HostGuard(served, loopback_only=loopback_only)
-        if self.web is not None:
-            served = WebGuard(served, self.web, functools.partial(_is_admin, app))
+        # Every request passes the one access check, the open routes' too.
+        served = AccessCheck(
+            OpenRoutes(app, getattr(app.state, "open_routes", {})),
+            loopback_only=is_loopback(host),  # every Host must then be a loopback name
+            web=self.web,
+            admin=getattr(app.state, "admin_paths", NO_ADMIN),
+        )
         config = uvicorn.Config(
             served,
             # Slow or hostile clients cannot hold connections (GuardedH11Protocol); TLS

@@ -7,7 +7,7 @@ next handshake) and at most once a second between requests (users, headers, rate
 reading that cannot be used keeps the last good one: it is logged once and shown on /metrics
 (gpumem_exporter_web_config_last_reload_successful), as Prometheus does with its own config.
 
-Every request meets `admit()` (WebGuard, before any route): the rate limit, then basic
+Every request meets `admit()` (exporter.http.access, before any route): the rate limit, then basic
 auth, except for the probes (/healthz, /readyz: a kubelet probe cannot log in without the
 password in the pod spec, and is never rate limited) and for admin routes where the admin API
 has credentials of its own (exporter.http.admin authenticates those).
@@ -21,7 +21,6 @@ is looked at, so a flood of passwords costs no bcrypt.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import ssl
@@ -30,10 +29,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-import anyio.to_thread
-
+from exporter.config import Config, ConfigError
 from exporter.http.basic_auth import BasicAuth
 from exporter.http.webconfig import (
     WebConfig,
@@ -231,66 +228,15 @@ class WebSecurity:
         return dict(self.config.headers)
 
 
-class WebGuard:
-    """ASGI: admit() for each request, the open routes' too (it wraps OpenRoutes), and the
-    web config's headers on every answer. `is_admin(scope)`: whether the request is for an
-    admin route (those authenticate themselves where the admin API has credentials)."""
-
-    def __init__(self, app: Any, web: WebSecurity, is_admin: Callable[[Any], bool]) -> None:
-        self.app, self.web, self.is_admin = app, web, is_admin
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        authorization = next(
-            (
-                bytes(v).decode("latin-1")
-                for k, v in scope.get("headers", ())
-                if k == b"authorization"
+def web_security(config: Config) -> WebSecurity:
+    """The endpoint's web config, read and checked now (ConfigError in one line)."""
+    try:
+        return WebSecurity(
+            config.web_config_file,
+            admin_has_credentials=lambda: (
+                "kubernetes" in config.admin_auth
+                or bool(config.admin_token or config.admin_token_file)
             ),
-            "",
         )
-        client = scope.get("client")
-        admit = functools.partial(
-            self.web.admit,
-            scope["path"],
-            authorization,
-            client=client[0] if client else "",
-            admin=self.is_admin(scope),
-        )
-        refusal = admit(may_block=False)
-        if refusal is DEFER:  # bcrypt off the event loop, a bounded number waiting for it
-            if not self.web.pending_checks.acquire(blocking=False):
-                refusal = TOO_MANY_CHECKS
-            else:
-                try:
-                    refusal = await anyio.to_thread.run_sync(admit)
-                finally:
-                    self.web.pending_checks.release()
-        extra = [
-            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.web.headers.items()
-        ]
-        if refusal is not None:
-            body = (refusal.reason + "\n").encode()
-            headers = [
-                (b"content-type", b"text/plain; charset=utf-8"),
-                (b"content-length", str(len(body)).encode()),
-                *((k.lower().encode(), v.encode()) for k, v in refusal.headers),
-                *extra,
-            ]
-            await send(
-                {"type": "http.response.start", "status": refusal.status, "headers": headers}
-            )
-            await send({"type": "http.response.body", "body": body})
-            return
-        if not extra:
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_headers(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), *extra]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_headers)
+    except WebConfigError as exc:
+        raise ConfigError(str(exc)) from None

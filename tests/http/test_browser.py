@@ -1,54 +1,65 @@
 """A web page in the user's browser cannot drive the exporter: cross-site state changes are
 refused (the demo's token-free admin actions included), and on a loopback-only server a
-rebound Host name is refused (exporter/http/browser.py)."""
+rebound Host name is refused (exporter/http/access.py)."""
 
 from __future__ import annotations
 
 import http.client
+import json
 
 import pytest
-from fastapi.testclient import TestClient
 
-from exporter.http.browser import is_loopback
+from exporter.http.access import is_loopback
 from exporter.http.server import HttpServer
 from tests.helpers import make_app, served
 
 
 @pytest.fixture
 def open_demo(tmp_path):
-    """The demo as it ships: admin actions need no token."""
-    app, _ = make_app(tmp_path, admin_token=None)
-    return TestClient(app)
+    """The demo as it ships (admin actions need no token), on a real server: the access check
+    is the server's (exporter.http.access)."""
+    with served(tmp_path, admin_token=None) as (server, _):
+        yield server
+
+
+def _ask(
+    server, method: str, path: str, headers: dict[str, str] | None = None, body: bytes = b""
+) -> tuple[int, bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    connection.request(method, path, body=body, headers=headers or {})
+    response = connection.getresponse()
+    answer = response.status, response.read()
+    connection.close()
+    return answer
 
 
 @pytest.mark.parametrize(
     "headers",
     [
         {"Origin": "http://evil.example"},
-        {"Origin": "http://testserver.evil.example"},
+        {"Origin": "http://127.0.0.1.evil.example"},
         {"Origin": "null"},  # a sandboxed frame or a file:// page
         {"Sec-Fetch-Site": "cross-site"},
     ],
 )
 def test_a_cross_site_page_cannot_act(open_demo, headers):
     for method, path in (("POST", "/snapshot"), ("POST", "/empty-cache"), ("POST", "/history")):
-        response = open_demo.request(
-            method, path, headers={**headers, "Content-Type": "text/plain"}, content=b"{}"
+        status, body = _ask(
+            open_demo, method, path, {**headers, "Content-Type": "text/plain"}, b"{}"
         )
-        assert response.status_code == 403, (method, path, response.text)
-        assert "cross-origin" in response.json()["detail"]
-    assert open_demo.get("/snapshots").json()["snapshots"] == []
+        assert status == 403, (method, path, body)
+        assert "cross-origin" in json.loads(body)["detail"]
+    assert json.loads(_ask(open_demo, "GET", "/snapshots")[1])["snapshots"] == []
 
 
 def test_the_page_itself_and_non_browser_clients_still_act(open_demo):
-    same = open_demo.post("/snapshot", headers={"Origin": "http://testserver"})
-    assert same.status_code == 201, same.text
-    assert open_demo.post("/snapshot").status_code == 201  # curl, the CLI: no Origin
+    origin = f"http://127.0.0.1:{open_demo.port}"
+    status, body = _ask(open_demo, "POST", "/snapshot", {"Origin": origin})
+    assert status == 201, body
+    assert _ask(open_demo, "POST", "/snapshot")[0] == 201  # curl, the CLI: no Origin
     # Reading is not a state change: a cross-site GET passes here (the browser itself keeps
     # the page from reading the answer; rebinding is the Host check's).
-    assert (
-        open_demo.get("/api/window", headers={"Origin": "http://evil.example"}).status_code == 200
-    )
+    assert _ask(open_demo, "GET", "/api/window", {"Origin": "http://evil.example"})[0] == 200
 
 
 def _get(port: int, host: str) -> int:

@@ -156,7 +156,7 @@ def test_every_admin_route_has_an_rbac_resource(tmp_path):
 
 def test_kubernetes_admin_auth_outside_a_cluster_is_a_start_up_error(tmp_path, monkeypatch):
     from exporter.config import ConfigError, load_config
-    from exporter.runtime import kubernetes_identities
+    from exporter.http.identities import kubernetes_identities
 
     with pytest.raises(ConfigError, match="not in a cluster"):
         kubernetes_identities(load_config(env={}, admin_auth="kubernetes"), env={})

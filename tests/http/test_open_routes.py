@@ -142,7 +142,7 @@ REFUSED = {
     "space in a field name": b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header: x\r\n\r\n",
     "space before the colon": b"GET /metrics HTTP/1.1\r\nHost : 127.0.0.1\r\n\r\n",
     "HTTP/1.2": b"GET /metrics HTTP/1.2\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
-    # RFC 9112's Host rule, which llhttp leaves to the server (exporter.http.browser.HostGuard).
+    # RFC 9112's Host rule, which llhttp leaves to the server (exporter.http.access).
     "HTTP/1.1 without a Host": b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n",
     "two Hosts": b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: 127.0.0.1\r\n"
     b"Connection: close\r\n\r\n",
@@ -233,7 +233,7 @@ def test_http_1_0_is_answered_and_closed(tmp_path) -> None:
 
 
 def test_on_every_address_any_host_may_scrape(tmp_path) -> None:
-    """Only a loopback listener checks the Host's name (exporter.http.browser)."""
+    """Only a loopback listener checks the Host's name (exporter.http.access)."""
     with serving(tmp_path, host="0.0.0.0") as (server, app):
         response = exchange(
             server.port,

@@ -57,10 +57,10 @@ def test_stop_from_another_thread_is_prompt(tmp_path) -> None:
 @pytest.mark.slow
 def test_the_date_header_is_the_current_second(tmp_path) -> None:
     """No timer refreshes it any more: each request does. Two requests seconds apart, on
-    the direct path and through the app, each carry their own second."""
+    the open routes' shortcut and through the app, each carry their own second."""
     with served(tmp_path) as (server, _):
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
-        for path in ("/healthz", "/", "/healthz"):  # direct, the app's page, direct again
+        for path in ("/healthz", "/", "/healthz"):  # shortcut, the app's page, shortcut again
             time.sleep(1.1)
             asked = time.time()
             conn.request("GET", path)

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -421,50 +421,49 @@ def test_a_client_yet_to_send_keeps_its_slot_while_the_reserve_has_room(tmp_path
     has room: the probe takes a reserved slot. Closing it was the 1-in-60 503 that the polite
     checkers' test saw in CI: a new scrape's connection, silent for a few milliseconds, was
     closed for a checker's reconnect."""
-    with served(tmp_path) as (server, _):
+    with served(tmp_path) as (server, _), regular_slots_held(server):
         address = ("127.0.0.1", server.port)
-        held = []
-        for _ in range(guard.MAX_CONNECTIONS):  # polite: answered, kept alive, idle
-            connection = http.client.HTTPConnection(*address, timeout=10)
+        with socket.create_connection(address, timeout=10) as quiet:
+            time.sleep(0.3)  # connected, seen by the server, nothing sent yet
+            assert status_line(address, "/healthz") == b"HTTP/1.1 200 OK"
+            quiet.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            answer = read_until_closed(quiet)
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer[:200]
+
+
+def test_a_reserved_slot_answers_one_request_then_closes(tmp_path):
+    with (
+        served(tmp_path) as (server, _),
+        regular_slots_held(server),
+        socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock,
+    ):
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer
+    assert b"\r\nconnection: close\r\n" in answer.lower()
+
+
+@contextlib.contextmanager
+def regular_slots_held(server: HttpServer) -> Iterator[None]:
+    """Every regular slot held by a polite client: answered, kept alive, idle."""
+    held = []
+    try:
+        for _ in range(guard.MAX_CONNECTIONS):
+            connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
             connection.request("GET", "/readyz")
             connection.getresponse().read()
             held.append(connection)
-        try:
-            with socket.create_connection(address, timeout=10) as quiet:
-                time.sleep(0.3)  # connected, seen by the server, nothing sent yet
-                assert status_line(address, "/healthz") == b"HTTP/1.1 200 OK"
-                quiet.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-                answer = b""
-                while chunk := quiet.recv(65536):  # until the server closes
-                    answer += chunk
-            assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer[:200]
-        finally:
-            for connection in held:
-                connection.close()
+        yield
+    finally:
+        for connection in held:
+            connection.close()
 
 
-@pytest.mark.parametrize("through_app", [False, True])
-def test_a_reserved_slot_answers_one_request_then_closes(tmp_path, through_app):
-    with served(tmp_path) as (server, _):
-        address = ("127.0.0.1", server.port)
-        held = []
-        for _ in range(guard.MAX_CONNECTIONS):  # polite: answered, kept alive, idle
-            connection = http.client.HTTPConnection(*address, timeout=10)
-            connection.request("GET", "/readyz")
-            connection.getresponse().read()
-            held.append(connection)
-        try:
-            with socket.create_connection(address, timeout=10) as sock:
-                body = b"Content-Length: 0\r\n" if through_app else b""
-                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n" + body + b"\r\n")
-                answer = b""
-                while chunk := sock.recv(65536):  # until the server closes
-                    answer += chunk
-            assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer
-            assert b"\r\nconnection: close\r\n" in answer.lower()
-        finally:
-            for connection in held:
-                connection.close()
+def read_until_closed(sock: socket.socket) -> bytes:
+    answer = b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+    return answer
 
 
 @pytest.mark.slow
@@ -577,10 +576,10 @@ def test_wrong_passwords_never_lock_out_scrapes_and_probes(tmp_path):
 
 @pytest.mark.slow
 def test_answers_a_client_does_not_read_wait_in_its_buffer_one_at_a_time(tmp_path):
-    """Round 4, HIGH 6: the direct path wrote each whole /metrics answer at once, ignoring
-    the transport's backpressure: clients that asked and never read grew the process by
-    hundreds of MB. Every request is uvicorn's now: a pipelined one waits for the answer before
-    it, which waits for the buffer to drain, and reading stops meanwhile."""
+    """Round 4, HIGH 6: the direct path (gone since) wrote each whole /metrics answer at
+    once, ignoring the transport's backpressure: clients that asked and never read grew the
+    process by hundreds of MB. Every request is uvicorn's now: a pipelined one waits for the
+    answer before it, which waits for the buffer to drain, and reading stops meanwhile."""
     request = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     with served(tmp_path) as (server, _):
         clients = []

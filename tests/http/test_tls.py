@@ -132,9 +132,7 @@ def test_curl_shows_tls13_and_the_headers_of_the_file(tmp_path, pki):
             capture_output=True, text=True, timeout=20,
         )  # fmt: skip
         assert "SSL connection using TLSv1.3" in out.stderr
-        # Header names are case-insensitive: the direct path keeps the file's spelling, the
-        # app's (a scrape before the first sample is rendered, on a loaded machine) sends
-        # them lower-case; CI saw both.
+        # Header names are case-insensitive: the access check sends them lower-case.
         assert "x-frame-options: deny" in out.stderr.lower()
 
 

@@ -14,7 +14,7 @@ value to report; or None where it is not defined for this reading (a firing aler
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -46,6 +46,7 @@ class Memory(Protocol):
 
     def rose(self, alert: str, key: Subject, t: float, value: float) -> Check: ...
     def trend(self, name: str, key: Subject, window_s: float) -> Trend: ...
+    def changes(self, key: Subject, settings: Mapping[str, str] | None) -> int: ...
 
 
 # The labels naming what an alert is about, as a hashable, ordered key.
@@ -133,6 +134,28 @@ def _counter(name: str) -> Condition:
         return e.rose(e.allocator.counters[name])
 
     return rose
+
+
+def allocator_settings(reading: AllocatorReading) -> dict[str, str]:
+    """The allocator's settings as torch_cuda_allocator_info labels them."""
+    max_split = reading.max_split_size_bytes
+    return {
+        "backend": reading.backend,
+        "expandable_segments": str(reading.expandable_segments).lower(),
+        "max_split_size_bytes": "" if max_split is None else str(max_split),
+        "garbage_collection_threshold": reading.settings.get("garbage_collection_threshold", ""),
+    }
+
+
+def _settings_changed(e: Evaluation) -> Check:
+    """The allocator's live settings changed while the process ran (vLLM toggles
+    expandable_segments around its CuMem pool; torch.cuda.memory._set_allocator_settings).
+    Only the settings the allocator reported count: the environment's, read at start, are
+    what it was asked for, not what it did."""
+    reading = e.allocator
+    assert reading is not None
+    live = allocator_settings(reading) if reading.settings.get("source") == "live" else None
+    return e.rose(e.memory.changes(e.key, live))
 
 
 def _has_counter(name: str) -> Callable[[Evaluation], bool]:
@@ -339,6 +362,17 @@ ALERTS: tuple[Alert, ...] = (
         _shattered,
         ("detect_shattered_block_share", "detect_shattered_min_free_bytes"),
         "detect_shattered_for_s",
+    ),
+    Alert(
+        "GpuMemAllocatorSettingsChanged",
+        "warning",
+        "allocator",
+        "settings changes in the last {window}",
+        "count",
+        "PyTorch's CUDA allocator settings changed while the process ran.",
+        _settings_changed,
+        ("detect_counter_window_s",),
+        None,
     ),
     Alert(
         "GpuMemHeadroomLow",

@@ -29,6 +29,8 @@ MIG_LABELS = (*GPU_LABELS, "gpu_instance", "profile")
 HOST_PROCESS_LABELS = ("pid", "role", "rank")
 # gpumem_exporter_alert_firing: one meaning per label, whatever the alert is about.
 ALERT_LABELS = ("alert", "device", "gpu", "gpu_uuid", *PROCESS_LABELS)
+# gpumem_exporter_allocator_settings_change(s): an allocator alert's subject.
+SETTINGS_CHANGE_LABELS = ("device", "gpu_uuid", *PROCESS_LABELS)
 
 # GPUMEM_DETAIL: "basic" keeps a fleet's series budget (docs/metrics.md, "Detail levels");
 # "full" adds the families declared `full_only` below.
@@ -170,6 +172,26 @@ FAMILIES: tuple[Family, ...] = (
         ALERT_LABELS,
         "exporter",
         ANYWHERE,
+    ),
+    Family(
+        "gpumem_exporter_allocator_settings_changes",
+        "counter",
+        "How often an allocator's live settings (torch_cuda_allocator_info with "
+        "settings_source live) changed while its process ran, as the in-process detector "
+        "saw them, once per layout read at most.",
+        SETTINGS_CHANGE_LABELS,
+        "exporter",
+        ALLOCATOR,
+    ),
+    Family(
+        "gpumem_exporter_allocator_settings_change",
+        "info",
+        "Each allocator setting's last change while its process ran: from what to what "
+        "(labelled as torch_cuda_allocator_info labels it).",
+        (*SETTINGS_CHANGE_LABELS, "setting"),
+        "exporter",
+        ALLOCATOR,
+        info_labels=("from", "to"),
     ),
     Family(
         "gpumem_exporter_process",

@@ -475,8 +475,8 @@ class Config:
     )
     detect_counter_window_s: float = setting(
         600.0,
-        "GpuMemAllocRetries, GpuMemOutOfMemory, GpuMemOomFragmentation: firing while the "
-        "counter rose within this many seconds",
+        "GpuMemAllocRetries, GpuMemOutOfMemory, GpuMemOomFragmentation, "
+        "GpuMemAllocatorSettingsChanged: firing while the counter rose within this many seconds",
         _WINDOW,
     )
     detect_cache_gap_bytes: float = setting(

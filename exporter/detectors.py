@@ -67,6 +67,16 @@ class FiringAlert:
     value: float  # the value of the latest evaluation (a ratio, bytes, a count of rises)
 
 
+@dataclass
+class SettingsSeen:
+    """An allocator's live settings as last seen, how often they changed while its process
+    ran, and each setting's last change (setting -> (from, to))."""
+
+    settings: Mapping[str, str]
+    changes: int = 0
+    last: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
 class _Series:
     """(timestamp, value) points over a sliding window, with running sums so that the slope
     costs O(1) per sample whatever the window holds (600 points at 1 Hz, 6000 at 10 Hz)."""
@@ -160,6 +170,7 @@ class Detectors:
         self._states: dict[tuple[str, Subject], _State] = {}
         self._counters: dict[tuple[str, Subject], _Counter] = {}
         self._series: dict[tuple[str, Subject], _Series] = {}
+        self._settings: dict[Subject, SettingsSeen] = {}  # by allocator subject
         self.__name__ = "detectors"
         # Bumped after every evaluation: what firing() answers may have changed since.
         self.evaluations = 0
@@ -210,6 +221,8 @@ class Detectors:
             self._apply(alert, key, t, None, 0)
             del self._states[(alert, key)]
             self._counters.pop((alert, key), None)
+        for key in [k for k in self._settings if k not in present and "pid" in dict(k)]:
+            del self._settings[key]
 
     def firing(self) -> Iterator[tuple[str, dict[str, str], bool]]:
         """(alert, labels, firing) for every alert and subject evaluated so far."""
@@ -241,6 +254,35 @@ class Detectors:
         window_s = self.settings.detect_counter_window_s
         recent = counter.risen_at is not None and t - counter.risen_at < window_s
         return Check(recent, not recent, counter.rise if recent else 0.0)
+
+    def changes(self, key: Subject, settings: Mapping[str, str] | None) -> int:
+        """How often this allocator's live settings changed so far (None: not read live
+        this time, nothing to compare). Each change is said once, from what to what."""
+        seen = self._settings.get(key)
+        if settings is None:
+            return seen.changes if seen is not None else 0
+        if seen is None:
+            self._settings[key] = SettingsSeen(dict(settings))
+            return 0
+        if settings != seen.settings:
+            moved = {
+                name: (seen.settings.get(name, ""), value)
+                for name, value in settings.items()
+                if seen.settings.get(name, "") != value
+            }
+            seen.settings, seen.changes = dict(settings), seen.changes + 1
+            seen.last.update(moved)
+            if self.log_events:
+                record: dict[str, Any] = {"event": "gpumem_allocator_settings_changed", **dict(key)}
+                record["changed"] = {name: {"from": a, "to": b} for name, (a, b) in moved.items()}
+                log.warning(json.dumps(record, sort_keys=True))
+        return seen.changes
+
+    def settings_changes(self) -> Iterator[tuple[dict[str, str], SettingsSeen]]:
+        """(subject labels, what was seen) of each allocator whose settings changed."""
+        for key, seen in sorted(self._settings.items()):
+            if seen.changes:
+                yield dict(key), seen
 
     def trend(self, name: str, key: Subject, window_s: float) -> _Series:
         series = self._series.get((name, key))

@@ -51,6 +51,15 @@ class AlertStates(Protocol):
         """(alert, labels, firing) for each alert state the detectors hold."""
         ...
 
+    def settings_changes(self) -> Iterable[tuple[dict[str, str], SettingsChanged]]:
+        """(allocator subject, what changed) for each allocator whose settings changed."""
+        ...
+
+
+class SettingsChanged(Protocol):
+    changes: int
+    last: dict[str, tuple[str, str]]  # setting -> (from, to), its last change
+
 
 class Labels(dict[str, object]):
     """The labels of one subject (a reading, a GPU), given to many families: the tuple of
@@ -298,6 +307,15 @@ class SampleCollector(Collector):
                 if is_firing:
                     firing.add(processes.labels({**labels, "alert": alert}), 1.0)
             yield firing, False
+            changes = self._fill(catalog.family("gpumem_exporter_allocator_settings_changes"))
+            change = self._fill(catalog.family("gpumem_exporter_allocator_settings_change"))
+            for labels, seen in self._alerts.settings_changes():
+                changes.add(processes.labels(labels), seen.changes)
+                for setting, (was, now) in sorted(seen.last.items()):
+                    ids = processes.labels({**labels, "setting": setting})
+                    change.add_info(ids, {"from": was, "to": now})
+            yield changes, False
+            yield change, False
         if processes.processes:  # served where the catalog declares it (run)
             info = self._fill(catalog.family("gpumem_exporter_process"))
             for pid, process in sorted(processes.processes.items()):

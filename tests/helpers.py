@@ -649,8 +649,8 @@ WORKER = {"pid": "100", "rank": "0", "local_rank": "0", "role": "worker"}
 def catalog_collector(
     sample: Sample, mode: str, const: dict[str, str], per_process: bool, detail: str = "full"
 ) -> SampleCollector:
-    """The collector of `mode` over `sample`, with sources, action counts and a firing alert
-    (the families that need them)."""
+    """The collector of `mode` over `sample`, with sources, action counts, a firing alert and
+    an allocator settings change (the families that need them)."""
     state = ExporterState(
         sample,
         {
@@ -683,11 +683,13 @@ def catalog_collector(
     stats = ActionStats([ProcessCounts(process, counts, last_report)], endpoint)
     requests = RequestCounts()
     requests.add("snapshot", "ok")
+    changed = SimpleNamespace(changes=1, last={"expandable_segments": ("true", "false")})
     alerts = SimpleNamespace(
         evaluations=1,
         firing=lambda: [
             ("GpuMemOutOfMemory", {"device": "0", "gpu_uuid": "GPU-x", **process}, True)
         ],
+        settings_changes=lambda: [({"device": "0", "gpu_uuid": "GPU-x", **process}, changed)],
     )
     return SampleCollector(
         lambda: state,

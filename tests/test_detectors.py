@@ -19,6 +19,7 @@ from exporter.sample import (
 )
 from exporter.sources.replay import demo_trace_path
 from exporter.trace import read_trace
+from tests.conftest import DATA_DIR
 from tests.helpers import captured_oom_samples
 
 GiB = 1 << 30
@@ -508,3 +509,111 @@ def test_a_fragmentation_oom_fires_its_own_critical_alert_and_other_verdicts_do_
     assert fired[("fragmentation", False)] is True
     assert not any(v for (verdict, _), v in fired.items() if verdict != "fragmentation")
     assert BY_NAME["GpuMemOomFragmentation"].severity == "critical"
+
+
+def _with_settings(expandable: bool, source: str = "live", pid: str = "") -> AllocatorReading:
+    reading = allocator(4 * GiB, 2 * GiB, None if expandable else 0)
+    reading.expandable_segments = expandable
+    reading.settings = {"source": source}
+    if pid:
+        reading.process = {"pid": pid}
+    return reading
+
+
+def test_a_live_settings_change_fires_at_once_says_what_changed_and_clears_after_a_window(
+    caplog,
+):
+    """vLLM turns expandable_segments off around its CuMem pool: the settings the allocator
+    reports change while the process runs. The first live read is no change; each change is
+    said once, from what to what, and the alert clears after a quiet window."""
+    caplog.set_level(logging.WARNING, logger="exporter.alerts")
+    detectors, events = collect()
+    run(detectors, [_with_settings(True)] * 3)
+    assert not detectors.is_firing("GpuMemAllocatorSettingsChanged", DEVICE0)
+    assert list(detectors.settings_changes()) == []
+    run(detectors, [_with_settings(False)])
+    assert [(e.alert, e.state, e.value) for e in events] == [
+        ("GpuMemAllocatorSettingsChanged", "firing", 1.0)
+    ]
+    [(labels, seen)] = detectors.settings_changes()
+    assert labels == DEVICE0 and seen.changes == 1
+    assert seen.last == {"expandable_segments": ("true", "false")}
+    [line] = [
+        json.loads(r.getMessage()) for r in caplog.records if "settings_changed" in r.getMessage()
+    ]
+    assert line["changed"] == {"expandable_segments": {"from": "true", "to": "false"}}
+    assert line["device"] == "0" and line["gpu_uuid"] == "GPU-a"
+    run(detectors, [_with_settings(False)] * 9)  # unchanged: said once, firing for the window
+    assert detectors.is_firing("GpuMemAllocatorSettingsChanged", DEVICE0) and len(events) == 1
+    run(detectors, [_with_settings(True)])  # and back: the last change of each setting kept
+    [(_, seen)] = detectors.settings_changes()
+    assert seen.changes == 2 and seen.last == {"expandable_segments": ("false", "true")}
+    run(detectors, [_with_settings(True)] * 11)
+    assert [e.state for e in events] == ["firing", "resolved"]
+
+
+def test_settings_from_the_environment_then_from_the_allocator_are_no_change():
+    """At start the settings are what PYTORCH_CUDA_ALLOC_CONF asked for; the allocator's own
+    report may differ (a setting the environment did not name). Only live to live counts."""
+    detectors, events = collect()
+    run(detectors, [_with_settings(False, source="environment")] * 2)
+    run(detectors, [_with_settings(True), _with_settings(True, source="environment")])
+    run(detectors, [_with_settings(True)] * 2)
+    assert events == [] and list(detectors.settings_changes()) == []
+
+
+def test_a_process_that_exits_takes_its_settings_with_it():
+    detectors, _ = collect()
+    run(detectors, [_with_settings(True, pid="7"), _with_settings(False, pid="7")])
+    assert [labels["pid"] for labels, _ in detectors.settings_changes()] == ["7"]
+    run(detectors, [_with_settings(True, pid="8")])  # pid 7 is gone
+    assert list(detectors.settings_changes()) == []
+
+
+def test_the_recorded_h200_trace_turns_expandable_segments_on_and_that_is_one_change():
+    """The H200 OOM-storm trace (recorded on the GPU) turns expandable_segments on while its
+    process runs, as vLLM does around its pools: one change, false to true, said at the read
+    that shows it, and served with both values."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from exporter.metrics import ExporterState, SampleCollector
+    from exporter.modes import MODES
+
+    _, samples = read_trace(DATA_DIR / "h200_oom_storm_trace.jsonl.gz")
+    detectors, events = collect()
+    changed_at = []
+    for i, sample in enumerate(samples):
+        detectors(sample)
+        if list(detectors.settings_changes()) and not changed_at:
+            changed_at.append(i)
+    [(_, seen)] = detectors.settings_changes()
+    assert changed_at == [302] and seen.changes == 1
+    assert seen.last == {"expandable_segments": ("false", "true")}
+    assert ("GpuMemAllocatorSettingsChanged", "firing") in [(e.alert, e.state) for e in events]
+    registry = CollectorRegistry()
+    state = ExporterState(samples[-1], {})
+    collector = SampleCollector(
+        lambda: state,
+        const_labels={},
+        version="0",
+        traits=MODES["embedded"].traits,
+        alerts=detectors,
+    )
+    registry.register(collector)
+    served = {
+        (s.name, s.labels.get("setting", ""), s.labels.get("from"), s.labels.get("to"), s.value)
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+        if s.name.startswith("gpumem_exporter_allocator_settings_change")
+    }
+    assert served == {
+        ("gpumem_exporter_allocator_settings_changes_total", "", None, None, 1.0),
+        (
+            "gpumem_exporter_allocator_settings_change_info",
+            "expandable_segments",
+            "false",
+            "true",
+            1.0,
+        ),
+    }

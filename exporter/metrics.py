@@ -20,6 +20,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from exporter import catalog
+from exporter.alerts import allocator_settings
 from exporter.attribution import Attribution, attribute
 from exporter.catalog import PROCESS_LABELS, Family
 from exporter.process_labels import ProcessLabels
@@ -465,16 +466,10 @@ class SampleCollector(Collector):
             pool_ids = Labels(ids, pool_id=pool_id)
             for key, value in pool_gauges.items():
                 by_key["private_pool"][key].add(pool_ids, value)
-        max_split = reading.max_split_size_bytes
         info.add_info(
             ids,
             {
-                "backend": reading.backend,
-                "expandable_segments": str(reading.expandable_segments).lower(),
-                "max_split_size_bytes": "" if max_split is None else str(max_split),
-                "garbage_collection_threshold": reading.settings.get(
-                    "garbage_collection_threshold", ""
-                ),
+                **allocator_settings(reading),  # as the settings-change alert compares them
                 "settings_source": reading.settings.get("source", "environment"),
                 "torch_version": self._torch_version,
             },

@@ -227,6 +227,76 @@ def profile_full(ticks: int) -> dict[str, Any]:
     return result
 
 
+def cold_parts(seconds: float, interval_s: float, every: int) -> dict[str, Any]:
+    """Where a full sample's CPU goes on caches as cold as a real run finds them: the agent
+    ticked at the interval, a full sample (layout and NVML's process list due) every `every`
+    ticks, each of its parts timed by the thread's CPU clock."""
+    from exporter.run.agent import Agent
+    from exporter.run.aggregator import Aggregator
+
+    stop, allocator = _allocating()
+    run_dir = Path(tempfile.mkdtemp(prefix="pt-", dir="/tmp"))
+    aggregator = Aggregator(run_dir)
+    agent = Agent(str(run_dir), interval_s=3600)
+    agent.tick()  # connected, armed: the parts exist now
+    source = agent.source
+    parts: dict[str, list[float]] = {}
+
+    def timed(owner: Any, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.thread_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                parts.setdefault(label, []).append(time.thread_time() - started)
+
+        setattr(owner, name, wrapper)
+
+    timed(agent, "_full_tick", "full")
+    timed(source, "read", "source.read")
+    timed(agent, "_send", "sample encode+send")
+    timed(agent.probe, "records", "records()")
+    if getattr(source, "_non_allocator", None) is not None:
+        timed(source._non_allocator, "apply", "non_allocator.apply")
+    if getattr(source, "_layout", None) is not None:
+        timed(source._layout, "read", "layout.read")
+    timed(source, "_pinned_host", "pinned_host")
+    timed(source.ooms, "annotate", "ooms.annotate")
+    stopped = threading.Event()
+    end = time.monotonic() + seconds
+    turn = 0
+    ticks: list[float] = []
+    while time.monotonic() < end:
+        stopped.wait(interval_s)
+        turn += 1
+        if turn % every == 0:
+            agent._next_full = 0.0
+            layout = getattr(source, "_layout", None)
+            if layout is not None:
+                layout._next = 0.0
+            non_allocator = getattr(source, "_non_allocator", None)
+            if non_allocator is not None:
+                non_allocator._taken.clear()
+        started = time.thread_time()
+        agent.tick()
+        ticks.append(time.thread_time() - started)
+    stop.set()
+    allocator.join(10)
+    agent.stop()
+    aggregator.close()
+    for child in run_dir.iterdir():
+        child.unlink()
+    run_dir.rmdir()
+    return {
+        "interval_s": interval_s,
+        "full_every": every,
+        "ticks": len(ticks),
+        "parts_us": {k: summary(v, 1e6) for k, v in parts.items()},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=12.0)
@@ -238,10 +308,19 @@ def main() -> None:
     parser.add_argument(
         "--profile", type=int, default=0, help="this many full samples, their parts (CPU)"
     )
+    parser.add_argument(
+        "--cold-parts",
+        type=int,
+        default=0,
+        help="a full sample every this many ticks, its parts timed (CPU, caches cold)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("GPUMEM_LOG_LEVEL", "warning")
     if args.versus_bare:
         print(json.dumps(versus_bare(args.seconds, args.interval_s)))
+        return
+    if args.cold_parts:
+        print(json.dumps(cold_parts(args.seconds, args.interval_s, args.cold_parts)))
         return
     if args.profile:
         print(json.dumps(profile_full(args.profile)))

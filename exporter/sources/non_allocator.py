@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from exporter.sample import AllocatorReading
 from exporter.sources.nvml import CHANGE_BYTES, INIT_RETRY_S
+from exporter.sources.own_process_reads import OwnProcessReads
 
 if TYPE_CHECKING:
     from exporter.config import Config
@@ -108,6 +109,7 @@ class NonAllocatorProbe:
         self._clock = clock
         self._pid = pid
         self._handles: dict[str, Any] = {}
+        self._reads: OwnProcessReads | None = None  # made once NVML is initialized
         self._ready = False
         self._next_init = 0.0
         self._taken: dict[str, _Taken] = {}
@@ -135,6 +137,7 @@ class NonAllocatorProbe:
         except Exception as exc:  # no library, no driver: no value, the NVML source says why
             log.debug("non-allocator bytes unavailable: %s", exc)
             return False
+        self._reads = OwnProcessReads(self._nvml)
         self._ready = True
         return True
 
@@ -161,11 +164,12 @@ class NonAllocatorProbe:
         reserved = reading.gauges.get("reserved_bytes")
         if reserved is None:
             return
-        nvml = self._nvml
+        reads = self._reads
+        assert reads is not None  # _init() made it
         handle = self._handle(reading.gpu_uuid)
         now = self._clock()
         taken = self._taken.get(reading.gpu_uuid)
-        device_used = int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
+        device_used = reads.device_used(handle)
         retry = self._retry.get(reading.gpu_uuid)
         due = (
             taken is None
@@ -175,12 +179,10 @@ class NonAllocatorProbe:
             or (retry is not None and now >= retry[0])
         )
         if due:
-            pid = self._pid()
-            entries = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            used = reads.used_by(handle, self._pid())
             # The state again, after the list: equal means the list saw this reserved.
             if _agree(reading_state(reading), state_now(reading.device)):
-                used = [e.usedGpuMemory for e in entries if e.pid == pid]
-                value = max(int(used[0]) - reserved, 0) if used and used[0] is not None else None
+                value = max(used - reserved, 0) if used is not None else None
                 taken = _Taken(value, now, reserved, device_used)
                 self._taken[reading.gpu_uuid] = taken
             if taken is not None and taken.value is not None:
@@ -220,3 +222,4 @@ class NonAllocatorProbe:
                 self._nvml.nvmlShutdown()
             self._ready = False
             self._handles.clear()
+            self._reads = None

@@ -10,8 +10,10 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 
 import pytest
+from prometheus_client import Metric
 
 from tests.conftest import REPO_ROOT, run_support_script
 
@@ -727,3 +729,33 @@ def test_layout_and_pinned_reads_create_no_context_on_an_unused_gpu():
     assert r["pid_on_gpus"] == [r["used_uuid"]]
     assert m["torch_cuda_largest_free_block_bytes"] == r["walk"]["largest_free_block_bytes"]
     assert m["torch_cuda_pinned_host_bytes"] == 4 << 30
+
+
+def test_expandable_segments_turned_on_at_run_time_is_said_within_one_layout_interval():
+    """Issue 52 item 5 on the GPU: torch's private setter (as vLLM uses) flips the setting; the
+    settings info, the change series and the alert follow within one layout interval."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = run_scenario("settings_flip")
+    assert r["error"] is None and r["truth_expandable"] is True
+    before = list(text_string_to_metric_families(r["before"]))
+    after = {f.name: f for f in text_string_to_metric_families(r["after"])}
+
+    def info(families: Iterable[Metric]) -> dict[str, str]:
+        [sample] = [s for f in families if f.name == "torch_cuda_allocator" for s in f.samples]
+        return sample.labels
+
+    assert info(before)["expandable_segments"] == "false"
+    assert info(before)["source"] == "live"
+    assert info(after.values())["expandable_segments"] == "true"
+    [change] = after["gpumem_exporter_allocator_settings_change"].samples
+    assert (change.labels["setting"], change.labels["from"], change.labels["to"]) == (
+        "expandable_segments",
+        "false",
+        "true",
+    )
+    [total] = after["gpumem_exporter_allocator_settings_changes"].samples
+    assert total.value == 1
+    firing = [s.labels for s in after["gpumem_exporter_alert_firing"].samples if s.value == 1]
+    assert any(labels["alert"] == "GpuMemAllocatorSettingsChanged" for labels in firing)
+    assert r["seen_s"] is not None and r["seen_s"] <= r["layout_interval_s"] + 1.0

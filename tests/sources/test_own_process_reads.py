@@ -29,7 +29,7 @@ _MEMORY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(pynvml.
 def c_library(processes: list[tuple[int, int]], used: int = 5 * GiB) -> Any:
     """A binding whose two functions are C function pointers answering as NVML does: the
     list into the caller's buffer, or INSUFFICIENT_SIZE with the count needed."""
-    calls = {"list": [], "memory": 0}
+    calls: dict[str, Any] = {"list": [], "memory": 0}
 
     @_LIST
     def running_processes(handle: Any, count: Any, entries: Any) -> int:

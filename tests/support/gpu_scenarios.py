@@ -865,6 +865,52 @@ def probe_records(index: str = "0") -> dict[str, Any]:
     }
 
 
+def settings_flip(under: str = "start") -> dict[str, Any]:
+    """expandable_segments turned on while the process runs, with torch's private setter (as
+    vLLM does around its CuMem pool): what /metrics says before and after, and when."""
+    import torch
+
+    import exporter
+    from exporter.config import load_config
+
+    handle = exporter.start(port=0, interval_s=0.2)
+    x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"{handle.url}/metrics", timeout=5) as response:
+            return response.read().decode()
+
+    deadline = time.monotonic() + 30
+    before = scrape()
+    while 'source="live"' not in before and time.monotonic() < deadline:
+        time.sleep(0.2)
+        before = scrape()
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    flipped = time.monotonic()
+    y = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda:0")  # a segment of the new kind
+    after, seen_s = before, None
+    while time.monotonic() < flipped + 30:
+        after = scrape()
+        if "gpumem_exporter_allocator_settings_change_info{" in after and (
+            'alert="GpuMemAllocatorSettingsChanged"' in after
+        ):
+            seen_s = time.monotonic() - flipped
+            break
+        time.sleep(0.2)
+    snapshot = torch.cuda.memory._snapshot()
+    del x, y
+    handle.stop()
+    return {
+        "error": handle.error,
+        "before": before,
+        "after": after,
+        "seen_s": seen_s,
+        "layout_interval_s": load_config().layout_interval_s,
+        "truth_expandable": any(s.get("is_expandable") for s in snapshot["segments"]),
+    }
+
+
 SCENARIOS = {
     name: fn
     for name, fn in list(globals().items())

@@ -132,15 +132,6 @@ def versus_bare(seconds: float, interval_s: float) -> dict[str, Any]:
     agent.probe.records = timed_records  # type: ignore[method-assign]
     agent._send_record = timed_send  # type: ignore[method-assign]
     agent._full_tick = full_tick  # type: ignore[method-assign]
-    detail = getattr(agent, "_detail_tick", None)
-    if detail is not None:  # a tree before the detail message has none
-
-        def detail_tick() -> None:
-            took.append("detail")
-            detail()
-
-        agent._detail_tick = detail_tick  # type: ignore[method-assign]
-        parts["record+detail"] = []
     agent.tick()
     stopped = threading.Event()
     end = time.monotonic() + seconds
@@ -155,8 +146,7 @@ def versus_bare(seconds: float, interval_s: float) -> dict[str, Any]:
             parts["bare"].append(time.thread_time() - started)
             continue
         agent.tick()
-        kind = "full" if "full" in took else "record+detail" if took else "record"
-        parts[kind].append(time.thread_time() - started)
+        parts["full" if took else "record"].append(time.thread_time() - started)
     stop.set()
     allocator.join(10)
     agent.stop()
@@ -237,10 +227,10 @@ def profile_full(ticks: int) -> dict[str, Any]:
     return result
 
 
-def cold_parts(seconds: float, interval_s: float, every: int, kind: str) -> dict[str, Any]:
-    """Where a full sample's or a detail's CPU goes (`kind`) on caches as cold as a real run
-    finds them: the agent ticked at the interval, one of them (layout and NVML's process list
-    due) every `every` ticks, each of its parts timed by the thread's CPU clock."""
+def cold_parts(seconds: float, interval_s: float, every: int) -> dict[str, Any]:
+    """Where a full sample's CPU goes on caches as cold as a real run finds them: the agent
+    ticked at the interval, a full sample (layout and NVML's process list due) every `every`
+    ticks, each of its parts timed by the thread's CPU clock."""
     from exporter.run.agent import Agent
     from exporter.run.aggregator import Aggregator
 
@@ -265,9 +255,6 @@ def cold_parts(seconds: float, interval_s: float, every: int, kind: str) -> dict
         setattr(owner, name, wrapper)
 
     timed(agent, "_full_tick", "full")
-    if hasattr(agent, "_detail_tick"):  # a tree before the detail message has none
-        timed(agent, "_detail_tick", "detail")
-        timed(source, "read_detail", "source.read_detail")
     timed(source, "read", "source.read")
     timed(agent, "_send", "sample encode+send")
     timed(agent.probe, "records", "records()")
@@ -285,10 +272,7 @@ def cold_parts(seconds: float, interval_s: float, every: int, kind: str) -> dict
         stopped.wait(interval_s)
         turn += 1
         if turn % every == 0:
-            if kind == "full" or not hasattr(agent, "_next_detail"):
-                agent._next_full = 0.0
-            else:
-                agent._next_detail = 0.0
+            agent._next_full = 0.0
             layout = getattr(source, "_layout", None)
             if layout is not None:
                 layout._next = 0.0
@@ -328,16 +312,15 @@ def main() -> None:
         "--cold-parts",
         type=int,
         default=0,
-        help="a full sample (or --kind) every this many ticks, its parts timed (CPU, cold)",
+        help="a full sample every this many ticks, its parts timed (CPU, caches cold)",
     )
-    parser.add_argument("--kind", choices=("full", "detail"), default="detail")
     args = parser.parse_args()
     os.environ.setdefault("GPUMEM_LOG_LEVEL", "warning")
     if args.versus_bare:
         print(json.dumps(versus_bare(args.seconds, args.interval_s)))
         return
     if args.cold_parts:
-        print(json.dumps(cold_parts(args.seconds, args.interval_s, args.cold_parts, args.kind)))
+        print(json.dumps(cold_parts(args.seconds, args.interval_s, args.cold_parts)))
         return
     if args.profile:
         print(json.dumps(profile_full(args.profile)))

@@ -59,9 +59,6 @@ class AllocatorProbe:
         # verdict of that retry or OOM.
         self._expected: dict[int, tuple[int, int]] = {}
         self.moved = False
-        # The nested stats of the latest tick by device: the detail read's "before" state
-        # (exporter.sources.non_allocator) and block count come from the same moment.
-        self.stats: dict[int, Any] = {}
 
     def configure(self, backend: str, expandable_segments: bool) -> None:
         """The allocator's backend and expandable-segments setting, as the full read found
@@ -73,11 +70,6 @@ class AllocatorProbe:
             self._pack = record.packer(self._paths)
             self._settings = (backend, expandable_segments)
         self._devices = None
-
-    @property
-    def settings(self) -> tuple[str, bool] | None:
-        """(backend, expandable segments) the records are planned for; None before configure."""
-        return self._settings
 
     def expect(self, counters: dict[int, tuple[int, int]]) -> None:
         """(retries, OOMs) by device as a full read found them; clears `moved`."""
@@ -108,7 +100,6 @@ class AllocatorProbe:
         expected = self._expected
         now = time.time()
         found = []
-        read_now = self.stats = {}
         for index, total in self._devices or ():
             stats = read(index)
             if not stats:
@@ -123,23 +114,10 @@ class AllocatorProbe:
                 data, counts = self._checked(stats, index, now, limit)
             if index not in self._with_context and not self._was_used(stats):
                 continue  # torch could not say, and this device was never used
-            read_now[index] = stats
             if counts != expected.get(index):
                 self.moved = True
             found.append(data)
         return found
-
-    def new_device(self) -> bool:
-        """Whether this process initialized a device since the devices were worked out (it
-        joins with a full read: the helper takes no record of a device before its sample)."""
-        torch = self._torch
-        if self._devices is None or torch is None:
-            return False
-        known = {index for index, _ in self._devices}
-        return any(
-            index not in known and has_context(torch, "cuda", index, self._with_context)
-            for index in range(torch.cuda.device_count())
-        )
 
     def _find_devices(self) -> None:
         """The devices this process initialized, with each one's memory (for the limit);

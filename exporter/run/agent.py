@@ -10,14 +10,11 @@ LocalActions an embedded exporter uses. Messages: exporter.run.protocol.
 
 What a tick costs the serving process is what the probe costs (exporter.probe): the
 allocator's C call per device and one packed record each, sent without blocking (a record the
-launcher has no room for is dropped and counted, never waited for). Every `detail_interval_s`
-the tick's records are followed by a detail message: the layout when due, the bytes outside
-the allocator, the settings and pinned host memory, read from that tick's stats (one
-allocator snapshot and one NVML list; nothing read twice). The full sample, with everything
-(the GPU's identity, OOM verdicts, action counts too), is read and sent on the first tick, at
-once when an allocation retry or an OOM shows in a record, a verdict comes in, a command has
-run, the settings the records are planned for change or a device joins, and on every tick
-where remediation acts on this process's own alerts.
+launcher has no room for is dropped and counted, never waited for). The full sample, with what
+changes at a slower pace (the GPU's identity, settings, layout, bytes outside the allocator,
+OOM verdicts, action counts), is read and sent on the first tick, every `detail_interval_s`,
+at once when an allocation retry or an OOM shows in a record or a command has run, and on
+every tick where remediation acts on this process's own alerts.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import select
 import socket
@@ -103,15 +99,13 @@ class Agent:
             self.config.layout_interval_s or self.config.process_interval_s,
         )
         self._next_full = 0.0  # time.monotonic() of the next full sample; 0: at once
-        self._next_detail = 0.0  # time.monotonic() of the next detail message
         self._remediating = False  # remediation's detectors see every tick: all full
         self.records_dropped = 0
         self.early = early
         self.on_lost = on_lost
         self.helper_restarts = 0  # helpers this probe started again after one died
-        self.records_sent = 0  # with the two below: what the ticks did (for benchmarks)
+        self.records_sent = 0  # with full_samples: what the ticks did (for benchmarks)
         self.full_samples = 0
-        self.details_sent = 0
         self._unsent = b""  # the rest of a record the socket took only part of
         self.actions: LocalActions | None = None
         self._listeners: list[Listener] = []
@@ -257,11 +251,9 @@ class Agent:
         return True
 
     def tick(self) -> None:
-        """The probe's records, followed by the detail message where one is due, or the full
-        sample where that is due. (At 1 Hz a tick runs on cold caches: every function it
-        calls costs microseconds, hence one short path.)"""
-        now = time.monotonic()
-        if self._sock is None or now >= self._next_full or self._remediating:
+        """The probe's records, or the full sample where one is due. (At 1 Hz a tick runs
+        on cold caches: every function it calls costs microseconds, hence one short path.)"""
+        if self._sock is None or time.monotonic() >= self._next_full or self._remediating:
             self._full_tick()
             return
         records = self.probe.records()
@@ -272,34 +264,6 @@ class Agent:
             self._send_record(records[0])
         else:  # one send for all devices
             self._send_record(b"".join(records), len(records))
-        if now >= self._next_detail:
-            self._detail_tick()
-
-    def _detail_tick(self) -> None:
-        """What changes at the detail interval, from the stats this tick's records came from;
-        the full sample instead where the records' plan no longer holds."""
-        read_detail = getattr(self.source, "read_detail", None)
-        if read_detail is None or self.probe.new_device():
-            self._full_tick()  # a source without details (accelerator); a device joined
-            return
-        reading = read_detail(self.probe.stats)
-        if self.source.allocator_settings() != self.probe.settings:
-            self._full_tick()  # the settings changed: the records' numbers with them
-            return
-        pinned = reading.pinned_host[0] if reading.pinned_host else None
-        self._send(protocol.detail(reading.allocators, pinned, self.records_dropped))
-        self.details_sent += 1
-        self._schedule_detail()
-
-    def _schedule_detail(self) -> None:
-        wait = self.detail_interval_s
-        # A process that has just started may have no value for its bytes outside the
-        # allocator yet (NVML did not list it, or memory moved across the list's read): the
-        # next detail comes when that value is to be read again, not 10 s later.
-        retry_s = self.source.non_allocator_retry_s()
-        if retry_s is not None:
-            wait = min(wait, max(retry_s, self.interval_s))
-        self._next_detail = time.monotonic() + wait
 
     def _full_tick(self) -> None:
         reading = self.source.read()  # empty until this process uses CUDA
@@ -320,10 +284,14 @@ class Agent:
         allocators = [protocol.allocator_fields(a) for a in reading.allocators]
         self._send(protocol.sample(allocators, self._counts(), pinned))
         self.full_samples += 1
-        # The next comes with an event (_full_next, a record that moved, new settings or
-        # device); what changes with time alone comes in detail messages.
-        self._next_full = math.inf
-        self._schedule_detail()
+        wait = self.detail_interval_s
+        # A process that has just started may have no value for its bytes outside the
+        # allocator yet (NVML did not list it, or memory moved across the list's read): the
+        # next full sample comes when that value is to be read again, not 10 s later.
+        retry_s = self.source.non_allocator_retry_s()
+        if retry_s is not None:
+            wait = min(wait, max(retry_s, self.interval_s))
+        self._next_full = time.monotonic() + wait
         self.probe.expect(
             {
                 a.device: (

@@ -371,8 +371,6 @@ class Aggregator:
                 peer.allocators, peer.counts, peer.pinned_host = readings, counts, pinned
                 peer.sampled_at, peer.reported_at = time.monotonic(), time.time()
                 peer.full = {r.device: (r, peer.reported_at) for r in readings}
-            elif kind == "detail":
-                self._detail(peer, message)
             elif kind == "reply":
                 request_id, result = protocol.parse_reply(message)
                 result.process = dict(peer.process)
@@ -434,28 +432,6 @@ class Aggregator:
             held, in_use = parts["pinned"]
             peer.pinned_host = PinnedHostReading(held, in_use, process=dict(peer.process))
         peer.sampled_at, peer.reported_at = time.monotonic(), time.time()
-
-    def _detail(self, peer: _Peer, message: dict[str, Any]) -> None:
-        """The detail interval's fields of each device, over its latest full sample (what
-        later records build on) and its latest reading."""
-        by_device, dropped = protocol.parse_detail(message)
-        pinned = protocol.parse_pinned_host(message)
-        now = time.time()
-        for device, fields_ in by_device.items():
-            full = peer.full.get(device)
-            if full is None:
-                raise protocol.ProtocolError(
-                    "order", f"a detail of device {device} before its sample"
-                )
-            peer.full[device] = (dataclasses.replace(full[0], **fields_), now)
-        peer.allocators = [
-            dataclasses.replace(r, **by_device[r.device]) if r.device in by_device else r
-            for r in peer.allocators
-        ]
-        if pinned is not None:
-            pinned.process = dict(peer.process)
-            peer.pinned_host = pinned
-        peer.counts = dataclasses.replace(peer.counts, records_dropped=dropped)
 
     def connections(self) -> int:
         """Open connections from agents (said hello or not): whether anyone is served."""

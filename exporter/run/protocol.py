@@ -38,8 +38,7 @@ from exporter.sample import (
     PinnedHostReading,
 )
 
-# A hello of another version is refused (counted as "version"). 2: the detail message.
-VERSION = 2
+VERSION = 1
 # A sample of 8 GPUs is about 8 KB; a reply carries a snapshot's entry, not the snapshot.
 MAX_LINE_BYTES = 1 << 20
 MAX_ALLOCATORS = 64
@@ -122,7 +121,7 @@ def decode(line: bytes) -> dict[str, Any]:
         raise ProtocolError("json", "not JSON") from None
     if not isinstance(message, dict):
         raise ProtocolError("type", f"a JSON {type(message).__name__}, not an object")
-    if message.get("type") not in ("hello", "sample", "detail", "reply", "command"):
+    if message.get("type") not in ("hello", "sample", "reply", "command"):
         raise ProtocolError("type", f"unknown message type {str(message.get('type'))[:32]!r}")
     return message
 
@@ -154,60 +153,6 @@ def sample(
         "pinned_host": pinned,
         "actions": vars(counts),
     }
-
-
-# What a detail message carries per device (exporter.sources.torch_allocator.read_detail): what
-# changes at the detail interval, over the device's latest full sample.
-DETAIL_FIELDS = (
-    "layout",
-    "layout_age_s",
-    "layout_skipped",
-    "private_pools",
-    "settings",
-    "non_allocator_bytes",
-    "non_allocator_age_s",
-)
-
-
-def detail(
-    readings: list[AllocatorReading], pinned_host: PinnedHostReading | None, records_dropped: int
-) -> dict[str, Any]:
-    """The detail interval's message: DETAIL_FIELDS of each device, pinned host memory and the
-    records dropped so far (the full sample's other parts change with events only)."""
-    pinned = None
-    if pinned_host is not None:
-        pinned = {"held_bytes": pinned_host.held_bytes, "in_use_bytes": pinned_host.in_use_bytes}
-    devices = []
-    for reading in readings:
-        fields_ = {name: getattr(reading, name) for name in DETAIL_FIELDS}
-        fields_["device"] = reading.device
-        devices.append(fields_)
-    return {
-        "type": "detail",
-        "devices": devices,
-        "pinned_host": pinned,
-        "records_dropped": records_dropped,
-    }
-
-
-def parse_detail(message: Mapping[str, Any]) -> tuple[dict[int, dict[str, Any]], int]:
-    """A detail message's fields by device, checked as a sample's are, and records dropped."""
-    devices = message.get("devices")
-    if not isinstance(devices, list) or len(devices) > MAX_ALLOCATORS:
-        raise _fail(f"devices: expected a list of at most {MAX_ALLOCATORS}")
-    found: dict[int, dict[str, Any]] = {}
-    for data in devices:
-        data = _object(data, "detail")
-        unknown = set(data) - {"device", *DETAIL_FIELDS}
-        if unknown:
-            raise _fail(f"detail: unknown fields {sorted(unknown)[:3]}")
-        device = _device(data.get("device"))
-        if device in found:
-            raise _fail("detail: a device appears twice")
-        found[device] = {
-            name: ALLOCATOR_CHECKS[name](data[name]) for name in DETAIL_FIELDS if name in data
-        }
-    return found, _count(message.get("records_dropped", 0), "records_dropped")
 
 
 def allocator_fields(reading: AllocatorReading) -> dict[str, Any]:

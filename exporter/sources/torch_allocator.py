@@ -331,47 +331,6 @@ class TorchAllocatorSource:
         self.ooms.annotate(readings)
         return SourceReading(allocators=readings, pinned_host=self._pinned_host(torch))
 
-    def read_detail(self, stats_by_device: Mapping[int, Any]) -> SourceReading:
-        """What changes at the detail interval, for the devices a probe tick just read
-        (`stats_by_device`: their nested stats, of this moment): the layout when due, the
-        bytes outside the allocator, the settings, pinned host memory. Each reading carries
-        only those (protocol.DETAIL_FIELDS) beside what identifies its device: the probe's
-        records carry the numbers, and a full read() what changes with events."""
-        torch = self._load_torch()
-        if torch is None or self._read_stats is None:
-            return SourceReading()  # no full read yet: read() comes first
-        backend, expandable = self._settings(torch)
-        readings = []
-        for index, stats in stats_by_device.items():
-            reserved, mallocs, frees = memory_state(stats)
-            if reserved is None:
-                continue
-            counters = {}
-            if mallocs is not None and frees is not None:
-                counters = {"device_malloc": mallocs, "device_free": frees}
-            readings.append(
-                AllocatorReading(
-                    device=index,
-                    gpu_uuid=self._gpu_uuid(torch, index),
-                    backend=backend,
-                    expandable_segments=expandable,
-                    gauges={"reserved_bytes": reserved},
-                    counters=counters,
-                )
-            )
-        if self._non_allocator is not None:
-            self._non_allocator.apply(readings, self._state_now)
-        layout = self._layout_reader(torch, backend)
-        if readings and layout is not None:
-            due = layout.due()
-            blocks = (
-                sum(block_count(st, expandable) for st in stats_by_device.values()) if due else 0
-            )
-            self._add_layout(layout, due, readings, blocks)
-        for reading in readings:
-            reading.settings = dict(self._setting_labels)
-        return SourceReading(allocators=readings, pinned_host=self._pinned_host(torch))
-
     def _retries_rose(self, readings: list[AllocatorReading]) -> bool:
         """Whether an allocation retry happened since the last tick (and the layout was not
         read in the last second): the layout is read at once, so that the cache's holes and

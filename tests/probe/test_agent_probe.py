@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import socket
 import threading
 import time
@@ -23,9 +22,6 @@ from exporter.probe.allocator import AllocatorProbe
 from exporter.run import protocol
 from exporter.run.agent import SOCKET_NAME
 from exporter.run.aggregator import Aggregator
-from exporter.sources.allocator_layout import layouts_from_segments
-from exporter.sources.torch_allocator import TorchAllocatorSource
-from tests.conftest import DATA_DIR
 from tests.helpers import ProbedServer
 
 
@@ -117,90 +113,14 @@ def test_a_verdict_that_comes_after_the_ooms_count_brings_the_full_sample_at_onc
         assert server.full_ticks == 4
 
 
-def _native_snapshot() -> dict[str, Any]:
-    """The allocator snapshot captured on an H200 beside the probe's stats."""
-    return json.loads((DATA_DIR / "allocator_native.json").read_text())["snapshot"]
-
-
-def test_the_detail_interval_sends_what_changes_with_time_over_the_records_not_a_full_sample(
-    run_dir,
-):
-    """Every detail interval the tick's record is followed by the detail message (a new
-    layout, the settings, pinned host memory, the bytes outside the allocator), read from
-    that tick's stats; the full sample (the source's whole read) comes only with events."""
-    snapshot = _native_snapshot()
-    expected = layouts_from_segments(snapshot["segments"])[0].as_gauges()
-    with probed(run_dir, process_interval_s=0.2) as (server, aggregator, agent):
-        taken: list[Any] = []
-        server.torch._C._cuda_memorySnapshot = lambda pool: taken.append(pool) or snapshot
-        agent.source = TorchAllocatorSource(server.torch, env={}, layout_interval_s=0.2)
-        allocated = server.stats["allocated_bytes"]["all"]["current"]
+def test_the_full_sample_comes_again_every_detail_interval(run_dir):
+    with probed(run_dir, process_interval_s=0.2) as (server, _, agent):
         agent.tick()
         agent.tick()
-        assert (server.full_ticks, agent.details_sent, len(taken)) == (1, 0, 1)
-        first = served(aggregator)
-        assert first.layout == expected and first.settings["source"] == "live"
-        held = server.host_stats["allocated_bytes"]["current"]
-        server.host_stats["allocated_bytes"]["current"] = held + (2 << 20)
-        time.sleep(0.3)
-        server.allocate(1 << 20)
+        assert server.full_ticks == 1
+        time.sleep(0.25)
         agent.tick()
-        assert (server.full_ticks, agent.details_sent, len(taken)) == (1, 1, 2)
-        reading = served(aggregator, allocated_bytes=allocated + (1 << 20))
-        deadline = time.monotonic() + 5
-        while reading.layout_age_s is None or reading.layout_age_s > 0.2:
-            assert time.monotonic() < deadline, reading
-            time.sleep(0.02)
-            reading = served(aggregator)
-        assert reading.layout == expected and reading.settings == first.settings
-        assert aggregator.read().pinned_host[0].held_bytes == held + (2 << 20)
-        # The records after it lay their numbers over the detail's layout.
-        server.allocate(1 << 20)
-        agent.tick()
-        reading = served(aggregator, allocated_bytes=allocated + (2 << 20))
-        assert reading.layout == expected and reading.gpu_uuid == first.gpu_uuid
-        assert (server.full_ticks, agent.details_sent) == (1, 1)
-
-
-def test_settings_a_detail_read_finds_changed_bring_the_full_sample(run_dir):
-    """The layout's snapshot says the server turned expandable segments on: the records'
-    numbers are planned for the settings, so the full sample goes out, not a detail."""
-    snapshot = _native_snapshot()
-    with probed(run_dir, process_interval_s=0.2) as (server, aggregator, agent):
-        server.torch._C._cuda_memorySnapshot = lambda pool: snapshot
-        agent.source = TorchAllocatorSource(server.torch, env={}, layout_interval_s=0.2)
-        agent.tick()
-        assert served(aggregator).expandable_segments is False
-        snapshot["allocator_settings"]["expandable_segments"] = True
-        time.sleep(0.3)
-        agent.tick()
-        assert (server.full_ticks, agent.details_sent) == (2, 0)
-        assert agent.probe.settings == ("native", True)
-        deadline = time.monotonic() + 5
-        while not served(aggregator).expandable_segments:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-
-
-def test_a_device_the_process_initialized_since_joins_with_a_full_sample(run_dir):
-    with probed(run_dir, process_interval_s=0.2) as (server, aggregator, agent):
-        server.cuda.count = 2
-        agent.tick()
-        time.sleep(0.3)
-        agent.tick()
-        assert (server.full_ticks, agent.details_sent) == (1, 1)
-        server.cuda.contexts.add(1)
-        time.sleep(0.3)
-        agent.tick()
-        assert (server.full_ticks, agent.details_sent) == (2, 1)
-        agent.tick()  # records of both devices, each over its own full sample
-        deadline = time.monotonic() + 5
-        while len(aggregator.read().allocators) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        time.sleep(0.1)  # the records too
-        assert sorted(r.device for r in aggregator.read().allocators) == [0, 1]
-        assert aggregator.rejected["order"] == 0
+        assert server.full_ticks == 2
 
 
 def _wakeups(thread: threading.Thread) -> int:
@@ -231,9 +151,8 @@ def test_the_command_reader_sleeps_while_records_go_out(run_dir):
 
 
 def test_a_process_nvml_lists_late_gets_its_outside_bytes_in_a_second_not_ten(run_dir):
-    """The detail comes every 10 s; a process NVML did not list at the first full sample (its
-    context just made) gets the next detail when NonAllocatorProbe reads again, not 10 s
-    later."""
+    """The full sample comes every 10 s; a process NVML did not list at its first one (its
+    context just made) gets the next when NonAllocatorProbe reads again, not 10 s later."""
     import json
     from types import SimpleNamespace
 
@@ -255,18 +174,18 @@ def test_a_process_nvml_lists_late_gets_its_outside_bytes_in_a_second_not_ten(ru
         assert agent.detail_interval_s == 10.0
         agent.tick()
         assert served(aggregator).non_allocator_bytes is None
-        assert agent._next_detail - time.monotonic() <= 1.0  # the next tick, not 10 s away
+        assert agent._next_full - time.monotonic() <= 1.0  # the next tick, not 10 s away
         listed["pid"] -= 1  # NVML lists it now
         time.sleep(0.6)
-        agent._next_detail = min(agent._next_detail, time.monotonic())  # its time has come
+        agent._next_full = min(agent._next_full, time.monotonic())  # its time has come
         agent.tick()
-        assert (server.full_ticks, agent.details_sent) == (1, 1)
+        assert server.full_ticks == 2
         reserved = server.stats["reserved_bytes"]["all"]["current"]
         deadline = time.monotonic() + 5
         while served(aggregator).non_allocator_bytes is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert served(aggregator).non_allocator_bytes == listed["usedGpuMemory"] - reserved
-        assert agent._next_detail - time.monotonic() > 9.0  # back to every 10 s
+        assert agent._next_full - time.monotonic() > 9.0  # back to every 10 s
 
 
 def test_a_launcher_that_does_not_read_never_blocks_the_probe(run_dir):
@@ -326,7 +245,7 @@ def test_a_record_of_another_version_is_refused_and_counted_never_misread(run_di
         allocator = {"device": 0, "gpu_uuid": "GPU-x", "backend": "native",
                      "expandable_segments": False, "gauges": {"allocated_bytes": 5}}  # fmt: skip
         for message in (
-            {"type": "hello", "version": protocol.VERSION, "process": {"role": "w"}},
+            {"type": "hello", "version": 1, "process": {"role": "w"}},
             {"type": "sample", "allocators": [allocator]},
         ):
             conn.sendall(protocol.encode(message))
@@ -353,17 +272,6 @@ def test_a_record_of_another_version_is_refused_and_counted_never_misread(run_di
         while aggregator.rejected["order"] < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert aggregator.rejected["order"] == 1
-        # So is a detail: it lays its fields over the device's full sample too.
-        conn.close()
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(str(run_dir / SOCKET_NAME))
-        hello = {"type": "hello", "version": protocol.VERSION, "process": {"role": "v"}}
-        conn.sendall(protocol.encode(hello))
-        detail = {"type": "detail", "devices": [{"device": 0, "non_allocator_bytes": 1}]}
-        conn.sendall(protocol.encode(detail))
-        while aggregator.rejected["order"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert aggregator.rejected["order"] == 2
     finally:
         conn.close()
         aggregator.close()

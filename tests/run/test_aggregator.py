@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from exporter.actions.base import Target
-from exporter.run import protocol
 from exporter.run.aggregator import Aggregator
 from tests.conftest import REPO_ROOT
 
@@ -52,10 +51,7 @@ def speak(aggregator: Aggregator, *messages: dict) -> socket.socket:
     """A connection from this process: its hello (role "w"), then `messages`."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(str(aggregator.socket_path))
-    for message in (
-        {"type": "hello", "version": protocol.VERSION, "process": {"role": "w"}},
-        *messages,
-    ):
+    for message in ({"type": "hello", "version": 1, "process": {"role": "w"}}, *messages):
         conn.sendall(json.dumps(message).encode() + b"\n")
     return conn
 
@@ -111,7 +107,6 @@ def _closed(sock: socket.socket) -> bool:
 
 HOST = """
 import json, resource, sys, time
-from exporter.run import protocol
 from exporter.run.aggregator import Aggregator
 resource.setrlimit(resource.RLIMIT_NOFILE, (48, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 aggregator = Aggregator(sys.argv[1], max_peers=1000, hello_timeout_s=60)
@@ -168,7 +163,7 @@ def test_running_out_of_fds_pauses_accepting_and_never_ends_it(run_dir):
 def test_a_pid_registers_once(run_dir):
     aggregator = Aggregator(run_dir)
     try:
-        hello = {"type": "hello", "version": protocol.VERSION, "process": {"role": "a"}}
+        hello = {"type": "hello", "version": 1, "process": {"role": "a"}}
         first = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         first.connect(str(aggregator.socket_path))
         first.sendall(json.dumps(hello).encode() + b"\n")
@@ -247,7 +242,7 @@ def test_a_rank_the_environment_contradicts_is_the_environments(run_dir):
 # 0..count-1) and stays connected.
 GREEDY = """
 import json, socket, sys, time
-count, version = int(sys.argv[2]), int(sys.argv[3])
+count = int(sys.argv[2])
 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 conn.connect(sys.argv[1])
 allocators = [
@@ -255,7 +250,7 @@ allocators = [
     for d in range(count)
 ]
 for message in (
-    {"type": "hello", "version": version, "process": {"role": "greedy"}},
+    {"type": "hello", "version": 1, "process": {"role": "greedy"}},
     {"type": "sample", "allocators": allocators, "actions": {}},
 ):
     conn.sendall(json.dumps(message).encode() + b"\\n")
@@ -266,14 +261,7 @@ sys.stdin.read()
 
 def greedy(aggregator: Aggregator, count: int) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            GREEDY,
-            str(aggregator.socket_path),
-            str(count),
-            str(protocol.VERSION),
-        ],
+        [sys.executable, "-c", GREEDY, str(aggregator.socket_path), str(count)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

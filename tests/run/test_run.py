@@ -594,8 +594,6 @@ def launcher_rss(pid: int) -> int:
 def test_a_hostile_agent_cannot_hurt_other_processes_or_the_endpoint(tmp_path):
     import socket
 
-    from exporter.run import protocol
-
     with launched(tmp_path) as (url, proc, control):
         wait_for_roles(url, {"worker0", "worker1"})
         sock_path = Path((control / "run-dir").read_text()) / "aggregator.sock"
@@ -607,7 +605,7 @@ def test_a_hostile_agent_cannot_hurt_other_processes_or_the_endpoint(tmp_path):
             hello = json.dumps(
                 {
                     "type": "hello",
-                    "version": protocol.VERSION,
+                    "version": 1,
                     "process": {"pid": "1", "role": "evil", "rank": "", "local_rank": ""},
                 }
             )

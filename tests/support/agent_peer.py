@@ -16,8 +16,6 @@ import sys
 import threading
 import time
 
-from exporter.run import protocol
-
 
 def send(sock: socket.socket, message: dict) -> None:
     sock.sendall(json.dumps(message).encode() + b"\n")
@@ -28,7 +26,7 @@ def main() -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
     process = {"pid": "1", "rank": rank, "local_rank": "", "role": mode}
-    send(sock, {"type": "hello", "version": protocol.VERSION, "process": process})
+    send(sock, {"type": "hello", "version": 1, "process": process})
     allocator = {
         "device": 0,
         "gpu_uuid": "GPU-peer",

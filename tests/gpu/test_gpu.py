@@ -10,10 +10,9 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterable
+from typing import Any
 
 import pytest
-from prometheus_client import Metric
 
 from tests.conftest import REPO_ROOT, run_support_script
 
@@ -737,25 +736,27 @@ def test_expandable_segments_turned_on_at_run_time_is_said_within_one_layout_int
     from prometheus_client.parser import text_string_to_metric_families
 
     r = run_scenario("settings_flip")
+
+    def samples(text: str, name: str) -> list[Any]:
+        return [
+            s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name
+        ]
+
     assert r["error"] is None and r["truth_expandable"] is True
-    before = list(text_string_to_metric_families(r["before"]))
-    after = {f.name: f for f in text_string_to_metric_families(r["after"])}
-
-    def info(families: Iterable[Metric]) -> dict[str, str]:
-        [sample] = [s for f in families if f.name == "torch_cuda_allocator" for s in f.samples]
-        return sample.labels
-
-    assert info(before)["expandable_segments"] == "false"
-    assert info(before)["source"] == "live"
-    assert info(after.values())["expandable_segments"] == "true"
-    [change] = after["gpumem_exporter_allocator_settings_change"].samples
+    [before] = samples(r["before"], "torch_cuda_allocator_info")
+    [after] = samples(r["after"], "torch_cuda_allocator_info")
+    assert (before.labels["expandable_segments"], before.labels["source"]) == ("false", "live")
+    assert after.labels["expandable_segments"] == "true", r["after"]
+    [change] = samples(r["after"], "gpumem_exporter_allocator_settings_change_info")
     assert (change.labels["setting"], change.labels["from"], change.labels["to"]) == (
         "expandable_segments",
         "false",
         "true",
     )
-    [total] = after["gpumem_exporter_allocator_settings_changes"].samples
+    [total] = samples(r["after"], "gpumem_exporter_allocator_settings_changes_total")
     assert total.value == 1
-    firing = [s.labels for s in after["gpumem_exporter_alert_firing"].samples if s.value == 1]
-    assert any(labels["alert"] == "GpuMemAllocatorSettingsChanged" for labels in firing)
+    firing = samples(r["after"], "gpumem_exporter_alert_firing")
+    assert any(
+        s.labels["alert"] == "GpuMemAllocatorSettingsChanged" and s.value == 1 for s in firing
+    )
     assert r["seen_s"] is not None and r["seen_s"] <= r["layout_interval_s"] + 1.0

@@ -889,12 +889,22 @@ def settings_flip(under: str = "start") -> dict[str, Any]:
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     flipped = time.monotonic()
     y = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda:0")  # a segment of the new kind
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def said(text: str) -> bool:
+        found = {
+            (s.name, s.labels.get("alert"), s.value)
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
+        return ("gpumem_exporter_allocator_settings_change_info", None, 1.0) in found and (
+            ("gpumem_exporter_alert_firing", "GpuMemAllocatorSettingsChanged", 1.0) in found
+        )
+
     after, seen_s = before, None
     while time.monotonic() < flipped + 30:
         after = scrape()
-        if "gpumem_exporter_allocator_settings_change_info{" in after and (
-            'alert="GpuMemAllocatorSettingsChanged"' in after
-        ):
+        if said(after):
             seen_s = time.monotonic() - flipped
             break
         time.sleep(0.2)

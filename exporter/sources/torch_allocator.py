@@ -298,14 +298,16 @@ class TorchAllocatorSource:
             )
         layout = self._layout_reader(torch, backend)
         readings = []
-        read_stats = []  # each device's, kept for the layout's block count when it is due
+        # Each device's stats: the layout's block count when it is due, and this tick's
+        # numbers again where the layout's snapshot finds the settings changed.
+        read_stats: dict[int, Any] = {}
         for index in range(torch.cuda.device_count()):
             if not self._has_context(torch, index):
                 continue
             stats = self._read_stats(index)
             if not stats:
                 continue
-            read_stats.append(stats)
+            read_stats[index] = stats
             reading = allocator_reading_from_stats(
                 stats,
                 device=index,
@@ -324,12 +326,33 @@ class TorchAllocatorSource:
             self._non_allocator.apply(readings, self._state_now)
         if readings and layout is not None:
             due = self._retries_rose(readings) or layout.due()
-            blocks = sum(block_count(st, expandable) for st in read_stats) if due else 0
+            blocks = sum(block_count(st, expandable) for st in read_stats.values()) if due else 0
             self._add_layout(layout, due, readings, blocks)
+            if self._expandable != expandable:
+                self._replan(readings, read_stats)
         for reading in readings:
             reading.settings = dict(self._setting_labels)
         self.ooms.annotate(readings)
         return SourceReading(allocators=readings, pinned_host=self._pinned_host(torch))
+
+    def _replan(self, readings: list[AllocatorReading], read_stats: Mapping[int, Any]) -> None:
+        """The snapshot just said the server switched expandable segments (vLLM does, around
+        its CuMem pool): this tick's numbers are taken again from the same stats under the
+        setting in force (it decides which are defined), so that the switch shows in this
+        reading, not one detail interval later (seen on an H200)."""
+        for reading in readings:
+            again = allocator_reading_from_stats(
+                read_stats[reading.device],
+                device=reading.device,
+                gpu_uuid=reading.gpu_uuid,
+                backend=reading.backend,
+                expandable_segments=bool(self._expandable),
+            )
+            limit = reading.gauges.get("memory_limit_bytes")
+            if limit is not None:
+                again.gauges["memory_limit_bytes"] = limit
+            reading.expandable_segments = again.expandable_segments
+            reading.gauges, reading.pools = again.gauges, again.pools
 
     def _retries_rose(self, readings: list[AllocatorReading]) -> bool:
         """Whether an allocation retry happened since the last tick (and the layout was not

@@ -248,3 +248,27 @@ def test_a_torch_built_without_cuda_is_said_so_not_waited_for():
     made = {source.name: source for source in sources_for("embedded", Config())}
     assert made["torch"].read().unavailable == NO_CUDA_BUILD
     assert made["nvml"].read().unavailable == NO_CUDA_BUILD
+
+
+def test_a_switch_the_snapshot_finds_shows_in_the_same_reading(monkeypatch):
+    """The server turns expandable segments on while it runs (vLLM around its CuMem pool):
+    the read whose layout snapshot finds it takes its numbers under the setting in force, so
+    the switch shows at once, not one layout interval later (seen on an H200)."""
+    import copy
+    import time
+
+    data = capture("native")
+    cuda = FakeCuda(copy.deepcopy(data["memory_stats_as_nested_dict"]), True, {0}, count=1)
+    torch = fake_torch(cuda)
+    snapshot = copy.deepcopy(data["snapshot"])
+    torch._C._cuda_memorySnapshot = lambda pool: snapshot
+    source = TorchAllocatorSource(torch, env={}, layout_interval_s=0.01)
+    first = source.read().allocators[0]
+    assert first.expandable_segments is False and "inactive_split_bytes" in first.gauges
+    snapshot["allocator_settings"]["expandable_segments"] = True
+    time.sleep(0.02)
+    switched = source.read().allocators[0]
+    assert switched.settings["expandable_segments"] == "true"
+    assert switched.expandable_segments is True
+    assert "inactive_split_bytes" not in switched.gauges  # not tracked with expandable segments
+    assert switched.gauges["reserved_bytes"] == first.gauges["reserved_bytes"]

@@ -3,6 +3,8 @@
     import exporter
     exporter.start()          # a probe thread here; /metrics on 127.0.0.1:9445 from a helper
     exporter.attach(app)      # or: mount on your own FastAPI app and registry
+    with exporter.component("weights"):   # name what memory is for: the memory ledger
+        model = load_model().cuda()
 
 The embedding API is imported on first use, so that `import exporter.<module>` stays cheap:
 under `gpumem-exporter run` every Python process of a server loads a small agent from here.
@@ -15,9 +17,19 @@ from typing import TYPE_CHECKING, Any
 from exporter.version import __version__
 
 if TYPE_CHECKING:
+    from exporter.components import component, release_component, set_component
     from exporter.embedded import Handle, attach, start, stop
 
-__all__ = ["Handle", "__version__", "attach", "start", "stop"]
+__all__ = [
+    "Handle",
+    "__version__",
+    "attach",
+    "component",
+    "release_component",
+    "set_component",
+    "start",
+    "stop",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -25,4 +37,8 @@ def __getattr__(name: str) -> Any:
         from exporter import embedded
 
         return getattr(embedded, name)
+    if name in ("component", "release_component", "set_component"):
+        from exporter import components
+
+        return getattr(components, name)
     raise AttributeError(f"module 'exporter' has no attribute {name!r}")

@@ -261,6 +261,18 @@ FAMILIES: tuple[Family, ...] = (
         per_process=True,
     ),
     Family(
+        "gpumem_exporter_component_problems",
+        "gauge",
+        "What the memory ledger could not take as the server named it: overflowed (names "
+        "past the bound, their bytes in other_named), negative_growth (blocks that freed more "
+        "than they allocated), reentered (a component entered while open: not measured "
+        "again), open (blocks entered and not left yet); served where one happened.",
+        ("problem",),
+        "exporter",
+        ALLOCATOR,
+        per_process=True,
+    ),
+    Family(
         "gpumem_exporter_probe_records_dropped",
         "counter",
         "Allocator records a process under `gpumem-exporter run` dropped because the "
@@ -500,6 +512,28 @@ FAMILIES: tuple[Family, ...] = (
         # Eight series a device after an OOM: past a fleet's budget (the page, `why` and
         # /stats carry them at every level; the demo, one process, serves them).
         full_only=OWN_PROCESS,
+    ),
+    # -- the memory ledger: what the server named, and where every byte goes (exporter.ledger)
+    _allocator(
+        "gauge",
+        "component",
+        "components",
+        "Bytes the server named as this component (exporter.component(): the allocator's "
+        "growth inside the block; set_component(): the size it gave), as it said them; "
+        "torch_cuda_memory_ledger_bytes cuts them to what is still allocated.",
+        name="torch_cuda_component_bytes",
+        labels=("component",),
+    ),
+    _allocator(
+        "gauge",
+        "ledger",
+        "ledger",
+        "Where this process's memory on the GPU goes: each named component, private_pools "
+        "(live in CUDA graphs' and MemPools' pools), other_live (the rest of allocated), "
+        "cached_free (reserved - allocated) and outside_allocator (NVML's per-process used - "
+        "reserved); the parts sum to NVML's per-process used (docs/metrics.md, the ledger).",
+        name="torch_cuda_memory_ledger_bytes",
+        labels=("component",),
     ),
     # -- the allocator's layout: a segments-only snapshot, every few seconds ----------------
     _allocator(

@@ -23,6 +23,7 @@ from exporter import catalog
 from exporter.alerts import allocator_settings
 from exporter.attribution import Attribution, attribute
 from exporter.catalog import PROCESS_LABELS, Family
+from exporter.ledger import ledger
 from exporter.process_labels import ProcessLabels
 from exporter.request_counts import RequestCounts
 from exporter.sample import (
@@ -360,6 +361,10 @@ class SampleCollector(Collector):
         for entry in stats.processes:
             if entry.counts.records_dropped:  # only where it happened: the traces' text stays
                 dropped.add(processes.labels(entry.process), entry.counts.records_dropped)
+        problems = self._fill(catalog.family("gpumem_exporter_component_problems"), per_process)
+        for entry in stats.processes:
+            for problem, count in sorted(entry.counts.component_problems.items()):
+                problems.add({**processes.labels(entry.process), "problem": problem}, count)
         restarts = self._fill(catalog.family("gpumem_exporter_helper_restarts"), per_process)
         for entry in stats.processes:
             if entry.counts.helper_restarts:
@@ -375,6 +380,8 @@ class SampleCollector(Collector):
             yield dropped, True  # not even its HELP before: the traces' text stays as it was
         if any(entry.counts.helper_restarts for entry in stats.processes):
             yield restarts, True
+        if any(entry.counts.component_problems for entry in stats.processes):
+            yield problems, True
         yield reports, False
         if self._requests is not None:
             admin = self._fill(catalog.family("gpumem_exporter_admin_requests"))
@@ -462,6 +469,10 @@ class SampleCollector(Collector):
             skipped = by_key["layout_state"]["layout_skipped"]
             skipped.add_info(ids, {"reason": reading.layout_skipped})
         self._add_oom(by_key["oom"], reading, ids)
+        for name, nbytes in reading.components.items():
+            by_key["component"]["components"].add({**ids, "component": name}, nbytes)
+        for part, nbytes in ledger(reading):
+            by_key["ledger"]["ledger"].add({**ids, "component": part}, nbytes)
         for pool_id, pool_gauges in sorted(reading.private_pools.items()):
             pool_ids = Labels(ids, pool_id=pool_id)
             for key, value in pool_gauges.items():

@@ -183,6 +183,8 @@ def _allocator_value(
         setattr(reading, key, value)
     elif key == "layout_skipped":
         reading.layout_skipped = labels.get("reason", "")
+    elif group == "component":
+        reading.components[labels.get("component", "")] = _count(name, value)
     elif group == "oom":
         _oom_value(reading, key, labels, _count(name, value) if key != "last_timestamp" else value)
     elif entry.name == "torch_cuda_allocator":
@@ -191,7 +193,7 @@ def _allocator_value(
         split = labels.get("max_split_size_bytes", "")
         reading.max_split_size_bytes = int(split) if split else None
         reading.settings = _settings(labels)
-    # Ratios are derived from the gauges, never read back.
+    # Ratios and the ledger are derived from the rest, never read back.
 
 
 # torch_cuda_oom_last_bytes{reading} -> the OomVerdict field it is (cap_room is derived).

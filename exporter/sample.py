@@ -59,6 +59,9 @@ class AllocatorReading:
     # OOM observer decided them (exporter/oom_verdict.py). None / empty before an OOM.
     last_oom: OomVerdict | None = None
     ooms_by_verdict: dict[str, int] = field(default_factory=dict)
+    # What the server named its memory (exporter.components): bytes by component name, in
+    # the order named; the ledger (exporter.ledger) lays them over allocated.
+    components: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AllocatorReading:
@@ -303,6 +306,8 @@ class ActionCounts:
     records_dropped: int = 0
     # exporter.start(): helpers this process's probe started again after one died.
     helper_restarts: int = 0
+    # What the ledger could not take as the server asked (exporter.components.PROBLEMS).
+    component_problems: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

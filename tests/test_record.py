@@ -100,3 +100,28 @@ def test_own_pid_is_recovered_on_a_tick_that_reuses_the_process_list():
     sample.allocators[0].non_allocator_bytes = 500  # taken when reserved was 1000
     back = sample_from_exposition(render(sample), timestamp=sample.timestamp)
     assert back.self_pid == 41
+
+
+def test_named_components_round_trip_and_the_ledger_is_derived_not_read_back():
+    sample = captured_sample("native")
+    reading = sample.allocators[0]
+    allocated = reading.gauges["allocated_bytes"]
+    reading.components = {"weights": allocated // 2, "kv_cache": allocated // 4}
+    text = render(sample)
+    ledger_rows = [
+        line for line in text.splitlines() if line.startswith("torch_cuda_memory_ledger_bytes{")
+    ]
+    parts = {
+        row.split('component="')[1].split('"')[0]: float(row.split()[-1]) for row in ledger_rows
+    }
+    assert list(parts) == [
+        "weights",
+        "kv_cache",
+        "private_pools",
+        "other_live",
+        "cached_free",
+        "outside_allocator",
+    ]
+    assert sum(parts.values()) == reading.gauges["reserved_bytes"] + reading.non_allocator_bytes
+    back = sample_from_exposition(text, timestamp=sample.timestamp)
+    assert back.allocators == sample.allocators

@@ -168,6 +168,10 @@ class Agent:
             ooms = getattr(self.source, "ooms", None)
             if ooms is not None:
                 ooms.on_change.append(self._full_next)
+            # So does a component the server names or releases (exporter.component()).
+            components = getattr(self.source, "components", None)
+            if components is not None:
+                components.on_change.append(self._full_next)
             self.actions = actions
         return self.actions
 
@@ -175,6 +179,9 @@ class Agent:
         counts = self.actions.counts()[0].counts if self.actions is not None else ActionCounts()
         counts.records_dropped = self.records_dropped
         counts.helper_restarts = self.helper_restarts
+        components = getattr(self.source, "components", None)
+        if components is not None:
+            counts.component_problems = components.problems()
         return counts
 
     # -- sending -------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from typing import Any
 from exporter.actions.base import OUTCOME_STATUS, ProcessResult
 from exporter.actions.spec import BY_NAME
 from exporter.catalog import PROCESS_LABELS
+from exporter.components import MAX_COMPONENTS, MAX_NAME, PROBLEMS
 from exporter.oom_verdict import VERDICTS, OomVerdict
 from exporter.probe import record
 from exporter.sample import (
@@ -254,6 +255,16 @@ def _private_pools(value: Any) -> dict[str, dict[str, int]]:
     }
 
 
+def _components(value: Any) -> dict[str, int]:
+    components = _object(value, "components")
+    if len(components) > MAX_COMPONENTS + 1:  # the bound, and its overflow
+        raise _fail("components: too many")
+    return {
+        _text(name, "components", MAX_NAME): _count(nbytes, "components.<name>")
+        for name, nbytes in components.items()
+    }
+
+
 def _settings(value: Any) -> dict[str, str]:
     settings = _object(value, "settings")
     if len(settings) > MAX_SETTINGS:
@@ -286,6 +297,7 @@ ALLOCATOR_CHECKS: dict[str, Callable[[Any], Any]] = {
     "non_allocator_age_s": lambda v: _age(v, "non_allocator_age_s"),
     "last_oom": lambda v: _last_oom(v),
     "ooms_by_verdict": lambda v: _counts(v, "ooms_by_verdict", VERDICTS),
+    "components": _components,
 }
 FROM_LAUNCHER = ("process",)
 _REQUIRED = tuple(
@@ -357,6 +369,9 @@ def parse_sample(message: Mapping[str, Any]) -> tuple[list[AllocatorReading], Ac
         remediations=_counts(actions.get("remediations", {}), "actions.remediations", None),
         records_dropped=_count(actions.get("records_dropped", 0), "actions.records_dropped"),
         helper_restarts=_count(actions.get("helper_restarts", 0), "actions.helper_restarts"),
+        component_problems=_counts(
+            actions.get("component_problems", {}), "actions.component_problems", PROBLEMS
+        ),
     )
     if len(counts.snapshots) > 16 or len(counts.remediations) > 16:
         raise _fail("actions: too many keys")

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from exporter.components import Components, registry
 from exporter.oom_verdict import MAX_NAMED_PROCESSES, OomLog, OomVerdict
 from exporter.probe.allocator import has_context
 from exporter.probe.record import (
@@ -203,6 +204,7 @@ class TorchAllocatorSource:
         layout_interval_s: float = DEFAULT_INTERVAL_S,
         layout_max_blocks: int = DEFAULT_MAX_BLOCKS,
         non_allocator: NonAllocatorProbe | None = None,
+        components: Components | None = None,
     ) -> None:
         self._torch = torch_module
         # Takes this process's bytes outside the allocator from NVML (None: NVML is off).
@@ -230,6 +232,9 @@ class TorchAllocatorSource:
         # The verdicts of this process's OOMs (exporter.actions.oom writes them; every
         # reading carries its device's latest).
         self.ooms = OomLog()
+        # What the server named its memory (exporter.component()); every reading carries its
+        # device's.
+        self.components = components if components is not None else registry()
         self._retries: dict[int, int] = {}  # alloc_retries by device at the last tick
 
     def _load_torch(self) -> Any:
@@ -332,6 +337,7 @@ class TorchAllocatorSource:
                 self._replan(readings, read_stats)
         for reading in readings:
             reading.settings = dict(self._setting_labels)
+            reading.components = self.components.on_device(reading.device)
         self.ooms.annotate(readings)
         return SourceReading(allocators=readings, pinned_host=self._pinned_host(torch))
 

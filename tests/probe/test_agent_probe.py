@@ -322,3 +322,36 @@ def test_dropped_records_are_served_only_once_a_process_dropped_one():
         assert ("gpumem_exporter_probe_records_dropped_total" in text) is bool(dropped)
         if dropped:
             assert 'gpumem_exporter_probe_records_dropped_total{local_rank="0"' in text
+
+
+def test_a_component_named_goes_out_at_the_next_tick_with_its_problems(run_dir):
+    """exporter.component() in the serving process: the full sample carries it at the next
+    tick (not at the detail interval), the helper's reading has it, the ledger sums."""
+    from exporter.components import Components
+    from exporter.ledger import ledger
+
+    with probed(run_dir) as (server, aggregator, agent):
+        current = server.stats["allocated_bytes"]["all"]
+        components = Components(lambda: {0: current["current"]})
+        agent.source.components = components
+        agent.tick()
+        agent.tick()
+        assert server.full_ticks == 1
+        with components.measure("weights"):
+            server.allocate(3 << 30)
+            server.stats["reserved_bytes"]["all"]["current"] += 3 << 30  # a new segment
+        with components.measure("scratch"):
+            server.allocate(-(1 << 20))  # freed more than it took: a problem, counted
+        agent.tick()
+        assert server.full_ticks == 2
+        deadline = time.monotonic() + 5
+        while not served(aggregator).components:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        reading = served(aggregator)
+        assert reading.components == {"weights": 3 << 30}
+        parts = dict(ledger(reading))
+        assert parts["weights"] == 3 << 30
+        assert sum(parts.values()) == reading.gauges["reserved_bytes"]  # no NVML here
+        [counts] = aggregator.action_counts()
+        assert counts.counts.component_problems == {"negative_growth": 1}

@@ -124,6 +124,23 @@ def oom_answer(stats: dict[str, Any]) -> str:
     return "".join(line + "\n" for line in lines)
 
 
+def ledger_answer(stats: dict[str, Any]) -> str:
+    """Where each process's memory on each GPU goes (/stats' ledgers): one line a device, the
+    total (NVML's per-process used where the process has a value outside the allocator)."""
+    lines = []
+    for row in stats.get("ledgers") or []:
+        parts = row.get("parts") if isinstance(row, dict) else None
+        if not isinstance(parts, dict) or not parts:
+            continue
+        where = f"{describe_process(row.get('process') or {})} cuda:{row.get('device')}"
+        total = sum(int(value) for value in parts.values())
+        terms = " + ".join(f"{name} {fmt_bytes(int(value))}" for name, value in parts.items())
+        lines.append(f"{where}: {fmt_bytes(total)} = {terms}")
+    if not lines:
+        return ""
+    return "where the memory goes:\n" + "".join(f"  {line}\n" for line in lines)
+
+
 def _verdict_lines(verdict: OomVerdict) -> list[str]:
     at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(verdict.timestamp))
     followed = (

@@ -844,7 +844,7 @@ def cmd_why(args: argparse.Namespace) -> int:
 
 
 def _print_why(args: argparse.Namespace, stats: dict[str, Any]) -> None:
-    from exporter.answers import oom_answer
+    from exporter.answers import ledger_answer, oom_answer
 
     if args.json:
         verdicts = [
@@ -857,9 +857,14 @@ def _print_why(args: argparse.Namespace, stats: dict[str, Any]) -> None:
             }
             for a in (stats.get("sample") or {}).get("allocators", [])
         ]
-        print(json.dumps({"mode": stats.get("mode"), "devices": verdicts}, indent=2))
+        ledgers = stats.get("ledgers") or []
+        print(
+            json.dumps(
+                {"mode": stats.get("mode"), "devices": verdicts, "ledgers": ledgers}, indent=2
+            )
+        )
     else:
-        print(terminal_safe(oom_answer(stats)), end="")
+        print(terminal_safe(oom_answer(stats) + ledger_answer(stats)), end="")
 
 
 # A snapshot on an exporter: BASE/snapshots/ID, or its /view or /info page.

@@ -4,7 +4,8 @@ Run on a machine with a CUDA GPU, from the repository root:
 
     python3 scripts/capture_gpu_fixtures.py --out tests/data
 
-For each allocator configuration (native, expandable_segments, cudaMallocAsync) a fresh
+For each allocator configuration (native, expandable_segments, cudaMallocAsync, and native
+with a model's weights and KV cache named by exporter.component()) a fresh
 process allocates a fixed pattern (varied sizes, alternating frees, so inactive_split is not
 zero where it is tracked), then writes:
 - the raw `torch.cuda.memory_stats_as_nested_dict(0)` and the flat `memory_stats(0)`;
@@ -33,6 +34,8 @@ CONFIGS = {
     "native": "",
     "expandable": "expandable_segments:True",
     "async": "backend:cudaMallocAsync",
+    # native, with a model's weights and a KV cache named (exporter.component): the ledger
+    "components": "",
 }
 
 
@@ -141,6 +144,20 @@ def _independent_walk(snapshot: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _named_components(torch: Any, device: Any, keep: list[Any]) -> dict[str, int]:
+    """A model's weights and its KV cache, each in exporter.component(); what each added to
+    torch.cuda.memory_allocated, read around the block (the truth the ledger is held to)."""
+    import exporter
+
+    truth = {}
+    for name, shape in (("weights", (8, 4096, 4096)), ("kv_cache", (2, 16, 1024, 8, 128))):
+        before = torch.cuda.memory_allocated(device)
+        with exporter.component(name):
+            keep.append(torch.empty(shape, dtype=torch.bfloat16, device=device))
+        truth[name] = torch.cuda.memory_allocated(device) - before
+    return truth
+
+
 def child(config_name: str, out: Path) -> None:
     import torch
 
@@ -161,6 +178,7 @@ def child(config_name: str, out: Path) -> None:
             keep.append(tensor)
     del allocs, tensor
     torch.cuda.synchronize()
+    named = _named_components(torch, device, keep) if config_name == "components" else {}
     live_bytes = sum(t.numel() * t.element_size() for t in keep)
     private = _private_pools(torch, device)
     pinned = torch.empty(PINNED_BYTES, dtype=torch.uint8, pin_memory=True)
@@ -196,6 +214,7 @@ def child(config_name: str, out: Path) -> None:
             "pinned_tensor_bytes": PINNED_BYTES,
             "private_pools": private,
             "snapshot_walk": None if snapshot is None else _independent_walk(snapshot),
+            "components": named,  # each component's allocated growth, read by torch itself
         },
         # Segments-only snapshot (history off, so no frames), taken right after the source
         # read: the layout the CPU tests recompute. None where the backend has no snapshot.

@@ -668,6 +668,8 @@ def catalog_collector(
         {"empty_cache/ok": 1},
         records_dropped=dropped,
         helper_restarts=1 if per_process else 0,
+        # A component entered while open (not measured twice): served once one happened.
+        component_problems={"reentered": 1},
     )
     # An endpoint with a web config and a certificate: every gpumem_exporter_web* family.
     endpoint = EndpointState(
@@ -810,12 +812,13 @@ def mig_node_shaped(machine: str = "h100-mig") -> Sample:
 
 def every_family_cases() -> list[tuple[str, bool, dict[str, str], Sample]]:
     """(mode, per_process, constant labels, sample) that together serve every family the
-    catalog declares: three allocator backends captured on a GPU, the demo trace (layout,
+    catalog declares: three allocator backends captured on a GPU (and named components on
+    the native one), the demo trace (layout,
     private pools, pinned host) and the storm trace (layout skipped), each as its modes
     would serve it, and the node daemon's attribution."""
     _, demo = read_trace(demo_trace_path())
     _, storm = read_trace(DATA_DIR / "h200_oom_storm_trace.jsonl.gz")
-    samples = [captured_sample(n) for n in ("native", "expandable", "async")]
+    samples = [captured_sample(n) for n in ("native", "expandable", "async", "components")]
     samples += demo[::40] + storm[::10] + captured_oom_samples()
     found: list[tuple[str, bool, dict[str, str], Sample]] = []
     for sample in samples:

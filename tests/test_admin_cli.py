@@ -321,17 +321,30 @@ def test_why_prints_each_process_oom_verdict_with_its_numbers_and_action(tmp_pat
         (device,) = as_json["devices"]
         assert device["last_oom"]["verdict"] == "fragmentation"
         assert device["ooms_by_verdict"] == {"fragmentation": 1}
+        (row,) = as_json["ledgers"]
+        reading = _captured("fragmentation").allocators[0]
+        outside = reading.non_allocator_bytes or 0
+        assert sum(row["parts"].values()) == reading.gauges["reserved_bytes"] + outside
 
 
 @pytest.mark.slow
 def test_why_without_an_oom_and_with_oom_counts_that_have_no_verdict(tmp_path):
     from dataclasses import replace
 
+    from exporter.units import fmt_bytes
+
     env = {"GPUMEM_SNAPSHOT_DIR": str(tmp_path / "s")}
     quiet = trace_of_sample(tmp_path / "quiet.jsonl.gz", _captured(None))
     with running("demo", "--trace", str(quiet), env=env) as url:
         out = run_cli("why", "--url", url).stdout
-    assert out == "no out-of-memory error in any process since the exporter started\n"
+    quiet_lines = out.splitlines()
+    assert quiet_lines[0] == "no out-of-memory error in any process since the exporter started"
+    # Then where the memory goes: the ledger's parts, summing to the total it says.
+    assert quiet_lines[1] == "where the memory goes:"
+    reading = _captured(None).allocators[0]
+    total = reading.gauges["reserved_bytes"] + (reading.non_allocator_bytes or 0)
+    assert quiet_lines[2].startswith("  pid ") and f": {fmt_bytes(total)} = " in quiet_lines[2]
+    assert " + other_live " in quiet_lines[2] and " + cached_free " in quiet_lines[2]
     # OOMs counted by the allocator with no verdict (before the observer was armed, or a
     # trace of an older exporter) are said to have none.
     sample = _captured("cap")

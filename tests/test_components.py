@@ -178,3 +178,23 @@ def test_an_unmodified_server_gets_pools_other_live_cached_and_outside():
         "cached_free": 2 * GiB,
         "outside_allocator": GiB,
     }
+
+
+def test_the_components_captured_on_a_gpu_are_the_growth_torch_read_and_the_ledger_sums():
+    """tests/data/allocator_components.json (scripts/capture_gpu_fixtures.py on an H200): the
+    exporter's reading names each component with what torch.cuda.memory_allocated grew by,
+    and its ledger sums to NVML's per-process used of the same moment."""
+    import json
+
+    from tests.conftest import DATA_DIR
+    from tests.helpers import captured_sample
+
+    data = json.loads((DATA_DIR / "allocator_components.json").read_text())
+    sample = captured_sample("components")
+    (reading,) = sample.allocators
+    assert reading.components == data["truth"]["components"]
+    assert set(reading.components) == {"weights", "kv_cache"}
+    (entry,) = [p for p in sample.processes if p.pid == data["pid"]]
+    parts = dict(ledger(reading))
+    assert sum(parts.values()) == entry.used_bytes
+    assert parts["other_live"] >= 0 and parts["outside_allocator"] > 0

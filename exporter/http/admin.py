@@ -41,6 +41,7 @@ from exporter.detectors import Detectors
 from exporter.http.access import is_loopback
 from exporter.http.identities import RESOURCES, VERBS, IdentityUnavailable, KubernetesIdentities
 from exporter.identity import describe_process, process_labels
+from exporter.ledger import ledger
 from exporter.oom_pending import PendingOoms
 from exporter.ratelimit import RateLimitedLog
 from exporter.request_counts import RequestCounts
@@ -396,11 +397,22 @@ class Admin:
             for row in self.pending_ooms.rows()
             if not target.selective or target.matches(_str_labels(row))
         ]
+        ledgers = [
+            {
+                "process": reading.process,
+                "device": reading.device,
+                "gpu_uuid": reading.gpu_uuid,
+                "parts": dict(ledger(reading)),
+            }
+            for reading in (sample.allocators if sample else [])
+            if not target.selective or _selected(target, {"process": reading.process})
+        ]
         return {
             "mode": self.traits.name,
             "sample": data,
             "alerts_firing": firing,
             "ooms_pending": pending,
+            "ledgers": ledgers,
         }
 
 

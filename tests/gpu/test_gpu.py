@@ -745,7 +745,10 @@ def test_expandable_segments_turned_on_at_run_time_is_said_within_one_layout_int
     assert r["error"] is None and r["truth_expandable"] is True
     [before] = samples(r["before"], "torch_cuda_allocator_info")
     [after] = samples(r["after"], "torch_cuda_allocator_info")
-    assert (before.labels["expandable_segments"], before.labels["source"]) == ("false", "live")
+    assert (before.labels["expandable_segments"], before.labels["settings_source"]) == (
+        "false",
+        "live",
+    )
     assert after.labels["expandable_segments"] == "true", r["after"]
     [change] = samples(r["after"], "gpumem_exporter_allocator_settings_change_info")
     assert (change.labels["setting"], change.labels["from"], change.labels["to"]) == (
@@ -760,3 +763,39 @@ def test_expandable_segments_turned_on_at_run_time_is_said_within_one_layout_int
         s.labels["alert"] == "GpuMemAllocatorSettingsChanged" and s.value == 1 for s in firing
     )
     assert r["seen_s"] is not None and r["seen_s"] <= r["layout_interval_s"] + 1.0
+
+
+def _check_ledger(r: dict[str, Any]) -> None:
+    parts, truth = r["parts"], r["truth"]
+    assert r["error"] is None and r["nvml_used"] is not None, r
+    # Each component is the allocated bytes it added (an independent torch reading).
+    assert parts["weights"] == truth["weights"] > 0, r
+    assert parts["kv_cache"] == truth["kv_cache"] > 0, r
+    assert parts["other_live"] >= 100 * MiB, r  # the unnamed tensor
+    assert parts["cached_free"] == r["reserved"] - r["allocated"], r
+    # The parts sum to NVML's per-process used, to the MiB.
+    assert abs(sum(parts.values()) - r["nvml_used"]) < MiB, r
+
+
+def test_components_and_the_ledger_on_a_real_allocator():
+    """Issue 52: a model load and a KV cache wrapped in exporter.component(), embedded."""
+    _check_ledger(run_scenario("ledger"))
+
+
+def test_components_and_the_ledger_under_run(tmp_path):
+    """The same under `gpumem-exporter run`: the agent reads the process's components."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    script = str(REPO_ROOT / "tests" / "support" / "gpu_scenarios.py")
+    out = subprocess.run(
+        [sys.executable, "-m", "exporter.cli", "run", "--port", str(port), "--interval-s", "0.2",
+         "--", sys.executable, script, "ledger", url],
+        capture_output=True, text=True, timeout=180, cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    _check_ledger(json.loads(out.stdout.strip().splitlines()[-1]))

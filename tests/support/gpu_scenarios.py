@@ -921,6 +921,70 @@ def settings_flip(under: str = "start") -> dict[str, Any]:
     }
 
 
+def ledger(url: str = "") -> dict[str, Any]:
+    """A model's weights and a KV cache named with exporter.component(), an unnamed tensor
+    beside them; the ledger on /metrics once it has every part, and NVML's per-process used
+    read independently at that moment. `url`: under `gpumem-exporter run`, the launcher's
+    (the agent reads this process); else an embedded exporter is started here."""
+    import pynvml
+    import torch
+    from prometheus_client.parser import text_string_to_metric_families
+
+    import exporter
+
+    handle = None if url else exporter.start(port=0, interval_s=0.2)
+    if handle is not None:
+        url = str(handle.url)
+    torch.empty(1, device="cuda:0")
+    truth = {}
+    before = torch.cuda.memory_allocated(0)
+    with exporter.component("weights"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).cuda()
+    truth["weights"] = torch.cuda.memory_allocated(0) - before
+    before = torch.cuda.memory_allocated(0)
+    with exporter.component("kv_cache"):
+        kv = torch.empty((2, 32, 2048, 8, 128), dtype=torch.float16, device="cuda:0")
+    truth["kv_cache"] = torch.cuda.memory_allocated(0) - before
+    unnamed = torch.empty(100 * MiB, dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    pynvml.nvmlInit()
+    gpu = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+
+    def parts_now() -> dict[str, float]:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        return {
+            s.labels["component"]: s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "torch_cuda_memory_ledger_bytes" and s.labels.get("device") == "0"
+        }
+
+    deadline = time.monotonic() + 60
+    parts: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        parts = parts_now()
+        if {"weights", "kv_cache", "outside_allocator"} <= set(parts):
+            break
+        time.sleep(0.2)
+    pid = os.getpid()
+    used = [
+        p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(gpu) if p.pid == pid
+    ]
+    result = {
+        "parts": parts,
+        "truth": truth,
+        "nvml_used": used[0] if used else None,
+        "allocated": torch.cuda.memory_allocated(0),
+        "reserved": torch.cuda.memory_reserved(0),
+        "error": handle.error if handle is not None else None,
+    }
+    del model, kv, unnamed
+    if handle is not None:
+        handle.stop()
+    return result
+
+
 SCENARIOS = {
     name: fn
     for name, fn in list(globals().items())

@@ -27,6 +27,8 @@ LAYERS: list[tuple[str, ...]] = [
         "catalog",
         "oom_verdict",
         "sample",
+        "ledger",  # where a process's GPU memory goes, from a reading
+        "components",  # what the server named its memory: standard library only
         "config",
         "identity",
         "probe",  # the serving process's tick: standard library only

@@ -488,8 +488,9 @@ FAMILIES: tuple[Family, ...] = (
         "counter",
         "oom",
         "ooms_by_verdict",
-        "Out-of-memory errors by the verdict taken at each (fragmentation, cap, "
-        "other_processes, exhaustion, unknown; docs/runbooks.md#out-of-memory-verdicts).",
+        "Out-of-memory errors by the verdict taken at each (fragmentation, pools, cap, "
+        "other_processes, outside_allocator, exhaustion, unknown; "
+        "docs/runbooks.md#out-of-memory-verdicts).",
         labels=("verdict",),
     ),
     _allocator(
@@ -506,7 +507,7 @@ FAMILIES: tuple[Family, ...] = (
         "last_bytes",
         "The readings that decided the latest out-of-memory verdict, taken in the OOM "
         "observer: requested, free_in_holes, largest_free_block, allocated, reserved, "
-        "cap_room, device_free, other_processes.",
+        "cap_room, device_free, other_processes, private_pools_free, outside_allocator.",
         name="torch_cuda_oom_last_bytes",
         labels=("reading",),
         # Eight series a device after an OOM: past a fleet's budget (the page, `why` and

@@ -312,7 +312,8 @@ def _add_why_command(commands: argparse._SubParsersAction[argparse.ArgumentParse
         "why",
         help="why each process ran out of GPU memory: the latest OOM's verdict and action",
         description="GET /stats: per process and device, the OOMs counted by verdict and the "
-        "latest one's verdict (fragmentation, cap, other_processes, exhaustion, unknown), the "
+        "latest one's verdict (fragmentation, pools, cap, other_processes, outside_allocator, "
+        "exhaustion, unknown), the "
         "numbers that decided it, what to do, and the snapshot taken at it.",
     )
     _add_client_flags(why)

@@ -8,10 +8,16 @@ the cause is decided by the first rule that holds, in this order:
 
 - `fragmentation`: free bytes in holes >= R (the cache had enough, in pieces too small).
   Action: `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (or uniform sizes where it is on).
+- `pools`: free bytes stranded in private pools (live `torch.cuda.MemPool`s', CUDA graphs')
+  cover what was missing (R minus the room the cap or the GPU left). Action: delete the pool's
+  owner, or allocate from it (the pools are named).
 - `cap`: a cap is set (fraction < 1) and the GPU's free memory >= R. Action: raise the
   fraction to the cap named.
 - `other_processes`: other processes hold >= 10 % of the GPU, and their bytes plus the GPU's
   free memory >= R. Action: stop or move them (the biggest is named).
+- `outside_allocator`: this process holds >= 10 % of the GPU outside PyTorch's allocator
+  (NVML's per-process used - reserved: CuPy, NCCL, CuMem pools), and those bytes plus the
+  GPU's free memory >= R. Action: free or bound that allocator.
 - `exhaustion`: none of the above, with every reading known: live tensors fill the memory the
   process may use. Action: a smaller batch, sequence or KV-cache budget.
 - `unknown`: a reading a rule needs is missing (named in `missing`). Action: the snapshot.
@@ -31,12 +37,25 @@ from typing import Any
 
 from exporter.units import fmt_bytes
 
-VERDICTS = ("fragmentation", "cap", "other_processes", "exhaustion", "unknown")
+VERDICTS = (
+    "fragmentation",
+    "pools",
+    "cap",
+    "other_processes",
+    "outside_allocator",
+    "exhaustion",
+    "unknown",
+)
 # Other processes must hold at least this share of the GPU to be the verdict: a sidecar's CUDA
 # context (~0.5 GiB) is not why a server filling an 80 GiB GPU ran out.
 OTHER_PROCESSES_MIN_SHARE = 0.10
 # The other processes named in a verdict (the biggest first).
 MAX_NAMED_PROCESSES = 3
+# This process's bytes outside the allocator must hold this share of the GPU to be the
+# verdict: its CUDA context alone (~0.5 GiB) is not why it ran out.
+OUTSIDE_ALLOCATOR_MIN_SHARE = 0.10
+# The private pools named in a verdict (the most free bytes first).
+MAX_NAMED_POOLS = 3
 # The deciding bytes served as torch_cuda_oom_last_bytes{reading}: OomVerdict fields by name.
 READINGS = (
     "requested",
@@ -47,6 +66,8 @@ READINGS = (
     "cap_room",  # after reserved: a scrape read back (exporter.record) needs reserved first
     "device_free",
     "other_processes",
+    "private_pools_free",
+    "outside_allocator",
 )
 
 
@@ -73,6 +94,12 @@ class OomVerdict:
     other_processes_bytes: int | None = None  # NVML: the GPU's other processes, together
     # [pid, bytes], the biggest first (at most MAX_NAMED_PROCESSES)
     other_processes: list[list[int]] = field(default_factory=list)
+    # Free bytes in private pools (MemPools', CUDA graphs'), from the OOM's snapshot: memory
+    # the default pool cannot use; and by pool id ("0_1"), the most first.
+    private_pools_free_bytes: int | None = None
+    private_pools_free: dict[str, int] = field(default_factory=dict)
+    # This process's bytes outside PyTorch's allocator at the OOM: NVML's used - reserved.
+    outside_allocator_bytes: int | None = None
     expandable_segments: bool = False
     missing: str = ""  # the readings that could not be taken, "name: why; ..."
     snapshot: str = ""  # id of the allocator snapshot taken at this OOM, when one was
@@ -135,6 +162,12 @@ def _checked(name: str, value: Any) -> Any:
         if not isinstance(value, bool):
             raise ValueError("OOM verdict: expandable_segments is not a boolean")
         return value
+    if name == "private_pools_free":
+        if not isinstance(value, dict) or len(value) > MAX_NAMED_POOLS:
+            raise ValueError("OOM verdict: private_pools_free is not a short mapping")
+        if not all(isinstance(k, str) and len(k) <= 64 and _whole(v) for k, v in value.items()):
+            raise ValueError("OOM verdict: private_pools_free maps pool ids to bytes")
+        return dict(value)
     if name == "other_processes":
         if not isinstance(value, list) or len(value) > MAX_NAMED_PROCESSES:
             raise ValueError("OOM verdict: other_processes is not a short list")
@@ -188,10 +221,14 @@ def _rule(v: OomVerdict) -> tuple[str, str, str]:
                 "(empty_cache cannot merge holes between live tensors)"
             )
         return "fragmentation", reason, action
-    # 2. The GPU had room; the process's cap did not.
     capped = v.memory_limit_bytes is not None and (
         v.device_total_bytes is None or v.memory_limit_bytes < v.device_total_bytes
     )
+    # 2. Free memory stranded in private pools would have covered what was missing.
+    stranded = _stranded(v, capped)
+    if stranded is not None:
+        return stranded
+    # 3. The GPU had room; the process's cap did not.
     if capped:
         if v.device_free_bytes is None:
             return _unknown(v, "the GPU's free memory")
@@ -210,7 +247,7 @@ def _rule(v: OomVerdict) -> tuple[str, str, str]:
                 f"{fmt_bytes(need)}{of_gpu}, or lower this process's memory use"
             )
             return "cap", reason, action
-    # 3. Other processes hold what was missing.
+    # 4. Other processes hold what was missing.
     if v.device_free_bytes is None:
         return _unknown(v, "the GPU's free memory")
     if v.other_processes_bytes is None:
@@ -229,7 +266,25 @@ def _rule(v: OomVerdict) -> tuple[str, str, str]:
         first = v.other_processes[0][0] if v.other_processes else None
         who = f"pid {first}" if first is not None else "the other processes"
         return "other_processes", reason, f"stop or move {who} off this GPU"
-    # 4. Live tensors fill what this process may use.
+    # 5. This process's memory outside the allocator filled the GPU.
+    outside = v.outside_allocator_bytes
+    if (
+        outside is not None
+        and total
+        and outside / total >= OUTSIDE_ALLOCATOR_MIN_SHARE
+        and outside + v.device_free_bytes >= v.requested_bytes
+    ):
+        reason = (
+            f"asked {asked}; {fmt_bytes(v.device_free_bytes)} free on the GPU, this process "
+            f"holds {fmt_bytes(outside)} outside PyTorch's allocator"
+        )
+        action = (
+            "free or bound the other allocator in this process (CuPy: "
+            "cupy.get_default_memory_pool().free_all_blocks() or set_limit; NCCL buffers; a "
+            "CuMem/VMM pool), or give torch's allocator less of the GPU"
+        )
+        return "outside_allocator", reason, action
+    # 6. Live tensors fill what this process may use.
     if v.allocated_bytes is None:
         return _unknown(v, "allocated bytes")
     room = v.memory_limit_bytes if capped else v.device_total_bytes
@@ -241,6 +296,29 @@ def _rule(v: OomVerdict) -> tuple[str, str, str]:
     )
     action = "reduce the batch size, sequence length or KV-cache budget, or shard the model wider"
     return "exhaustion", reason, action
+
+
+def _stranded(v: OomVerdict, capped: bool) -> tuple[str, str, str] | None:
+    """The `pools` verdict where free bytes in private pools cover what was missing: the
+    request less the room the cap (or, without one, the GPU) left."""
+    stranded = v.private_pools_free_bytes
+    room = v.cap_room_bytes if capped else v.device_free_bytes
+    if not stranded or room is None:
+        return None
+    if stranded < v.requested_bytes - room:
+        return None
+    named = ", ".join(
+        f"pool {pool} {fmt_bytes(free)}" for pool, free in v.private_pools_free.items()
+    )
+    reason = (
+        f"asked {fmt_bytes(v.requested_bytes)}; {fmt_bytes(stranded)} free in private pools "
+        f"the default pool cannot use ({named}), {fmt_bytes(room)} room left"
+    )
+    action = (
+        "delete what owns the pool (the torch.cuda.MemPool or CUDA graph), then "
+        "torch.cuda.empty_cache(); or allocate this request from it (torch.cuda.use_mem_pool)"
+    )
+    return "pools", reason, action
 
 
 def _unknown(v: OomVerdict, needed: str) -> tuple[str, str, str]:

@@ -71,6 +71,53 @@ def test_other_processes_under_a_tenth_of_the_gpu_are_not_the_cause() -> None:
     assert decide(big).verdict == "other_processes"
 
 
+def test_free_bytes_stranded_in_private_pools_that_cover_what_was_missing_is_pools() -> None:
+    """A MemPool or a CUDA graph's pool holds free memory the default pool cannot use: where
+    it covers what the cap (here) or the GPU left missing, that is the cause, not the cap."""
+    verdict = _undecided(_captured("cap"))
+    assert verdict.cap_room_bytes is not None
+    missing = verdict.requested_bytes - verdict.cap_room_bytes
+    short = replace(verdict, private_pools_free_bytes=missing - 1, private_pools_free={"0_1": 1})
+    assert decide(short).verdict == "cap"
+    stranded = {"0_1": missing, "2_0": 0}
+    enough = replace(verdict, private_pools_free_bytes=missing, private_pools_free=stranded)
+    decided = decide(enough)
+    assert decided.verdict == "pools"
+    assert "pool 0_1 " in decided.reason and "the default pool cannot use" in decided.reason
+    assert "torch.cuda.MemPool" in decided.action
+    assert decided.deciding_bytes()["private_pools_free"] == missing
+
+
+def test_this_process_filling_the_gpu_outside_the_allocator_is_outside_allocator() -> None:
+    """CuPy, NCCL or a CuMem pool in the same process: their bytes are NVML's used minus
+    reserved; a CUDA context's worth is not the cause, a tenth of the GPU that covers the
+    request is."""
+    verdict = _undecided(_captured("exhaustion"))
+    assert verdict.device_total_bytes is not None
+    context = replace(verdict, outside_allocator_bytes=512 << 20)
+    assert decide(context).verdict == "exhaustion"
+    held = verdict.device_total_bytes // 2
+    decided = decide(replace(verdict, outside_allocator_bytes=held))
+    assert decided.verdict == "outside_allocator"
+    assert "outside PyTorch's allocator" in decided.reason and "CuPy" in decided.action
+    # Other processes come first where both would explain it.
+    other = replace(verdict, other_processes_bytes=held, other_processes=[[4242, held]])
+    assert decide(replace(other, outside_allocator_bytes=held)).verdict == "other_processes"
+
+
+def test_the_new_readings_round_trip_and_malformed_pools_are_refused() -> None:
+    verdict = replace(
+        _captured("cap"),
+        private_pools_free_bytes=3 * GiB,
+        private_pools_free={"0_1": 3 * GiB},
+        outside_allocator_bytes=GiB,
+    )
+    assert OomVerdict.from_dict(verdict.to_dict()) == verdict
+    for bad in ({"0_1": -1}, {"x" * 65: 1}, {str(i): 1 for i in range(4)}, ["0_1", 1]):
+        with pytest.raises(ValueError, match="private_pools_free"):
+            OomVerdict.from_dict({**verdict.to_dict(), "private_pools_free": bad})
+
+
 @pytest.mark.parametrize(
     ("scenario", "cleared", "needed"),
     [

@@ -202,19 +202,25 @@ class NonAllocatorProbe:
             return None
         return max(min(at for at, _ in self._retry.values()) - self._clock(), 0.0)
 
-    def other_processes(self, uuid: str) -> list[tuple[int, int]]:
-        """[(pid, bytes)] of the other processes NVML lists on this GPU, biggest first (~45
-        us: read only at an OOM). Raises where the answer would be a guess: NVML not
-        readable, or this process not in the list (another PID namespace: one of the
-        entries may be this process)."""
+    def at_oom(self, uuid: str) -> tuple[int | None, list[tuple[int, int]]]:
+        """(this process's used bytes, [(pid, bytes)] of the other processes, biggest first)
+        as NVML lists them on this GPU (~45 us: read only at an OOM). Raises where the
+        answer would be a guess: NVML not readable, or this process not in the list (another
+        PID namespace: one of the entries may be this process)."""
         if not self._init():
             raise RuntimeError("NVML is not readable here")
         pid = self._pid()
         entries = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle(uuid))
-        if not any(e.pid == pid for e in entries):
+        own = [e.usedGpuMemory for e in entries if e.pid == pid]
+        if not own:
             raise RuntimeError(f"NVML does not list pid {pid} (another PID namespace?)")
         others = [(int(e.pid), int(e.usedGpuMemory or 0)) for e in entries if e.pid != pid]
-        return sorted(others, key=lambda other: other[1], reverse=True)
+        used = int(own[0]) if own[0] is not None else None
+        return used, sorted(others, key=lambda other: other[1], reverse=True)
+
+    def other_processes(self, uuid: str) -> list[tuple[int, int]]:
+        """The other processes of at_oom()."""
+        return self.at_oom(uuid)[1]
 
     def close(self) -> None:
         if self._ready and self._nvml is not None:

@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from exporter.components import Components, registry
-from exporter.oom_verdict import MAX_NAMED_PROCESSES, OomLog, OomVerdict
+from exporter.oom_verdict import MAX_NAMED_POOLS, MAX_NAMED_PROCESSES, OomLog, OomVerdict
 from exporter.probe.allocator import has_context
 from exporter.probe.record import (
     ASYNC,
@@ -499,9 +499,11 @@ class TorchAllocatorSource:
         try:
             if self._non_allocator is None:
                 raise RuntimeError("NVML is off (GPUMEM_NVML)")
-            others = self._non_allocator.other_processes(self._gpu_uuid(torch, device))
+            own, others = self._non_allocator.at_oom(self._gpu_uuid(torch, device))
             values["other_processes_bytes"] = sum(used for _, used in others)
             values["other_processes"] = [list(p) for p in others[:MAX_NAMED_PROCESSES]]
+            if own is not None and "reserved_bytes" in values:
+                values["outside_allocator_bytes"] = max(own - values["reserved_bytes"], 0)
         except Exception as exc:
             missing.append(f"other processes: {exc!s:.120}")
         values["expandable_segments"] = bool(self._expandable)
@@ -509,16 +511,24 @@ class TorchAllocatorSource:
 
     def _oom_layout(
         self, device: int, segments: Any, values: Mapping[str, Any], missing: list[str]
-    ) -> dict[str, int]:
-        """Holes and the largest free block from the observer's snapshot; without one, the
+    ) -> dict[str, Any]:
+        """Holes, the largest free block and the private pools' free bytes from the observer's
+        snapshot; without one, the
         holes as reserved - allocated (after PyTorch's flush, the cache that is left is
         holes) and no largest block."""
         if segments is not None:
             try:
                 layout = layouts_from_segments(segments).get(device) or DeviceLayout()
+                free = {
+                    pool: sums["reserved_bytes"] - sums.get("allocated_bytes", 0)
+                    for pool, sums in layout.private_pools.items()
+                }
+                named = sorted(free.items(), key=lambda item: item[1], reverse=True)
                 return {
                     "free_in_holes_bytes": layout.default_pool_free_bytes,
                     "largest_free_block_bytes": layout.largest_free_block_bytes,
+                    "private_pools_free_bytes": sum(free.values()),
+                    "private_pools_free": dict(named[:MAX_NAMED_POOLS]),
                 }
             except Exception as exc:
                 missing.append(f"allocator layout: {exc!r:.120}")

@@ -6,8 +6,10 @@ import { el, fmtBytes, fmtClock } from "./format.js";
 
 const VERDICT_TITLE = {
   fragmentation: "fragmentation: the cache had the bytes, in pieces",
+  pools: "private pools hold free memory the default pool cannot use",
   cap: "the process's memory cap: the GPU had room",
   other_processes: "other processes hold the GPU",
+  outside_allocator: "this process's memory outside PyTorch's allocator fills the GPU",
   exhaustion: "live tensors fill the GPU",
   unknown: "unknown: a reading was missing",
 };
@@ -20,6 +22,8 @@ const NUMBERS = [
   ["cap_room_bytes", "room under the cap"],
   ["device_free_bytes", "GPU free"],
   ["other_processes_bytes", "other processes"],
+  ["private_pools_free_bytes", "free in private pools"],
+  ["outside_allocator_bytes", "outside the allocator"],
 ];
 
 function where(row) {

@@ -8,6 +8,8 @@ import pytest
 
 from tests.conftest import run_support_script
 
+GiB = 1 << 30
+
 torch = pytest.importorskip("torch")
 
 pytestmark = [
@@ -86,3 +88,25 @@ def test_live_tensors_filling_the_gpu_is_exhaustion():
     assert oom["verdict"] == "exhaustion", oom
     assert oom["free_in_holes_bytes"] < oom["requested_bytes"]
     assert oom["memory_limit_bytes"] is None
+
+
+def test_memory_stranded_in_a_live_mempool_is_pools():
+    """Issue 52: the default pool's request fails under a cap while a MemPool holds free
+    memory it cannot use: verdict `pools`, naming the pool, its free bytes the walk's."""
+    r = _scenario("pools")
+    oom = _check_numbers(r)
+    assert oom["verdict"] == "pools", oom
+    assert oom["private_pools_free_bytes"] == r["truth"]["pools_free"] >= 4 * GiB
+    assert oom["private_pools_free"][r["pool_id"]] >= 4 * GiB
+    assert f"pool {r['pool_id']} " in oom["reason"]
+
+
+def test_cupy_filling_the_gpu_in_the_same_process_is_outside_allocator():
+    """Issue 52: CuPy's pool in this process holds most of the GPU, then torch's request
+    fails: verdict `outside_allocator`, CuPy's bytes within 1 % of what it names outside."""
+    r = _scenario("outside_allocator")
+    if "skipped" in r:
+        pytest.skip(r["skipped"])
+    oom = _check_numbers(r)
+    assert oom["verdict"] == "outside_allocator", oom
+    assert abs(oom["outside_allocator_bytes"] - r["cupy_bytes"]) <= 0.01 * r["cupy_bytes"], oom

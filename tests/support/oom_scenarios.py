@@ -72,7 +72,14 @@ def _arm() -> tuple[Any, Any]:
             for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
             if p.pid != os.getpid()
         }
+        segments = torch.cuda.memory_snapshot()
+        pools_free = sum(
+            seg["total_size"] - seg["allocated_size"]
+            for seg in segments
+            if seg["device"] == device and tuple(seg["segment_pool_id"]) != (0, 0)
+        )
         truth.update(
+            pools_free=pools_free,
             device=device,
             requested=size,
             limit_or_total=limit_or_total,
@@ -214,11 +221,56 @@ def exhaustion() -> dict[str, Any]:
     return result
 
 
+def pools() -> dict[str, Any]:
+    """A live MemPool holds 4 GiB it no longer uses (its tensors freed, its segments cached
+    for it: PyTorch's flush at an OOM keeps a live pool's), and the default pool, under a
+    6 GiB cap with 1 GiB live, asks 2 GiB: 1 GiB of room, 4 GiB stranded."""
+    import torch
+
+    torch.empty(1, device="cuda:0")
+    source, armed = _arm()
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        held = [torch.empty(GiB, dtype=torch.uint8, device="cuda:0") for _ in range(4)]
+    del held
+    _cap(torch, 6 * GiB)
+    live = torch.empty(GiB, dtype=torch.uint8, device="cuda:0")
+    raised = _oom(2 * GiB)
+    result = _result(source, armed, raised)
+    result["pool_id"] = "_".join(str(part) for part in pool.id)
+    del live
+    return result
+
+
+def outside_allocator() -> dict[str, Any]:
+    """CuPy's memory pool in this same process holds the GPU but ~6 GiB; torch holds 1 GiB
+    live and asks 8 GiB."""
+    import torch
+
+    try:
+        import cupy
+    except ImportError:
+        return {"skipped": "CuPy is not installed"}
+    torch.empty(1, device="cuda:0")
+    source, armed = _arm()
+    free = torch.cuda.mem_get_info(0)[0]
+    held = cupy.empty(free - 7 * GiB, dtype=cupy.uint8)
+    cupy.cuda.Device(0).synchronize()
+    live = torch.empty(GiB, dtype=torch.uint8, device="cuda:0")
+    raised = _oom(8 * GiB)
+    result = _result(source, armed, raised)
+    result["cupy_bytes"] = cupy.get_default_memory_pool().total_bytes()
+    del held, live
+    return result
+
+
 SCENARIOS = {
     "fragmentation": fragmentation,
     "cap": cap,
     "other_processes": other_processes,
     "exhaustion": exhaustion,
+    "pools": pools,
+    "outside_allocator": outside_allocator,
 }
 
 

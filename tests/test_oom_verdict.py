@@ -14,6 +14,9 @@ from tests.conftest import DATA_DIR
 
 GiB = 1 << 30
 CAPTURED = json.loads((DATA_DIR / "oom_verdicts.json").read_text())
+# The causes of issue 52, made on purpose on an H200 (a live MemPool under a cap; CuPy's pool
+# in the same process), by the same scenarios (tests/support/oom_scenarios.py).
+CAPTURED["runs"] += json.loads((DATA_DIR / "oom_verdicts_2026.json").read_text())["runs"]
 
 
 def _captured(scenario: str, alloc_conf: str = "") -> OomVerdict:
@@ -27,7 +30,10 @@ def _undecided(verdict: OomVerdict) -> OomVerdict:
     return replace(verdict, verdict="unknown", reason="", action="")
 
 
-@pytest.mark.parametrize("scenario", ["fragmentation", "cap", "other_processes", "exhaustion"])
+@pytest.mark.parametrize(
+    "scenario",
+    ["fragmentation", "pools", "cap", "other_processes", "outside_allocator", "exhaustion"],
+)
 def test_the_rule_gives_each_captured_oom_its_cause(scenario: str) -> None:
     decided = decide(_undecided(_captured(scenario)))
     assert decided.verdict == scenario

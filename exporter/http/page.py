@@ -27,6 +27,7 @@ from exporter.alerts import BY_NAME
 from exporter.http.runbooks import runbook_url, runbooks_html
 from exporter.http.served import Served
 from exporter.identity import identity_labels
+from exporter.ledger import ledger
 from exporter.oom_verdict import retry_pressure
 from exporter.sample import Sample
 from exporter.version import __version__
@@ -128,6 +129,7 @@ def window_payload(runtime: Served, since: float | None) -> dict[str, Any]:
         **window.to_dict(since),
         "host": _host(sample),
         "processes": process_rows(sample) if sample else [],
+        "ledgers": ledger_rows(sample) if sample else {},
         "ooms": (
             oom_rows(
                 sample,
@@ -227,6 +229,17 @@ def oom_rows(
         )
     latest.sort(key=lambda entry: -entry[0])
     return [row for _, row in latest[:MAX_OOM_ROWS]]
+
+
+def ledger_rows(sample: Sample) -> dict[str, list[list[Any]]]:
+    """Per GPU (the window's key: its UUID, or cuda:N) the latest sample's ledger, its
+    processes' parts summed by name in ledger order: [[part, bytes], ...]."""
+    found: dict[str, dict[str, int]] = {}
+    for reading in sample.allocators:
+        parts = found.setdefault(reading.gpu_uuid or f"cuda:{reading.device}", {})
+        for part, nbytes in ledger(reading):
+            parts[part] = parts.get(part, 0) + nbytes
+    return {key: [[part, nbytes] for part, nbytes in parts.items()] for key, parts in found.items()}
 
 
 def process_rows(sample: Sample) -> list[dict[str, Any]]:

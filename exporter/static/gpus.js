@@ -19,6 +19,15 @@ const ALLOCATOR_NOTE =
   "reserve · free: NVML · cap: the most PyTorch may reserve (a per-process memory fraction), " +
   "where one is set. Markers: allocation retries (dashed, counted at the bottom), OOMs " +
   "(solid, counted at the top); close ones merge into one, shaded over the time they span.";
+// The memory ledger's own parts; the server's named components take the palette in turn.
+const LEDGER_COLORS = {
+  private_pools: "#2a9d8f",
+  other_live: "#3465d0",
+  cached_free: "#f2a33a",
+  outside_allocator: "#9a6acb",
+  other_named: "#7d8590",
+};
+const COMPONENT_COLORS = ["#1d3557", "#e76f51", "#588157", "#b5838d", "#6d597a", "#bc6c25"];
 const NODE_STACK = [
   { field: "used_bytes", label: "used", color: "#4f79b7" },
   { field: "free_bytes", label: "free", color: "#cdebd2", stroke: "#47a05a" },
@@ -244,6 +253,10 @@ function createCard(entry) {
   const title = el("h3", {});
   const ids = el("div", { class: "ids" });
   const facts = el("div", { class: "facts" });
+  const ledgerBar = el("div", { class: "ledger-bar", role: "img" });
+  const ledgerText = el("div", { class: "ledger-text" });
+  const ledger = el("div", { class: "ledger" }, ledgerBar, ledgerText);
+  ledger.hidden = true;
   const zoom = el("button", { type: "button", class: "zoom" });
   const memChart = el("div", { class: "chart mem" });
   const memLegend = el("div", { class: "legend" });
@@ -255,11 +268,12 @@ function createCard(entry) {
     "article",
     { class: "gpu" },
     el("div", { class: "head" }, el("div", {}, title, ids), zoom),
-    facts, memChart, memLegend, memNote, ratioChart, ratioLegend, ratioNote,
+    facts, ledger, memChart, memLegend, memNote, ratioChart, ratioLegend, ratioNote,
   );
   card.dataset.key = entry.info.key;
   const view = {
-    card, title, ids, facts, zoom, memChart, memLegend, memNote, ratioChart, ratioLegend, ratioNote,
+    card, title, ids, facts, ledger, ledgerBar, ledgerText, zoom,
+    memChart, memLegend, memNote, ratioChart, ratioLegend, ratioNote,
     mem: null, ratio: null, mode: null, cursor: null, wholeGpu: null, wholeShown: true,
     destroy() {
       if (this.mem) this.mem.destroy();
@@ -481,6 +495,34 @@ function updateHeader(entry) {
   view.facts.replaceChildren(...facts);
 }
 
+// Where this GPU's memory goes now (the latest sample's ledger, docs/metrics.md): one bar,
+// a segment per part as wide as its share, the parts named below it with their bytes.
+function updateLedger(entry) {
+  const view = entry.view;
+  const parts = (store.ledgers[entry.info.key] || []).filter(([, bytes]) => bytes > 0);
+  const total = parts.reduce((sum, [, bytes]) => sum + bytes, 0);
+  view.ledger.hidden = total <= 0;
+  if (total <= 0) return;
+  let named = 0;
+  const colour = (part) => LEDGER_COLORS[part] || COMPONENT_COLORS[named++ % COMPONENT_COLORS.length];
+  const segments = [];
+  const words = [];
+  for (const [part, bytes] of parts) {
+    const fill = colour(part);
+    const segment = el("span", { class: "segment", title: `${part} ${fmtBytes(bytes)}` });
+    segment.style.width = `${(100 * bytes) / total}%`;
+    segment.style.background = fill;
+    segment.dataset.part = part;
+    segments.push(segment);
+    const swatch = el("i", { class: "swatch" });
+    swatch.style.background = fill;
+    words.push(el("span", { class: "part" }, swatch, `${part} `, el("b", { text: fmtBytes(bytes) })));
+  }
+  view.ledgerBar.replaceChildren(...segments);
+  view.ledgerBar.setAttribute("aria-label", `memory ledger: ${fmtBytes(total)}`);
+  view.ledgerText.replaceChildren(el("span", { class: "part" }, "ledger ", el("b", { text: fmtBytes(total) }), " ="), ...words);
+}
+
 export function renderGpus() {
   const list = document.getElementById("gpu-list");
   const none = document.getElementById("no-gpus");
@@ -496,6 +538,7 @@ export function renderGpus() {
     view.mem.setData(stackData(entry, view.stack));
     if (view.ratio) view.ratio.setData(ratioData(entry));
     updateHeader(entry);
+    updateLedger(entry);
     updateLegend(entry);
     view.card.dataset.points = String(store.t.length);
   }

@@ -6,6 +6,7 @@ export const store = {
   capacity: 600,
   interval: 1,
   why: {}, // source -> why it gives nothing (api/window's sources_why)
+  ledgers: {}, // GPU key -> [[part, bytes], ...] of the latest sample (api/window's ledgers)
 };
 
 export function lastTimestamp() {
@@ -14,6 +15,7 @@ export function lastTimestamp() {
 
 export function merge(data) {
   store.why = data.sources_why || {};
+  store.ledgers = data.ledgers || {};
   store.capacity = data.capacity;
   store.interval = data.interval_s;
   const before = store.t.length;

@@ -499,6 +499,14 @@ def test_live_page_on_the_demo_draws_alerts_and_actions_without_a_token(tmp_path
         assert re.search(r"OOMs\s*[1-9]\d* in view · [1-9]\d* in all", gpu0["legend"])
         assert re.search(r"cap\s*22\.00 GiB", gpu0["legend"]), gpu0["legend"]
         assert gpu0["legendOverflow"] == []
+        # The memory ledger's bar: the demo names no component, so the ledger's own parts,
+        # each as wide as its share of the latest sample's (the page's last poll) total.
+        ledger = gpu0["ledger"]
+        names = [part for part, _ in ledger["parts"]]
+        assert set(names) <= {"private_pools", "other_live", "cached_free", "outside_allocator"}
+        assert {"other_live", "cached_free"} <= set(names), ledger
+        assert abs(sum(share for _, share in ledger["parts"]) - 1) < 0.02, ledger
+        assert re.match(r"ledger [\d.]+ GiB =", ledger["text"]), ledger["text"]
         assert state["processes"] == 1
         alerts = {a["name"]: a for a in state["alerts"]}
         oom = alerts["GpuMemOutOfMemory"]

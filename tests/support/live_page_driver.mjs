@@ -129,6 +129,11 @@ try {
       points: Number(card.dataset.points || 0),
       drawn: [...card.querySelectorAll(".chart")].filter((c) => !c.hidden).map((c) => Number(c.dataset.seriesDrawn || 0)),
       legend: card.querySelector(".legend").textContent,
+      // The ledger's bar: each segment's part and its width's share of the bar, and its words.
+      ledger: card.querySelector(".ledger").hidden ? null : {
+        parts: [...card.querySelectorAll(".ledger-bar .segment")].map((s) => [s.dataset.part,
+          s.getBoundingClientRect().width / card.querySelector(".ledger-bar").getBoundingClientRect().width]),
+        text: card.querySelector(".ledger-text").textContent },
       // What drawMarkers drew (labels and merged markers), and legend rows whose text does
       // not fit their box.
       markers: JSON.parse(card.querySelector(".chart.mem").dataset.markers || "null"),

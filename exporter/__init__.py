@@ -19,12 +19,14 @@ from exporter.version import __version__
 if TYPE_CHECKING:
     from exporter.components import component, release_component, set_component
     from exporter.embedded import Handle, attach, start, stop
+    from exporter.pools import name_pool
 
 __all__ = [
     "Handle",
     "__version__",
     "attach",
     "component",
+    "name_pool",
     "release_component",
     "set_component",
     "start",
@@ -41,4 +43,8 @@ def __getattr__(name: str) -> Any:
         from exporter import components
 
         return getattr(components, name)
+    if name == "name_pool":
+        from exporter import pools
+
+        return pools.name_pool
     raise AttributeError(f"module 'exporter' has no attribute {name!r}")

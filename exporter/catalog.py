@@ -600,6 +600,21 @@ FAMILIES: tuple[Family, ...] = (
         full_only=EVERYWHERE,
     ),
     Family(
+        "torch_cuda_private_pool",
+        "info",
+        "What one private pool is: kind graph (a CUDA graph's) or mempool (a torch.cuda.MemPool, "
+        "or a shared graph pool the server did not name), and the name the server gave it "
+        "(exporter.name_pool); joins torch_cuda_private_pool_*_bytes by pool_id.",
+        (*ALLOCATOR_LABELS, "pool_id"),
+        "torch",
+        ALLOCATOR,
+        "private_pool_info",
+        "private_pool_info",
+        per_process=True,
+        info_labels=("kind", "name"),
+        full_only=EVERYWHERE,
+    ),
+    Family(
         "torch_cuda_allocator",
         "info",
         "CUDA caching allocator settings (settings_source: live when the allocator "

@@ -38,7 +38,7 @@ log = logging.getLogger("exporter")
 
 MAX_COMPONENTS = 16
 # What problems() counts (gpumem_exporter_component_problems{problem}).
-PROBLEMS = ("overflowed", "negative_growth", "reentered", "open")
+PROBLEMS = ("overflowed", "negative_growth", "reentered", "open", "pools_refused")
 MAX_NAME = 64
 OVERFLOW = "other_named"
 # The ledger's own parts (exporter.ledger): no server component may take their names.
@@ -49,7 +49,7 @@ class ComponentError(ValueError):
     """A component name or use the ledger cannot take (said to the caller at once)."""
 
 
-def _check_name(name: object) -> str:
+def check_name(name: object) -> str:
     if not isinstance(name, str) or not name or len(name) > MAX_NAME:
         raise ComponentError(f"a component is named by 1-{MAX_NAME} characters, not {name!r:.80}")
     if not name.isprintable():
@@ -99,7 +99,7 @@ class Components:
             listener()
 
     def measure(self, name: str) -> _Block:
-        return _Block(self, _check_name(name))
+        return _Block(self, check_name(name))
 
     def problems(self) -> dict[str, int]:
         """What the ledger could not take as asked, by kind (gpumem_exporter_component_problems)."""
@@ -163,7 +163,7 @@ class Components:
         return stack
 
     def set(self, name: str, nbytes: int, device: int = 0) -> None:
-        name = _check_name(name)
+        name = check_name(name)
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ComponentError(f"component {name!r}: bytes must be a whole number >= 0")
         if isinstance(device, bool) or not isinstance(device, int) or device < 0:

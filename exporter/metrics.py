@@ -477,6 +477,10 @@ class SampleCollector(Collector):
             pool_ids = Labels(ids, pool_id=pool_id)
             for key, value in pool_gauges.items():
                 by_key["private_pool"][key].add(pool_ids, value)
+        for pool_id, described in sorted(reading.private_pool_info.items()):
+            by_key["private_pool_info"]["private_pool_info"].add_info(
+                Labels(ids, pool_id=pool_id), described
+            )
         info.add_info(
             ids,
             {

@@ -175,6 +175,11 @@ def _allocator_value(
         reading.pools.setdefault(labels["pool"], {})[key] = _count(name, value)
     elif group == "layout":
         reading.layout[key] = _count(name, value)
+    elif group == "private_pool_info" and "pool_id" in labels:
+        reading.private_pool_info[labels["pool_id"]] = {
+            "kind": labels.get("kind", ""),
+            "name": labels.get("name", ""),
+        }
     elif group == "private_pool" and "pool_id" in labels:
         reading.private_pools.setdefault(labels["pool_id"], {})[key] = _count(name, value)
     elif key == "non_allocator_bytes":

@@ -62,6 +62,9 @@ class AllocatorReading:
     # What the server named its memory (exporter.components): bytes by component name, in
     # the order named; the ledger (exporter.ledger) lays them over allocated.
     components: dict[str, int] = field(default_factory=dict)
+    # Each private pool's kind ("graph", "mempool") and the name the server gave it, by pool
+    # id as in private_pools (exporter.pools).
+    private_pool_info: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AllocatorReading:

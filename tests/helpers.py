@@ -60,7 +60,12 @@ from exporter.sample import (
     Sample,
     SourceStatus,
 )
-from exporter.sources.replay import ReplaySource, demo_trace_path, derive_recorded_non_allocator
+from exporter.sources.replay import (
+    ReplaySource,
+    demo_trace_path,
+    derive_recorded_non_allocator,
+    derive_recorded_pool_kinds,
+)
 from exporter.trace import read_trace
 from tests.conftest import DATA_DIR, REPO_ROOT, require_tool
 
@@ -820,6 +825,7 @@ def every_family_cases() -> list[tuple[str, bool, dict[str, str], Sample]]:
     _, storm = read_trace(DATA_DIR / "h200_oom_storm_trace.jsonl.gz")
     samples = [captured_sample(n) for n in ("native", "expandable", "async", "components")]
     samples += demo[::40] + storm[::10] + captured_oom_samples()
+    derive_recorded_pool_kinds(samples)  # as the replay does
     found: list[tuple[str, bool, dict[str, str], Sample]] = []
     for sample in samples:
         found.append(("embedded", False, {"rank": "0"}, sample))

@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
         "sample",
         "ledger",  # where a process's GPU memory goes, from a reading
         "components",  # what the server named its memory: standard library only
+        "pools",  # what each private pool is, and its name
         "config",
         "identity",
         "probe",  # the serving process's tick: standard library only

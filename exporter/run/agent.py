@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from exporter.actions.base import ProcessResult, Target
 from exporter.actions.spec import BY_NAME, ParamError
 from exporter.identity import process_labels
+from exporter.pools import registry as pool_registry
 from exporter.probe import record
 from exporter.probe.allocator import AllocatorProbe
 from exporter.run import protocol
@@ -182,6 +183,9 @@ class Agent:
         components = getattr(self.source, "components", None)
         if components is not None:
             counts.component_problems = components.problems()
+            refused = pool_registry().refused
+            if refused:
+                counts.component_problems["pools_refused"] = refused
         return counts
 
     # -- sending -------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from exporter.actions.spec import BY_NAME
 from exporter.catalog import PROCESS_LABELS
 from exporter.components import MAX_COMPONENTS, MAX_NAME, PROBLEMS
 from exporter.oom_verdict import VERDICTS, OomVerdict
+from exporter.pools import POOL_KINDS
 from exporter.probe import record
 from exporter.sample import (
     ALLOCATOR_COUNTERS,
@@ -265,6 +266,22 @@ def _components(value: Any) -> dict[str, int]:
     }
 
 
+def _private_pool_info(value: Any) -> dict[str, dict[str, str]]:
+    pools = _object(value, "private_pool_info")
+    if len(pools) > MAX_PRIVATE_POOLS:
+        raise _fail("private_pool_info: too many pools")
+    found = {}
+    for pool, described in pools.items():
+        described = _object(described, "private_pool_info.<pool>")
+        if set(described) - {"kind", "name"} or described.get("kind", "") not in POOL_KINDS:
+            raise _fail("private_pool_info: a pool is {kind: graph|mempool, name}")
+        found[_text(pool, "private_pool_info", 64)] = {
+            "kind": described.get("kind", ""),
+            "name": _text(described.get("name", ""), "private_pool_info.<name>", MAX_NAME),
+        }
+    return found
+
+
 def _settings(value: Any) -> dict[str, str]:
     settings = _object(value, "settings")
     if len(settings) > MAX_SETTINGS:
@@ -298,6 +315,7 @@ ALLOCATOR_CHECKS: dict[str, Callable[[Any], Any]] = {
     "last_oom": lambda v: _last_oom(v),
     "ooms_by_verdict": lambda v: _counts(v, "ooms_by_verdict", VERDICTS),
     "components": _components,
+    "private_pool_info": _private_pool_info,
 }
 FROM_LAUNCHER = ("process",)
 _REQUIRED = tuple(

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from exporter.oom_verdict import OomVerdict
+from exporter.pools import PoolNames
 from exporter.sample import AllocatorReading, HostProcessReading, Sample, SourceReading
 from exporter.trace import read_trace
 
@@ -59,6 +60,7 @@ class ReplaySource:
             self.snapshots = demo_snapshots_folder() if path is None else None
         self.meta, self._samples = read_trace(self.path)
         derive_recorded_non_allocator(self._samples)
+        derive_recorded_pool_kinds(self._samples)
         self._clock = clock
         self._loop = loop
         self._speed = speed
@@ -194,6 +196,18 @@ def derive_recorded_non_allocator(samples: list[Sample]) -> None:
                 value, at = taken[key]
                 reading.non_allocator_bytes = value
                 reading.non_allocator_age_s = max(sample.timestamp - at, 0.0)
+
+
+def derive_recorded_pool_kinds(samples: list[Sample]) -> None:
+    """Traces recorded before pools had kinds carry their ids: an unnamed pool's kind is its
+    id's (exporter.pools), and no name."""
+    unnamed = PoolNames()
+    for sample in samples:
+        for reading in sample.allocators:
+            if reading.private_pools and not reading.private_pool_info:
+                reading.private_pool_info = {
+                    label: unnamed.describe(label) for label in reading.private_pools
+                }
 
 
 def _recorded_process(sample: Sample) -> list[HostProcessReading]:

@@ -22,6 +22,7 @@ from typing import Any
 
 from exporter.components import Components, registry
 from exporter.oom_verdict import MAX_NAMED_POOLS, MAX_NAMED_PROCESSES, OomLog, OomVerdict
+from exporter.pools import registry as pool_registry
 from exporter.probe.allocator import has_context
 from exporter.probe.record import (
     ASYNC,
@@ -335,9 +336,13 @@ class TorchAllocatorSource:
             self._add_layout(layout, due, readings, blocks)
             if self._expandable != expandable:
                 self._replan(readings, read_stats)
+        pools = pool_registry()
         for reading in readings:
             reading.settings = dict(self._setting_labels)
             reading.components = self.components.on_device(reading.device)
+            reading.private_pool_info = {
+                label: pools.describe(label) for label in reading.private_pools
+            }
         self.ooms.annotate(readings)
         return SourceReading(allocators=readings, pinned_host=self._pinned_host(torch))
 

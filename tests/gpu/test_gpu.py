@@ -799,3 +799,30 @@ def test_components_and_the_ledger_under_run(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     _check_ledger(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_a_graph_pool_and_a_named_mempool_on_a_real_allocator():
+    """Issue 52 item 2: a captured CUDA graph's pool shows as kind graph, a MemPool named
+    with exporter.name_pool as kind mempool with its name; each pool's bytes are those the
+    allocator's own snapshot gives it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = run_scenario("pool_kinds")
+    assert r["error"] is None
+    rows: dict[str, dict[str, Any]] = {}
+    for family in text_string_to_metric_families(r["metrics"]):
+        for sample in family.samples:
+            if sample.name.startswith("torch_cuda_private_pool") and "pool_id" in sample.labels:
+                row = rows.setdefault(sample.labels["pool_id"], {})
+                if sample.name == "torch_cuda_private_pool_info":
+                    row["kind"], row["name"] = sample.labels["kind"], sample.labels["name"]
+                else:
+                    row[sample.name.removeprefix("torch_cuda_private_pool_")] = int(sample.value)
+    assert set(rows) == set(r["truth"]), (rows, r["truth"])
+    graphs = [label for label, row in rows.items() if row["kind"] == "graph"]
+    assert len(graphs) == 1 and int(graphs[0].split("_")[0]) > 0, rows
+    assert rows[r["mempool"]]["kind"] == "mempool" and rows[r["mempool"]]["name"] == "kv_cache"
+    assert rows[r["mempool"]]["allocated_bytes"] == 256 * MiB
+    for label, truth in r["truth"].items():
+        assert rows[label]["reserved_bytes"] == truth["reserved_bytes"], (label, rows, truth)
+        assert rows[label]["allocated_bytes"] == truth["allocated_bytes"], (label, rows, truth)

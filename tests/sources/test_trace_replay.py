@@ -8,15 +8,22 @@ import json
 import pytest
 
 from exporter.sample import Sample
-from exporter.sources.replay import ReplaySource, demo_trace_path, derive_recorded_non_allocator
+from exporter.sources.replay import (
+    ReplaySource,
+    demo_trace_path,
+    derive_recorded_non_allocator,
+    derive_recorded_pool_kinds,
+)
 from exporter.trace import TraceError, TraceWriter, read_trace
 from tests.conftest import REPO_ROOT
 
 
 def demo_samples() -> list[Sample]:
-    """The demo trace as the replay serves it (with the non-allocator bytes derived)."""
+    """The demo trace as the replay serves it (with the non-allocator bytes and the private
+    pools' kinds derived)."""
     samples = read_trace(demo_trace_path())[1]
     derive_recorded_non_allocator(samples)
+    derive_recorded_pool_kinds(samples)
     return samples
 
 
@@ -228,3 +235,16 @@ def test_a_replayed_oom_verdict_keeps_its_age_and_its_counts_rise_across_loops(t
     clock.now = replay.duration_s + (verdict.timestamp + 9 - 100.0) + 1e-6  # loop 1, last
     again = replay.read().allocators[0]
     assert again.counters["ooms"] == 6 and again.ooms_by_verdict == {"cap": 6}
+
+
+def test_a_recorded_pools_kind_comes_from_its_id():
+    """The demo's decoder captured its CUDA graphs in one pool of its own: kind graph."""
+    samples = demo_samples()
+    kinds = {
+        label: info["kind"]
+        for s in samples
+        for r in s.allocators
+        for label, info in r.private_pool_info.items()
+    }
+    assert kinds and set(kinds.values()) == {"graph"}, kinds
+    assert all(int(label.split("_")[0]) > 0 for label in kinds)

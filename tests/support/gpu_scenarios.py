@@ -985,6 +985,54 @@ def ledger(url: str = "") -> dict[str, Any]:
     return result
 
 
+def pool_kinds() -> dict[str, Any]:
+    """A CUDA graph captured without a pool of its own and a MemPool named "kv_cache", under
+    an embedded exporter reading the layout every 0.5 s: /metrics' pool info and bytes, and
+    the allocator's own snapshot of the same moment."""
+    import torch
+
+    import exporter
+
+    handle = exporter.start(port=0, interval_s=0.2, layout_interval_s=0.5)
+    static = torch.randn(1024, 1024, device="cuda:0")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            static @ static  # warm-up outside the capture, as CUDA graphs need
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = static @ static
+    pool = torch.cuda.MemPool()
+    exporter.name_pool(pool, "kv_cache")
+    with torch.cuda.use_mem_pool(pool):
+        kv = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    mempool_label = "_".join(str(part) for part in pool.id)
+    deadline = time.monotonic() + 30
+    text = ""
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{handle.url}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        if text.count("torch_cuda_private_pool_info{") >= 2:
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)  # one more layout read: the scrape and the snapshot below agree
+    with urllib.request.urlopen(f"{handle.url}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    truth: dict[str, dict[str, int]] = {}
+    for segment in torch.cuda.memory_snapshot():
+        label = "_".join(str(part) for part in segment["segment_pool_id"])
+        if label != "0_0":
+            sums = truth.setdefault(label, {"reserved_bytes": 0, "allocated_bytes": 0})
+            sums["reserved_bytes"] += segment["total_size"]
+            sums["allocated_bytes"] += segment["allocated_size"]
+    del out, kv, graph
+    handle.stop()
+    return {"metrics": text, "truth": truth, "mempool": mempool_label, "error": handle.error}
+
+
 SCENARIOS = {
     name: fn
     for name, fn in list(globals().items())

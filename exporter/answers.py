@@ -128,11 +128,14 @@ def ledger_answer(stats: dict[str, Any]) -> str:
     """Where each process's memory on each GPU goes (/stats' ledgers): one line a device, the
     total (NVML's per-process used where the process has a value outside the allocator)."""
     lines = []
+    self_pid = (stats.get("sample") or {}).get("self_pid")
     for row in stats.get("ledgers") or []:
         parts = row.get("parts") if isinstance(row, dict) else None
         if not isinstance(parts, dict) or not parts:
             continue
-        where = f"{describe_process(row.get('process') or {})} cuda:{row.get('device')}"
+        # A single process's reading names no process: the sample's own pid, as oom_answer.
+        process = row.get("process") or {"pid": str(self_pid or "?")}
+        where = f"{describe_process(process)} cuda:{row.get('device')}"
         total = sum(int(value) for value in parts.values())
         terms = " + ".join(f"{name} {fmt_bytes(int(value))}" for name, value in parts.items())
         lines.append(f"{where}: {fmt_bytes(total)} = {terms}")

@@ -343,7 +343,8 @@ def test_why_without_an_oom_and_with_oom_counts_that_have_no_verdict(tmp_path):
     assert quiet_lines[1] == "where the memory goes:"
     reading = _captured(None).allocators[0]
     total = reading.gauges["reserved_bytes"] + (reading.non_allocator_bytes or 0)
-    assert quiet_lines[2].startswith("  pid ") and f": {fmt_bytes(total)} = " in quiet_lines[2]
+    assert re.match(r"  pid \d+ cuda:0: ", quiet_lines[2]), quiet_lines[2]
+    assert f": {fmt_bytes(total)} = " in quiet_lines[2]
     assert " + other_live " in quiet_lines[2] and " + cached_free " in quiet_lines[2]
     # OOMs counted by the allocator with no verdict (before the observer was armed, or a
     # trace of an older exporter) are said to have none.

@@ -85,7 +85,11 @@ class Components:
         self.overflowed = 0  # names refused a place of their own (their bytes in OVERFLOW)
         self.negative_growth = 0  # blocks whose frees outweighed what they allocated
         self.reentered = 0  # blocks entered while one of the same name was open: not measured
-        self.on_change: list[Callable[[], None]] = []  # the agent sends a full sample
+        # Called when a component appears on a device or is released (the agent sends its
+        # full sample at the next tick); a new size of one already there goes out with the
+        # next periodic full sample instead, so a server setting its KV cache's size at every
+        # step does not turn every tick into a full sample.
+        self.on_change: list[Callable[[], None]] = []
 
     def _name_for(self, name: str) -> str:
         """`name`, or OVERFLOW once MAX_COMPONENTS other names hold a place (lock held)."""
@@ -151,10 +155,13 @@ class Components:
             self._open.discard(block.name)
             self.negative_growth += shrank
             held = self._bytes.setdefault(self._name_for(block.name), {})
+            new = False
             for device, grew in growth.items():
                 if grew:
+                    new = new or device not in held
                     held[device] = held.get(device, 0) + grew
-        self._changed()
+        if new:
+            self._changed()
 
     def _blocks(self) -> list[_Block]:
         stack = getattr(self._stack, "blocks", None)
@@ -169,8 +176,11 @@ class Components:
         if isinstance(device, bool) or not isinstance(device, int) or device < 0:
             raise ComponentError(f"component {name!r}: device must be an index >= 0")
         with self._lock:
-            self._bytes.setdefault(self._name_for(name), {})[device] = nbytes
-        self._changed()
+            held = self._bytes.setdefault(self._name_for(name), {})
+            new = device not in held
+            held[device] = nbytes
+        if new:
+            self._changed()
 
     def release(self, name: str) -> None:
         """Forget a component (its bytes are other live memory again, or freed)."""

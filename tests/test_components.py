@@ -198,3 +198,24 @@ def test_the_components_captured_on_a_gpu_are_the_growth_torch_read_and_the_ledg
     parts = dict(ledger(reading))
     assert sum(parts.values()) == entry.used_bytes
     assert parts["other_live"] >= 0 and parts["outside_allocator"] > 0
+
+
+def test_a_new_component_or_a_release_is_said_at_once_a_new_size_is_not():
+    """The agent sends its full sample at the next tick for on_change: a new name (or a name
+    on a new device) and a release call it; a server updating a size every step does not."""
+    gpu = Allocator()
+    components = Components(gpu)
+    said: list[str] = []
+    components.on_change.append(lambda: said.append("changed"))
+    components.set("kv_cache", GiB)
+    for step in range(100):
+        components.set("kv_cache", GiB + step)
+    assert said == ["changed"]
+    components.set("kv_cache", GiB, device=1)
+    with components.measure("weights"):
+        gpu.alloc(GiB)
+    with components.measure("weights"):
+        gpu.alloc(GiB)
+    assert len(said) == 3
+    components.release("weights")
+    assert len(said) == 4

@@ -524,6 +524,7 @@ FAMILIES: tuple[Family, ...] = (
         "torch_cuda_memory_ledger_bytes cuts them to what is still allocated.",
         name="torch_cuda_component_bytes",
         labels=("component",),
+        full_only=EVERYWHERE,
     ),
     _allocator(
         "gauge",
@@ -535,6 +536,11 @@ FAMILIES: tuple[Family, ...] = (
         "reserved); the parts sum to NVML's per-process used (docs/metrics.md, the ledger).",
         name="torch_cuda_memory_ledger_bytes",
         labels=("component",),
+        # Four or more series a device: past a fleet's budget of 40 a GPU at the basic level
+        # (39.1 on a TP=8 node, tests/test_fleet_budget.py). The live page, `why` and /stats
+        # carry the ledger at every level; its four parts of an unmodified server are the
+        # allocated, reserved and non-allocator series there.
+        full_only=EVERYWHERE,
     ),
     # -- the allocator's layout: a segments-only snapshot, every few seconds ----------------
     _allocator(

@@ -34,6 +34,9 @@ import threading
 from collections.abc import Callable
 from contextlib import ContextDecorator
 
+from exporter.ledger import LEDGER_PARTS
+from exporter.probe.allocator import has_context
+
 log = logging.getLogger("exporter")
 
 MAX_COMPONENTS = 16
@@ -42,7 +45,7 @@ PROBLEMS = ("overflowed", "negative_growth", "reentered", "open", "pools_refused
 MAX_NAME = 64
 OVERFLOW = "other_named"
 # The ledger's own parts (exporter.ledger): no server component may take their names.
-RESERVED = frozenset({"private_pools", "other_live", "cached_free", "outside_allocator", OVERFLOW})
+RESERVED = frozenset({*LEDGER_PARTS, OVERFLOW})
 
 
 class ComponentError(ValueError):
@@ -65,12 +68,15 @@ def _allocated_now() -> dict[int, int]:
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return {}
-    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
-    found = {}
-    for index in range(torch.cuda.device_count()):
-        if has_context is None or has_context(index):
-            found[index] = int(torch.cuda.memory_allocated(index))
-    return found
+    return {
+        index: int(torch.cuda.memory_allocated(index))
+        for index in range(torch.cuda.device_count())
+        if has_context(torch, "cuda", index, _WITH_CONTEXT)
+    }
+
+
+# Devices found with a primary context (has_context's cache: torch never tears one down).
+_WITH_CONTEXT: set[int] = set()
 
 
 class Components:

@@ -218,10 +218,6 @@ class NonAllocatorProbe:
         used = int(own[0]) if own[0] is not None else None
         return used, sorted(others, key=lambda other: other[1], reverse=True)
 
-    def other_processes(self, uuid: str) -> list[tuple[int, int]]:
-        """The other processes of at_oom()."""
-        return self.at_oom(uuid)[1]
-
     def close(self) -> None:
         if self._ready and self._nvml is not None:
             with contextlib.suppress(Exception):

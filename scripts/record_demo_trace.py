@@ -17,6 +17,10 @@ stream of generation requests, as TGI and transformers pipelines do:
 - the decode step runs as piecewise CUDA graphs (vLLM's default): everything but attention
   is captured per layer for padded batch sizes 1-32, in one private pool;
 - generated tokens leave through pinned host memory;
+- the server names its memory for the ledger, as a server embedding the exporter would: the
+  weights with exporter.component("weights"), the live key/value cache's size with
+  exporter.set_component("kv_cache", ...) at every step, and its graphs' private pool with
+  exporter.name_pool(pool, "decode_graphs");
 - the process runs under a memory cap (torch.cuda.set_per_process_memory_fraction) and the
   server's first token budget is too big for it: a batch of long documents makes the
   allocator flush its cache and retry, and when that fails the server catches the OOM,
@@ -191,6 +195,7 @@ class Engine:
             values.append(v)
             x = self.model.post_attention(i, x, attn.transpose(1, 2).reshape(n, width, HIDDEN))
         del mask, causal
+        exporter.set_component("kv_cache", cache_bytes(keys, values), self.device.index or 0)
         token = self.model.logits(x[:, -1:]).argmax(dim=-1)  # (n, 1)
         del x
         size = next(b for b in GRAPH_BATCHES if b >= n)
@@ -210,7 +215,12 @@ class Engine:
                 post.replay()
             token = self.model.logits(static["x"][:n]).argmax(dim=-1)
             self.tokens_out[:n].copy_(token[:, 0], non_blocking=True)
+            exporter.set_component("kv_cache", cache_bytes(keys, values), self.device.index or 0)
         torch.cuda.synchronize(self.device)
+
+
+def cache_bytes(keys: list[torch.Tensor], values: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in (*keys, *values))
 
 
 def heads_of(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -259,6 +269,7 @@ class Server:
             self.engine.generate(batch, self.rng)
             self.finished += len(batch)
         except torch.cuda.OutOfMemoryError:
+            # The batch's cache is freed with the exception's frames.
             self.ooms += 1
             tokens = len(batch) * max(r.prompt + r.new_tokens for r in batch)
             self.budget = max(int(min(self.budget, tokens) * 0.8), 4096)
@@ -270,6 +281,9 @@ class Server:
                 f"OOM: batch of {len(batch)} ({tokens} cache tokens) split in {half}s; "
                 f"budget now {self.budget} tokens"
             )
+        finally:
+            # Between batches the server holds no cache.
+            exporter.set_component("kv_cache", 0, self.engine.device.index or 0)
 
 
 def main() -> None:
@@ -292,7 +306,8 @@ def main() -> None:
     meta = {
         "description": f"{name}: a Llama-shaped bf16 decoder (3.5 B parameters, random weights) "
         "serving generation requests with continuous batching, piecewise CUDA graphs and a "
-        f"pinned swap space under a {CAP_BYTES // GiB} GiB memory cap; a burst of long "
+        f"pinned swap space under a {CAP_BYTES // GiB} GiB memory cap, its weights, key/value "
+        "cache and graph pool named for the memory ledger; a burst of long "
         "documents fragments its cache, makes it retry allocations and run out of memory, and "
         "it preempts requests to go on",
         "device_name": name,
@@ -324,9 +339,11 @@ def main() -> None:
     def log(message: str) -> None:
         print(f"{time.monotonic() - start:7.1f}s {message}", flush=True)
 
-    model = Model(device)
+    with exporter.component("weights"):
+        model = Model(device)
     engine = Engine(model)
     engine.capture()
+    exporter.name_pool(engine.pool, "decode_graphs")
     log(f"weights and {len(GRAPH_BATCHES) * LAYERS * 2} CUDA graphs ready")
     server = Server(engine, rng, log)
     snapshots = Snapshots(admin, log)

@@ -30,13 +30,17 @@ def test_round_trip_of_the_demo_trace():
     for sample in samples[:: max(len(samples) // 20, 1)]:
         back = sample_from_exposition(render(sample, replay=True), timestamp=sample.timestamp)
         # A scrape does not say whether the exporter reused its process list, nor the GPU's
-        # minor number (kept for Kubernetes attribution, not a series); a replay serves the
+        # minor number (kept for Kubernetes attribution, not a series), nor a MIG mode that is
+        # off (gpu_mig_mode is served only where MIG is enabled or pending); a replay serves the
         # recorded process's RSS as host_process_* (from the sample's host_processes), never
         # under the `process_` names of its own process.
         expected = dataclasses.replace(
             sample,
             processes_cached=False,
-            gpus=[dataclasses.replace(g, minor_number=None) for g in sample.gpus],
+            gpus=[
+                dataclasses.replace(g, minor_number=None, mig_mode="", mig_mode_pending="")
+                for g in sample.gpus
+            ],
             host=dataclasses.replace(
                 sample.host, process_resident_bytes=None, process_resident_peak_bytes=None
             ),

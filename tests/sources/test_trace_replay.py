@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from exporter.ledger import ledger
 from exporter.sample import Sample
 from exporter.sources.replay import (
     ReplaySource,
@@ -238,13 +239,51 @@ def test_a_replayed_oom_verdict_keeps_its_age_and_its_counts_rise_across_loops(t
 
 
 def test_a_recorded_pools_kind_comes_from_its_id():
-    """The demo's decoder captured its CUDA graphs in one pool of its own: kind graph."""
-    samples = demo_samples()
+    """A trace recorded before pools had kinds (the demo's readings with their pool info
+    taken away): the decoder's CUDA graphs captured in one pool of its own are kind graph."""
+    samples = read_trace(demo_trace_path())[1]
+    for s in samples:
+        for r in s.allocators:
+            r.private_pool_info = {}
+    derive_recorded_pool_kinds(samples)
     kinds = {
-        label: info["kind"]
+        label: (info["kind"], info["name"])
         for s in samples
         for r in s.allocators
         for label, info in r.private_pool_info.items()
     }
-    assert kinds and set(kinds.values()) == {"graph"}, kinds
+    assert kinds and set(kinds.values()) == {("graph", "")}, kinds
     assert all(int(label.split("_")[0]) > 0 for label in kinds)
+
+
+def test_the_demo_names_its_memory_for_the_ledger():
+    """Recorded on the GPU with exporter.component("weights") around the model's load,
+    set_component("kv_cache") at every decode step and name_pool(pool, "decode_graphs"): the
+    demo's ledger has the server's own parts, and they, with the ledger's, sum to NVML's
+    per-process used wherever the process is listed."""
+    samples = demo_samples()
+    named = {name for s in samples for r in s.allocators for name in r.components}
+    assert named == {"weights", "kv_cache"}
+    pools = {
+        (info["kind"], info["name"])
+        for s in samples
+        for r in s.allocators
+        for info in r.private_pool_info.values()
+    }
+    assert pools == {("graph", "decode_graphs")}
+    # The weights do not change while it serves; the cache does, and is zero between batches.
+    weights = {r.components.get("weights") for s in samples[5:] for r in s.allocators}
+    assert len(weights) == 1 and weights.pop() > 6 << 30
+    caches = [r.components.get("kv_cache", 0) for s in samples for r in s.allocators]
+    assert max(caches) > 1 << 30 and min(caches) == 0
+    checked = 0
+    for sample in samples:
+        (reading,) = sample.allocators
+        if reading.non_allocator_bytes is None or "weights" not in reading.components:
+            continue  # NVML did not list it yet, or the model was not loaded yet
+        parts = dict(ledger(reading))
+        assert parts["weights"] == reading.components["weights"]  # under allocated, not cut
+        total = reading.gauges["reserved_bytes"] + reading.non_allocator_bytes
+        assert sum(parts.values()) == total
+        checked += 1
+    assert checked > len(samples) * 0.9

@@ -199,8 +199,8 @@ def test_shattered_free_cache_with_plenty_free_on_the_gpu_stays_quiet():
 
 
 def test_shattered_free_cache_fires_under_a_memory_cap_although_the_gpu_has_room():
-    """The demo's H100: 60 GB free on the device, but the process may reserve only 22 GiB
-    (set_per_process_memory_fraction): its room is what the cap leaves."""
+    """The demos (H100: 60 GB free on the device; H200: 117 GB), but the process may reserve
+    only 22 GiB (set_per_process_memory_fraction): its room is what the cap leaves."""
     capped = layout_reading(768 << 20, 8 * GiB)  # reserved: 18 GiB
     capped.gauges["memory_limit_bytes"] = 19 * GiB  # 1 GiB of room, under a quarter of 8
     roomy = layout_reading(768 << 20, 8 * GiB)

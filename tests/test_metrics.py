@@ -181,7 +181,7 @@ def test_a_skipped_layout_says_why_and_pinned_memory_is_per_process_under_run():
 
 
 def test_a_peak_is_never_below_the_current_value_it_is_served_beside():
-    """ru_maxrss lags the RSS /proc reads (the demo's trace has it 1.4 MB below): clamped."""
+    """ru_maxrss lags the RSS /proc reads (the H100 demo trace had it 1.4 MB below): clamped."""
     from exporter.sample import HostProcessReading, HostReading
 
     host = HostReading(

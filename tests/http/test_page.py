@@ -144,7 +144,8 @@ def test_window_route_serves_recent_samples_incrementally(tmp_path):
     assert data["capacity"] == 600 and data["interval_s"] == 1.0
     assert len(data["timestamps"]) == 3
     gpu0 = data["gpus"][0]
-    assert (gpu0["index"], gpu0["name"]) == (0, "NVIDIA H100 80GB HBM3")
+    recorded_gpu = read_trace(demo_trace_path())[1][0].gpus[0]
+    assert (gpu0["index"], gpu0["name"]) == (0, recorded_gpu.name) == (0, "NVIDIA H200")
     assert len(gpu0["series"]["allocated_bytes"]) == 3
     recorded = next(s.self_pid for s in read_trace(demo_trace_path())[1] if s.self_pid)
     assert data["processes"][0]["pid"] == recorded  # the recorded process, not ours
@@ -473,7 +474,7 @@ CACHED_FREE = bytes.fromhex("f2a33a")
 def test_live_page_on_the_demo_draws_alerts_and_actions_without_a_token(tmp_path):
     runtime = demo_runtime(tmp_path, interval_s=0.2)  # no admin token: the demo needs none
     with serving(runtime) as url:
-        wait_for_points(runtime, 70)  # 14 s at 20x: the trace's retries and OOMs, at 61 s
+        wait_for_points(runtime, 70)  # 14 s at 20x: the trace's retries and its OOM, at 42 s
         result = drive(
             url,
             tmp_path,
@@ -490,8 +491,8 @@ def test_live_page_on_the_demo_draws_alerts_and_actions_without_a_token(tmp_path
         state = result["widths"][str(width)]
         assert state["pageErrors"] == 0, state["pageErrorText"]
         (gpu0,) = state["cards"]
-        assert gpu0["title"] == "GPU 0 · NVIDIA H100 80GB HBM3"
-        # Four layers of the stack (free is left out: the demo's process uses a quarter of the
+        assert gpu0["title"] == "GPU 0 · NVIDIA H200"
+        # Four layers of the stack (free is left out: the demo's process uses a sixth of the
         # GPU, so the chart starts zoomed in on memory in use); both ratios.
         assert gpu0["drawn"] == [4, 2]
         assert "GiB" in gpu0["facts"] and "fragmentation" in gpu0["facts"]
@@ -499,11 +500,14 @@ def test_live_page_on_the_demo_draws_alerts_and_actions_without_a_token(tmp_path
         assert re.search(r"OOMs\s*[1-9]\d* in view · [1-9]\d* in all", gpu0["legend"])
         assert re.search(r"cap\s*22\.00 GiB", gpu0["legend"]), gpu0["legend"]
         assert gpu0["legendOverflow"] == []
-        # The memory ledger's bar: the demo names no component, so the ledger's own parts,
-        # each as wide as its share of the latest sample's (the page's last poll) total.
+        # The memory ledger's bar: the components the recorded server named first (its
+        # weights; its KV cache while a batch runs), then the ledger's own parts, each as wide
+        # as its share of the latest sample's (the page's last poll) total.
         ledger = gpu0["ledger"]
         names = [part for part, _ in ledger["parts"]]
-        assert set(names) <= {"private_pools", "other_live", "cached_free", "outside_allocator"}
+        assert names[0] == "weights", ledger
+        own = {"private_pools", "other_live", "cached_free", "outside_allocator"}
+        assert set(names) <= {"weights", "kv_cache"} | own
         assert {"other_live", "cached_free"} <= set(names), ledger
         assert abs(sum(share for _, share in ledger["parts"]) - 1) < 0.02, ledger
         assert re.match(r"ledger [\d.]+ GiB =", ledger["text"]), ledger["text"]

@@ -18,10 +18,10 @@ from exporter.detectors import Detectors
 from exporter.detectors import Listener as AlertListener
 from exporter.exposition import ExpositionCache
 from exporter.http.admin import Admin
-from exporter.http.identities import kubernetes_identities
 from exporter.http.server import HttpServer, create_app, create_health_app
 from exporter.http.web import WebSecurity, web_security
 from exporter.identity import identity_labels
+from exporter.kubernetes.identities import kubernetes_identities
 from exporter.metrics import ActionStats, EndpointState, SampleCollector
 from exporter.modes import MODES, Mode
 from exporter.modes.run import silent_processes

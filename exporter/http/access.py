@@ -16,30 +16,57 @@ passes before any route (the open routes' shortcut included), in this order.
    its own. A password not seen before is checked by bcrypt in a thread, a bounded number at
    once. The web config's headers go on every answer, refusals included.
 
+5. An admin route's caller (AdminCallers): the shared bearer token or a Kubernetes identity
+   the API server reviews, never sent in cleartext from another host. Decided here with the
+   rest, but run as a dependency of each admin route, because exporter.attach() mounts the
+   same routes on a host's app that AccessCheck does not wrap.
+
 Admin routes are known by declaration (exporter.http.admin.add_admin_routes returns them),
-never found by scanning the app's routes. Their callers (bearer token, Kubernetes identities)
-are decided by Admin.authorize, a dependency of each admin route, because exporter.attach()
-mounts the same routes on a host's app that this check does not wrap. The connection's client
-certificate (client_allowed_sans) is decided per connection, before any request is read
-(exporter.http.guard).
+never found by scanning the app's routes. The connection's client certificate
+(client_allowed_sans) is decided per connection, before any request is read
+(exporter.http.guard), from the same web config.
 """
 
 from __future__ import annotations
 
 import functools
+import hmac
 import ipaddress
 import json
+import logging
 import re
 from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlsplit
 
 import anyio.to_thread
+from starlette.requests import Request
 from starlette.routing import BaseRoute
 
+from exporter.config import Config, ConfigError
 from exporter.http.web import DEFER, TOO_MANY_CHECKS, Refusal, WebSecurity
+from exporter.kubernetes.identities import (
+    RESOURCES,
+    VERBS,
+    IdentityUnavailable,
+    KubernetesIdentities,
+)
+from exporter.ratelimit import RateLimitedLog
+from exporter.traits import Traits
+
+log = logging.getLogger("exporter.admin")
 
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+# The admin API's refusals of its callers (AdminCallers).
+DISABLED = (
+    "admin actions are disabled: set GPUMEM_ADMIN_TOKEN or GPUMEM_ADMIN_TOKEN_FILE "
+    "(admin_token= / admin_token_file=) to enable them"
+)
+CLEARTEXT = (
+    "admin credentials over plain HTTP from another host are refused (anyone on the path can "
+    "read them): serve TLS (web_config_file), use kubectl port-forward, or set "
+    "allow_cleartext_admin"
+)
 
 Scope = dict[str, Any]
 
@@ -207,3 +234,120 @@ async def _answer(send: Any, refusal: Refusal, extra: list[tuple[bytes, bytes]])
     headers += [(b"content-length", str(len(body)).encode()), *extra]
     await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+class AdminError(Exception):
+    """An admin request refused or failed: its status, what to tell the client, how it ended
+    (the admin request counter's outcome) and any headers (WWW-Authenticate, Retry-After)."""
+
+    def __init__(
+        self, status: int, detail: str, outcome: str, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(detail)
+        self.status, self.detail, self.outcome, self.headers = status, detail, outcome, headers
+
+
+class AdminCallers:
+    """Who may call an admin route: the shared bearer token, or a Kubernetes identity the API
+    server reviews (admin_auth); neither over plain HTTP from another host. A dependency of
+    every admin route (exporter.http.admin.add_admin_routes), so that a host's app that
+    attach() mounts them on, which AccessCheck does not wrap, decides them the same way. It
+    runs in a worker thread: a slow API server holds no event loop."""
+
+    def __init__(
+        self, config: Config, traits: Traits, identities: KubernetesIdentities | None
+    ) -> None:
+        self.config, self.traits, self.identities = config, traits, identities
+        self._token_log = RateLimitedLog(log)
+
+    def authorize(self, request: Request) -> None:
+        """Refuse the caller (AdminError) or leave their name in request.state.admin_user
+        for the audit line."""
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        bearer = given.strip() if scheme.lower() == "bearer" else ""
+        if request.headers.get("authorization") and self._cleartext_from_afar(request):
+            raise AdminError(403, CLEARTEXT, "cleartext")
+        methods = self.config.admin_auth
+        try:
+            expected = self.config.resolved_admin_token() if "token" in methods else None
+        except ConfigError as exc:
+            # Logged at most once a minute: every request (even one without a token) meets
+            # it, and a scanner must not flood the host's logs.
+            self._token_log.log(logging.ERROR, "token", f"admin token unavailable: {exc}")
+            expected = None
+            if self.identities is None:
+                raise AdminError(403, DISABLED, "disabled") from None
+        if (
+            not expected
+            and self.identities is None
+            and self.traits.admin_open
+            and not self.config.admin_token_file
+        ):
+            # The demo's actions answer from its recording and change nothing: open without a
+            # configured token, so that the demo shows every feature with no set-up.
+            return
+        # Constant-time comparison; the token itself is never logged or echoed.
+        if expected and bearer and hmac.compare_digest(bearer.encode(), expected.encode()):
+            request.state.admin_user = "admin-token"
+            return
+        if self.identities is not None and bearer:
+            self._kubernetes(request, bearer)
+            return
+        if not expected and self.identities is None:
+            if self.config.admin_token_file:
+                self._token_log.log(
+                    logging.ERROR,
+                    "token",
+                    f"admin token file {self.config.admin_token_file} is empty: "
+                    "admin actions are off",
+                )
+            raise AdminError(403, DISABLED, "disabled")
+        raise AdminError(
+            401,
+            "missing or invalid bearer token",
+            "unauthorized",
+            {"WWW-Authenticate": "Bearer"},
+        )
+
+    def _kubernetes(self, request: Request, bearer: str) -> None:
+        assert self.identities is not None
+        route = request.scope.get("route")
+        label = getattr(route, "name", "")
+        verb = VERBS.get(request.method, "get")
+        if label == "list":
+            verb = "list"
+        resource = RESOURCES.get(label, label)
+        try:
+            decision = self.identities.decide(bearer, verb, resource)
+        except IdentityUnavailable as exc:
+            raise AdminError(503, str(exc), "unavailable", {"Retry-After": "5"}) from None
+        if decision.user is None:
+            raise AdminError(
+                401,
+                f"the Kubernetes API did not authenticate this token: {decision.reason}",
+                "unauthorized",
+                {"WWW-Authenticate": "Bearer"},
+            )
+        request.state.admin_user = decision.user.name
+        if not decision.allowed:
+            what = self.identities.attributes(verb, resource)
+            detail = f"{decision.user.name} may not {verb} {_describe(what)}"
+            raise AdminError(
+                403, detail + (f": {decision.reason}" if decision.reason else ""), "forbidden"
+            )
+
+    def _cleartext_from_afar(self, request: Request) -> bool:
+        """A credential that crossed the network unencrypted: plain HTTP from a client that is
+        not this machine's loopback (kubectl port-forward arrives on loopback)."""
+        if request.url.scheme == "https" or self.config.allow_cleartext_admin:
+            return False
+        client = request.client.host if request.client else ""
+        return not is_loopback(client)
+
+
+def _describe(attributes: dict[str, str]) -> str:
+    """RBAC's words for a SubjectAccessReview's resourceAttributes."""
+    a = attributes
+    if a.get("subresource"):
+        return f"{a['resource']}/{a['subresource']} {a.get('name', '')}".strip()
+    return f"{a['group']}/{a['resource']} in namespace {a['namespace'] or '-'}"

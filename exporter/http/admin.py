@@ -18,7 +18,6 @@ with `"ok": false`. Slow work runs in worker threads, off the event loop.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 import threading
@@ -36,11 +35,11 @@ from starlette.routing import BaseRoute
 from exporter.actions.base import OUTCOME_STATUS, Actions, ProcessResult, Target
 from exporter.actions.snapshots import SnapshotInfo
 from exporter.actions.spec import ACTIONS, Action
-from exporter.config import Config, ConfigError
+from exporter.config import Config
 from exporter.detectors import Detectors
-from exporter.http.access import is_loopback
-from exporter.http.identities import RESOURCES, VERBS, IdentityUnavailable, KubernetesIdentities
+from exporter.http.access import AdminCallers, AdminError
 from exporter.identity import describe_process, process_labels
+from exporter.kubernetes.identities import KubernetesIdentities
 from exporter.ledger import ledger
 from exporter.oom_pending import PendingOoms
 from exporter.ratelimit import RateLimitedLog
@@ -53,15 +52,6 @@ log = logging.getLogger("exporter.admin")
 audit = logging.getLogger("exporter.audit")
 
 MAX_BODY_BYTES = 16 * 1024
-DISABLED = (
-    "admin actions are disabled: set GPUMEM_ADMIN_TOKEN or GPUMEM_ADMIN_TOKEN_FILE "
-    "(admin_token= / admin_token_file=) to enable them"
-)
-CLEARTEXT = (
-    "admin credentials over plain HTTP from another host are refused (anyone on the path can "
-    "read them): serve TLS (web_config_file), use kubectl port-forward, or set "
-    "allow_cleartext_admin"
-)
 REPLAY_NOTE = "replay: answered from data recorded on a real GPU; nothing was changed"
 
 
@@ -111,14 +101,6 @@ class Selector(_Body):
 BodyT = TypeVar("BodyT", bound=_Body)
 
 
-class AdminError(Exception):
-    def __init__(
-        self, status: int, detail: str, outcome: str, headers: dict[str, str] | None = None
-    ) -> None:
-        super().__init__(detail)
-        self.status, self.detail, self.outcome, self.headers = status, detail, outcome, headers
-
-
 class Admin:
     """State of the admin API: who may call it, what it counted, rendered pages."""
 
@@ -135,103 +117,18 @@ class Admin:
     ) -> None:
         self.config = config
         self.pending_ooms = pending_ooms if pending_ooms is not None else PendingOoms()
-        self.identities = identities
         self.actions = actions
         self.sampler = sampler
         self.detectors = detectors
         self.traits = traits or Traits("embedded")  # what its mode decides (exporter.traits)
         # Counted here, read by /metrics (exporter.request_counts).
         self.requests = requests if requests is not None else RequestCounts()
+        # Who may call the admin routes: decided in the access module with every other rule.
+        self.callers = AdminCallers(config, self.traits, identities)
         self._render_lock = threading.Lock()
         self._pages: dict[str, str] = {}  # snapshot id -> rendered page, oldest first
-        self._token_log = RateLimitedLog(log)
 
     # -- plumbing ------------------------------------------------------------------------
-
-    def authorize(self, request: Request) -> None:
-        """Who may act (a dependency of every admin route; it runs in a worker thread, so a
-        slow API server holds no event loop). The caller's name is left in
-        request.state.admin_user for the audit line."""
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        bearer = given.strip() if scheme.lower() == "bearer" else ""
-        if request.headers.get("authorization") and self._cleartext_from_afar(request):
-            raise AdminError(403, CLEARTEXT, "cleartext")
-        methods = self.config.admin_auth
-        try:
-            expected = self.config.resolved_admin_token() if "token" in methods else None
-        except ConfigError as exc:
-            # Logged at most once a minute: every request (even one without a token) meets
-            # it, and a scanner must not flood the host's logs.
-            self._token_log.log(logging.ERROR, "token", f"admin token unavailable: {exc}")
-            expected = None
-            if self.identities is None:
-                raise AdminError(403, DISABLED, "disabled") from None
-        if (
-            not expected
-            and self.identities is None
-            and self.traits.admin_open
-            and not self.config.admin_token_file
-        ):
-            # The demo's actions answer from its recording and change nothing: open without a
-            # configured token, so that the demo shows every feature with no set-up.
-            return
-        # Constant-time comparison; the token itself is never logged or echoed.
-        if expected and bearer and hmac.compare_digest(bearer.encode(), expected.encode()):
-            request.state.admin_user = "admin-token"
-            return
-        if self.identities is not None and bearer:
-            self._kubernetes(request, bearer)
-            return
-        if not expected and self.identities is None:
-            if self.config.admin_token_file:
-                self._token_log.log(
-                    logging.ERROR,
-                    "token",
-                    f"admin token file {self.config.admin_token_file} is empty: "
-                    "admin actions are off",
-                )
-            raise AdminError(403, DISABLED, "disabled")
-        raise AdminError(
-            401,
-            "missing or invalid bearer token",
-            "unauthorized",
-            {"WWW-Authenticate": "Bearer"},
-        )
-
-    def _kubernetes(self, request: Request, bearer: str) -> None:
-        assert self.identities is not None
-        route = request.scope.get("route")
-        label = getattr(route, "name", "")
-        verb = VERBS.get(request.method, "get")
-        if label == "list":
-            verb = "list"
-        resource = RESOURCES.get(label, label)
-        try:
-            decision = self.identities.decide(bearer, verb, resource)
-        except IdentityUnavailable as exc:
-            raise AdminError(503, str(exc), "unavailable", {"Retry-After": "5"}) from None
-        if decision.user is None:
-            raise AdminError(
-                401,
-                f"the Kubernetes API did not authenticate this token: {decision.reason}",
-                "unauthorized",
-                {"WWW-Authenticate": "Bearer"},
-            )
-        request.state.admin_user = decision.user.name
-        if not decision.allowed:
-            what = self.identities.attributes(verb, resource)
-            detail = f"{decision.user.name} may not {verb} {_describe(what)}"
-            raise AdminError(
-                403, detail + (f": {decision.reason}" if decision.reason else ""), "forbidden"
-            )
-
-    def _cleartext_from_afar(self, request: Request) -> bool:
-        """A credential that crossed the network unencrypted: plain HTTP from a client that is
-        not this machine's loopback (kubectl port-forward arrives on loopback)."""
-        if request.url.scheme == "https" or self.config.allow_cleartext_admin:
-            return False
-        client = request.client.host if request.client else ""
-        return not is_loopback(client)
 
     async def body(self, request: Request, model: type[BodyT]) -> BodyT:
         declared = request.headers.get("content-length")
@@ -469,12 +366,13 @@ SELECTOR_QUERY = {
 
 def add_admin_routes(app: FastAPI, admin: Admin) -> list[BaseRoute]:
     """Every admin route: one per declared action, and the snapshot store's and /stats.
-    Each is authorized first (a dependency) and counted under its name (_route_class).
+    Each is authorized first (a dependency: exporter.http.access.AdminCallers) and counted
+    under its name (_route_class).
     Returned: the access check knows them by this declaration (exporter.http.access)."""
     router = APIRouter(
         tags=["admin"],
         route_class=_route_class(admin),
-        dependencies=[Depends(admin.authorize)],
+        dependencies=[Depends(admin.callers.authorize)],
     )
     for action in ACTIONS:
         _add_action_route(router, admin, action)
@@ -625,14 +523,6 @@ def _audit(request: Request, label: str, outcome: str, status: int) -> None:
         _refused_log.warning(outcome, line)
     elif request.method not in ("GET", "HEAD"):
         audit.info(line)
-
-
-def _describe(attributes: dict[str, str]) -> str:
-    """RBAC's words for a SubjectAccessReview's resourceAttributes."""
-    a = attributes
-    if a.get("subresource"):
-        return f"{a['resource']}/{a['subresource']} {a.get('name', '')}".strip()
-    return f"{a['group']}/{a['resource']} in namespace {a['namespace'] or '-'}"
 
 
 def _snapshot_process(info: SnapshotInfo) -> dict[str, str]:

@@ -1013,7 +1013,7 @@ def test_kubernetes_admin_identities_get_review_rights_and_on_call_roles(
     )
     assert binding["subjects"][0]["name"] == "gm-gpumem-exporter"
     roles = {d["metadata"]["name"]: d["rules"] for d in by_kind(docs, "ClusterRole")}
-    from exporter.http.identities import GROUP, RESOURCES
+    from exporter.kubernetes.identities import GROUP, RESOURCES
 
     admin = roles["gm-gpumem-exporter-admin"][0]
     assert admin["apiGroups"] == [GROUP] and set(admin["resources"]) == set(RESOURCES.values())

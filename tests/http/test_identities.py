@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from exporter.http.identities import RESOURCES
+from exporter.kubernetes.identities import RESOURCES
 from tests.helpers import served
 from tests.support.kube_auth_standin import StandInAuthApi
 
@@ -156,7 +156,7 @@ def test_every_admin_route_has_an_rbac_resource(tmp_path):
 
 def test_kubernetes_admin_auth_outside_a_cluster_is_a_start_up_error(tmp_path, monkeypatch):
     from exporter.config import ConfigError, load_config
-    from exporter.http.identities import kubernetes_identities
+    from exporter.kubernetes.identities import kubernetes_identities
 
     with pytest.raises(ConfigError, match="not in a cluster"):
         kubernetes_identities(load_config(env={}, admin_auth="kubernetes"), env={})
@@ -189,7 +189,7 @@ def test_made_up_tokens_cannot_drive_the_api_server(tmp_path, api):
     """Round 4, LOW 12: every never-seen bearer token cost one TokenReview, at the clients'
     rate (2,406 reviews in 15 s from 60 loops). Now at most REVIEWS_PER_S a second (after a
     burst of REVIEWS_BURST), the rest 503 at once; a known user still gets in after."""
-    from exporter.http import identities
+    from exporter.kubernetes import identities
 
     with served(tmp_path, **_settings(api)) as (server, _):
         statuses = _storm(server, 2.0, 30)

@@ -490,6 +490,8 @@ def test_live_page_on_the_demo_draws_alerts_and_actions_without_a_token(tmp_path
     for width in (1400, 420):
         state = result["widths"][str(width)]
         assert state["pageErrors"] == 0, state["pageErrorText"]
+        # Nothing reaches past the window, the OOM banner's long action included (a phone).
+        assert state["sideways"] == [], (width, state["sideways"])
         (gpu0,) = state["cards"]
         assert gpu0["title"] == "GPU 0 · NVIDIA H200"
         # Four layers of the stack (free is left out: the demo's process uses a sixth of the
@@ -562,6 +564,8 @@ def test_live_page_shows_each_oom_verdict_in_a_banner_at_the_top(tmp_path):
         assert state["pageErrors"] == 0, state["pageErrorText"]
         oom = state["oom"]
         assert not oom["hidden"] and oom["above"], oom
+        # Its action's long setting wraps inside the window at a phone's width.
+        assert state["sideways"] == [], (width, state["sideways"])
         (entry,) = oom["entries"]
         assert entry["verdict"] == "fragmentation"
         assert "fragmentation: the cache had the bytes, in pieces" in entry["text"]

@@ -160,6 +160,12 @@ try {
         links: [...li.querySelectorAll("a")].map((a) => [a.textContent, a.getAttribute("href")]),
       })),
     },
+    // What reaches past the window's right edge (the page would scroll sideways, or cut it
+    // off), outside the tables' own scrolling boxes: at most ten, named by id or class.
+    sideways: [...document.querySelectorAll("body *")]
+      .filter((e) => !e.closest(".table-wrap") && e.getClientRects().length > 0 &&
+        e.getBoundingClientRect().right > document.documentElement.clientWidth + 1)
+      .slice(0, 10).map((e) => e.id || e.className || e.tagName),
     adminState: document.getElementById("admin-state").textContent,
     tokenFormShown: !document.getElementById("token-form").hidden,
     snapshotRows: document.getElementById("snapshot-rows").children.length,

@@ -662,6 +662,7 @@ def test_live_page_stays_readable_in_an_oom_storm(tmp_path):
     assert result["errors"] == []
     for width in (1400, 420):
         state = result["widths"][str(width)]
+        assert state["sideways"] == [], (width, state["sideways"])
         card = state["cards"][0]
         markers, labels = card["markers"]["markers"], card["markers"]["labels"]
         ooms = [m for m in markers if m["kind"] == "OOM"]

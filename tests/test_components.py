@@ -219,3 +219,20 @@ def test_a_new_component_or_a_release_is_said_at_once_a_new_size_is_not():
     assert len(said) == 3
     components.release("weights")
     assert len(said) == 4
+
+
+def test_a_server_served_in_its_own_process_counts_its_component_problems_too(tmp_path):
+    """Embedded without a helper (helper=False, attach()): the process's own actions carry
+    its allocator source's component problems to /metrics, as an agent's full sample does
+    (tests/probe/test_agent_probe.py)."""
+    from exporter.config import load_config
+    from exporter.modes.embedded import local_actions
+    from exporter.sources.torch_allocator import TorchAllocatorSource
+
+    components = Components(lambda: {})
+    for i in range(MAX_COMPONENTS + 1):
+        components.set(f"part{i}", 1 << 20)
+    source = TorchAllocatorSource(env={}, components=components)
+    actions = local_actions(load_config(env={}, snapshot_dir=str(tmp_path)), [source])
+    (counted,) = actions.counts()
+    assert counted.counts.component_problems == {"overflowed": 1}

@@ -135,11 +135,14 @@ class LocalActions:
         config: Config | None = None,
         process: dict[str, str] | None = None,
         oom_reader: OomReader | None = None,
+        component_problems: Callable[[], dict[str, int]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         # Reads an OOM's verdict (the allocator source); None: no OOM observer here.
         self.oom_reader = oom_reader
+        # What the server's named memory could not be counted as (the allocator source's).
+        self.component_problems = component_problems
         self.config = config
         self.process = process if process is not None else process_labels()
         self.totals = ActionCounts()
@@ -215,6 +218,8 @@ class LocalActions:
                 empty_cache_released_bytes=self.totals.empty_cache_released_bytes,
                 remediations={f"{a}/{o}": n for (a, o), n in remediations.items()},
             )
+        if self.component_problems is not None:
+            counts.component_problems = self.component_problems()
         return [ProcessCounts({}, counts)]
 
     def sample_listeners(self, detectors: Detectors) -> list[Listener]:

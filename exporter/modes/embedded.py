@@ -23,6 +23,7 @@ def local_actions(config: Config, made: Sequence[Source]) -> Actions:
         SnapshotStore.for_config(config),
         config=config,
         oom_reader=readers[0] if readers else None,
+        component_problems=getattr(readers[0], "component_problems", None) if readers else None,
     )
 
 

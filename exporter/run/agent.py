@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 from exporter.actions.base import ProcessResult, Target
 from exporter.actions.spec import BY_NAME, ParamError
 from exporter.identity import process_labels
-from exporter.pools import registry as pool_registry
 from exporter.probe import record
 from exporter.probe.allocator import AllocatorProbe
 from exporter.run import protocol
@@ -158,6 +157,7 @@ class Agent:
                 SnapshotStore.for_config(config),
                 config=config,
                 oom_reader=self.source if judges_ooms else None,
+                component_problems=getattr(self.source, "component_problems", None),
             )
             # Detection here serves remediation only; the launcher logs alerts for the pod.
             detectors = Detectors(config, log_events=False)
@@ -180,12 +180,6 @@ class Agent:
         counts = self.actions.counts()[0].counts if self.actions is not None else ActionCounts()
         counts.records_dropped = self.records_dropped
         counts.helper_restarts = self.helper_restarts
-        components = getattr(self.source, "components", None)
-        if components is not None:
-            counts.component_problems = components.problems()
-            refused = pool_registry().refused
-            if refused:
-                counts.component_problems["pools_refused"] = refused
         return counts
 
     # -- sending -------------------------------------------------------------------------

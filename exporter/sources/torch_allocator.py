@@ -238,6 +238,15 @@ class TorchAllocatorSource:
         self.components = components if components is not None else registry()
         self._retries: dict[int, int] = {}  # alloc_retries by device at the last tick
 
+    def component_problems(self) -> dict[str, int]:
+        """What the ledger could not take as the server asked: its components' problems and
+        the pool names refused (gpumem_exporter_component_problems), only those that happened."""
+        found = self.components.problems()
+        refused = pool_registry().refused
+        if refused:
+            found["pools_refused"] = refused
+        return found
+
     def _load_torch(self) -> Any:
         # Never import torch here: a process that has not imported it is not using CUDA
         # through it, and importing it would cost the host seconds and hundreds of MB.
@@ -518,9 +527,8 @@ class TorchAllocatorSource:
         self, device: int, segments: Any, values: Mapping[str, Any], missing: list[str]
     ) -> dict[str, Any]:
         """Holes, the largest free block and the private pools' free bytes from the observer's
-        snapshot; without one, the
-        holes as reserved - allocated (after PyTorch's flush, the cache that is left is
-        holes) and no largest block."""
+        snapshot; without one, the holes as reserved - allocated (after PyTorch's flush, the
+        cache that is left is holes) and no largest block."""
         if segments is not None:
             try:
                 layout = layouts_from_segments(segments).get(device) or DeviceLayout()

@@ -97,12 +97,14 @@ def bare_tick() -> tuple[Any, Any]:
     return tick, reader
 
 
-def _bare_probe(interval_s: float, stop: Any) -> Any:
+def _bare_probe(interval_s: float, stop: Any, timing: TickTiming | None = None) -> Any:
     """The floor of exporting from inside a server: a thread that ticks bare_tick() at the
     interval. No exporter code at all."""
     import threading
 
     tick, reader = bare_tick()
+    if timing is not None:
+        tick = timing.timed(tick)
 
     def run() -> None:
         while not stop.wait(interval_s):
@@ -111,6 +113,48 @@ def _bare_probe(interval_s: float, stop: Any) -> Any:
     thread = threading.Thread(target=run, name="gpumem-bare-probe", daemon=True)
     thread.start()
     return reader
+
+
+class TickTiming:
+    """Each tick's CPU (its thread's clock) while `on` is set, by kind: the bare probe's
+    ("bare"), or the agent's record tick ("record") and full sample ("full"). Two clock reads
+    per tick, in every arm alike (--ticks): where a run's CPU per second goes, tick by tick."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.on = threading.Event()
+        self.cpu: dict[str, list[float]] = {}
+
+    def timed(self, tick: Any, fulls: Any = None) -> Any:
+        """`tick` timed; `fulls()` (the agent's full-sample count) tells a full tick."""
+        import time
+
+        clock = time.thread_time
+
+        def timed_tick() -> None:
+            if not self.on.is_set():
+                tick()
+                return
+            before = fulls() if fulls is not None else None
+            started = clock()
+            try:
+                tick()
+            finally:
+                took = clock() - started
+                kind = "bare" if fulls is None else "record" if fulls() == before else "full"
+                self.cpu.setdefault(kind, []).append(took)
+
+        return timed_tick
+
+    def time_agent(self, agent: Any) -> None:
+        # The agent's thread calls self.tick() each time: the instance attribute wins.
+        agent.tick = self.timed(agent.tick, lambda: agent.full_samples)
+
+    def summary(self) -> dict[str, Any]:
+        from bench.common import summary
+
+        return {kind: summary(values, 1e6) for kind, values in self.cpu.items()}
 
 
 # What Prometheus 3 sends: OpenMetrics first, gzip.
@@ -171,7 +215,7 @@ class GcPauses:
         }
 
 
-def serve(arm: str, seconds: float, port: int) -> dict[str, Any]:
+def serve(arm: str, seconds: float, port: int, time_ticks: bool = False) -> dict[str, Any]:
     """One arm in this process (the `--serve` entry): the loop, the allocating thread, and the
     exporter at the arm's interval."""
     import asyncio
@@ -197,7 +241,8 @@ def serve(arm: str, seconds: float, port: int) -> dict[str, Any]:
     handle = None
     interval, page, under_run = ARMS[arm]
     bare = arm.startswith("probe-")
-    probe_reader = _bare_probe(interval, stop) if bare and interval is not None else None
+    timing = TickTiming() if time_ticks else None
+    probe_reader = _bare_probe(interval, stop, timing) if bare and interval is not None else None
     if interval is not None and not under_run and not bare:
         import exporter
 
@@ -220,6 +265,13 @@ def serve(arm: str, seconds: float, port: int) -> dict[str, Any]:
         # The measurement is of the steady state: what the first sample set up (NVML, the
         # OOM observer, imports) is not a cost per second; it has happened by now.
         time.sleep(1.5)
+    if timing is not None and not bare:
+        timed = sys.modules.get("exporter.run.agent")
+        agent = getattr(timed, "_agent", None) if under_run else None
+        if agent is None and handle is not None:
+            agent = handle._probe.agent
+        if agent is not None:
+            timing.time_agent(agent)
     late: list[float] = []
 
     async def loop() -> None:
@@ -232,8 +284,12 @@ def serve(arm: str, seconds: float, port: int) -> dict[str, Any]:
     threads_before, process_before = _threads_cpu_s(), time.process_time()
     gc_pauses = GcPauses()
     started = time.perf_counter()
+    if timing is not None:
+        timing.on.set()
     asyncio.run(loop())
     wall = time.perf_counter() - started
+    if timing is not None:
+        timing.on.clear()
     threads = {
         name: (cpu - threads_before.get(name, 0.0)) / wall * 1000
         for name, cpu in _threads_cpu_s().items()
@@ -280,6 +336,8 @@ def serve(arm: str, seconds: float, port: int) -> dict[str, Any]:
         # the `off` arm is what the exporter costs, threads it starts included.
         "process_cpu_ms_per_s": process_cpu / wall * 1000,
         "agent": ticks,  # under `run`: what its ticks did over the whole process's life
+        # --ticks: each tick's CPU in the window, by kind (bare, record, full)
+        **({"ticks_cpu_us": timing.summary()} if timing is not None else {}),
     }
 
 
@@ -309,9 +367,12 @@ def main() -> None:
     parser.add_argument(
         "--arms", default=",".join(ARMS), help="comma-separated, of " + ", ".join(ARMS)
     )
+    parser.add_argument(
+        "--ticks", action="store_true", help="each tick's CPU by kind (bare, record, full)"
+    )
     args = parser.parse_args()
     if args.serve:
-        print(json.dumps(serve(args.serve, args.seconds, args.port)), flush=True)
+        print(json.dumps(serve(args.serve, args.seconds, args.port, args.ticks)), flush=True)
         return
     results: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
@@ -326,7 +387,8 @@ def main() -> None:
                     launcher += [str(args.port), "--interval-s", str(interval), "--"]
                     command = [*launcher, *command]
                 out = subprocess.run(
-                    [*command, "--seconds", str(args.seconds), "--port", str(args.port)],
+                    [*command, "--seconds", str(args.seconds), "--port", str(args.port)]
+                    + (["--ticks"] if args.ticks else []),
                     env=env,
                     capture_output=True,
                     text=True,

@@ -297,6 +297,37 @@ def cold_parts(seconds: float, interval_s: float, every: int) -> dict[str, Any]:
     }
 
 
+def snapshot_forms(seconds: float, interval_s: float) -> dict[str, Any]:
+    """The allocator snapshot's C call in its two forms, taking turns at the interval beside
+    a thread allocating GPU memory (caches as cold as a tick finds them): `None` (every pool,
+    the history trace included, empty while history is off) and `(0, 0, False)` (torch 2.11+:
+    every pool, no trace), and the layout's walk of the segments; each by the thread's CPU
+    clock."""
+    from exporter.sources.allocator_layout import layouts_from_segments
+
+    stop, allocator = _allocating()
+    import torch
+
+    snapshot = torch._C._cuda_memorySnapshot
+    parts: dict[str, list[float]] = {"None": [], "(0, 0, False)": [], "walk": []}
+    stopped = threading.Event()
+    end = time.monotonic() + seconds
+    turn = 0
+    while time.monotonic() < end:
+        stopped.wait(interval_s)
+        turn += 1
+        form: Any = None if turn % 2 else (0, 0, False)
+        started = time.thread_time()
+        taken = snapshot(form)
+        parts["None" if form is None else "(0, 0, False)"].append(time.thread_time() - started)
+        started = time.thread_time()
+        layouts_from_segments(taken.get("segments", ()))
+        parts["walk"].append(time.thread_time() - started)
+    stop.set()
+    allocator.join(10)
+    return {"interval_s": interval_s, "parts_us": {k: summary(v, 1e6) for k, v in parts.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=12.0)
@@ -314,8 +345,14 @@ def main() -> None:
         default=0,
         help="a full sample every this many ticks, its parts timed (CPU, caches cold)",
     )
+    parser.add_argument(
+        "--snapshot-forms", action="store_true", help="the snapshot's C call, both forms (CPU)"
+    )
     args = parser.parse_args()
     os.environ.setdefault("GPUMEM_LOG_LEVEL", "warning")
+    if args.snapshot_forms:
+        print(json.dumps(snapshot_forms(args.seconds, args.interval_s)))
+        return
     if args.versus_bare:
         print(json.dumps(versus_bare(args.seconds, args.interval_s)))
         return

@@ -27,6 +27,31 @@ DEFAULT_INTERVAL_S = 10.0
 DEFAULT_MAX_BLOCKS = 10_000
 
 
+# torch 2.11+: every pool (the default pool's id), without the history trace. The trace is
+# empty while history is off, but asking for it (None) still costs the C call ~220 us of CPU:
+# 303 against 81 us at 1 Hz on an H200, torch 2.11 (`python -m bench.probe_ticks
+# --snapshot-forms`, docs/performance.md).
+WITHOUT_TRACE = (0, 0, False)
+
+
+def without_trace(snapshot: Callable[[Any], Mapping[str, Any]]) -> Callable[[], Mapping[str, Any]]:
+    """The snapshot's C call (torch._C._cuda_memorySnapshot) asked for every pool without its
+    history trace; where torch takes no such argument (TypeError or RuntimeError), asked with
+    None (every pool) from then on."""
+    form: list[Any] = [WITHOUT_TRACE]
+
+    def take() -> Mapping[str, Any]:
+        try:
+            return snapshot(form[0])
+        except (TypeError, RuntimeError):
+            if form[0] is None:
+                raise
+            form[0] = None
+            return snapshot(None)
+
+    return take
+
+
 def pool_label(pool_id: Iterable[int]) -> str:
     """A pool id as memory_stats spells it when it flattens `reserved_bytes_by_private_pools`:
     (0, 1) -> "0_1"."""

@@ -42,6 +42,7 @@ from exporter.sources.allocator_layout import (
     bounded_pools,
     layouts_from_segments,
     pool_label,
+    without_trace,
 )
 from exporter.sources.non_allocator import MemoryState, NonAllocatorProbe, memory_state
 
@@ -419,9 +420,9 @@ class TorchAllocatorSource:
                 return None
             history = getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)
             self._layout = LayoutReader(
-                # None: every device and pool. Its history trace is empty: the reader does not
-                # run while history recording is on.
-                lambda: snapshot(None),
+                # Every device and pool, without the history trace (the reader does not run
+                # while history recording is on).
+                without_trace(snapshot),
                 history_enabled=history,
                 interval_s=self._layout_interval_s,
                 max_blocks=self._layout_max_blocks,
@@ -473,11 +474,7 @@ class TorchAllocatorSource:
         blocks = sum(block_count(read(i), bool(self._expandable)) for i in self._with_context)
         if blocks > self._layout_max_blocks:
             raise RuntimeError(f"{blocks} blocks: a snapshot would stall the OOM-ing thread")
-        try:  # 2.11+: (pool, pool, include_traces); the default pool id means every pool
-            result: Mapping[str, Any] = snapshot((0, 0, False))
-        except (TypeError, RuntimeError):
-            result = snapshot(None)
-        return result
+        return without_trace(snapshot)()
 
     def read_oom(
         self,

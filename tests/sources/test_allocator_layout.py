@@ -222,8 +222,30 @@ def test_the_source_attaches_the_layout_and_pinned_memory_it_read_on_the_gpu(nam
     assert [(p.held_bytes, p.in_use_bytes) for p in reading.pinned_host] == [
         (p["held_bytes"], p["in_use_bytes"]) for p in data["exporter_pinned_host"]
     ]
-    # cudaMallocAsync has no snapshot: never asked for one.
-    assert calls == ([] if name == "async" else [None])
+    # cudaMallocAsync has no snapshot: never asked for one. Elsewhere: every pool, no trace.
+    assert calls == ([] if name == "async" else [(0, 0, False)])
+
+
+def test_a_torch_that_takes_no_trace_argument_is_asked_for_its_whole_snapshot_from_then_on():
+    """Before torch 2.11 the snapshot's C call takes a pool id or None: the layout is read
+    with None, and the refused form is not tried again at every read."""
+    data = capture("native")
+    torch, calls = fake_torch(data)
+    taking = torch._C._cuda_memorySnapshot
+
+    def older(arg):
+        if arg is not None and len(arg) == 3:
+            calls.append(arg)
+            raise TypeError("mempool_id must be a tuple of two ints")
+        return taking(arg)
+
+    torch._C._cuda_memorySnapshot = older
+    source = TorchAllocatorSource(torch, env={}, layout_interval_s=0.001)
+    first = source.read().allocators[0]
+    source._layout._next = 0.0  # due again
+    second = source.read().allocators[0]
+    assert calls == [(0, 0, False), None, None]
+    assert first.layout == second.layout == data["exporter_allocators"][0]["layout"]
 
 
 def test_the_source_reads_the_snapshot_only_at_its_cadence_and_says_how_old_it_is():

@@ -355,3 +355,27 @@ def test_a_component_named_goes_out_at_the_next_tick_with_its_problems(run_dir):
         assert sum(parts.values()) == reading.gauges["reserved_bytes"]  # no NVML here
         [counts] = aggregator.action_counts()
         assert counts.counts.component_problems == {"negative_growth": 1}
+
+
+def test_the_probe_threads_sleep_ends_at_once_when_stopped_and_stays_ended():
+    """The agent sleeps between ticks on a held lock (one C call a wake-up, not Event.wait's
+    Python): stop() must still end a long sleep at once, and every later one."""
+    from exporter.run.agent import _Stop
+
+    stop = _Stop()
+    started = time.monotonic()
+    assert stop.sleep(0.05) is False  # not stopped: the whole interval
+    assert time.monotonic() - started >= 0.05
+    woke: list[float] = []
+    sleeper = threading.Thread(target=lambda: woke.append(stop.sleep(60.0) and time.monotonic()))
+    sleeper.start()
+    time.sleep(0.1)
+    stopped_at = time.monotonic()
+    stop.set()
+    sleeper.join(5)
+    assert woke and woke[0] - stopped_at < 1.0
+    started = time.monotonic()
+    assert stop.sleep(5.0) is True  # at once, again
+    stop.set()  # twice: no error
+    assert stop.sleep(5.0) is True
+    assert time.monotonic() - started < 1.0

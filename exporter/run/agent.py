@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import select
+import signal
 import socket
 import threading
 import time
@@ -52,6 +53,12 @@ RUN_DIR_ENV = "GPUMEM_RUN_DIR"
 SOCKET_NAME = "aggregator.sock"
 CONFIG_NAME = "agent.json"  # the launcher's settings, for the agents (not the admin token)
 RECONNECT_S = 5.0
+# Sends never raise SIGPIPE: a host that set SIGPIPE back to its default (an embedding C++
+# server, a CLI that does so to die quietly in a pipe) would be killed by the kernel when
+# the helper's end is closed (helper died or restarted) at the moment this process sends.
+# With the flag the send fails with EPIPE, and the agent reconnects.
+NO_SIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+RECORD_FLAGS = socket.MSG_DONTWAIT | NO_SIGNAL
 
 
 def load_agent_config(run_dir: str) -> Config:
@@ -191,9 +198,9 @@ class Agent:
         data = protocol.encode(message)
         with self._send_lock:
             if self._unsent:  # finish the record first: the stream's messages stay whole
-                sock.sendall(self._unsent)
+                sock.sendall(self._unsent, NO_SIGNAL)
                 self._unsent = b""
-            sock.sendall(data)
+            sock.sendall(data, NO_SIGNAL)
 
     def _send_record(self, data: bytes, count: int = 1) -> None:
         """This tick's records, as they are, without blocking: dropped (and counted) where
@@ -204,7 +211,7 @@ class Agent:
         with self._send_lock:
             if self._unsent:
                 try:
-                    sent = sock.send(self._unsent, socket.MSG_DONTWAIT)
+                    sent = sock.send(self._unsent, RECORD_FLAGS)
                 except BlockingIOError:
                     sent = 0
                 self._unsent = self._unsent[sent:]
@@ -212,7 +219,7 @@ class Agent:
                     self.records_dropped += count
                     return
             try:
-                sent = sock.send(data, socket.MSG_DONTWAIT)
+                sent = sock.send(data, RECORD_FLAGS)
             except BlockingIOError:
                 self.records_dropped += count
                 return
@@ -311,6 +318,7 @@ class Agent:
             self.probe.configure(*settings)
 
     def _run(self) -> None:
+        _no_sigpipe_here()  # the HTTP of finding or restarting the helper runs here too
         while not self._stop.sleep(self.interval_s):
             try:
                 self.tick()
@@ -322,6 +330,7 @@ class Agent:
     # -- commands ------------------------------------------------------------------------
 
     def _read(self, sock: socket.socket) -> None:
+        _no_sigpipe_here()  # and the actions' threads, started from here, inherit it
         reader = protocol.StreamReader()
         # Waits in poll() for input only, not in recv(): a recv() blocked on a Unix socket
         # wakes each time the other end takes what this process sent (the kernel's
@@ -369,6 +378,15 @@ class Agent:
             self._send(protocol.reply(request_id, result))
         except OSError:
             self._close()
+
+
+def _no_sigpipe_here() -> None:
+    """Block SIGPIPE in this thread (and the threads it starts): a write of ours to a peer
+    that is gone then fails with EPIPE, never kills a host whose SIGPIPE is at its default
+    (the signal a write raises goes to the writing thread). Python ignores SIGPIPE already
+    unless the host changed that; nothing else in the host changes."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # not POSIX
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGPIPE})
 
 
 class _Stop:

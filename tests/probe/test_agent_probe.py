@@ -379,3 +379,95 @@ def test_the_probe_threads_sleep_ends_at_once_when_stopped_and_stays_ended():
     stop.set()  # twice: no error
     assert stop.sleep(5.0) is True
     assert time.monotonic() - started < 1.0
+
+
+_HOST_WITH_DEFAULT_SIGPIPE = """
+import signal, sys, tempfile
+from pathlib import Path
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as an embedding C++ server, or a CLI, has it
+from exporter.run.aggregator import Aggregator
+from tests.helpers import ProbedServer
+run_dir = Path(tempfile.mkdtemp())
+server, aggregator = ProbedServer(), Aggregator(run_dir)
+agent = server.agent(run_dir)
+agent.tick()  # connected; the full sample
+agent.tick()  # a record
+aggregator.close()  # the helper is gone: its end of the connection is closed
+for tick in range(3):  # records, then (reconnecting fails) full samples
+    try:
+        agent.tick()
+    except OSError as exc:
+        print("tick", tick, type(exc).__name__)
+        agent._close()
+print("alive")
+"""
+
+
+def test_a_helper_gone_mid_send_never_kills_a_host_whose_sigpipe_is_at_its_default(tmp_path):
+    """A write to a closed Unix socket raises SIGPIPE, which kills a process that did not
+    ignore it (Python does; an embedding C++ server or a CLI that restores the default does
+    not). The probe's sends fail with EPIPE instead, and it reconnects later."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    done = subprocess.run(
+        [sys.executable, "-c", _HOST_WITH_DEFAULT_SIGPIPE],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "tick 0 BrokenPipeError" in done.stdout and "alive" in done.stdout
+
+
+_PROBE_THREAD_WRITING_TO_A_GONE_PEER = """
+import os, signal, tempfile, threading
+from pathlib import Path
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+from tests.helpers import ProbedServer
+run_dir = Path(tempfile.mkdtemp())  # no helper listens here
+agent = ProbedServer().agent(run_dir)
+agent.interval_s = 0.05
+wrote = threading.Event()
+
+def lost():  # what finding the helper again does over HTTP, to a peer that is gone
+    readable, writable = os.pipe()
+    os.close(readable)
+    try:
+        os.write(writable, b"GET /healthz HTTP/1.1")
+    except BrokenPipeError:
+        print("EPIPE")
+    finally:
+        wrote.set()
+    return None
+
+agent.on_lost = lost
+agent.start()
+wrote.wait(10)
+agent.stop()
+print("alive")
+"""
+
+
+def test_what_the_probe_thread_writes_to_a_gone_peer_never_kills_such_a_host(tmp_path):
+    """The probe's thread also finds or restarts the helper (HTTP): a write there to a peer
+    that has gone must not kill a host whose SIGPIPE is at its default either."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE_THREAD_WRITING_TO_A_GONE_PEER],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split() == ["EPIPE", "alive"]

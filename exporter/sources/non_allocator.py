@@ -14,7 +14,13 @@ read under the same mutex that cudaMalloc and cudaFree run under, so equal state
 after mean the list saw that reserved.
 
 When: on the first tick, whenever reserved or the device's used memory (NVML's cheap device
-reading, ~5 us) moved since the value was taken, and every `refresh_s` in any case. The
+reading, ~5 us) moved since the value was taken, and every `refresh_s` while the device's used
+memory is not exactly what it was then. Where it is, to the byte, and reserved too, nothing on
+the GPU took or gave back memory since the list was read, so this process's share has not
+moved either (only another process changing by exactly the opposite amount at once could hide
+a change): the list is then read every STEADY_REFRESHES x `refresh_s`. The list is the
+costliest part of what a serving process reads every 10 s (~290 us of CPU on cold caches on an
+H200, docs/performance.md), and a server's GPU memory stands still most of the time. The
 process owning the allocator does this itself, embedded or as an agent under `run`: readings
 from two processes are never of one moment.
 """
@@ -43,6 +49,9 @@ log = logging.getLogger(__name__)
 # each time, up to refresh_s: soon for a process that just started, rarely for one NVML will
 # never list (another PID namespace).
 FIRST_RETRY_S = 0.5
+# The list's period, in refresh_s, while the device's used memory and reserved are exactly as
+# they were when it was last read (see the module's doc).
+STEADY_REFRESHES = 6
 
 
 # (reserved bytes, cudaMalloc calls, cudaFree calls) of one device; a count is None where the
@@ -175,7 +184,7 @@ class NonAllocatorProbe:
             taken is None
             or taken.reserved != reserved
             or abs(taken.device_used - device_used) > CHANGE_BYTES
-            or now - taken.at >= self._refresh_s
+            or now - taken.at >= self._refresh_s * self._periods(taken, device_used)
             or (retry is not None and now >= retry[0])
         )
         if due:
@@ -193,6 +202,12 @@ class NonAllocatorProbe:
         if taken is not None and taken.value is not None:
             reading.non_allocator_bytes = taken.value
             reading.non_allocator_age_s = max(now - taken.at, 0.0)
+
+    @staticmethod
+    def _periods(taken: _Taken, device_used: int) -> int:
+        """How many refresh_s the list may wait: more while the GPU's used memory is, to the
+        byte, what it was when the list was read (reserved equal is checked beside this)."""
+        return STEADY_REFRESHES if device_used == taken.device_used else 1
 
     def retry_in(self) -> float | None:
         """Seconds until a GPU without a value is to be tried again (0: now); None where

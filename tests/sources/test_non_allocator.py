@@ -140,19 +140,26 @@ def test_the_list_is_read_when_memory_moves_and_otherwise_every_refresh(capture)
     probe.apply([_reading(device, reserved)], lambda index: (reserved, None, None))
     assert _process_reads(nvml) == 0
 
-    # Reserved moving is a reason too, and so is the refresh period.
-    clock.now += 1.0
-    nvml.calls.clear()
-    probe.apply(
-        [_reading(device, reserved + 2 * MiB)], lambda index: (reserved + 2 * MiB, None, None)
-    )
-    assert _process_reads(nvml) == 1
-    clock.now += 10.0
-    nvml.calls.clear()
-    probe.apply(
-        [_reading(device, reserved + 2 * MiB)], lambda index: (reserved + 2 * MiB, None, None)
-    )
-    assert _process_reads(nvml) == 1
+    # Reserved moving is a reason too.
+    reserved += 2 * MiB
+
+    def reads_after(seconds: float) -> int:
+        clock.now += seconds
+        nvml.calls.clear()
+        probe.apply([_reading(device, reserved)], lambda index: (reserved, None, None))
+        return _process_reads(nvml)
+
+    assert reads_after(1.0) == 1
+    # The refresh period, while the GPU's used memory has moved at all since the list (by
+    # less than a page here, which alone is no reason) ...
+    device["memory_v1"]["used"] += MiB // 2
+    assert reads_after(9.0) == 0 and reads_after(1.0) == 1
+    # ... and STEADY_REFRESHES of it while it stands exactly still: nothing on the GPU took
+    # or gave back a byte, so this process's share has not moved.
+    assert reads_after(10.0) == 0 and reads_after(49.0) == 0 and reads_after(1.0) == 1
+    # A byte moving brings the ordinary period back.
+    device["memory_v1"]["used"] += 4096
+    assert reads_after(9.0) == 0 and reads_after(1.0) == 1
 
 
 def test_a_process_nvml_does_not_list_gets_no_value(capture):

@@ -30,6 +30,7 @@ from exporter.http.page import add_page_routes
 from exporter.http.quiet import QuietServer
 from exporter.http.served import Served
 from exporter.http.web import WebSecurity
+from exporter.sigpipe import block_sigpipe_in_this_thread
 
 if TYPE_CHECKING:
     from exporter.exposition import ExpositionCache
@@ -409,6 +410,7 @@ class HttpServer:
         logging.getLogger("uvicorn.error").addFilter(_NOT_FROM_OUR_THREAD)
 
         def target() -> None:
+            block_sigpipe_in_this_thread()  # a client gone mid-answer must not kill a host
             try:
                 self.run()
             except BaseException as exc:  # a SystemExit here must not look like a host crash

@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import select
-import signal
 import socket
 import threading
 import time
@@ -39,6 +38,7 @@ from exporter.probe import record
 from exporter.probe.allocator import AllocatorProbe
 from exporter.run import protocol
 from exporter.sample import ActionCounts, Sample
+from exporter.sigpipe import block_sigpipe_in_this_thread
 from exporter.sources import OOM_VERDICTS, provides
 from exporter.sources.kinds import allocator_source
 
@@ -318,7 +318,7 @@ class Agent:
             self.probe.configure(*settings)
 
     def _run(self) -> None:
-        _no_sigpipe_here()  # the HTTP of finding or restarting the helper runs here too
+        block_sigpipe_in_this_thread()  # finding or restarting the helper (HTTP) runs here
         while not self._stop.sleep(self.interval_s):
             try:
                 self.tick()
@@ -330,7 +330,7 @@ class Agent:
     # -- commands ------------------------------------------------------------------------
 
     def _read(self, sock: socket.socket) -> None:
-        _no_sigpipe_here()  # and the actions' threads, started from here, inherit it
+        block_sigpipe_in_this_thread()  # the actions' threads, started from here, too
         reader = protocol.StreamReader()
         # Waits in poll() for input only, not in recv(): a recv() blocked on a Unix socket
         # wakes each time the other end takes what this process sent (the kernel's
@@ -378,15 +378,6 @@ class Agent:
             self._send(protocol.reply(request_id, result))
         except OSError:
             self._close()
-
-
-def _no_sigpipe_here() -> None:
-    """Block SIGPIPE in this thread (and the threads it starts): a write of ours to a peer
-    that is gone then fails with EPIPE, never kills a host whose SIGPIPE is at its default
-    (the signal a write raises goes to the writing thread). Python ignores SIGPIPE already
-    unless the host changed that; nothing else in the host changes."""
-    with contextlib.suppress(AttributeError, OSError, ValueError):  # not POSIX
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGPIPE})
 
 
 class _Stop:

@@ -9,6 +9,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
@@ -17,7 +18,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 import exporter
 from exporter.config import ConfigError
-from exporter.http.server import ServerStartError, bind_socket, create_app
+from exporter.http.server import HTTP_THREAD, ServerStartError, bind_socket, create_app
 from exporter.run import join
 from exporter.sample import HostReading, SourceReading
 from exporter.sampler import Sampler
@@ -174,6 +175,29 @@ def test_a_taken_port_in_process_keeps_the_sampler(stopped, caplog):
     assert handle.error == f"port {port} on 127.0.0.1 is already in use"
     assert "already in use" in caplog.text
     assert handle.sampler._thread is not None  # the sampler still runs
+
+
+def _sigpipe_blocked(native_id: int) -> bool:
+    """Whether SIGPIPE is blocked in this process's thread `native_id` (its SigBlk mask)."""
+    import signal
+    from pathlib import Path
+
+    status = Path(f"/proc/self/task/{native_id}/status").read_text()
+    mask = int(next(line for line in status.splitlines() if line.startswith("SigBlk:"))[7:], 16)
+    return bool(mask & (1 << (signal.SIGPIPE - 1)))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc")
+def test_the_in_process_server_thread_cannot_be_killed_by_a_client_gone_mid_answer(stopped):
+    """A host that put SIGPIPE back to its default would die when the exporter's HTTP thread
+    writes to a client that hung up: that thread blocks SIGPIPE (the write fails with EPIPE),
+    and the host's own threads keep their mask."""
+    handle = exporter.start(port=0, interval_s=0.05, helper=False)
+    with urllib.request.urlopen(handle.url + "/healthz", timeout=5):
+        pass
+    (http,) = [t for t in threading.enumerate() if t.name == HTTP_THREAD]
+    assert http.native_id is not None and _sigpipe_blocked(http.native_id)
+    assert not _sigpipe_blocked(threading.main_thread().native_id or 0)
 
 
 def test_invalid_arguments_raise_config_error(stopped):

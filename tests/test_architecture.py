@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
         "budget",
         "ratelimit",
         "no_redirects",
+        "sigpipe",
         "refusals",
         "catalog",
         "oom_verdict",

@@ -381,6 +381,26 @@ def test_the_probe_threads_sleep_ends_at_once_when_stopped_and_stays_ended():
     assert time.monotonic() - started < 1.0
 
 
+def _host(script: str, tmp_path: Path) -> Any:
+    """`script` run as a host process of its own (a SIGPIPE there must not end pytest); it
+    must have ended well."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    return done
+
+
 _HOST_WITH_DEFAULT_SIGPIPE = """
 import signal, sys, tempfile
 from pathlib import Path
@@ -407,20 +427,7 @@ def test_a_helper_gone_mid_send_never_kills_a_host_whose_sigpipe_is_at_its_defau
     """A write to a closed Unix socket raises SIGPIPE, which kills a process that did not
     ignore it (Python does; an embedding C++ server or a CLI that restores the default does
     not). The probe's sends fail with EPIPE instead, and it reconnects later."""
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO_ROOT
-
-    done = subprocess.run(
-        [sys.executable, "-c", _HOST_WITH_DEFAULT_SIGPIPE],
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    done = _host(_HOST_WITH_DEFAULT_SIGPIPE, tmp_path)
     assert "tick 0 BrokenPipeError" in done.stdout and "alive" in done.stdout
 
 
@@ -456,18 +463,5 @@ print("alive")
 def test_what_the_probe_thread_writes_to_a_gone_peer_never_kills_such_a_host(tmp_path):
     """The probe's thread also finds or restarts the helper (HTTP): a write there to a peer
     that has gone must not kill a host whose SIGPIPE is at its default either."""
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO_ROOT
-
-    done = subprocess.run(
-        [sys.executable, "-c", _PROBE_THREAD_WRITING_TO_A_GONE_PEER],
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    done = _host(_PROBE_THREAD_WRITING_TO_A_GONE_PEER, tmp_path)
     assert done.stdout.split() == ["EPIPE", "alive"]

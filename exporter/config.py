@@ -308,7 +308,9 @@ class Config:
     process_interval_s: float = setting(
         10.0,
         "seconds between reads of NVML's per-process list, its costliest read (device memory "
-        "is read every tick)",
+        "is read every tick); a serving process reads its own entry (its bytes outside the "
+        "allocator) every 6 x this while the GPU's used memory and its reserved stand exactly "
+        "still",
         _COOLDOWN,
     )
     # The layout comes from a snapshot, which stalls the serving thread ~0.7 us per block

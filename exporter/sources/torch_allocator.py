@@ -16,7 +16,7 @@ import functools
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -215,6 +215,9 @@ class TorchAllocatorSource:
         self._layout_interval_s = layout_interval_s
         self._layout_max_blocks = layout_max_blocks
         self._layout: LayoutReader | None = None
+        # The allocator snapshot's C call without its history trace, made once for the layout
+        # and the OOM's snapshot alike: a torch that refuses that form is found out once.
+        self._segments: Callable[[], Mapping[str, Any]] | None = None
         # What torch_cuda_allocator_info shows beyond backend, expandable segments and max
         # split size: what PYTORCH_CUDA_ALLOC_CONF said at start-up (worked out with the
         # backend, once), until the allocator reports its live settings in a snapshot.
@@ -415,19 +418,23 @@ class TorchAllocatorSource:
 
     def _layout_reader(self, torch: Any, backend: str) -> LayoutReader | None:
         if self._layout is None and backend == NATIVE and self._layout_interval_s > 0:
-            snapshot = getattr(torch._C, "_cuda_memorySnapshot", None)
-            if snapshot is None:
+            if getattr(torch._C, "_cuda_memorySnapshot", None) is None:
                 return None
             history = getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)
             self._layout = LayoutReader(
                 # Every device and pool, without the history trace (the reader does not run
                 # while history recording is on).
-                without_trace(snapshot),
+                self._segments_snapshot(torch),
                 history_enabled=history,
                 interval_s=self._layout_interval_s,
                 max_blocks=self._layout_max_blocks,
             )
         return self._layout
+
+    def _segments_snapshot(self, torch: Any) -> Callable[[], Mapping[str, Any]]:
+        if self._segments is None:
+            self._segments = without_trace(torch._C._cuda_memorySnapshot)
+        return self._segments
 
     def _add_layout(
         self, reader: LayoutReader, due: bool, readings: list[AllocatorReading], blocks: int
@@ -466,7 +473,6 @@ class TorchAllocatorSource:
         the full dump with history stalled 0.3-0.8 s). Raises where it would stall the
         OOM-ing thread: with history recording on, every block's stack becomes Python objects."""
         torch = self._load_torch()
-        snapshot = torch._C._cuda_memorySnapshot
         if getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)():
             raise RuntimeError("history recording is on: a snapshot would build every stack")
         # Bounded like the layout (~0.7 us a block): 7.8 ms at 10k blocks on an H100.
@@ -474,7 +480,7 @@ class TorchAllocatorSource:
         blocks = sum(block_count(read(i), bool(self._expandable)) for i in self._with_context)
         if blocks > self._layout_max_blocks:
             raise RuntimeError(f"{blocks} blocks: a snapshot would stall the OOM-ing thread")
-        return without_trace(snapshot)()
+        return self._segments_snapshot(torch)()
 
     def read_oom(
         self,

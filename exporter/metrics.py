@@ -157,7 +157,7 @@ class _LeftOut(FamilyRows):
 
 @dataclass(frozen=True)
 class EndpointState:
-    """The endpoint's security as /metrics shows it (exporter.http.web)."""
+    """The endpoint's security as /metrics shows it (exporter.webconfig.security)."""
 
     tls: bool = False
     client_auth: str = "NoClientCert"

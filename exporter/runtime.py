@@ -19,7 +19,6 @@ from exporter.detectors import Listener as AlertListener
 from exporter.exposition import ExpositionCache
 from exporter.http.admin import Admin
 from exporter.http.server import HttpServer, create_app, create_health_app
-from exporter.http.web import WebSecurity, web_security
 from exporter.identity import identity_labels
 from exporter.kubernetes.identities import kubernetes_identities
 from exporter.metrics import ActionStats, EndpointState, SampleCollector
@@ -31,6 +30,7 @@ from exporter.sampler import Listener, Sampler
 from exporter.sources import Source, kinds
 from exporter.traits import Traits
 from exporter.version import __version__
+from exporter.webconfig.security import WebSecurity, web_security
 from exporter.window import SampleWindow
 
 
@@ -51,7 +51,7 @@ class Runtime:
     # /metrics bytes rendered once per tick; None where the registry is not ours (attach():
     # the host's other metrics change between our ticks and must not be served stale).
     exposition: ExpositionCache | None = None
-    # TLS, basic auth, headers and rate limit from the web config (exporter.http.web).
+    # TLS, basic auth, headers and rate limit from the web config (exporter.webconfig.security).
     web: WebSecurity | None = None
 
     def silent_processes(self) -> list[str]:

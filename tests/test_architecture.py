@@ -34,6 +34,8 @@ LAYERS: list[tuple[str, ...]] = [
         "config",
         "identity",
         "probe",  # the serving process's tick: standard library only
+        # every reach into uvicorn's, asyncio's and ssl's internals, named and checked
+        "internals",
     ),
     # reading, keeping and rendering: sources and what turns samples into output
     (
@@ -54,8 +56,11 @@ LAYERS: list[tuple[str, ...]] = [
         "multiprocess",
         "record",
         "answers",
+        "runbooks",  # the packaged runbooks as HTML
+        "page_data",  # what the live page shows of a sample
     ),
     ("actions",),  # what the admin API can do, one implementation per mode
+    ("webconfig",),  # the web config file and the endpoint's rules it sets (exporter-toolkit's)
     ("http", "client"),  # the endpoint (/metrics, the admin API, the live page); its client
     ("runtime", "modes"),  # assembly: one declaration per way of running
     # entry points; reference writes docs/ tables from the declarations

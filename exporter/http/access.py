@@ -11,10 +11,10 @@ passes before any route (the open routes' shortcut included), in this order.
    refused (403): a page on any site can send simple cross-site requests (a form, a text/plain
    POST) to http://127.0.0.1:9445, and the demo's admin actions need no token. curl, the CLI
    and Prometheus send no Origin and pass.
-4. The web config's rules (exporter.http.web.WebSecurity.admit): the rate limit, then basic
-   auth, except for the probes and for admin routes where the admin API has credentials of
-   its own. A password not seen before is checked by bcrypt in a thread, a bounded number at
-   once. The web config's headers go on every answer, refusals included.
+4. The web config's rules (exporter.webconfig.security.WebSecurity.admit): the rate limit,
+   then basic auth, except for the probes and for admin routes where the admin API has
+   credentials of its own. A password not seen before is checked by bcrypt in a thread, a
+   bounded number at once. The web config's headers go on every answer, refusals included.
 
 5. An admin route's caller (AdminCallers): the shared bearer token or a Kubernetes identity
    the API server reviews, never sent in cleartext from another host. Decided here with the
@@ -44,7 +44,6 @@ from starlette.requests import Request
 from starlette.routing import BaseRoute
 
 from exporter.config import Config, ConfigError
-from exporter.http.web import DEFER, TOO_MANY_CHECKS, Refusal, WebSecurity
 from exporter.kubernetes.identities import (
     RESOURCES,
     VERBS,
@@ -53,6 +52,7 @@ from exporter.kubernetes.identities import (
 )
 from exporter.ratelimit import RateLimitedLog
 from exporter.traits import Traits
+from exporter.webconfig.security import DEFER, TOO_MANY_CHECKS, Refusal, WebSecurity
 
 log = logging.getLogger("exporter.admin")
 

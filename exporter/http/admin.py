@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, Literal, TypeVar
 
@@ -35,17 +34,19 @@ from starlette.routing import BaseRoute
 from exporter.actions.base import OUTCOME_STATUS, Actions, ProcessResult, Target
 from exporter.actions.snapshots import SnapshotInfo
 from exporter.actions.spec import ACTIONS, Action
+from exporter.actions.stats import latest_stats
 from exporter.config import Config
 from exporter.detectors import Detectors
 from exporter.http.access import AdminCallers, AdminError
-from exporter.identity import describe_process, process_labels
+from exporter.identity import describe_process
 from exporter.kubernetes.identities import KubernetesIdentities
-from exporter.ledger import ledger
 from exporter.oom_pending import PendingOoms
 from exporter.ratelimit import RateLimitedLog
 from exporter.request_counts import RequestCounts
 from exporter.sampler import Sampler
 from exporter.traits import Traits
+from exporter.viewer import PAGE_CSP, SnapshotError
+from exporter.viewer.pages import RenderedPages
 
 log = logging.getLogger("exporter.admin")
 # Who did what: one line per admin action (docs/reliability.md, the threat model).
@@ -125,8 +126,7 @@ class Admin:
         self.requests = requests if requests is not None else RequestCounts()
         # Who may call the admin routes: decided in the access module with every other rule.
         self.callers = AdminCallers(config, self.traits, identities)
-        self._render_lock = threading.Lock()
-        self._pages: dict[str, str] = {}  # snapshot id -> rendered page, oldest first
+        self._pages = RenderedPages()
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -242,16 +242,10 @@ class Admin:
                 507, f"cannot delete snapshot {info.id}: {reason}", "insufficient_storage"
             ) from None
 
-    # -- pages and stats -----------------------------------------------------------------
+    # -- pages -------------------------------------------------------------------------
 
     def render(self, info: SnapshotInfo) -> str:
-        """The viewer page, cached per snapshot: rendering holds the GIL (0.3 s for the demo,
-        seconds for huge snapshots), which an embedded exporter must not repeat per view."""
-        from exporter.viewer import SnapshotError, load_snapshot, render_html
-
-        with self._render_lock:
-            if info.id in self._pages:
-                return self._pages[info.id]
+        """The viewer page of a snapshot, rendered once (exporter.viewer.pages)."""
         meta = {
             "id": info.id,
             "trigger": info.trigger,
@@ -259,58 +253,13 @@ class Admin:
             "replay": self.traits.recorded,
             **info.meta,
         }
+        path, title = self.actions.store.path(info), f"GPU memory snapshot {info.id}"
         try:
-            page = render_html(
-                load_snapshot(self.actions.store.path(info)),
-                title=f"GPU memory snapshot {info.id}",
-                meta=meta,
-            )
+            return self._pages.page(info.id, path, title=title, meta=meta)
         except SnapshotError as exc:  # not a snapshot, or over the viewer's limits
             raise AdminError(
                 422, f"snapshot {info.id} cannot be rendered: {exc}", "invalid"
             ) from None
-        with self._render_lock:
-            self._pages[info.id] = page
-            while len(self._pages) > 4:
-                self._pages.pop(next(iter(self._pages)))
-        return page
-
-    def stats(self, target: Target) -> dict[str, Any]:
-        """The latest sample (its allocators and alerts limited to `target`)."""
-        sample = self.sampler.latest
-        data = sample.to_dict() if sample else None
-        if data is not None and target.selective:
-            data["allocators"] = [a for a in data["allocators"] if _selected(target, a)]
-            data["host_processes"] = [
-                p for p in data["host_processes"] if target.matches(_str_labels(p))
-            ]
-        firing = [
-            {"alert": alert, **labels}
-            for alert, labels, is_firing in (self.detectors.firing() if self.detectors else [])
-            if is_firing and (not target.selective or target.matches(labels))
-        ]
-        pending = [
-            row
-            for row in self.pending_ooms.rows()
-            if not target.selective or target.matches(_str_labels(row))
-        ]
-        ledgers = [
-            {
-                "process": reading.process,
-                "device": reading.device,
-                "gpu_uuid": reading.gpu_uuid,
-                "parts": dict(ledger(reading)),
-            }
-            for reading in (sample.allocators if sample else [])
-            if not target.selective or _selected(target, {"process": reading.process})
-        ]
-        return {
-            "mode": self.traits.name,
-            "sample": data,
-            "alerts_firing": firing,
-            "ooms_pending": pending,
-            "ledgers": ledgers,
-        }
 
 
 def _problems(exc: ValidationError) -> str:
@@ -321,19 +270,6 @@ class Answer(JSONResponse):
     """An action's response, which says how it ended (for the admin request counter)."""
 
     outcome = "ok"
-
-
-def _str_labels(entry: dict[str, Any]) -> dict[str, str]:
-    return {k: str(v) for k, v in entry.items() if k in ("pid", "rank")}
-
-
-def _selected(target: Target, allocator: dict[str, Any]) -> bool:
-    """An allocator reading matches by its process labels (run) or, in a single process,
-    by this process's identity."""
-    process = allocator.get("process") or {}
-    if not process:
-        process = process_labels()
-    return target.matches(process)
 
 
 def _schema(model: type[BaseModel], required: bool = False) -> dict[str, Any]:
@@ -381,7 +317,16 @@ def add_admin_routes(app: FastAPI, admin: Admin) -> list[BaseRoute]:
     @router.get("/stats", name="stats", openapi_extra=SELECTOR_QUERY)
     async def stats(request: Request) -> Response:
         """The latest sample as JSON, with firing in-process alerts (pid/rank: one process)."""
-        return admin.respond(admin.stats(admin.query(request)))
+        target = admin.query(request)
+        return admin.respond(
+            latest_stats(
+                admin.sampler.latest,
+                target,
+                mode=admin.traits.name,
+                detectors=admin.detectors,
+                pending_ooms=admin.pending_ooms,
+            )
+        )
 
     # The routes themselves, not include_router's lazily included router: the app lists
     # every route it serves (OpenAPI, tests, an embedding host).
@@ -492,8 +437,6 @@ def _add_store_routes(router: APIRouter, admin: Admin) -> None:
     @router.get("/snapshots/{snapshot_id}/view", name="view", response_class=HTMLResponse)
     async def view_snapshot(snapshot_id: str) -> Response:
         """A self-contained HTML page (no external resource) of the snapshot."""
-        from exporter.viewer import PAGE_CSP
-
         html = await run_in_threadpool(admin.render, admin.ready(snapshot_id))
         return HTMLResponse(
             html, headers={"Content-Security-Policy": PAGE_CSP, "X-Content-Type-Options": "nosniff"}

@@ -52,8 +52,8 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from exporter.http.quiet import refresh_date
-from exporter.http.web import WebSecurity
 from exporter.ratelimit import RateLimitedLog
+from exporter.webconfig.security import WebSecurity
 
 log = logging.getLogger(__name__)
 _dropped = RateLimitedLog(log)

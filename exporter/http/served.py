@@ -16,10 +16,10 @@ if TYPE_CHECKING:
     from exporter.detectors import Detectors
     from exporter.exposition import ExpositionCache
     from exporter.http.admin import Admin
-    from exporter.http.web import WebSecurity
     from exporter.oom_pending import PendingOoms
     from exporter.sampler import Sampler
     from exporter.traits import Traits
+    from exporter.webconfig.security import WebSecurity
     from exporter.window import SampleWindow
 
 

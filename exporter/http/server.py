@@ -25,12 +25,12 @@ from starlette.routing import BaseRoute
 from exporter.http.access import NO_ADMIN, AccessCheck, AdminPaths, is_loopback
 from exporter.http.admin import add_admin_routes
 from exporter.http.guard import READ_GRACE_S, READ_TIMEOUT_S, GuardedProtocol
-from exporter.http.internals import AlertingTlsProtocol
 from exporter.http.page import add_page_routes
 from exporter.http.quiet import QuietServer
 from exporter.http.served import Served
-from exporter.http.web import WebSecurity
+from exporter.internals import AlertingTlsProtocol
 from exporter.sigpipe import block_sigpipe_in_this_thread
+from exporter.webconfig.security import WebSecurity
 
 if TYPE_CHECKING:
     from exporter.exposition import ExpositionCache
@@ -275,7 +275,7 @@ class _Refused(asyncio.Protocol):
 
 class _TlsProtocol(AlertingTlsProtocol):
     """asyncio's TLS protocol, sending OpenSSL's alert when a handshake fails
-    (exporter.http.internals), counted from accept to the handshake's end (_Handshakes)."""
+    (exporter.internals), counted from accept to the handshake's end (_Handshakes)."""
 
     # asyncio's read buffer, allocated whole with each protocol (256 KiB): a TLS record is at
     # most 16 KiB and a request here a few hundred bytes. 32 KiB keeps a flood of connects

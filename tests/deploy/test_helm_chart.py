@@ -945,7 +945,7 @@ def _web_config(docs: list[dict[str, Any]]) -> dict[str, Any]:
 def test_secured_release_renders_a_web_config_the_exporter_loads(
     rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
-    from exporter.http.webconfig import load_web_config
+    from exporter.webconfig.file import load_web_config
 
     docs = rendered["secured"]
     config = _web_config(docs)

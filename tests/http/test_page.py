@@ -26,9 +26,10 @@ from fastapi.testclient import TestClient
 
 from exporter.config import ConfigError, load_config
 from exporter.detectors import Detectors
-from exporter.http.page import STATIC_FILES, process_rows
-from exporter.http.runbooks import render, slug
+from exporter.http.page import STATIC_FILES
 from exporter.http.server import HttpServer, add_routes, create_app
+from exporter.page_data import process_rows
+from exporter.runbooks import render, slug
 from exporter.runtime import Runtime
 from exporter.sample import (
     AllocatorReading,
@@ -802,7 +803,7 @@ def test_the_page_scripts_are_modules_that_pass_eslint():
 
 def test_a_retry_alert_on_the_page_says_what_its_process_is_building():
     """The note under GpuMemAllocRetries comes from the reading the alert is about."""
-    from exporter.http.page import alert_note
+    from exporter.page_data import alert_note
     from exporter.sample import AllocatorReading
 
     def reading(device: int, pid: str) -> AllocatorReading:
@@ -828,8 +829,8 @@ def test_a_retry_alert_on_the_page_says_what_its_process_is_building():
 def test_a_retry_alert_beside_an_oom_verdict_gives_one_diagnosis():
     """Retries and an OOM on one process: the note leads with the verdict taken at the OOM and
     keeps only what agrees with it (never "close to the cap" under a fragmentation verdict)."""
-    from exporter.http.page import alert_note
     from exporter.oom_verdict import OomVerdict
+    from exporter.page_data import alert_note
     from exporter.sample import AllocatorReading
 
     both = AllocatorReading(

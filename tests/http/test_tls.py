@@ -293,7 +293,7 @@ def test_a_broken_new_file_keeps_the_last_good_one_and_says_so(tmp_path, pki, ca
     ca, pair = pki
     path = _tls(tmp_path, pair)
     with served(tmp_path, web_config_file=str(path)) as (server, runtime):
-        caplog.set_level(logging.ERROR, logger="exporter.http.web")
+        caplog.set_level(logging.ERROR, logger="exporter.webconfig.security")
         web_config(tmp_path, "tls_server_config:\n  cert_file: [\n")  # not YAML
         for _ in range(3):  # three handshakes, one log line
             assert _get(server, "/healthz", _client(ca))[0] == 200
@@ -324,7 +324,7 @@ def test_a_chmod_that_fixes_a_refused_key_is_seen(tmp_path, pki):
     """Round 4, LOW 14: the files were watched by (inode, mtime, size): a `chmod go-w` that
     fixes a key refused for its mode changed none of them, and the reload stayed failed until
     the content changed. The change time is watched too."""
-    from exporter.http.web import WebSecurity
+    from exporter.webconfig.security import WebSecurity
 
     _, pair = pki
     web = WebSecurity(str(_tls(tmp_path, pair)))

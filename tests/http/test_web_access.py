@@ -12,7 +12,7 @@ import bcrypt
 import httpx
 import pytest
 
-import exporter.http.basic_auth as basic_auth
+import exporter.webconfig.basic_auth as basic_auth
 from tests.helpers import AUTH, TOKEN, make_app, served
 from tests.support.pki import web_config
 
@@ -159,7 +159,7 @@ def test_a_client_past_its_limit_is_refused_before_its_password_is_checked(tmp_p
 
 
 def test_a_changed_users_list_applies_without_a_restart(tmp_path, users_file, monkeypatch):
-    monkeypatch.setattr("exporter.http.web.RECHECK_S", 0.0)
+    monkeypatch.setattr("exporter.webconfig.security.RECHECK_S", 0.0)
     with served(tmp_path, web_config_file=str(users_file)) as (server, _):
         assert _request(server, "GET", "/metrics", _basic("prometheus", "s3cret"))[0] == 200
         other = bcrypt.hashpw(b"rotated", bcrypt.gensalt(4)).decode()

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from exporter.config import read_small_file
-from exporter.http.internals import decode_certificate
+from exporter.internals import decode_certificate
 
 log = logging.getLogger(__name__)
 

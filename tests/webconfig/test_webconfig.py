@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.http.webconfig import (
+from exporter.webconfig.file import (
     GO_CIPHERS,
     WebConfigError,
     load_served,
@@ -259,8 +259,8 @@ def test_a_huge_or_endless_web_config_is_refused_at_once_the_last_good_one_kept(
     import os
     import time
 
-    from exporter.http.web import WebSecurity
-    from exporter.http.webconfig import WebConfigError, load_web_config
+    from exporter.webconfig.file import WebConfigError, load_web_config
+    from exporter.webconfig.security import WebSecurity
     from tests.support.pki import web_config
 
     header = "    X-Frame-Options: deny\n"

@@ -6,7 +6,7 @@ certificate's expiry read from its file without loading the key, and uvicorn's H
 protocol and server extended rather than forked (the guard's deadlines and slots, the quiet
 main loop). The underscore names live here and nowhere else in the package; the public but
 undocumented ones that subclasses elsewhere lean on are listed beside them. RELIED_ON names
-each, and tests/http/test_internals.py checks every one against the installed packages, so an
+each, and tests/test_internals.py checks every one against the installed packages, so an
 upgrade that moves one fails that test, not a production server. pyproject.toml bounds the
 uvicorn versions this was checked against. asyncio's and ssl's are Python's, checked on 3.11
 and 3.12; 3.10's TLS protocol has no `_outgoing` (the alert is then not sent: best effort; the

@@ -1,6 +1,6 @@
 """The endpoint's transport and access rules, from the web config file, kept current.
 
-`WebSecurity` holds the last good reading of the file (exporter.http.webconfig) and its TLS
+`WebSecurity` holds the last good reading of the file (exporter.webconfig.file) and its TLS
 context. The file, and the certificate, key and client CA it names, are looked at again before
 every TLS handshake (a stat of each: a certificate that cert-manager rotates is served on the
 next handshake) and at most once a second between requests (users, headers, rate limit). A new
@@ -10,7 +10,7 @@ reading that cannot be used keeps the last good one: it is logged once and shown
 Every request meets `admit()` (exporter.http.access, before any route): the rate limit, then basic
 auth, except for the probes (/healthz, /readyz: a kubelet probe cannot log in without the
 password in the pod spec, and is never rate limited) and for admin routes where the admin API
-has credentials of its own (exporter.http.admin authenticates those).
+has credentials of its own (exporter.http.access.AdminCallers decides those).
 
 The rate limit (`rate_limit`, golang.org/x/time/rate's token bucket) is kept per client address
 and per kind of request, `/metrics` apart from everything else: exporter-toolkit keeps one bucket
@@ -31,15 +31,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from exporter.config import Config, ConfigError
-from exporter.http.basic_auth import BasicAuth
-from exporter.http.webconfig import (
+from exporter.ratelimit import TokenBucket
+from exporter.webconfig.basic_auth import BasicAuth
+from exporter.webconfig.file import (
     WebConfig,
     WebConfigError,
     certificate_not_after,
     load_served,
     san_allowed,
 )
-from exporter.ratelimit import TokenBucket
 
 log = logging.getLogger(__name__)
 

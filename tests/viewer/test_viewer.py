@@ -437,3 +437,31 @@ def test_the_header_names_a_process_in_words_and_no_history_counts_no_ooms() -> 
     # Without history a snapshot cannot tell how many OOMs there were: not 0, unknown.
     cards = re.findall(r'<div class="label">OOMs recorded</div><div class="value">([^<]*)<', page)
     assert cards == ["n/a"]
+
+
+# -- rendered pages kept ---------------------------------------------------------------------
+
+
+def test_a_page_is_rendered_once_and_the_oldest_of_more_than_four_is_dropped(
+    tmp_path: Path,
+) -> None:
+    """The admin route's viewer page: a second view is the kept page (the file is not read
+    again), and only the last four snapshots viewed are kept."""
+    from exporter.viewer.pages import KEPT, RenderedPages
+
+    pages = RenderedPages()
+    paths = []
+    for n in range(KEPT + 1):
+        path = tmp_path / f"s{n}.pickle"
+        path.write_bytes(pickle.dumps({"segments": [segment(0, [block(1 << 20)])]}))
+        paths.append(path)
+    first = pages.page("s0", paths[0], title="s0", meta={"id": "s0"})
+    assert "s0" in first
+    paths[0].unlink()
+    assert pages.page("s0", paths[0], title="s0", meta={"id": "s0"}) is first
+    for n in range(1, KEPT + 1):
+        pages.page(f"s{n}", paths[n], title=f"s{n}", meta={"id": f"s{n}"})
+    with pytest.raises(SnapshotError, match="no such file"):  # dropped: rendered again
+        pages.page("s0", paths[0], title="s0", meta={"id": "s0"})
+    paths[KEPT].unlink()  # the newest is kept
+    assert f"s{KEPT}" in pages.page(f"s{KEPT}", paths[KEPT], title="x", meta={})

@@ -25,7 +25,7 @@ def latest_stats(
     """The latest sample (its allocators and alerts limited to `target`)."""
     data = sample.to_dict() if sample else None
     if data is not None and target.selective:
-        data["allocators"] = [a for a in data["allocators"] if _selected(target, a)]
+        data["allocators"] = [a for a in data["allocators"] if _selected(target, a, sample)]
         data["host_processes"] = [
             p for p in data["host_processes"] if target.matches(_str_labels(p))
         ]
@@ -47,7 +47,7 @@ def latest_stats(
             "parts": dict(ledger(reading)),
         }
         for reading in (sample.allocators if sample else [])
-        if not target.selective or _selected(target, {"process": reading.process})
+        if not target.selective or _selected(target, {"process": reading.process}, sample)
     ]
     return {
         "mode": mode,
@@ -62,10 +62,13 @@ def _str_labels(entry: dict[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in entry.items() if k in ("pid", "rank")}
 
 
-def _selected(target: Target, allocator: dict[str, Any]) -> bool:
+def _selected(target: Target, allocator: dict[str, Any], sample: Sample | None) -> bool:
     """An allocator reading matches by its process labels (run) or, in a single process,
-    by this process's identity."""
+    by this process's identity with the sample's own PID: the recorded process's in a
+    replay, which the demo's actions take as theirs too."""
     process = allocator.get("process") or {}
     if not process:
         process = process_labels()
+        if sample is not None and sample.self_pid is not None:
+            process = {**process, "pid": str(sample.self_pid)}
     return target.matches(process)

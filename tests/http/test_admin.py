@@ -178,6 +178,10 @@ def test_pid_and_rank_select_this_process_or_nothing(demo):
     assert bad.status_code == 422 and "pid" in bad.json()["detail"]
     assert client.get("/stats?nope=1", headers=AUTH).status_code == 422
     assert client.get("/stats?rank=7", headers=AUTH).json()["sample"]["allocators"] == []
+    # /stats names the recorded process as the actions do: its readings, its ledger
+    stats = client.get(f"/stats?pid={demo_pid()}", headers=AUTH).json()
+    assert stats["sample"]["allocators"] and stats["ledgers"]
+    assert client.get("/stats?pid=1", headers=AUTH).json()["ledgers"] == []
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,7 @@ LAYERS: list[tuple[str, ...]] = [
         "exposition_templates",
         "viewer",
         "sampler",
+        "health",  # what /healthz says, from the sampler's state
         "multiprocess",
         "record",
         "answers",

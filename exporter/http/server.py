@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import choose_encoder
 from starlette.routing import BaseRoute
 
+from exporter.health import health
 from exporter.http.access import NO_ADMIN, AccessCheck, AdminPaths, is_loopback
 from exporter.http.admin import add_admin_routes
 from exporter.http.guard import READ_GRACE_S, READ_TIMEOUT_S, GuardedProtocol
@@ -50,34 +51,11 @@ def metrics_response(exposition: ExpositionCache, accept: str, accept_encoding: 
 
 
 def health_response(runtime: Served) -> JSONResponse:
-    """/healthz's answer (the route's docstring says what it means)."""
-    sampler, stale_after_s = runtime.sampler, runtime.config.stale_threshold_s
-    age = sampler.sample_age_s()
-    failing = sampler.failing_sources()
-    if age is None:
-        status = "starting"
-    elif age > stale_after_s:
-        status = "stale"
-    else:
-        status = "failing" if failing else "ok"
-    body: dict[str, object] = {
-        "status": status,
-        "mode": runtime.mode,
-        "sample_age_s": None if age is None else round(age, 3),
-        "stale_after_s": stale_after_s,
-    }
-    unavailable = sampler.unavailable_sources()
-    if unavailable:  # no data here, and why: not a failure
-        body["unavailable_sources"] = unavailable
-    silent = runtime.silent_processes()
-    if silent:  # `run`: a stopped or hung process (/readyz is 503 meanwhile)
-        body["silent_processes"] = silent
-    if failing:
-        body["failing_sources"] = {
-            name: {"failed_reads": status.failed_reads, "last_error": status.last_error}
-            for name, status in failing.items()
-        }
-    return JSONResponse(body, status_code=200 if status == "ok" else 503)
+    """/healthz's answer (exporter.health; the route's docstring says what it means)."""
+    healthy, body = health(
+        runtime.sampler, runtime.config.stale_threshold_s, runtime.mode, runtime.silent_processes()
+    )
+    return JSONResponse(body, status_code=200 if healthy else 503)
 
 
 def readiness_response(runtime: Served) -> JSONResponse:

@@ -11,7 +11,7 @@ from exporter.detectors import Detectors
 from exporter.identity import process_labels
 from exporter.ledger import ledger
 from exporter.oom_pending import PendingOoms
-from exporter.sample import Sample
+from exporter.sample import AllocatorReading, Sample
 
 
 def latest_stats(
@@ -23,9 +23,14 @@ def latest_stats(
     pending_ooms: PendingOoms,
 ) -> dict[str, Any]:
     """The latest sample (its allocators and alerts limited to `target`)."""
+    readings = sample.allocators if sample else []
+    chosen = [
+        not target.selective or target.matches(_process_of(sample, reading)) for reading in readings
+    ]
     data = sample.to_dict() if sample else None
     if data is not None and target.selective:
-        data["allocators"] = [a for a in data["allocators"] if _selected(target, a, sample)]
+        # to_dict keeps the readings' order
+        data["allocators"] = [a for a, keep in zip(data["allocators"], chosen, strict=True) if keep]
         data["host_processes"] = [
             p for p in data["host_processes"] if target.matches(_str_labels(p))
         ]
@@ -46,8 +51,8 @@ def latest_stats(
             "gpu_uuid": reading.gpu_uuid,
             "parts": dict(ledger(reading)),
         }
-        for reading in (sample.allocators if sample else [])
-        if not target.selective or _selected(target, {"process": reading.process}, sample)
+        for reading, keep in zip(readings, chosen, strict=True)
+        if keep
     ]
     return {
         "mode": mode,
@@ -62,13 +67,11 @@ def _str_labels(entry: dict[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in entry.items() if k in ("pid", "rank")}
 
 
-def _selected(target: Target, allocator: dict[str, Any], sample: Sample | None) -> bool:
-    """An allocator reading matches by its process labels (run) or, in a single process,
-    by this process's identity with the sample's own PID: the recorded process's in a
-    replay, which the demo's actions take as theirs too."""
-    process = allocator.get("process") or {}
-    if not process:
-        process = process_labels()
-        if sample is not None and sample.self_pid is not None:
-            process = {**process, "pid": str(sample.self_pid)}
-    return target.matches(process)
+def _process_of(sample: Sample | None, reading: AllocatorReading) -> dict[str, str]:
+    """Who a reading is from: its process labels (run), or this process's identity with the
+    reading's PID (Sample.allocator_pid: the recorded process's in a replay, which the demo's
+    actions take as theirs too)."""
+    if reading.process:
+        return reading.process
+    pid = sample.allocator_pid(reading) if sample is not None else None
+    return {**process_labels(), **({"pid": str(pid)} if pid is not None else {})}

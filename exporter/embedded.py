@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 from exporter.config import Config, load_config
 from exporter.run import agent
 from exporter.run.agent import RUN_DIR_ENV
-from exporter.run.join import JoinError
 from exporter.run.probe import Probe
 
 # The in-process exporter's modules (the web stack, prometheus_client, the sampler) are
@@ -257,24 +256,28 @@ def _runtime(config: Config, on_alert: AlertListener | None, **options: Any) -> 
 
 
 def _with_helper(config: Config) -> Handle:
-    """The probe here, everything else in the helper for the port (joined or started)."""
+    """The probe here, everything else in the helper for the port (joined or started). What
+    blocks the helper (a taken port, a refused folder, a helper that closes the probe's
+    connection) is on the handle and logged once; the probe tries again until it is served."""
     handle = Handle(None, _settings=config)
 
-    def found(url: str) -> None:  # a helper again (or at last: a sidecar's)
+    def served(url: str) -> None:  # a helper again, or at last (a sidecar's)
         handle.url, handle.error = url, None
 
-    probe = Probe(config, on_url=found)
+    def blocked(reason: str) -> None:
+        handle.error = reason
+
+    probe = Probe(config, on_url=served, on_error=blocked)
     handle._probe = probe
     try:
-        handle.url = probe.start()
-    except JoinError as exc:
-        handle.error = str(exc)
-        log.error(
-            "gpumem-exporter: %s; metrics are not served over HTTP (set GPUMEM_PORT or port=...)",
-            exc,
-        )
+        url = probe.start()
+    except Exception as exc:  # a bug: never into the host
+        handle.error = f"the probe failed to start: {type(exc).__name__}: {exc}"
+        log.error("gpumem-exporter: %s", handle.error)
         return handle
-    log.info("gpumem-exporter serving %s/metrics from its helper process", handle.url)
+    if url is not None:
+        handle.url = url
+        log.info("gpumem-exporter serving %s/metrics from its helper process", url)
     return handle
 
 

@@ -24,6 +24,8 @@ LAYERS: list[tuple[str, ...]] = [
         "ratelimit",
         "no_redirects",
         "sigpipe",
+        "cuda_init",  # callbacks the moment torch initializes CUDA: standard library only
+        "port_holder",  # whether a port can be listened on, and who holds it
         "refusals",
         "catalog",
         "oom_verdict",

@@ -38,7 +38,7 @@ from exporter.identity import process_labels
 from exporter.sample import ActionCounts, ProcessCounts
 
 if TYPE_CHECKING:
-    from exporter.actions.oom import OomReader
+    from exporter.actions.oom import OomCapture, OomReader
     from exporter.actions.remediation import Remediation
     from exporter.config import Config
     from exporter.detectors import Detectors
@@ -143,6 +143,8 @@ class LocalActions:
         self.oom_reader = oom_reader
         # What the server's named memory could not be counted as (the allocator source's).
         self.component_problems = component_problems
+        # The OOM observer, once sample_listeners() made it (attached at CUDA's init).
+        self.oom_capture: OomCapture | None = None
         self.config = config
         self.process = process if process is not None else process_labels()
         self.totals = ActionCounts()
@@ -232,6 +234,7 @@ class LocalActions:
             oom = OomCapture(self, self.oom_reader)
             if config is not None:  # else OomCapture's own defaults
                 oom.snapshots, oom.cooldown_s = config.oom_snapshot, config.oom_snapshot_cooldown_s
+            self.oom_capture = oom
             listeners.append(when_cuda_ready(oom.attach, "oom_capture"))
         if config is not None and config.history_max_entries:
             params = HistoryParams(max_entries=config.history_max_entries)

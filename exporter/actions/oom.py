@@ -8,8 +8,9 @@ OOM, so every OOM of a storm gets its verdict. The snapshot file is rate-limited
 OOM hundreds of times a minute) and written by a writer thread. The writer is not a daemon
 thread: if the OOM kills the process, the interpreter still waits for the file to be written.
 
-The observer is attached once CUDA is initialized (attaching earlier could initialize it) and
-can never be detached, so it checks `enabled` on every call. Nothing it does may raise: an
+The observer is attached the moment CUDA is initialized (exporter.cuda_init: inside torch's
+initialization, before the allocation that started it; attaching earlier could initialize it)
+and can never be detached, so it checks `enabled` on every call. Nothing it does may raise: an
 exception there would replace the OutOfMemoryError the server handles.
 """
 
@@ -83,11 +84,16 @@ class OomCapture:
         self._clock = clock
         self._last: float | None = None
 
-    def attach(self) -> bool:
+    def attach(self, *, initializing: bool = False) -> bool:
+        """Attach the observer (once per process); False where CUDA is not up or the backend
+        has none. `initializing`: called from torch's initialization queue, where the driver
+        and the allocator are up but `is_initialized()` still says False."""
         global _attached
         torch = sys.modules.get("torch")
         attach = getattr(getattr(torch, "_C", None), "_cuda_attach_out_of_memory_observer", None)
-        if torch is None or attach is None or not torch.cuda.is_initialized():
+        if torch is None or attach is None:
+            return False
+        if not initializing and not torch.cuda.is_initialized():
             return False
         if torch.cuda.get_allocator_backend() != "native":
             return False  # cudaMallocAsync has no OOM observer (nor OOM counts)

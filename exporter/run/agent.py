@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from exporter import cuda_init
 from exporter.actions.base import ProcessResult, Target
 from exporter.actions.spec import BY_NAME, ParamError
 from exporter.identity import process_labels
@@ -74,26 +75,33 @@ def load_agent_config(run_dir: str) -> Config:
 class Agent:
     def __init__(
         self,
-        run_dir: str,
+        run_dir: str | None,
         interval_s: float | None = None,
         *,
+        config: Config | None = None,
         early: bool = False,
         on_lost: Callable[[], bool | None] | None = None,
+        on_dial: Callable[[str | None], None] | None = None,
     ) -> None:
-        """`interval_s`: the launcher's (its settings file) unless a test asks for another.
+        """`run_dir`: the folder of the socket (None: not known yet, on_lost finds it).
+        `config`: the settings (exporter.start()'s own); else the launcher's settings file.
+        `interval_s`: the settings' unless a test asks for another.
 
         `early` (exporter.start()'s probe): connect at once and say it lives on every tick
         until this process uses CUDA, so that the helper serves it (and stays) from the start.
         `on_lost()`: called when the socket does not answer: starts the helper again (True),
-        finds another process's (False), or finds none (None)."""
-        self.run_dir = run_dir
-        self.socket_path = str(Path(run_dir) / SOCKET_NAME)
-        try:
-            self.config = load_agent_config(run_dir)
-        except Exception:  # the launcher checked them; never fail the host process here
-            from exporter.config import Config
+        finds another process's (False), or finds none (None). `on_dial(refused)`: after a
+        try to connect that reached a helper: None if it took this process, else why not."""
+        self.socket_path = str(Path(run_dir) / SOCKET_NAME) if run_dir else None
+        if config is not None:
+            self.config = config
+        else:
+            try:
+                self.config = load_agent_config(run_dir or "")
+            except Exception:  # the launcher checked them; never fail the host process here
+                from exporter.config import Config
 
-            self.config = Config()
+                self.config = Config()
         self.interval_s = self.config.interval_s if interval_s is None else interval_s
         # The allocator the settings pick. The agent takes its process's non-allocator bytes
         # itself: the launcher reads NVML at other moments than this process reads its
@@ -110,6 +118,7 @@ class Agent:
         self.records_dropped = 0
         self.early = early
         self.on_lost = on_lost
+        self.on_dial = on_dial
         self.helper_restarts = 0  # helpers this probe started again after one died
         self.records_sent = 0  # with full_samples: what the ticks did (for benchmarks)
         self.full_samples = 0
@@ -118,15 +127,25 @@ class Agent:
         self._listeners: list[Listener] = []
         self._sock: socket.socket | None = None
         self._send_lock = threading.Lock()
+        self._arm_lock = threading.Lock()  # the probe's thread, and the one that starts CUDA
         self._stop = _Stop()
         self._next_connect = 0.0
         self.thread = threading.Thread(target=self._run, name="gpumem-agent", daemon=True)
 
     def start(self) -> None:
+        # Armed the moment CUDA starts, not at the next tick: the OOMs of a server's start-up
+        # (its weights, its KV cache sized to what is left, its first allocation) are judged.
+        cuda_init.on_cuda_init(self._at_cuda_init)
         self.thread.start()
 
     def _full_next(self) -> None:
         self._next_full = 0.0
+
+    def _full_now(self) -> None:
+        """A verdict is in: the full sample that carries it goes at once, not at the next
+        tick (a server whose start-up failed may be about to exit)."""
+        self._next_full = 0.0
+        self._stop.wake()
 
     def connect(self) -> bool:
         """Connect now, before start() (an early probe); False if nothing answers."""
@@ -134,6 +153,7 @@ class Agent:
 
     def stop(self) -> None:
         self._stop.set()
+        cuda_init.forget(self._at_cuda_init)
         sock = self._sock
         if sock is not None:
             # Now, not when the command reader's recv returns: until then the kernel keeps
@@ -147,12 +167,25 @@ class Agent:
         down (the parent keeps it), so that the other end sees the parent leave when it
         exits; the thread did not survive the fork."""
         self._stop.set()
+        cuda_init.forget(self._at_cuda_init)
         self._close()
 
     # -- the process's own features ------------------------------------------------------
 
+    def _at_cuda_init(self) -> None:
+        """On the thread that starts CUDA, inside torch's initialization (exporter.cuda_init):
+        this process's features, and the OOM observer attached before the allocation that
+        started CUDA goes on."""
+        actions = self._arm()
+        if actions.oom_capture is not None:
+            actions.oom_capture.attach(initializing=True)
+
     def _arm(self) -> LocalActions:
         """Once this process uses CUDA: its actions, and the features the settings ask for."""
+        with self._arm_lock:
+            return self._armed()
+
+    def _armed(self) -> LocalActions:
         if self.actions is None:
             from exporter.actions.local import LocalActions
             from exporter.actions.snapshots import SnapshotStore
@@ -175,7 +208,7 @@ class Agent:
             # record brings the full sample at the next tick, not 10 s later.
             ooms = getattr(self.source, "ooms", None)
             if ooms is not None:
-                ooms.on_change.append(self._full_next)
+                ooms.on_change.append(self._full_now)
             # So does a component the server names or releases (exporter.component()).
             components = getattr(self.source, "components", None)
             if components is not None:
@@ -191,16 +224,36 @@ class Agent:
 
     # -- sending -------------------------------------------------------------------------
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, message: dict[str, Any]) -> bool:
+        """A whole message, without blocking: False, and dropped (counted with the records),
+        where the socket has no room for it now (the helper is stopped or behind). One the
+        socket takes in part is finished before anything else is sent: messages stay whole."""
         sock = self._sock
         if sock is None:
-            return
+            return False
         data = protocol.encode(message)
         with self._send_lock:
-            if self._unsent:  # finish the record first: the stream's messages stay whole
-                sock.sendall(self._unsent, NO_SIGNAL)
-                self._unsent = b""
-            sock.sendall(data, NO_SIGNAL)
+            if not self._finish_unsent(sock):
+                self.records_dropped += 1
+                return False
+            try:
+                sent = sock.send(data, RECORD_FLAGS)
+            except BlockingIOError:
+                self.records_dropped += 1
+                return False
+            if sent < len(data):
+                self._unsent = data[sent:]
+            return True
+
+    def _finish_unsent(self, sock: socket.socket) -> bool:
+        """Send what is left of a message the socket took in part; True once none is left."""
+        if self._unsent:
+            try:
+                sent = sock.send(self._unsent, RECORD_FLAGS)
+            except BlockingIOError:
+                sent = 0
+            self._unsent = self._unsent[sent:]
+        return not self._unsent
 
     def _send_record(self, data: bytes, count: int = 1) -> None:
         """This tick's records, as they are, without blocking: dropped (and counted) where
@@ -209,15 +262,9 @@ class Agent:
         if sock is None:
             return
         with self._send_lock:
-            if self._unsent:
-                try:
-                    sent = sock.send(self._unsent, RECORD_FLAGS)
-                except BlockingIOError:
-                    sent = 0
-                self._unsent = self._unsent[sent:]
-                if self._unsent:
-                    self.records_dropped += count
-                    return
+            if not self._finish_unsent(sock):
+                self.records_dropped += count
+                return
             try:
                 sent = sock.send(data, RECORD_FLAGS)
             except BlockingIOError:
@@ -249,18 +296,36 @@ class Agent:
         return self._dial()
 
     def _dial(self) -> bool:
+        refused = self._try_dial()
+        if self.on_dial is not None and refused != "":
+            self.on_dial(refused)
+        return refused is None
+
+    def _try_dial(self) -> str | None:
+        """Connect and say hello: None if it did; "" if nothing listens there (on_lost finds
+        or starts a helper); else why the helper did not take this process. Never raises
+        (start() calls it on the host's thread)."""
+        if self.socket_path is None:
+            return ""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(self.socket_path)
         except OSError:
             sock.close()
-            return False
+            return ""
         self._sock = sock
-        self._send(protocol.hello(process_labels()))
+        try:
+            said_hello = self._send(protocol.hello(process_labels()))
+        except OSError:
+            said_hello = False
+        if not said_hello:
+            said = _refusal(sock)
+            self._close()
+            return f"the helper did not take this process: {said}"
         threading.Thread(
             target=self._read, args=(sock,), name="gpumem-agent-commands", daemon=True
         ).start()
-        return True
+        return None
 
     def tick(self) -> None:
         """The probe's records, or the full sample where one is due. (At 1 Hz a tick runs
@@ -294,7 +359,8 @@ class Agent:
             return
         pinned = reading.pinned_host[0] if reading.pinned_host else None
         allocators = [protocol.allocator_fields(a) for a in reading.allocators]
-        self._send(protocol.sample(allocators, self._counts(), pinned))
+        if not self._send(protocol.sample(allocators, self._counts(), pinned)):
+            return  # no room: the next tick sends one, the ticks between read nothing
         self.full_samples += 1
         wait = self.detail_interval_s
         # A process that has just started may have no value for its bytes outside the
@@ -353,9 +419,20 @@ class Agent:
                     message = protocol.decode(line)
                     if message.get("type") == "command":
                         threading.Thread(target=self._execute, args=(message,), daemon=True).start()
+                    elif message.get("type") == "refused":
+                        self._refused(sock, str(message.get("reason", ""))[:200])
+                        return
             except protocol.ProtocolError as exc:
                 log.debug("bad message from the aggregator: %s", exc)
                 return
+
+    def _refused(self, sock: socket.socket, reason: str) -> None:
+        """The helper did not take this process: said (on the handle), and tried again at
+        the next connect."""
+        if self._sock is sock:
+            self._close()
+        if self.on_dial is not None:
+            self.on_dial(f"the helper did not take this process: {reason or 'no reason given'}")
 
     def _execute(self, message: dict[str, Any]) -> None:
         try:
@@ -380,6 +457,18 @@ class Agent:
             self._close()
 
 
+def _refusal(sock: socket.socket) -> str:
+    """Why the helper closed a new connection, if it said so before closing."""
+    try:
+        for line in protocol.StreamReader().feed(sock.recv(4096, socket.MSG_DONTWAIT)):
+            message = protocol.decode(line)
+            if message.get("type") == "refused":
+                return str(message.get("reason", ""))[:200]
+    except (OSError, protocol.ProtocolError):
+        pass
+    return "it closed the connection at once"
+
+
 class _Stop:
     """The probe thread's sleep between ticks, ended at once by set(): a held lock's timed
     acquire, one C call. (threading.Event.wait makes and queues a lock in Python at every
@@ -392,12 +481,20 @@ class _Stop:
         self._set = False
 
     def sleep(self, seconds: float) -> bool:
-        """Sleep `seconds`; True (at once) once set() was called."""
-        return self._set or self._held.acquire(True, seconds)
+        """Sleep `seconds`, or until wake(); True (at once) once set() was called."""
+        if self._set:
+            return True
+        # Taken when set() or wake() released it: held again, as the next sleep needs it.
+        self._held.acquire(True, seconds)
+        return self._set
 
     def set(self) -> None:
         self._set = True
-        with contextlib.suppress(RuntimeError):  # released already (set twice)
+        self.wake()
+
+    def wake(self) -> None:
+        """End the sleep under way (or the next one) now; it says whether set() was called."""
+        with contextlib.suppress(RuntimeError):  # released already (woken twice)
             self._held.release()
 
 

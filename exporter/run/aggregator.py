@@ -219,6 +219,9 @@ class Aggregator:
             return
         if len(self._connections) >= self._max_peers:
             self._count("too_many_connections", f"refused pid {pid}: {self._max_peers} open")
+            reason = f"all {self._max_peers} of the helper's process connections are taken"
+            with contextlib.suppress(OSError):  # the agent says why on its handle
+                sock.send(protocol.encode(protocol.refused(reason)), socket.MSG_DONTWAIT)
             sock.close()
             return
         sock.settimeout(SEND_TIMEOUT_S)  # reads happen only when the selector says so

@@ -1,11 +1,12 @@
 """Find the helper that serves a port, or start it: what exporter.start() does in a server.
 
 One helper serves one port for one user (exporter.run.helper). Its folder is
-`<tmp>/gpumem-helper-<uid>-<port>`, 0700: several workers calling start() with one port find the
-same folder and the first starts the helper; the others join it (`start.lock` makes them wait
-in turn, so 64 at once start one helper). A folder of another user, or one open to others, is
-refused: its socket would take this process's allocator readings and admin commands. Port 0
-asks for a port of its own: a fresh folder, never joined.
+`gpumem-helper-<uid>-<port>`, 0700, in a place of this user's that no other user can take
+(private_base): several workers calling start() with one port find the same folder and the
+first starts the helper; the others join it (`start.lock` makes them wait in turn, so 64 at
+once start one helper). A folder of another user, or one open to others, is refused: its
+socket would take this process's allocator readings and admin commands. Port 0 asks for a
+port of its own: a fresh folder, never joined.
 
 The helper is a fresh interpreter (`sys.executable -m exporter.run.helper FOLDER`): a server
 that holds a CUDA context is never forked. It says on its stdout, in one JSON line, the URL it
@@ -33,6 +34,7 @@ from typing import Any
 
 from exporter import atomic
 from exporter.config import SETTINGS, Config
+from exporter.port_holder import port_taken
 from exporter.run.agent import SOCKET_NAME
 
 HELPER_PREFIX = "gpumem-helper-"
@@ -77,6 +79,9 @@ def join_or_start(config: Config, *, timeout_s: float = START_TIMEOUT_S) -> Help
             raise JoinError(
                 f"no helper serves port {config.port} in {folder} (helper_spawn is off)"
             )
+        taken = port_taken(config.host, config.port) if config.port else None
+        if taken is not None:  # said without starting a helper that would say the same
+            raise JoinError(taken)
         restarted = (folder / URL_NAME).exists()  # a helper died and left its URL behind
         for name in (SOCKET_NAME, URL_NAME):
             with contextlib.suppress(FileNotFoundError):
@@ -134,17 +139,79 @@ def remove_unless_starting(folder: Path) -> None:
 
 
 def base(config: Config) -> str:
-    """Where helper folders live: `helper_dir` (a volume shared with a sidecar), else the run
-    folders' place (where a socket's path fits its 107 bytes)."""
-    return config.helper_dir or socket_base()
+    """Where helper folders live: `helper_dir` (a volume shared with a sidecar), else this
+    user's private place (private_base)."""
+    return config.helper_dir or private_base()
+
+
+PRIVATE_PREFIX = "gpumem-"  # + uid-creation us-random: this user's place in the temp dir
+
+
+def private_base() -> str:
+    """A folder of this user's that another local user can neither make first nor enter:
+    `$XDG_RUNTIME_DIR` where it is this user's and closed to others (systemd's per-user
+    runtime folder), else a folder of this user's in the temp dir, found by its owner and
+    mode, never by a name others could take first. (A predictable name in a shared /tmp
+    was taken by one `mkdir` of another user, and the server went unserved.)
+
+    The temp dir's place is `gpumem-<uid>-<microseconds>-<random>`, 0700: every process of
+    this user takes the oldest such folder that is this user's own, a real folder, closed to
+    others (lstat: no link followed); the first one makes it. Two first ones at once each
+    make one, then both take the older; the other is removed."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if runtime and os.path.isabs(runtime) and _own_and_closed(runtime) and _fits(runtime):
+        return runtime
+    where = tempfile.gettempdir()
+    if not _fits(os.path.join(where, f"{PRIVATE_PREFIX}{os.getuid()}-{2**53}-12345678")):
+        where = "/tmp"
+    found = _oldest_private(where)
+    if found is not None:
+        return found
+    prefix = f"{PRIVATE_PREFIX}{os.getuid()}-{time.time_ns() // 1000}-"
+    made = tempfile.mkdtemp(prefix=prefix, dir=where)  # 0700, a name nobody can guess
+    oldest = _oldest_private(where) or made
+    if oldest != made:
+        with contextlib.suppress(OSError):
+            os.rmdir(made)  # another process made one first: its place is ours too
+    return oldest
+
+
+def _own_and_closed(path: str) -> bool:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
+
+
+def _fits(where: str) -> bool:
+    """Whether a helper's socket path there fits the 107 bytes a Unix socket's path may have."""
+    longest = os.path.join(where, f"{HELPER_PREFIX}{os.getuid()}-0-12345678", SOCKET_NAME)
+    return len(longest.encode()) <= 107
+
+
+def _oldest_private(where: str) -> str | None:
+    """This user's oldest private place in `where` (its name says when it was made)."""
+    prefix = f"{PRIVATE_PREFIX}{os.getuid()}-"
+    found = []
+    try:
+        entries = list(os.scandir(where))
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.name.startswith(prefix):
+            continue
+        made, _, _ = entry.name[len(prefix) :].partition("-")
+        if made.isdigit() and _own_and_closed(entry.path):
+            found.append((int(made), entry.name, entry.path))
+    return min(found)[2] if found else None
 
 
 def socket_base() -> str:
     """The temp dir, unless a socket's path in a helper's or a launcher's folder there would
     pass the 107 bytes a Unix socket's path may have: then /tmp."""
     base = tempfile.gettempdir()
-    longest = os.path.join(base, f"{HELPER_PREFIX}{2**32}-65535-12345678", SOCKET_NAME)
-    return base if len(longest.encode()) <= 107 else "/tmp"
+    return base if _fits(base) else "/tmp"
 
 
 def folder_for(config: Config) -> Path:

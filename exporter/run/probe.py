@@ -15,12 +15,10 @@ import urllib.request
 from collections.abc import Callable
 
 from exporter.config import Config
-from exporter.ratelimit import RateLimitedLog
 from exporter.run import join
 from exporter.run.agent import SOCKET_NAME, Agent
 
 log = logging.getLogger("exporter")
-_limited = RateLimitedLog(log)
 
 RESTART_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
@@ -30,54 +28,101 @@ STOP_WAIT_S = 3.0
 
 
 class Probe:
-    def __init__(self, config: Config, on_url: Callable[[str], None] | None = None) -> None:
+    """The probe and its helper. `on_url(url)`: a helper serves this process (again, or at
+    last); `on_error(reason)`: what keeps it from being served now (a taken port, a refused
+    folder, a helper that closes the connection at once)."""
+
+    def __init__(
+        self,
+        config: Config,
+        on_url: Callable[[str], None] | None = None,
+        on_error: Callable[[str], None] | None = None,
+    ) -> None:
         self.config = config
         self.helper: join.Helper | None = None
         self.agent: Agent | None = None
+        self.error: str | None = None
         self._on_url = on_url
+        self._on_error = on_error
         self._backoff_s = RESTART_BACKOFF_S
         self._next_try = 0.0
+        self._said: str | None = None  # the reason logged last: each one is logged once
 
-    def start(self) -> str:
-        """Join or start the helper and start the probe; the URL served. JoinError if there
-        is no helper (a taken port, a refused folder)."""
-        try:
-            self.helper = join.join_or_start(self.config)
-        except join.JoinError:
-            if not self.config.helper_spawn:
-                # A sidecar's helper that is not there (yet): the probe connects once it is.
-                folder = join.folder_for(self.config)
-                self.agent = Agent(str(folder), early=True, on_lost=self._lost)
-                self.agent.start()
-            raise
-        self.agent = Agent(str(self.helper.folder), early=True, on_lost=self._lost)
-        # Connected before start() returns: the helper serves this process from now on, and
-        # leaves when it does, even at once (it waits FIRST_PEER_S for a first process).
-        self.agent.connect()
+    def start(self) -> str | None:
+        """Start the probe and join or start the helper: the URL served, or None while
+        something blocks it (then `error` says what, and the probe's thread tries again with
+        backoff until it is served). Never raises."""
+        self.agent = Agent(
+            None, config=self.config, early=True, on_lost=self._lost, on_dial=self._dialed
+        )
+        url = self._join()
+        if url is not None:
+            # Connected before start() returns: the helper serves this process from now on,
+            # and leaves when it does, even at once (it waits FIRST_PEER_S for a first one).
+            self.agent.connect()
         self.agent.start()
-        return self.helper.url
+        return url if self.error is None else None
 
-    def _lost(self) -> bool | None:
-        """The helper does not answer: find or start one (True: started here), or None."""
-        now = time.monotonic()
-        if now < self._next_try or self.agent is None:
-            return None
+    def _join(self) -> str | None:
+        """Join or start the helper; its URL, or None (backoff set, the reason said)."""
         try:
             helper = join.join_or_start(self.config)
         except join.JoinError as exc:
-            self._next_try = now + self._backoff_s
-            self._backoff_s = min(self._backoff_s * 2, RESTART_BACKOFF_MAX_S)
-            _limited.warning("helper", f"gpumem-exporter: the helper is gone: {exc}; retrying")
+            self._blocked(str(exc))
+            return None
+        except Exception as exc:  # a bug: said and tried again, never raised into the host
+            self._blocked(f"finding the helper failed: {type(exc).__name__}: {exc}")
             return None
         self._backoff_s = RESTART_BACKOFF_S
         self.helper = helper
+        assert self.agent is not None
         self.agent.socket_path = str(helper.folder / SOCKET_NAME)  # port 0: a new folder
-        if self._on_url is not None:
-            self._on_url(helper.url)
-        if helper.process is None:
+        return helper.url
+
+    def _blocked(self, reason: str) -> None:
+        self._next_try = time.monotonic() + self._backoff_s
+        self._backoff_s = min(self._backoff_s * 2, RESTART_BACKOFF_MAX_S)
+        self.error = reason
+        if self._on_error is not None:
+            self._on_error(reason)
+        if reason != self._said:
+            self._said = reason
+            log.error(
+                "gpumem-exporter: %s; /metrics is not served from this process until that "
+                "is cleared (retrying with backoff up to %g s)",
+                reason,
+                RESTART_BACKOFF_MAX_S,
+            )
+
+    def _dialed(self, refused: str | None) -> None:
+        """The agent reached a helper: it took this process (what blocked it is cleared), or
+        it closed the connection at once (said, and tried again)."""
+        if refused is not None:
+            self._blocked(refused)
+            return
+        if self.error is not None and self.helper is not None:
+            log.info("gpumem-exporter: %s/metrics is served now", self.helper.url)
+        self.error, self._said = None, None
+        self._backoff_s = RESTART_BACKOFF_S
+        if self.helper is not None and self._on_url is not None:
+            self._on_url(self.helper.url)
+
+    def _lost(self) -> bool | None:
+        """The helper does not answer: find or start one (True: started here), or None."""
+        if time.monotonic() < self._next_try or self.agent is None:
+            return None
+        was_served = self.helper is not None and self.error is None
+        if self._join() is None:
+            return None
+        assert self.helper is not None
+        if self.helper.process is None:
             return False  # another process of the server started it first
-        log.warning("gpumem-exporter: the helper serving %s died; started it again", helper.url)
-        return True
+        if was_served:
+            log.warning(
+                "gpumem-exporter: the helper serving %s died; started it again", self.helper.url
+            )
+            return True
+        return False  # started at last, not again
 
     def unavailable(self) -> dict[str, str]:
         """What the helper says has nothing to read here (its /healthz), {} if it cannot say."""

@@ -8,6 +8,8 @@ and the probe's binary records between the lines.
                             that device's latest sample
                           {"type": "reply", "id": N, "result": ProcessResult}
     aggregator -> agent   {"type": "command", "id": N, "action": NAME, "params": {...}}
+                          {"type": "refused", "reason": TEXT}: not served (its process slots
+                            are all taken), then the connection is closed
 
 The aggregator trusts nothing an agent sends: every message is size-bounded and validated
 here, field by field, and a message that fails is rejected with a short reason (a label of
@@ -123,7 +125,7 @@ def decode(line: bytes) -> dict[str, Any]:
         raise ProtocolError("json", "not JSON") from None
     if not isinstance(message, dict):
         raise ProtocolError("type", f"a JSON {type(message).__name__}, not an object")
-    if message.get("type") not in ("hello", "sample", "reply", "command"):
+    if message.get("type") not in ("hello", "sample", "reply", "command", "refused"):
         raise ProtocolError("type", f"unknown message type {str(message.get('type'))[:32]!r}")
     return message
 
@@ -173,6 +175,10 @@ def reply(request_id: int, result: ProcessResult) -> dict[str, Any]:
 
 def command(request_id: int, action: str, params: Mapping[str, Any]) -> dict[str, Any]:
     return {"type": "command", "id": request_id, "action": action, "params": dict(params)}
+
+
+def refused(reason: str) -> dict[str, Any]:
+    return {"type": "refused", "reason": reason}
 
 
 # -- validation (aggregator side) --------------------------------------------------------

@@ -523,7 +523,12 @@ class TorchAllocatorSource:
                 values["outside_allocator_bytes"] = max(own - values["reserved_bytes"], 0)
         except Exception as exc:
             missing.append(f"other processes: {exc!s:.120}")
-        values["expandable_segments"] = bool(self._expandable)
+        try:
+            # Known without a tick: the OOM may be the process's first allocation.
+            values["expandable_segments"] = self._settings(torch)[1]
+        except Exception as exc:
+            values["expandable_segments"] = bool(self._expandable)
+            missing.append(f"allocator settings: {exc!r:.120}")
         return replace(reading, **values, missing="; ".join(missing))
 
     def _oom_layout(

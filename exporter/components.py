@@ -43,6 +43,9 @@ MAX_COMPONENTS = 16
 # What problems() counts (gpumem_exporter_component_problems{problem}).
 PROBLEMS = ("overflowed", "negative_growth", "reentered", "open", "pools_refused")
 MAX_NAME = 64
+# The most bytes a component may say it holds: what the agents' protocol carries (a signed
+# 64-bit count), refused at the call rather than by the helper, silently, later.
+MAX_BYTES = (1 << 63) - 1
 OVERFLOW = "other_named"
 # The ledger's own parts (exporter.ledger): no server component may take their names.
 RESERVED = frozenset({*LEDGER_PARTS, OVERFLOW})
@@ -177,8 +180,10 @@ class Components:
 
     def set(self, name: str, nbytes: int, device: int = 0) -> None:
         name = check_name(name)
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ComponentError(f"component {name!r}: bytes must be a whole number >= 0")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_BYTES:
+            raise ComponentError(
+                f"component {name!r}: bytes must be a whole number from 0 to 2**63 - 1"
+            )
         if isinstance(device, bool) or not isinstance(device, int) or device < 0:
             raise ComponentError(f"component {name!r}: device must be an index >= 0")
         with self._lock:

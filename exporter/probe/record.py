@@ -121,6 +121,9 @@ class RecordError(ValueError):
         self.reason = reason
 
 
+_INF = float("inf")
+
+
 def family_defined(family: str, backend: str, expandable_segments: bool) -> bool:
     """Whether this backend and setting track a stat family (where they do not, it reads 0,
     which is "not tracked", not "none")."""
@@ -262,7 +265,7 @@ def unpack(data: bytes) -> tuple[int, int, float, dict[str, Any]]:
     expected = HEADER.size + VALUES.size + count * POOL.size
     if count > MAX_POOLS or len(data) != expected or size != expected:
         raise RecordError("record", f"a record of {len(data)} bytes, not {expected}")
-    if not timestamp == timestamp or timestamp < 0:  # NaN or negative
+    if not 0 <= timestamp < _INF:  # NaN, negative or infinite
         raise RecordError("record", "a record without a valid time")
     values = VALUES.unpack_from(data, HEADER.size)
     parts: dict[str, Any] = {"gauges": {}, "counters": {}, "pools": {}}

@@ -27,7 +27,15 @@ from typing import Any
 from exporter.actions.base import OUTCOME_STATUS, ProcessResult
 from exporter.actions.spec import BY_NAME
 from exporter.catalog import PROCESS_LABELS
-from exporter.components import MAX_COMPONENTS, MAX_NAME, PROBLEMS
+from exporter.components import (
+    MAX_BYTES,
+    MAX_COMPONENTS,
+    MAX_NAME,
+    OVERFLOW,
+    PROBLEMS,
+    ComponentError,
+    check_name,
+)
 from exporter.oom_verdict import VERDICTS, OomVerdict
 from exporter.pools import POOL_KINDS
 from exporter.probe import record
@@ -190,7 +198,7 @@ def _fail(message: str) -> ProtocolError:
 
 def _count(value: Any, what: str) -> int:
     # bool is an int in Python; a count is not.
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value >= 1 << 63:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BYTES:
         raise _fail(f"{what}: expected a non-negative integer, got {str(value)[:32]!r}")
     return value
 
@@ -267,9 +275,20 @@ def _components(value: Any) -> dict[str, int]:
     if len(components) > MAX_COMPONENTS + 1:  # the bound, and its overflow
         raise _fail("components: too many")
     return {
-        _text(name, "components", MAX_NAME): _count(nbytes, "components.<name>")
+        _component_name(name): _count(nbytes, "components.<name>")
         for name, nbytes in components.items()
     }
+
+
+def _component_name(name: Any) -> str:
+    """The rules exporter.set_component() applies at the call (a ledger part's name is
+    refused: it would give two series with one label set), and the overflow's own name."""
+    if name == OVERFLOW:
+        return OVERFLOW
+    try:
+        return check_name(_text(name, "components", MAX_NAME))
+    except ComponentError as exc:
+        raise _fail(f"components: {exc}") from None
 
 
 def _private_pool_info(value: Any) -> dict[str, dict[str, str]]:

@@ -127,6 +127,8 @@ def good() -> bytes:
         (record.HEADER.pack(record.MAGIC, 99, 424, 0, 1, 1.0, 0) + b"\0" * 400, "record_version"),
         (record.HEADER.pack(record.MAGIC, V, SIZE, 0, 1, math.nan, 0) + b"\0" * record.VALUES.size,
          "record"),
+        (record.HEADER.pack(record.MAGIC, V, SIZE, 0, 1, math.inf, 0) + b"\0" * record.VALUES.size,
+         "record"),
         (record.HEADER.pack(record.MAGIC, V, SIZE, 0, 1, 1.0, 0) + struct.pack(
             "<" + "q" * len(record.FIELDS), *([-1] * len(record.FIELDS))), "record"),
         (record.HEADER.pack(record.MAGIC, V, SIZE + 1, 0, 1, 1.0, 0) + b"\0" * record.VALUES.size,

@@ -197,3 +197,33 @@ def test_every_recorded_reading_travels_whole_from_an_agent():
             sent += len(readings)
             verdicts += sum(r.last_oom is not None for r in readings)
     assert sent > 500 and verdicts > 0
+
+
+@pytest.mark.parametrize(
+    "components",
+    [
+        {"other_live": 5},  # a ledger part's name: two series with one label set
+        {"weights": 1 << 63},  # past what set_component() takes
+        {"": 5},
+    ],
+)
+def test_components_the_call_refuses_are_refused_on_the_wire_too(components):
+    """One rule on both sides: what exporter.set_component() refuses at the call, an agent's
+    sample cannot bring in either (issue 63 item 4)."""
+    from exporter import components as named
+
+    message = protocol.sample([{**GOOD, "components": components}], ActionCounts())
+    assert reason(protocol.parse_sample, message) == "field"
+    [(name, nbytes)] = components.items()
+    with pytest.raises(named.ComponentError):
+        named.Components(allocated=dict).set(name, nbytes)
+
+
+def test_the_overflow_and_the_largest_size_are_taken_on_both_sides():
+    from exporter import components as named
+
+    sizes = {"weights": named.MAX_BYTES, named.OVERFLOW: 7}
+    message = protocol.sample([{**GOOD, "components": sizes}], ActionCounts())
+    [reading], _ = protocol.parse_sample(message)
+    assert reading.components == sizes
+    named.Components(allocated=dict).set("weights", named.MAX_BYTES)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import json
 import logging
 import os
 import stat
@@ -770,6 +771,16 @@ def _is_ip(text: str) -> bool:
 
 
 SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in fields(Config)}
+# Settings never written down or shown (a token): they travel in the environment only.
+SECRETS = frozenset(f.name for f in fields(Config) if not f.repr)
+
+
+def public_settings(config: Config) -> dict[str, Any]:
+    """The settings as JSON values, secrets left out: what a helper runs with (its folder's
+    helper.json), and what /stats says is in force."""
+    values = {name: getattr(config, name) for name in SETTINGS if name not in SECRETS}
+    loaded: dict[str, Any] = json.loads(json.dumps(values, default=str))
+    return loaded
 
 
 def default_text(name: str) -> str:

@@ -82,6 +82,12 @@ class Handle:
         return f"<gpumem-exporter {self._call} {state} url={self.url}>"
 
     @property
+    def warning(self) -> str | None:
+        """What a joined helper runs with otherwise than this process asked (its settings
+        are in force, not these), else None."""
+        return self._probe.warning if self._probe is not None else None
+
+    @property
     def config(self) -> Config:
         if self.runtime is not None:
             return self.runtime.config

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from exporter.actions.base import Target
+from exporter.config import Config, public_settings
 from exporter.detectors import Detectors
 from exporter.identity import process_labels
 from exporter.ledger import ledger
@@ -21,6 +22,7 @@ def latest_stats(
     mode: str,
     detectors: Detectors | None,
     pending_ooms: PendingOoms,
+    config: Config | None = None,
 ) -> dict[str, Any]:
     """The latest sample (its allocators and alerts limited to `target`)."""
     readings = sample.allocators if sample else []
@@ -60,6 +62,9 @@ def latest_stats(
         "alerts_firing": firing,
         "ooms_pending": pending,
         "ledgers": ledgers,
+        # What the endpoint runs with: a process that joined a helper with other settings
+        # is told so (exporter.run.probe) and reads here which are in force.
+        "settings": public_settings(config) if config is not None else None,
     }
 
 

@@ -325,6 +325,7 @@ def add_admin_routes(app: FastAPI, admin: Admin) -> list[BaseRoute]:
                 mode=admin.traits.name,
                 detectors=admin.detectors,
                 pending_ooms=admin.pending_ooms,
+                config=admin.config,
             )
         )
 

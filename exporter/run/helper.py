@@ -101,6 +101,8 @@ def _serve(folder: Path, sidecar: Config | None) -> int:
         signal.signal(signum, lambda *_: stop.set())
     with contextlib.ExitStack() as cleanup:
         write_agent_config(config, str(folder))
+        if sidecar is not None:  # what the processes that join it are told they get
+            join.write_settings(folder, config)
         with contextlib.suppress(FileNotFoundError):
             (folder / SOCKET_NAME).unlink()  # a dead helper's: the lock says none lives
         try:

@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
 import json
 import os
+import secrets
 import select
 import shutil
 import stat
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from exporter import atomic
-from exporter.config import SETTINGS, Config
+from exporter.config import SECRETS, SETTINGS, Config, public_settings
 from exporter.port_holder import port_taken
 from exporter.run.agent import SOCKET_NAME
 
@@ -44,8 +46,9 @@ SETTINGS_NAME = "helper.json"  # the helper's settings, secrets left out
 URL_NAME = "url"  # what the helper serves, written once it listens
 # How long start() waits for the others starting at once, then for the helper to listen.
 START_TIMEOUT_S = 20.0
-# Secrets reach the helper in its environment, never in a file or its command line.
-SECRETS = frozenset(f.name for f in dataclasses.fields(Config) if not f.repr)
+SECRET_DIGESTS_NAME = "secrets.sha256"  # salted digests: whether a joiner's secrets match
+# Settings that are each process's own choice of how to find the helper, not the helper's.
+HOW_FOUND = frozenset({"helper_dir", "helper_spawn", "port_per_local_rank"})
 
 
 class JoinError(Exception):
@@ -58,6 +61,8 @@ class Helper:
     url: str
     process: subprocess.Popen[bytes] | None  # None: joined, another process started it
     restarted: bool  # an earlier helper of this folder died without leaving it clean
+    # What the helper runs with that this process asked otherwise (joined: not applied).
+    differences: list[str] = dataclasses.field(default_factory=list)
 
 
 def join_or_start(config: Config, *, timeout_s: float = START_TIMEOUT_S) -> Helper:
@@ -74,7 +79,7 @@ def join_or_start(config: Config, *, timeout_s: float = START_TIMEOUT_S) -> Help
     try:
         url = _live_helpers_url(folder, deadline) if config.port else None
         if url is not None:
-            return Helper(folder, url, None, restarted=False)
+            return Helper(folder, url, None, False, settings_differences(folder, config))
         if not config.helper_spawn:
             raise JoinError(
                 f"no helper serves port {config.port} in {folder} (helper_spawn is off)"
@@ -86,8 +91,7 @@ def join_or_start(config: Config, *, timeout_s: float = START_TIMEOUT_S) -> Help
         for name in (SOCKET_NAME, URL_NAME):
             with contextlib.suppress(FileNotFoundError):
                 (folder / name).unlink()
-        settings = {name: getattr(config, name) for name in SETTINGS if name not in SECRETS}
-        atomic.write_bytes(folder / SETTINGS_NAME, json.dumps(settings, default=str).encode())
+        write_settings(folder, config)
         process = _spawn(folder, config)
         answer = _report(process, deadline)
         if "url" not in answer:
@@ -98,6 +102,42 @@ def join_or_start(config: Config, *, timeout_s: float = START_TIMEOUT_S) -> Help
         return Helper(folder, str(answer["url"]), process, restarted)
     finally:
         os.close(lock)
+
+
+def write_settings(folder: Path, config: Config) -> None:
+    """What the helper runs with, for it and for the processes that join it later: its
+    settings (secrets left out) and a salted digest of each secret."""
+    atomic.write_bytes(folder / SETTINGS_NAME, json.dumps(public_settings(config)).encode())
+    salt = secrets.token_hex(16)
+    digests = {name: _digest(salt, getattr(config, name)) for name in sorted(SECRETS)}
+    atomic.write_bytes(
+        folder / SECRET_DIGESTS_NAME, json.dumps({"salt": salt, "digests": digests}).encode()
+    )
+
+
+def _digest(salt: str, value: object) -> str:
+    return hashlib.sha256(f"{salt}:{value or ''}".encode()).hexdigest()
+
+
+def settings_differences(folder: Path, config: Config) -> list[str]:
+    """What the helper in `folder` runs with that `config` asks otherwise, in words (a
+    secret only by name); [] where its files say nothing."""
+    try:
+        theirs = json.loads((folder / SETTINGS_NAME).read_text())
+        kept = json.loads((folder / SECRET_DIGESTS_NAME).read_text())
+    except (OSError, ValueError):
+        return []
+    ours = public_settings(config)
+    found = [
+        f"{name} is {theirs[name]!r}, not {ours[name]!r}"
+        for name in sorted(ours)
+        if name in theirs and name not in HOW_FOUND and theirs[name] != ours[name]
+    ]
+    salt, digests = str(kept.get("salt", "")), kept.get("digests", {})
+    for name in sorted(SECRETS):
+        if name in digests and digests[name] != _digest(salt, getattr(config, name)):
+            found.append(f"{name} differs")
+    return found
 
 
 # A folder of a dead helper younger than this may be its starter's, between mkdir and spawn.

@@ -42,6 +42,9 @@ class Probe:
         self.helper: join.Helper | None = None
         self.agent: Agent | None = None
         self.error: str | None = None
+        # The helper joined runs with other settings than this process asked: they are not
+        # applied here, and this says which (None: the same, or started here).
+        self.warning: str | None = None
         self._on_url = on_url
         self._on_error = on_error
         self._backoff_s = RESTART_BACKOFF_S
@@ -75,9 +78,22 @@ class Probe:
             return None
         self._backoff_s = RESTART_BACKOFF_S
         self.helper = helper
+        self._tell_differences(helper)
         assert self.agent is not None
         self.agent.socket_path = str(helper.folder / SOCKET_NAME)  # port 0: a new folder
         return helper.url
+
+    def _tell_differences(self, helper: join.Helper) -> None:
+        warning = None
+        if helper.differences:
+            warning = (
+                f"this process joined the helper serving {helper.url}, which keeps its own "
+                f"settings (those asked here are not applied; GET /stats lists them): "
+                + "; ".join(helper.differences)
+            )
+        if warning is not None and warning != self.warning:
+            log.warning("gpumem-exporter: %s", warning)
+        self.warning = warning
 
     def _blocked(self, reason: str) -> None:
         self._next_try = time.monotonic() + self._backoff_s

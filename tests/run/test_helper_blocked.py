@@ -212,3 +212,50 @@ print("alive", handle.error, flush=True)
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("alive the helper did not take this process"), done.stdout
+
+
+@pytest.mark.slow
+def test_a_process_that_joins_a_helper_with_other_settings_is_told_and_can_read_them(caplog):
+    """The first server started the helper with full detail and its own admin token; a second
+    one asks for basic detail and another token. It gets the helper's (one endpoint, one set
+    of settings), and is told: a warning in its log and on its handle, naming each setting
+    (a secret by name only), and /stats says which are in force."""
+    import json
+    import urllib.request
+
+    port = free_port()
+    first_token, second_token = "first-" + "a" * 32, "second-" + "b" * 32
+    env = {**os.environ, "GPUMEM_DETAIL": "full", "GPUMEM_ADMIN_TOKEN": first_token}
+    with servers(port, env=env) as [server]:
+        assert answer(server)["error"] is None
+        caplog.set_level(logging.INFO, logger="exporter")
+        handle = exporter.start(port=port, interval_s=0.1, detail="basic", admin_token=second_token)
+        try:
+            assert handle.error is None and handle.url == f"http://127.0.0.1:{port}"
+            warning = str(handle.warning)
+            assert "detail is 'full', not 'basic'" in warning, warning
+            assert "admin_token differs" in warning and second_token not in warning
+            assert "interval_s" not in warning  # the server's script asks 0.1 too
+            assert caplog.text.count("keeps its own settings") == 1
+            assert first_token not in caplog.text and second_token not in caplog.text
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/stats",
+                headers={"Authorization": f"Bearer {first_token}"},
+            )
+            with urllib.request.urlopen(request, timeout=5) as response:
+                settings = json.loads(response.read())["settings"]
+            assert settings["detail"] == "full"
+            assert "admin_token" not in settings
+        finally:
+            exporter.stop()
+
+
+def test_a_process_that_joins_with_the_same_settings_is_not_warned():
+    port = free_port()
+    with servers(port) as [server]:
+        assert answer(server)["error"] is None
+        handle = exporter.start(port=port, interval_s=0.1)
+        try:
+            assert handle.error is None and handle.warning is None
+        finally:
+            exporter.stop()

@@ -237,6 +237,66 @@ def test_a_launcher_that_does_not_read_never_blocks_the_probe(run_dir):
         listener.close()
 
 
+def test_full_samples_never_block_the_probe_on_a_helper_that_does_not_read(run_dir):
+    """Issue 63 item 4: a helper stopped (SIGSTOP) or behind. Every tick a full sample (the
+    largest message): each tick returns at once, what does not fit is dropped and counted,
+    and every message that went out is whole. (A blocking sendall held the probe thread for
+    as long as the helper was stopped, and command replies behind it.)"""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(run_dir / SOCKET_NAME))
+    listener.listen(1)
+    server = ProbedServer()
+    agent = server.agent(run_dir)
+    agent.detail_interval_s = 0.0  # a full sample at every tick
+    try:
+        agent.tick()
+        conn, _ = listener.accept()
+
+        def ticks() -> None:
+            for _ in range(20000):
+                agent.tick()
+                if agent.records_dropped > 10:
+                    return
+
+        ticking = threading.Thread(target=ticks, daemon=True)
+        ticking.start()
+        ticking.join(20.0)
+        if ticking.is_alive():
+            conn.close()  # let the blocked send fail, so the thread ends
+            pytest.fail("a full sample blocked the probe on a helper that does not read")
+        assert agent.records_dropped > 10 and agent.full_samples > 10
+        conn.setblocking(False)
+        received = b""
+        with contextlib.suppress(BlockingIOError):
+            while chunk := conn.recv(1 << 20):
+                received += chunk
+        lines = [m for m in protocol.StreamReader().feed(received) if m[:1] == b"{"]
+        samples = [protocol.decode(line) for line in lines]  # each whole JSON
+        assert len(samples) > 10 and all(m["type"] in ("hello", "sample") for m in samples)
+    finally:
+        agent.stop()
+        listener.close()
+
+
+def test_the_probe_threads_sleep_is_ended_early_by_a_verdict_without_stopping():
+    from exporter.run.agent import _Stop
+
+    stop = _Stop()
+    woke: list[tuple[bool, float]] = []
+    sleeper = threading.Thread(target=lambda: woke.append((stop.sleep(60.0), time.monotonic())))
+    sleeper.start()
+    time.sleep(0.1)
+    woken_at = time.monotonic()
+    stop.wake()
+    sleeper.join(5)
+    assert woke and woke[0][0] is False and woke[0][1] - woken_at < 1.0
+    started = time.monotonic()
+    assert stop.sleep(0.05) is False  # the next sleep is whole again
+    assert time.monotonic() - started >= 0.05
+    stop.set()
+    assert stop.sleep(5.0) is True
+
+
 def test_a_record_of_another_version_is_refused_and_counted_never_misread(run_dir):
     aggregator = Aggregator(run_dir)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -97,6 +97,11 @@ def bare_tick() -> tuple[Any, Any]:
     return tick, reader
 
 
+def _helper_link(handle: Any) -> Any:
+    """The handle's link to its helper: `_link` since issue 63, `_probe` in a tree before."""
+    return getattr(handle, "_link", None) or getattr(handle, "_probe", None)
+
+
 def _bare_probe(interval_s: float, stop: Any, timing: TickTiming | None = None) -> Any:
     """The floor of exporting from inside a server: a thread that ticks bare_tick() at the
     interval. No exporter code at all."""
@@ -269,7 +274,7 @@ def serve(arm: str, seconds: float, port: int, time_ticks: bool = False) -> dict
         timed = sys.modules.get("exporter.run.agent")
         agent = getattr(timed, "_agent", None) if under_run else None
         if agent is None and handle is not None:
-            agent = handle._probe.agent
+            agent = _helper_link(handle).agent
         if agent is not None:
             timing.time_agent(agent)
     late: list[float] = []
@@ -313,11 +318,11 @@ def serve(arm: str, seconds: float, port: int, time_ticks: bool = False) -> dict
     agent = sys.modules.get("exporter.run.agent")
     ticks = {}
     # Under `run`, the module's agent; with a helper (exporter.start() since issue 49), the
-    # handle's probe's.
+    # handle's link's.
     found = getattr(agent, "_agent", None) if agent is not None else None
-    probe = getattr(handle, "_probe", None) if handle is not None else None
-    if found is None and probe is not None:
-        found = probe.agent
+    link = _helper_link(handle) if handle is not None else None
+    if found is None and link is not None:
+        found = link.agent
     if found is not None:
         for name in ("full_samples", "records_sent", "records_dropped"):
             ticks[name] = getattr(found, name, None)  # None: an agent before the probe

@@ -28,7 +28,7 @@ from exporter.actions.local import LocalActions
 from exporter.actions.oom import OomCapture
 from exporter.actions.snapshots import SnapshotStore
 from exporter.config import Config
-from exporter.sources.non_allocator import NonAllocatorProbe
+from exporter.sources.non_allocator import NonAllocatorReader
 from exporter.sources.torch_allocator import TorchAllocatorSource
 
 BLOCK_COUNTS = (1_000, 10_000)
@@ -53,7 +53,7 @@ def _oom() -> None:
 
 def main() -> None:
     torch.empty(1, device="cuda:0")
-    source = TorchAllocatorSource(non_allocator=NonAllocatorProbe())
+    source = TorchAllocatorSource(non_allocator=NonAllocatorReader())
     config = Config(snapshot_dir=tempfile.mkdtemp(prefix="gpumem-bench-oom-"))
     actions = LocalActions(SnapshotStore.for_config(config), config=config, oom_reader=source)
     capture = OomCapture(actions, source, cooldown_s=3600.0)

@@ -47,8 +47,8 @@ def _allocating() -> tuple[threading.Event, threading.Thread]:
 
 def measure(seconds: float, interval_s: float, full_every_tick: bool) -> dict[str, Any]:
 
-    from exporter.run.agent import Agent
-    from exporter.run.aggregator import Aggregator
+    from exporter.transport.agent import Agent
+    from exporter.transport.aggregator import Aggregator
 
     stop, allocator = _allocating()
     run_dir = Path(tempfile.mkdtemp(prefix="pt-", dir="/tmp"))
@@ -101,8 +101,8 @@ def versus_bare(seconds: float, interval_s: float) -> dict[str, Any]:
     parts (the probe's records, their sending)."""
 
     from bench.loop_lateness import bare_tick
-    from exporter.run.agent import Agent
-    from exporter.run.aggregator import Aggregator
+    from exporter.transport.agent import Agent
+    from exporter.transport.aggregator import Aggregator
 
     stop, allocator = _allocating()
     bare, reader = bare_tick()
@@ -173,8 +173,8 @@ def profile_full(ticks: int) -> dict[str, Any]:
 
     import torch
 
-    from exporter.run.agent import Agent
-    from exporter.run.aggregator import Aggregator
+    from exporter.transport.agent import Agent
+    from exporter.transport.aggregator import Aggregator
 
     torch.empty(1, device="cuda:0")
     kept = [torch.empty(n << 20, dtype=torch.uint8, device="cuda:0") for n in (1, 3, 7, 20)]
@@ -231,8 +231,8 @@ def cold_parts(seconds: float, interval_s: float, every: int) -> dict[str, Any]:
     """Where a full sample's CPU goes on caches as cold as a real run finds them: the agent
     ticked at the interval, a full sample (layout and NVML's process list due) every `every`
     ticks, each of its parts timed by the thread's CPU clock."""
-    from exporter.run.agent import Agent
-    from exporter.run.aggregator import Aggregator
+    from exporter.transport.agent import Agent
+    from exporter.transport.aggregator import Aggregator
 
     stop, allocator = _allocating()
     run_dir = Path(tempfile.mkdtemp(prefix="pt-", dir="/tmp"))

@@ -4,7 +4,7 @@ Each entry gives the family's name, type, help, labels, the modes that serve it,
 it comes from and, where a reading's field carries it, that field (`key`). From this list:
 
 - exporter.metrics makes every family it serves (it cannot make one not listed here);
-- the sample's key tuples (exporter.sample), the agents' protocol (exporter.run.protocol) and
+- the sample's key tuples (exporter.sample), the agents' protocol (exporter.transport.protocol) and
   the trace recorder (exporter.record) take their fields from the groups below;
 - docs/metrics.md's family table is written from it (`python -m exporter.reference --write`),
   and a test keeps the two equal.

@@ -1,15 +1,16 @@
 """The one-line embedding: `exporter.start()` in an inference server, or `exporter.attach(app)`.
 
-`start()` leaves only a probe in the serving process (exporter.run.agent: the allocator's C
-call and one packed record per tick, sent without blocking) and starts, or joins, one helper
-process for the port that does everything else (exporter.run.helper): the process pays the
-probe, never a render, a detector or an HTTP exchange. What hands the host's own code the
-samples runs in-process instead, as before: `serve_http=False`, `listeners`, `on_alert`,
-`record_to`, `helper=False`, and `attach()` (its routes are the host app's).
+`start()` leaves only an agent in the serving process (exporter.transport.agent: the
+allocator's C call and one packed record per tick, sent without blocking) and starts, or joins,
+one helper process for the port that does everything else (exporter.helper): the process pays
+the agent's tick (exporter.probe), never a render, a detector or an HTTP exchange. What hands
+the host's own code the samples runs in-process instead, as before: `serve_http=False`,
+`listeners`, `on_alert`, `record_to`, `helper=False`, and `attach()` (its routes are the host
+app's).
 
 Promise to the host process: after arguments are validated (ConfigError for bad settings),
 nothing raised inside the exporter reaches the caller. A taken port or a missing NVML is
-logged in one line and reported on the handle; the probe (or the sampler) keeps running.
+logged in one line and reported on the handle; the agent (or the sampler) keeps running.
 
 One exporter per process: a second start() or attach() returns the running handle, and says
 in a warning which of the settings it asked for the running exporter does not have.
@@ -27,12 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from exporter.config import Config, load_config
+from exporter.helper.link import HelperLink
 from exporter.run import agent
 from exporter.run.agent import RUN_DIR_ENV
-from exporter.run.probe import Probe
 
 # The in-process exporter's modules (the web stack, prometheus_client, the sampler) are
-# imported where it starts: a process with a helper loads the probe's modules only.
+# imported where it starts: a process with a helper loads the agent's modules only.
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
@@ -66,7 +67,7 @@ class Handle:
     # MultiProcessCollector.
     bridge: MultiprocessBridge | None = None
     _http: HttpServer | None = field(default=None, repr=False)
-    _probe: Probe | None = field(default=None, repr=False)
+    _link: HelperLink | None = field(default=None, repr=False)
     _settings: Config | None = field(default=None, repr=False)
     _stopped: bool = field(default=False, repr=False)
     # What the call that started it asked for, to compare a second call with.
@@ -85,7 +86,7 @@ class Handle:
     def warning(self) -> str | None:
         """What a joined helper runs with otherwise than this process asked (its settings
         are in force, not these), else None."""
-        return self._probe.warning if self._probe is not None else None
+        return self._link.warning if self._link is not None else None
 
     @property
     def config(self) -> Config:
@@ -116,7 +117,7 @@ class Handle:
         Library Not Found"} on a CPU-only host): no data, unlike `error`."""
         if self.runtime is not None:
             return self.sampler.unavailable_sources()
-        return self._probe.unavailable() if self._probe is not None else {}
+        return self._link.unavailable() if self._link is not None else {}
 
     def stop(self) -> None:
         global _handle
@@ -127,8 +128,8 @@ class Handle:
             if _handle is self:
                 _handle = None
         try:
-            if self._probe is not None:
-                self._probe.stop()
+            if self._link is not None:
+                self._link.stop()
             if self.runtime is None:
                 return
             if self._http is not None:
@@ -159,7 +160,7 @@ def start(
     helper: bool = True,
     **settings: Any,
 ) -> Handle:
-    """Start this process's probe and the helper that serves `port` (or join the one that
+    """Start this process's agent and the helper that serves `port` (or join the one that
     does: several workers with one port give one endpoint).
 
     In-process instead (a sampler thread, and an HTTP thread unless serve_http=False) where
@@ -262,9 +263,9 @@ def _runtime(config: Config, on_alert: AlertListener | None, **options: Any) -> 
 
 
 def _with_helper(config: Config) -> Handle:
-    """The probe here, everything else in the helper for the port (joined or started). What
-    blocks the helper (a taken port, a refused folder, a helper that closes the probe's
-    connection) is on the handle and logged once; the probe tries again until it is served."""
+    """The agent here, everything else in the helper for the port (joined or started). What
+    blocks the helper (a taken port, a refused folder, a helper that closes the agent's
+    connection) is on the handle and logged once; the link tries again until it is served."""
     handle = Handle(None, _settings=config)
 
     def served(url: str) -> None:  # a helper again, or at last (a sidecar's)
@@ -273,12 +274,12 @@ def _with_helper(config: Config) -> Handle:
     def blocked(reason: str) -> None:
         handle.error = reason
 
-    probe = Probe(config, on_url=served, on_error=blocked)
-    handle._probe = probe
+    link = HelperLink(config, on_url=served, on_error=blocked)
+    handle._link = link
     try:
-        url = probe.start()
+        url = link.start()
     except Exception as exc:  # a bug: never into the host
-        handle.error = f"the probe failed to start: {type(exc).__name__}: {exc}"
+        handle.error = f"the link to the helper failed to start: {type(exc).__name__}: {exc}"
         log.error("gpumem-exporter: %s", handle.error)
         return handle
     if url is not None:
@@ -412,12 +413,12 @@ def stop() -> None:
 
 
 def _after_fork_in_child() -> None:
-    # A child forked after start() (a pre-forking server) has no probe thread: it lets go of
+    # A child forked after start() (a pre-forking server) has no agent thread: it lets go of
     # the parent's connection, and its own start() joins the helper anew.
     global _handle
     handle = _handle
-    if handle is not None and handle._probe is not None:
-        handle._probe.forget()
+    if handle is not None and handle._link is not None:
+        handle._link.forget()
         _handle = None
 
 

@@ -185,8 +185,8 @@ class ProbedServer:
 
     def agent(self, run_dir: Path, **settings: float) -> Any:
         from exporter.probe.allocator import AllocatorProbe
-        from exporter.run.agent import Agent
         from exporter.sources.torch_allocator import TorchAllocatorSource
+        from exporter.transport.agent import Agent
 
         (run_dir / "agent.json").write_text(json.dumps({"layout_interval_s": 0, **settings}))
         agent = Agent(str(run_dir), interval_s=3600)  # the test ticks it

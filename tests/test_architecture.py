@@ -66,8 +66,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("webconfig",),  # the web config file and the endpoint's rules it sets (exporter-toolkit's)
     ("http", "client"),  # the endpoint (/metrics, the admin API, the live page); its client
     ("runtime", "modes"),  # assembly: one declaration per way of running
+    # the agents' channel that `run` and exporter.start()'s helper share, and what serves it
+    ("transport",),
     # entry points; reference writes docs/ tables from the declarations
-    ("run", "embedded", "cli", "__init__", "reference"),
+    ("helper", "run", "embedded", "cli", "__init__", "reference"),
 ]
 
 

@@ -224,7 +224,7 @@ def test_a_new_component_or_a_release_is_said_at_once_a_new_size_is_not():
 def test_a_server_served_in_its_own_process_counts_its_component_problems_too(tmp_path):
     """Embedded without a helper (helper=False, attach()): the process's own actions carry
     its allocator source's component problems to /metrics, as an agent's full sample does
-    (tests/probe/test_agent_probe.py)."""
+    (tests/transport/test_agent.py)."""
     from exporter.config import load_config
     from exporter.modes.embedded import local_actions
     from exporter.sources.torch_allocator import TorchAllocatorSource

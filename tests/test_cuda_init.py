@@ -82,7 +82,8 @@ def test_a_failing_callback_never_reaches_torch_and_the_others_still_run():
     assert said["calls"] == ["ran"]
 
 
-def test_start_queues_the_probes_arming_before_torch_is_imported():
+@pytest.mark.slow
+def test_start_queues_the_agents_arming_before_torch_is_imported():
     """exporter.start() first, torch after (the README's order, and `run`'s): the probe's
     entry is queued at torch's import; torch's initialization then arms the probe (its
     actions and OOM observer) on the thread that initializes, with no tick between."""
@@ -95,7 +96,7 @@ def test_start_queues_the_probes_arming_before_torch_is_imported():
         import torch
         import torch.cuda as cuda
         queued = [c for c, _ in cuda._queued_calls if c is cuda_init._initialized_now]
-        agent = handle._probe.agent
+        agent = handle._link.agent
         before = agent.actions is not None
         queued[0]()
         after = agent.actions is not None and agent.actions.oom_capture is not None
@@ -114,7 +115,7 @@ def test_a_stopped_probe_is_not_armed():
         import exporter
         from exporter import cuda_init
         handle = exporter.start(port=0, interval_s=60)
-        agent = handle._probe.agent
+        agent = handle._link.agent
         exporter.stop()
         cuda_init._initialized_now()
         print(json.dumps({"armed": agent.actions is not None}))

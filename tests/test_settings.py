@@ -9,8 +9,8 @@ from dataclasses import fields
 import pytest
 
 from exporter.config import SETTINGS, Config, load_config
-from exporter.run.agent import CONFIG_NAME, Agent, load_agent_config
 from exporter.run.launcher import write_agent_config
+from exporter.transport.agent import CONFIG_NAME, Agent, load_agent_config
 from tests.helpers import run_cli
 
 

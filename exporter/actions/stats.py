@@ -63,7 +63,7 @@ def latest_stats(
         "ooms_pending": pending,
         "ledgers": ledgers,
         # What the endpoint runs with: a process that joined a helper with other settings
-        # is told so (exporter.run.probe) and reads here which are in force.
+        # is told so (exporter.helper.link) and reads here which are in force.
         "settings": public_settings(config) if config is not None else None,
     }
 

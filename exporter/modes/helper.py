@@ -1,5 +1,5 @@
 """exporter.start() in a server: a probe in each process that called it, one helper process
-beside them that reads the machine and serves (exporter.run.helper). `run`'s launcher without
+beside them that reads the machine and serves (exporter.helper). `run`'s launcher without
 a command: the same families, readiness and fan-out actions."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from exporter.traits import Traits
 
 
 def silent_processes(sampler: Sampler) -> list[str]:
-    """The processes of `run` that stopped reporting (exporter.run.aggregator), in words."""
+    """The processes of `run` that stopped reporting (exporter.transport.aggregator), in words."""
     found = []
     for source in sampler.sources:
         silent = getattr(source, "silent_processes", None)

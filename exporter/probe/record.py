@@ -4,7 +4,7 @@ A serving process pays for every byte of Python it runs per tick, so the numbers
 serves go out as they come from the allocator's nested stats dict, packed with `struct` into
 a buffer made once: no dataclass, no dict of results, no JSON. Everything else a reading has
 (the GPU's UUID, backend, settings, layout, OOM verdicts, bytes outside the allocator) changes
-at its own, slower pace and travels in the full sample (exporter.run.protocol), which a record
+at its own, slower pace and travels in the full sample (exporter.transport.protocol), which a record
 then updates.
 
     header   magic "GMPR", version, size in bytes, device, sequence, Unix time, private-pool
@@ -15,7 +15,7 @@ then updates.
 
 Versioned: a reader refuses a record of another version (RecordError("record_version")),
 never misreads one. Records travel as they are (no base64, no line): the stream they share
-with JSON lines tells them apart by their magic (exporter.run.protocol.StreamReader).
+with JSON lines tells them apart by their magic (exporter.transport.protocol.StreamReader).
 Standard library only: the probe imports it in the serving process.
 """
 

@@ -25,25 +25,23 @@ import signal
 import stat
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import psutil
 
 from exporter import atomic
-from exporter.actions.snapshots import SnapshotStore
 from exporter.config import SETTINGS, Config
 from exporter.http.server import ServerStartError
 from exporter.run import reaper
-from exporter.run.agent import CONFIG_NAME, RUN_DIR_ENV
-from exporter.run.aggregator import Aggregator
-from exporter.run.fanout import FanOutActions
-from exporter.run.join import socket_base
+from exporter.run.agent import RUN_DIR_ENV
 from exporter.run.supervisor import PR_SET_DUMPABLE, Supervisor, prctl
-from exporter.runtime import Runtime, build_runtime, sources_for
-from exporter.sources import Source
 from exporter.sources.kinds import gpu_pids
-from exporter.sources.process_memory import ProcessMemorySource, describe
+from exporter.sources.process_memory import describe
+from exporter.transport.agent import CONFIG_NAME
+from exporter.transport.aggregator import Aggregator
+from exporter.transport.folder import LOCK_NAME, hold_lock, socket_base
+from exporter.transport.serving import serving_runtime
 
 log = logging.getLogger("exporter.launcher")
 
@@ -135,35 +133,8 @@ def _run(command: Sequence[str], config: Config, supervisor: Supervisor) -> int:
         return supervisor.wait()
 
 
-def serving_runtime(
-    config: Config, mode: str, aggregator: Aggregator, pids: Callable[[], Iterable[int]]
-) -> tuple[Runtime, list[Source]]:
-    """What serves the agents' processes, `run`'s launcher and exporter.start()'s helper
-    alike: their allocators (the aggregator), the host memory of `pids`, this machine's
-    sources, and admin actions fanned out to the agents. Also the machine's sources."""
-
-    def agent_labels() -> dict[int, dict[str, str]]:
-        return {int(p["pid"]): p for p in aggregator.processes() if p.get("pid")}
-
-    server_processes = ProcessMemorySource(pids, labels=agent_labels)
-    machine = sources_for(mode, config, gpu_users=aggregator.gpu_users)
-    sources: list[Source] = [aggregator, server_processes, *machine]
-    actions = FanOutActions(aggregator, SnapshotStore.for_config(config))
-    return build_runtime(config, mode=mode, sources=sources, actions=actions), machine
-
-
-LOCK_NAME = "launcher.lock"
 # A folder without its lock yet may be a launcher between mkdtemp and flock: spared this long.
 NEW_FOLDER_S = 60.0
-
-
-def hold_lock(run_dir: str) -> int:
-    """Lock the run folder for as long as this launcher lives: the kernel drops the lock when
-    the process dies, however it dies. A pid would not do: launchers in other PID namespaces
-    (containers sharing /tmp) see other pids, and pids are reused."""
-    fd = os.open(os.path.join(run_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh folder: nobody else holds it
-    return fd
 
 
 def folder_in_use(folder: Path) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 
 from exporter.sample import SourceReading
 from exporter.sources import ALLOCATOR
-from exporter.sources.non_allocator import NonAllocatorProbe, memory_state
+from exporter.sources.non_allocator import NonAllocatorReader, memory_state
 from exporter.sources.torch_allocator import (
     NATIVE,
     allocator_reading_from_stats,
@@ -53,7 +53,7 @@ class AcceleratorAllocatorSource:
         torch_module: Any = None,
         env: Mapping[str, str] | None = None,
         *,
-        non_allocator: NonAllocatorProbe | None = None,
+        non_allocator: NonAllocatorReader | None = None,
     ) -> None:
         self._torch = torch_module
         self._env = os.environ if env is None else env
@@ -71,11 +71,11 @@ class AcceleratorAllocatorSource:
 
     def allocator_settings(self) -> tuple[str, bool] | None:
         """None: `run`'s probe reads CUDA's allocator only, so this source's processes send
-        the full sample every tick (exporter.run.agent)."""
+        the full sample every tick (exporter.transport.agent)."""
         return None
 
     def non_allocator_retry_s(self) -> float | None:
-        """When the bytes outside the allocator want another read (NonAllocatorProbe)."""
+        """When the bytes outside the allocator want another read (NonAllocatorReader)."""
         return self._non_allocator.retry_in() if self._non_allocator is not None else None
 
     def read(self) -> SourceReading:

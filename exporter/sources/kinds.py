@@ -43,9 +43,9 @@ class SourceKind:
 def allocator_source(config: Config) -> Source:
     """The allocator source the settings pick (`allocator_api`): also what each agent of
     `gpumem-exporter run` reads in its process."""
-    from exporter.sources.non_allocator import NonAllocatorProbe
+    from exporter.sources.non_allocator import NonAllocatorReader
 
-    probe = NonAllocatorProbe.for_config(config)
+    probe = NonAllocatorReader.for_config(config)
     if config.allocator_api == "accelerator":
         from exporter.sources.accelerator_allocator import AcceleratorAllocatorSource
 

@@ -102,7 +102,7 @@ class _Taken:
     device_used: int
 
 
-class NonAllocatorProbe:
+class NonAllocatorReader:
     """Fills AllocatorReading.non_allocator_bytes/_age_s for this process's own readings."""
 
     def __init__(
@@ -126,7 +126,7 @@ class NonAllocatorProbe:
         self._retry: dict[str, tuple[float, float]] = {}
 
     @classmethod
-    def for_config(cls, config: Config) -> NonAllocatorProbe | None:
+    def for_config(cls, config: Config) -> NonAllocatorReader | None:
         """The probe a process runs with these settings; None where NVML is turned off."""
         return cls(refresh_s=config.process_interval_s) if config.nvml else None
 

@@ -44,7 +44,7 @@ from exporter.sources.allocator_layout import (
     pool_label,
     without_trace,
 )
-from exporter.sources.non_allocator import MemoryState, NonAllocatorProbe, memory_state
+from exporter.sources.non_allocator import MemoryState, NonAllocatorReader, memory_state
 
 NATIVE = "native"
 
@@ -205,7 +205,7 @@ class TorchAllocatorSource:
         *,
         layout_interval_s: float = DEFAULT_INTERVAL_S,
         layout_max_blocks: int = DEFAULT_MAX_BLOCKS,
-        non_allocator: NonAllocatorProbe | None = None,
+        non_allocator: NonAllocatorReader | None = None,
         components: Components | None = None,
     ) -> None:
         self._torch = torch_module
@@ -299,7 +299,7 @@ class TorchAllocatorSource:
         return NO_CUDA_BUILD if self._without_cuda() else "no GPU in use by this process (yet)"
 
     def non_allocator_retry_s(self) -> float | None:
-        """When the bytes outside the allocator want another read (NonAllocatorProbe)."""
+        """When the bytes outside the allocator want another read (NonAllocatorReader)."""
         return self._non_allocator.retry_in() if self._non_allocator is not None else None
 
     def read(self) -> SourceReading:

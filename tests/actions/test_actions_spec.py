@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 
 from exporter.actions.base import ActionMethods, Target
 from exporter.actions.spec import ACTIONS, BY_NAME, ParamError
-from exporter.run.aggregator import Aggregator
+from exporter.transport.aggregator import Aggregator
 from tests.conftest import REPO_ROOT
 from tests.helpers import AUTH, make_app, run_cli
 
@@ -104,7 +104,7 @@ def test_an_agent_refuses_what_the_declaration_refuses() -> None:
     aggregator = Aggregator(run_dir)
     script = (
         "import sys, torch\n"
-        "from exporter.run.agent import Agent\n"
+        "from exporter.transport.agent import Agent\n"
         "torch.cuda.set_device(0)\n"
         "Agent(sys.argv[1], interval_s=0.05).start()\n"
         "sys.stdin.read()\n"

@@ -334,7 +334,7 @@ def test_sidecar_manifest_wiring() -> None:
     [helper] = pod["initContainers"]
     [server] = pod["containers"]
     assert helper["restartPolicy"] == "Always"
-    assert helper["command"][-2:] == ["exporter.run.helper", "--sidecar"]
+    assert helper["command"][-2:] == ["exporter.helper", "--sidecar"]
     helper_env, server_env = _env(helper), _env(server)
     ports = {p["name"]: p["containerPort"] for p in helper.get("ports", [])}
     assert ports[_pod_monitor_values()["portName"]] == int(helper_env["GPUMEM_PORT"])

@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry, Gauge
 
 import exporter
 from exporter.config import ConfigError
+from exporter.helper import join
 from exporter.http.server import HTTP_THREAD, ServerStartError, bind_socket, create_app
-from exporter.run import join
 from exporter.sample import HostReading, SourceReading
 from exporter.sampler import Sampler
 

@@ -23,10 +23,10 @@ from exporter.actions.snapshots import SnapshotStore
 from exporter.config import load_config
 from exporter.http import guard
 from exporter.http.server import HttpServer, create_app
-from exporter.run import fanout
-from exporter.run.aggregator import Aggregator
-from exporter.run.fanout import FanOutActions
 from exporter.runtime import build_runtime
+from exporter.transport import fanout
+from exporter.transport.aggregator import Aggregator
+from exporter.transport.fanout import FanOutActions
 from tests.conftest import REPO_ROOT
 from tests.helpers import AUTH, TOKEN, served
 

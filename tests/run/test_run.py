@@ -283,7 +283,7 @@ def agent_probe(run_dir: Path, settings: dict, lines: str) -> list[str]:
     (run_dir / "agent.json").write_text(json.dumps(settings))
     probe = (
         "import sys, torch\n"
-        "from exporter.run.agent import Agent\n"
+        "from exporter.transport.agent import Agent\n"
         "torch.cuda.set_device(0)\n"
         "agent = Agent(sys.argv[1])\n"
         "(reading,) = agent.source.read().allocators\n"
@@ -700,8 +700,8 @@ def test_a_silent_agent_times_out_without_holding_up_the_others(tmp_path):
     import socket
 
     from exporter.actions.base import OUTCOME_STATUS, Target
-    from exporter.run import protocol
-    from exporter.run.aggregator import Aggregator
+    from exporter.transport import protocol
+    from exporter.transport.aggregator import Aggregator
 
     aggregator = Aggregator(tmp_path)
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -726,8 +726,8 @@ def test_a_silent_agent_times_out_without_holding_up_the_others(tmp_path):
 def test_an_agent_must_say_hello_first(tmp_path):
     import socket
 
-    from exporter.run import protocol
-    from exporter.run.aggregator import Aggregator
+    from exporter.transport import protocol
+    from exporter.transport.aggregator import Aggregator
 
     aggregator = Aggregator(tmp_path)
     rude = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from exporter.sample import AllocatorReading
-from exporter.sources.non_allocator import NonAllocatorProbe
+from exporter.sources.non_allocator import NonAllocatorReader
 from exporter.sources.torch_allocator import TorchAllocatorSource
 from tests.conftest import DATA_DIR
 from tests.helpers import FakeCuda, fake_torch
@@ -36,7 +36,7 @@ def _setup(capture):
     raw = capture["nvml_raw"]
     nvml = FakeNvml(raw)
     clock = Clock()
-    probe = NonAllocatorProbe(nvml, clock=clock, pid=lambda: capture["pid"], refresh_s=10.0)
+    probe = NonAllocatorReader(nvml, clock=clock, pid=lambda: capture["pid"], refresh_s=10.0)
     device = raw["devices"][0]
     (listed,) = device["processes"]
     reserved = capture["memory_stats_as_nested_dict"]["reserved_bytes"]["all"]["current"]
@@ -253,7 +253,7 @@ def test_the_allocator_source_reads_reserved_again_after_the_list(capture):
     device = raw["devices"][0]
     cuda = MovingCuda(capture["memory_stats_as_nested_dict"], device["uuid"])
     nvml = FakeNvml(raw)
-    probe = NonAllocatorProbe(nvml, pid=lambda: capture["pid"])
+    probe = NonAllocatorReader(nvml, pid=lambda: capture["pid"])
     source = TorchAllocatorSource(fake_torch(cuda), env={}, non_allocator=probe)
     cuda.grow_after_read = 64 * MiB
     (reading,) = source.read().allocators

@@ -43,11 +43,11 @@ def _has_primary_context(index: int) -> bool:
 def _sampler(interval_s: float = 0.02) -> Any:
     from exporter.sampler import Sampler
     from exporter.sources.host import HostMemorySource
-    from exporter.sources.non_allocator import NonAllocatorProbe
+    from exporter.sources.non_allocator import NonAllocatorReader
     from exporter.sources.nvml import NvmlSource
     from exporter.sources.torch_allocator import TorchAllocatorSource
 
-    allocator = TorchAllocatorSource(non_allocator=NonAllocatorProbe())
+    allocator = TorchAllocatorSource(non_allocator=NonAllocatorReader())
     return Sampler([allocator, NvmlSource(), HostMemorySource()], interval_s=interval_s)
 
 

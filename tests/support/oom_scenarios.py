@@ -46,10 +46,10 @@ def _arm() -> tuple[Any, Any]:
     from exporter.actions.oom import OomCapture
     from exporter.actions.snapshots import SnapshotStore
     from exporter.config import Config
-    from exporter.sources.non_allocator import NonAllocatorProbe
+    from exporter.sources.non_allocator import NonAllocatorReader
     from exporter.sources.torch_allocator import TorchAllocatorSource
 
-    source = TorchAllocatorSource(non_allocator=NonAllocatorProbe())
+    source = TorchAllocatorSource(non_allocator=NonAllocatorReader())
     folder = tempfile.mkdtemp(prefix="gpumem-oom-")
     config = Config(snapshot_dir=folder)
     actions = LocalActions(SnapshotStore.for_config(config), config=config, oom_reader=source)

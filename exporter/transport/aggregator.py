@@ -1,6 +1,6 @@
 """The aggregator of `gpumem-exporter run`: one endpoint for every CUDA process of a server.
 
-Agents (exporter.run.agent) connect to a Unix socket in a 0700 folder made for this run; the
+Agents (exporter.transport.agent) connect to a Unix socket in a 0700 folder made for this run; the
 aggregator also checks each peer's uid (SO_PEERCRED) and takes its pid from the socket, not
 from what it says. It is a source for the sampler: each connected process's latest allocator
 readings, labelled with its pid, rank, local_rank and role. A process that exits closes its
@@ -8,7 +8,7 @@ connection and its series disappear with it; counters are the process's own, so 
 monotonic per process. Commands fan out over the same connections.
 
 Nothing an agent sends can hurt another process's series or the endpoint: each message is
-bounded and validated (exporter.run.protocol); a bad one drops that process's sample and is
+bounded and validated (exporter.transport.protocol); a bad one drops that process's sample and is
 counted by reason; a line over the size bound closes that connection. No local process can
 blind it either: one thread serves every connection through a selector; at most MAX_PEERS are
 open, and one that says no hello within HELLO_TIMEOUT_S is closed; running out of fds pauses
@@ -40,8 +40,6 @@ from exporter import budget
 from exporter.actions.base import ProcessResult, Target
 from exporter.probe import record
 from exporter.ratelimit import RateLimitedLog
-from exporter.run import protocol
-from exporter.run.agent import SOCKET_NAME
 from exporter.sample import (
     ActionCounts,
     AllocatorReading,
@@ -51,6 +49,8 @@ from exporter.sample import (
 )
 from exporter.sources.allocator_layout import bounded_pools, pool_label
 from exporter.sources.process_memory import read_environ
+from exporter.transport import protocol
+from exporter.transport.agent import SOCKET_NAME
 
 log = logging.getLogger("exporter.aggregator")
 

@@ -1,22 +1,24 @@
-"""exporter.start()'s part in the serving process: the probe (the agent of `run`, connected at
-once) and the helper it reports to, found or started (exporter.run.join), and started again
-when it dies: backoff from RESTART_BACKOFF_S to RESTART_BACKOFF_MAX_S, each restart counted
-(gpumem_exporter_helper_restarts_total). Everything here runs on the probe's own thread, or
-in start() and stop(): never on the host's threads otherwise."""
+"""exporter.start()'s link to its helper, in the serving process: the agent (connected at once)
+and the helper it reports to, found or started (exporter.helper.join), and started again when
+it dies: backoff from RESTART_BACKOFF_S to RESTART_BACKOFF_MAX_S, each restart counted
+(gpumem_exporter_helper_restarts_total). Everything here runs on the agent's own thread, or in
+start() and stop(): never on the host's threads otherwise."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
+import socket
 import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
 
 from exporter.config import Config
-from exporter.run import join
-from exporter.run.agent import SOCKET_NAME, Agent
+from exporter.helper import join
+from exporter.transport import protocol
+from exporter.transport.agent import SOCKET_NAME, Agent
 
 log = logging.getLogger("exporter")
 
@@ -27,10 +29,24 @@ RESTART_BACKOFF_MAX_S = 30.0
 STOP_WAIT_S = 3.0
 
 
-class Probe:
-    """The probe and its helper. `on_url(url)`: a helper serves this process (again, or at
-    last); `on_error(reason)`: what keeps it from being served now (a taken port, a refused
-    folder, a helper that closes the connection at once)."""
+class HelperAgent(Agent):
+    """The agent of a process that called exporter.start(): connected from the start, and
+    saying it lives on every tick until this process uses CUDA, so that the helper serves it
+    (and stays) from the start; when the helper leaves, the next tick finds or starts one."""
+
+    def _before_cuda(self) -> None:
+        if self._sock is not None or self._connect():
+            self._send(protocol.sample([], self._counts(), None))  # alive, no GPU yet
+
+    def _other_end_left(self, sock: socket.socket) -> None:
+        if self._sock is sock:
+            self._close()
+
+
+class HelperLink:
+    """This process's agent and its helper. `on_url(url)`: a helper serves this process
+    (again, or at last); `on_error(reason)`: what keeps it from being served now (a taken
+    port, a refused folder, a helper that closes the connection at once)."""
 
     def __init__(
         self,
@@ -40,7 +56,7 @@ class Probe:
     ) -> None:
         self.config = config
         self.helper: join.Helper | None = None
-        self.agent: Agent | None = None
+        self.agent: HelperAgent | None = None
         self.error: str | None = None
         # The helper joined runs with other settings than this process asked: they are not
         # applied here, and this says which (None: the same, or started here).
@@ -52,12 +68,10 @@ class Probe:
         self._said: str | None = None  # the reason logged last: each one is logged once
 
     def start(self) -> str | None:
-        """Start the probe and join or start the helper: the URL served, or None while
-        something blocks it (then `error` says what, and the probe's thread tries again with
+        """Start the agent and join or start the helper: the URL served, or None while
+        something blocks it (then `error` says what, and the agent's thread tries again with
         backoff until it is served). Never raises."""
-        self.agent = Agent(
-            None, config=self.config, early=True, on_lost=self._lost, on_dial=self._dialed
-        )
+        self.agent = HelperAgent(None, config=self.config, on_lost=self._lost, on_dial=self._dialed)
         url = self._join()
         if url is not None:
             # Connected before start() returns: the helper serves this process from now on,
@@ -157,7 +171,7 @@ class Probe:
         return dict(found) if isinstance(found, dict) else {}
 
     def stop(self) -> None:
-        """Stop the probe (the helper sees this process leave). A helper started here is
+        """Stop the agent (the helper sees this process leave). A helper started here is
         waited for a moment: it leaves at once unless other processes still use it."""
         if self.agent is not None:
             self.agent.stop()

@@ -1,17 +1,17 @@
-"""The helper: one process beside a server that serves what exporter.start()'s probes send.
+"""The helper: one process beside a server that serves what its processes' agents send.
 
-exporter.start() leaves only a probe in the serving process (exporter.run.agent, the agent of
-`run`); this process does the rest: NVML, host and per-process memory, merging the probes'
-records, the detectors, /metrics, the admin API and the page. It is `run`'s launcher without a
-command (exporter.run.launcher.serving_runtime), started by the first start() for a port and
-joined by the others (exporter.run.join).
+exporter.start() leaves only an agent in the serving process (exporter.transport.agent, the
+same as `run`'s); this process does the rest: NVML, host and per-process memory, merging the
+agents' records, the detectors, /metrics, the admin API and the page. It is `run`'s launcher
+without a command (exporter.transport.serving), started by the first start() for a port and
+joined by the others (exporter.helper.join).
 
 It leaves LEAVE_AFTER_S after the last process it serves is gone (SIGKILL of a server
 included: the kernel closes its socket), or when none came within FIRST_PEER_S, and removes
 its folder as it goes. SIGTERM or SIGINT make it leave at once.
 
-    python -m exporter.run.helper FOLDER      # started by exporter.start()
-    python -m exporter.run.helper --sidecar   # a container of its own (Kubernetes)
+    python -m exporter.helper FOLDER      # started by exporter.start()
+    python -m exporter.helper --sidecar   # a container of its own (Kubernetes)
 
 As a sidecar its settings are its container's GPUMEM_* variables, its folder is in
 GPUMEM_HELPER_DIR (a volume shared with the server's container, whose processes set
@@ -34,11 +34,12 @@ from typing import Any
 
 from exporter import atomic
 from exporter.config import SETTINGS, Config, ConfigError, load_config
+from exporter.helper import join
 from exporter.http.server import ServerStartError
-from exporter.run import join
-from exporter.run.agent import SOCKET_NAME
-from exporter.run.aggregator import Aggregator
-from exporter.run.launcher import hold_lock, serving_runtime, write_agent_config
+from exporter.transport.agent import SOCKET_NAME
+from exporter.transport.aggregator import Aggregator
+from exporter.transport.folder import hold_lock
+from exporter.transport.serving import serving_runtime
 
 log = logging.getLogger("exporter.helper")
 
@@ -55,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s gpumem-exporter helper[%(process)d] %(levelname)s %(message)s",
     )
     if len(args) != 1:
-        print("usage: python -m exporter.run.helper FOLDER | --sidecar", file=sys.stderr)
+        print("usage: python -m exporter.helper FOLDER | --sidecar", file=sys.stderr)
         return 2
     sidecar = args[0] == "--sidecar"
     try:
@@ -91,7 +92,7 @@ def _started_with(folder: Path) -> Config:
 
 
 def _serve(folder: Path, sidecar: Config | None) -> int:
-    """Serve the folder's probes; `sidecar`: its container's settings, and it stays."""
+    """Serve the folder's agents; `sidecar`: its container's settings, and it stays."""
     try:
         config = sidecar or _started_with(folder)
     except Exception as exc:  # a file its starter wrote: unreadable means a bug or a tamper
@@ -100,7 +101,6 @@ def _serve(folder: Path, sidecar: Config | None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     with contextlib.ExitStack() as cleanup:
-        write_agent_config(config, str(folder))
         if sidecar is not None:  # what the processes that join it are told they get
             join.write_settings(folder, config)
         with contextlib.suppress(FileNotFoundError):
@@ -108,7 +108,7 @@ def _serve(folder: Path, sidecar: Config | None) -> int:
         try:
             aggregator = Aggregator(folder, silent_after_s=config.stale_threshold_s)
         except OSError as exc:
-            return _failed(f"cannot open the probes' socket: {exc.strerror or exc}")
+            return _failed(f"cannot open the agents' socket: {exc.strerror or exc}")
         cleanup.callback(aggregator.close)
 
         def served_pids() -> list[int]:
@@ -152,13 +152,15 @@ def _until_unneeded(folder: Path, aggregator: Aggregator, stop: threading.Event)
 
 
 def _folder_kept(folder: Path) -> bool:
-    """Whether its socket is still where probes look for it. Someone removed the folder (a
+    """Whether its socket is still where agents look for it. Someone removed the folder (a
     temp cleaner): new processes could not join, and would start a helper that finds the port
-    taken. Leaving closes every probe's connection: the probes start a new helper (counted in
+    taken. Leaving closes every agent's connection: their links start a new helper (counted in
     gpumem_exporter_helper_restarts_total) in a new folder."""
     if (folder / SOCKET_NAME).exists():
         return True
-    log.warning("its folder %s was removed: leaving, for the probes to start a new helper", folder)
+    log.warning(
+        "its folder %s was removed: leaving, for the agents' links to start a new helper", folder
+    )
     return False
 
 

@@ -8,10 +8,10 @@ import pytest
 
 from exporter.oom_verdict import OomVerdict
 from exporter.probe import record
-from exporter.run import protocol
 from exporter.sample import ActionCounts, AllocatorReading
 from exporter.sources.replay import demo_trace_path
 from exporter.trace import read_trace
+from exporter.transport import protocol
 from tests.conftest import DATA_DIR
 
 GOOD = {"device": 0, "gpu_uuid": "GPU-a", "backend": "native", "expandable_segments": False}

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from exporter.actions.base import Target
-from exporter.run.aggregator import Aggregator
+from exporter.transport.aggregator import Aggregator
 from tests.conftest import REPO_ROOT
 
 
@@ -107,7 +107,7 @@ def _closed(sock: socket.socket) -> bool:
 
 HOST = """
 import json, resource, sys, time
-from exporter.run.aggregator import Aggregator
+from exporter.transport.aggregator import Aggregator
 resource.setrlimit(resource.RLIMIT_NOFILE, (48, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 aggregator = Aggregator(sys.argv[1], max_peers=1000, hello_timeout_s=60)
 print("ready", flush=True)

@@ -19,9 +19,9 @@ import pytest
 from exporter.actions.base import Target
 from exporter.probe import record
 from exporter.probe.allocator import AllocatorProbe
-from exporter.run import protocol
-from exporter.run.agent import SOCKET_NAME
-from exporter.run.aggregator import Aggregator
+from exporter.transport import protocol
+from exporter.transport.agent import SOCKET_NAME
+from exporter.transport.aggregator import Aggregator
 from tests.helpers import ProbedServer
 
 
@@ -152,11 +152,11 @@ def test_the_command_reader_sleeps_while_records_go_out(run_dir):
 
 def test_a_process_nvml_lists_late_gets_its_outside_bytes_in_a_second_not_ten(run_dir):
     """The full sample comes every 10 s; a process NVML did not list at its first one (its
-    context just made) gets the next when NonAllocatorProbe reads again, not 10 s later."""
+    context just made) gets the next when NonAllocatorReader reads again, not 10 s later."""
     import json
     from types import SimpleNamespace
 
-    from exporter.sources.non_allocator import NonAllocatorProbe
+    from exporter.sources.non_allocator import NonAllocatorReader
     from exporter.sources.torch_allocator import TorchAllocatorSource
     from tests.conftest import DATA_DIR
     from tests.support.nvml_double import FakeNvml
@@ -168,7 +168,7 @@ def test_a_process_nvml_lists_late_gets_its_outside_bytes_in_a_second_not_ten(ru
     listed["pid"] += 1  # not (yet) this process
     with probed(run_dir) as (server, aggregator, agent):
         server.cuda.get_device_properties = lambda index: SimpleNamespace(uuid=device["uuid"])
-        probe = NonAllocatorProbe(FakeNvml(raw), pid=lambda: capture["pid"])
+        probe = NonAllocatorReader(FakeNvml(raw), pid=lambda: capture["pid"])
         agent.source = TorchAllocatorSource(server.torch, layout_interval_s=0, non_allocator=probe)
         agent.interval_s = 1.0  # as at 1 Hz (the test still ticks it by hand)
         assert agent.detail_interval_s == 10.0
@@ -279,7 +279,7 @@ def test_full_samples_never_block_the_probe_on_a_helper_that_does_not_read(run_d
 
 
 def test_the_probe_threads_sleep_is_ended_early_by_a_verdict_without_stopping():
-    from exporter.run.agent import _Stop
+    from exporter.transport.agent import _Stop
 
     stop = _Stop()
     woke: list[tuple[bool, float]] = []
@@ -420,7 +420,7 @@ def test_a_component_named_goes_out_at_the_next_tick_with_its_problems(run_dir):
 def test_the_probe_threads_sleep_ends_at_once_when_stopped_and_stays_ended():
     """The agent sleeps between ticks on a held lock (one C call a wake-up, not Event.wait's
     Python): stop() must still end a long sleep at once, and every later one."""
-    from exporter.run.agent import _Stop
+    from exporter.transport.agent import _Stop
 
     stop = _Stop()
     started = time.monotonic()
@@ -465,7 +465,7 @@ _HOST_WITH_DEFAULT_SIGPIPE = """
 import signal, sys, tempfile
 from pathlib import Path
 signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as an embedding C++ server, or a CLI, has it
-from exporter.run.aggregator import Aggregator
+from exporter.transport.aggregator import Aggregator
 from tests.helpers import ProbedServer
 run_dir = Path(tempfile.mkdtemp())
 server, aggregator = ProbedServer(), Aggregator(run_dir)

@@ -1,6 +1,6 @@
 """Find the helper that serves a port, or start it: what exporter.start() does in a server.
 
-One helper serves one port for one user (exporter.run.helper). Its folder is
+One helper serves one port for one user (exporter.helper). Its folder is
 `gpumem-helper-<uid>-<port>`, 0700, in a place of this user's that no other user can take
 (private_base): several workers calling start() with one port find the same folder and the
 first starts the helper; the others join it (`start.lock` makes them wait in turn, so 64 at
@@ -8,7 +8,7 @@ once start one helper). A folder of another user, or one open to others, is refu
 socket would take this process's allocator readings and admin commands. Port 0 asks for a
 port of its own: a fresh folder, never joined.
 
-The helper is a fresh interpreter (`sys.executable -m exporter.run.helper FOLDER`): a server
+The helper is a fresh interpreter (`sys.executable -m exporter.helper FOLDER`): a server
 that holds a CUDA context is never forked. It says on its stdout, in one JSON line, the URL it
 serves or why it cannot (a taken port); the starter reaps it when it leaves.
 """
@@ -37,11 +37,12 @@ from typing import Any
 from exporter import atomic
 from exporter.config import SECRETS, SETTINGS, Config, public_settings
 from exporter.port_holder import port_taken
-from exporter.run.agent import SOCKET_NAME
+from exporter.transport.agent import SOCKET_NAME
+from exporter.transport.folder import LOCK_NAME, fits
 
 HELPER_PREFIX = "gpumem-helper-"
 START_LOCK = "start.lock"  # held by whoever looks for or starts the helper
-HELPER_LOCK = "launcher.lock"  # held by the helper for as long as it lives (launcher.hold_lock)
+HELPER_LOCK = LOCK_NAME  # held by the helper for as long as it lives (serving.hold_lock)
 SETTINGS_NAME = "helper.json"  # the helper's settings, secrets left out
 URL_NAME = "url"  # what the helper serves, written once it listens
 # How long start() waits for the others starting at once, then for the helper to listen.
@@ -226,8 +227,7 @@ def _own_and_closed(path: str) -> bool:
 
 def _fits(where: str) -> bool:
     """Whether a helper's socket path there fits the 107 bytes a Unix socket's path may have."""
-    longest = os.path.join(where, f"{HELPER_PREFIX}{os.getuid()}-0-12345678", SOCKET_NAME)
-    return len(longest.encode()) <= 107
+    return fits(where, f"{HELPER_PREFIX}{os.getuid()}-0-12345678")
 
 
 def _oldest_private(where: str) -> str | None:
@@ -245,13 +245,6 @@ def _oldest_private(where: str) -> str | None:
         if made.isdigit() and _own_and_closed(entry.path):
             found.append((int(made), entry.name, entry.path))
     return min(found)[2] if found else None
-
-
-def socket_base() -> str:
-    """The temp dir, unless a socket's path in a helper's or a launcher's folder there would
-    pass the 107 bytes a Unix socket's path may have: then /tmp."""
-    base = tempfile.gettempdir()
-    return base if _fits(base) else "/tmp"
 
 
 def folder_for(config: Config) -> Path:
@@ -356,13 +349,13 @@ def _spawn(folder: Path, config: Config) -> subprocess.Popen[bytes]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "exporter.run.helper", str(folder)],
+            [sys.executable, "-m", "exporter.helper", str(folder)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             env=env,
             close_fds=True,
             # Not in the server's process group: a Ctrl-C or a group signal meant for the
-            # server does not hit it mid-scrape; it leaves when the server's probes are gone.
+            # server does not hit it mid-scrape; it leaves when the server's agents are gone.
             start_new_session=True,
         )
     except OSError as exc:

@@ -318,7 +318,7 @@ def _settings(value: Any) -> dict[str, str]:
 
 
 # How the launcher checks each part of an agent's allocator reading, by the reading's field
-# (exporter.sample.AllocatorReading declares them; tests/run/test_protocol.py holds the two
+# (exporter.sample.AllocatorReading declares them; tests/transport/test_protocol.py holds the two
 # equal, so a new field is checked here or the test fails). A field absent from a message
 # keeps its declared default. `process` is never taken from an agent: the launcher sets it.
 ALLOCATOR_CHECKS: dict[str, Callable[[Any], Any]] = {

@@ -1,7 +1,7 @@
 """`gpumem-exporter run`: each action runs in the server's processes, through their agents.
 
 The launcher never uses CUDA; the processes that do run each action with the same LocalActions
-an embedded exporter uses (exporter.run.agent), so an action is sent by its name with its
+an embedded exporter uses (exporter.transport.agent), so an action is sent by its name with its
 checked parameters (exporter.actions.spec) and nothing here knows one action from another.
 """
 
@@ -16,8 +16,8 @@ from exporter.sample import ProcessCounts
 
 if TYPE_CHECKING:
     from exporter.detectors import Detectors
-    from exporter.run.aggregator import Aggregator
     from exporter.sampler import Listener
+    from exporter.transport.aggregator import Aggregator
 
 # Seconds to wait for a process's answer beyond the work asked of it.
 ANSWER_TIMEOUT_S = 60.0

@@ -1,0 +1,5 @@
+import sys
+
+from exporter.helper.process import main
+
+sys.exit(main())

@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -423,6 +424,21 @@ def test_a_runtime_folder_of_this_user_is_the_private_place(shared_tmp, monkeypa
     assert join.private_base() != str(runtime)
 
 
+def said_once_then_served(
+    handle: Any, caplog: Any, reason: str, clear: Callable[[], None], port: int
+) -> None:
+    """What blocks the helper is on the handle and logged once while it is tried again;
+    once `clear()` removes it, the endpoint is served and the handle says so."""
+    assert handle.url is None
+    assert reason in str(handle.error), handle.error
+    time.sleep(2.5)  # tried again meanwhile
+    assert caplog.text.count(reason) == 1, caplog.text
+    clear()
+    wait_for(lambda: handle.url is not None, "served once the obstacle was gone", 20.0)
+    assert handle.error is None
+    assert "gpumem_exporter_build_info" in metrics(port)
+
+
 @needs_root
 @pytest.mark.slow
 def test_a_helper_folder_another_user_took_is_tried_again_until_it_is_freed(shared_tmp, caplog):
@@ -434,14 +450,7 @@ def test_a_helper_folder_another_user_took_is_tried_again_until_it_is_freed(shar
     caplog.set_level(logging.INFO, logger="exporter")
     handle = exporter.start(port=port, interval_s=0.1, helper_dir=str(shared_tmp))
     try:
-        assert handle.url is None
-        assert handle.error is not None and f"belongs to uid {NOBODY}" in handle.error
-        time.sleep(2.5)  # tried again meanwhile, said once
-        assert caplog.text.count(f"belongs to uid {NOBODY}") == 1, caplog.text
-        folder.rmdir()
-        wait_for(lambda: handle.url is not None, "served once the folder was removed", 20.0)
-        assert handle.error is None
-        assert "gpumem_exporter_build_info" in metrics(port)
+        said_once_then_served(handle, caplog, f"belongs to uid {NOBODY}", folder.rmdir, port)
     finally:
         exporter.stop()
 
@@ -453,16 +462,9 @@ def test_a_port_taken_at_start_up_is_said_with_its_holder_and_served_once_free(c
     caplog.set_level(logging.INFO, logger="exporter")
     handle = exporter.start(port=port, interval_s=0.1)
     try:
-        assert handle.url is None
-        assert handle.error is not None and f"port {port}" in handle.error, handle.error
-        assert f"held by uid {os.getuid()}" in handle.error, handle.error
-        assert f"pid {os.getpid()}" in handle.error, handle.error
-        time.sleep(2.5)
-        assert caplog.text.count("already in use") == 1, caplog.text
-        squatter.close()
-        wait_for(lambda: handle.url is not None, "served once the port was free", 20.0)
-        assert handle.error is None
-        assert "gpumem_exporter_build_info" in metrics(port)
+        holder = f"port {port} on 127.0.0.1 is already in use (held by uid {os.getuid()}"
+        assert f"pid {os.getpid()})" in str(handle.error), handle.error
+        said_once_then_served(handle, caplog, holder, squatter.close, port)
     finally:
         squatter.close()
         exporter.stop()

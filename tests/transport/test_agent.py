@@ -188,6 +188,38 @@ def test_a_process_nvml_lists_late_gets_its_outside_bytes_in_a_second_not_ten(ru
         assert agent._next_full - time.monotonic() > 9.0  # back to every 10 s
 
 
+def tick_until_dropping(agent: Any, conn: socket.socket, ticks: int, peer: str) -> float:
+    """Tick until more than 10 messages were dropped (the other end reads nothing); the
+    slowest tick. Fails the test if a tick blocks."""
+    slowest = [0.0]
+
+    def run() -> None:
+        for _ in range(ticks):
+            started = time.perf_counter()
+            agent.tick()
+            slowest[0] = max(slowest[0], time.perf_counter() - started)
+            if agent.records_dropped > 10:
+                return
+
+    ticking = threading.Thread(target=run, daemon=True)
+    ticking.start()
+    ticking.join(20.0)
+    if ticking.is_alive():
+        conn.close()  # let the blocked send fail, so the thread ends
+        pytest.fail(f"a tick blocked on {peer}")
+    return slowest[0]
+
+
+def drained(conn: socket.socket) -> bytes:
+    """What the other end had sent, all of it, without waiting for more."""
+    conn.setblocking(False)
+    received = b""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := conn.recv(1 << 20):
+            received += chunk
+    return received
+
+
 def test_a_launcher_that_does_not_read_never_blocks_the_probe(run_dir):
     """The launcher's loop stalls (here: a socket nobody reads). Each tick still returns at
     once; what does not fit is dropped and counted, and the lines that did go stay whole."""
@@ -199,34 +231,10 @@ def test_a_launcher_that_does_not_read_never_blocks_the_probe(run_dir):
     try:
         agent.tick()  # connects; hello and the full sample fit in an empty buffer
         conn, _ = listener.accept()
-        slowest = [0.0]
-
-        def ticks() -> None:
-            for _ in range(5000):
-                started = time.perf_counter()
-                agent.tick()
-                slowest[0] = max(slowest[0], time.perf_counter() - started)
-                if agent.records_dropped > 10:
-                    return
-
-        ticking = threading.Thread(target=ticks, daemon=True)
-        ticking.start()
-        ticking.join(10.0)
-        if ticking.is_alive():
-            conn.close()  # let the blocked send fail, so the thread ends
-            pytest.fail("a tick blocked on a launcher that does not read")
+        slowest = tick_until_dropping(agent, conn, 5000, "a launcher that does not read")
         assert agent.records_dropped > 10
-        assert slowest[0] < 0.5, slowest
-        conn.setblocking(False)
-        received = b""
-        while True:
-            try:
-                chunk = conn.recv(1 << 20)
-            except BlockingIOError:
-                break
-            if not chunk:
-                break
-            received += chunk
+        assert slowest < 0.5, slowest
+        received = drained(conn)
         reader = protocol.StreamReader()
         records = [m for m in reader.feed(received) if m[:4] == record.MAGIC]
         assert len(records) > 10
@@ -252,25 +260,9 @@ def test_full_samples_never_block_the_probe_on_a_helper_that_does_not_read(run_d
         agent.tick()
         conn, _ = listener.accept()
 
-        def ticks() -> None:
-            for _ in range(20000):
-                agent.tick()
-                if agent.records_dropped > 10:
-                    return
-
-        ticking = threading.Thread(target=ticks, daemon=True)
-        ticking.start()
-        ticking.join(20.0)
-        if ticking.is_alive():
-            conn.close()  # let the blocked send fail, so the thread ends
-            pytest.fail("a full sample blocked the probe on a helper that does not read")
+        tick_until_dropping(agent, conn, 20000, "a helper that does not read")
         assert agent.records_dropped > 10 and agent.full_samples > 10
-        conn.setblocking(False)
-        received = b""
-        with contextlib.suppress(BlockingIOError):
-            while chunk := conn.recv(1 << 20):
-                received += chunk
-        lines = [m for m in protocol.StreamReader().feed(received) if m[:1] == b"{"]
+        lines = [m for m in protocol.StreamReader().feed(drained(conn)) if m[:1] == b"{"]
         samples = [protocol.decode(line) for line in lines]  # each whole JSON
         assert len(samples) > 10 and all(m["type"] in ("hello", "sample") for m in samples)
     finally:

@@ -97,6 +97,27 @@ def bare_tick() -> tuple[Any, Any]:
     return tick, reader
 
 
+def _serving_process(port: int) -> Any:
+    """The process listening on `port` (the helper, or `run`'s launcher), or None."""
+    import psutil
+
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+            return psutil.Process(conn.pid) if conn.pid else None
+    return None
+
+
+def _cpu_s(process: Any) -> float | None:
+    """A process's CPU seconds (user and system), None if it is gone or unknown."""
+    if process is None:
+        return None
+    try:
+        times = process.cpu_times()
+    except Exception:
+        return None
+    return float(times.user + times.system)
+
+
 def _helper_link(handle: Any) -> Any:
     """The handle's link to its helper: `_link` since issue 63, `_probe` in a tree before."""
     return getattr(handle, "_link", None) or getattr(handle, "_probe", None)
@@ -287,6 +308,8 @@ def serve(arm: str, seconds: float, port: int, time_ticks: bool = False) -> dict
             late.append(time.perf_counter() - asked - 0.001)
 
     threads_before, process_before = _threads_cpu_s(), time.process_time()
+    server = _serving_process(port) if interval is not None and not bare else None
+    server_before = _cpu_s(server)
     gc_pauses = GcPauses()
     started = time.perf_counter()
     if timing is not None:
@@ -301,6 +324,13 @@ def serve(arm: str, seconds: float, port: int, time_ticks: bool = False) -> dict
     }
     cpu = sum(v for name, v in threads.items() if name.startswith("gpumem")) * wall / 1000
     process_cpu = time.process_time() - process_before
+    server_after = _cpu_s(server)
+    # The helper's (exporter.start()) or the launcher's (run) CPU: what serves this process.
+    server_cpu = (
+        (server_after - server_before) / wall * 1000
+        if server_before is not None and server_after is not None
+        else None
+    )
     stop.set()
     # Joined, not left to interpreter exit: a daemon thread still allocating while CUDA tears
     # down aborts the process (SIGABRT, seen once in 16 runs of the `off` arm, exporter absent).
@@ -340,6 +370,7 @@ def serve(arm: str, seconds: float, port: int, time_ticks: bool = False) -> dict
         # The whole serving process (loop, allocating thread, exporter): its difference from
         # the `off` arm is what the exporter costs, threads it starts included.
         "process_cpu_ms_per_s": process_cpu / wall * 1000,
+        "server_cpu_ms_per_s": server_cpu,
         "agent": ticks,  # under `run`: what its ticks did over the whole process's life
         # --ticks: each tick's CPU in the window, by kind (bare, record, full)
         **({"ticks_cpu_us": timing.summary()} if timing is not None else {}),

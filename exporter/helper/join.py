@@ -87,6 +87,7 @@ def join_or_start(config: Config, *, timeout_s: float = START_TIMEOUT_S) -> Help
             )
         taken = port_taken(config.host, config.port) if config.port else None
         if taken is not None:  # said without starting a helper that would say the same
+            shutil.rmtree(folder, ignore_errors=True)  # nothing of it left behind
             raise JoinError(taken)
         restarted = (folder / URL_NAME).exists()  # a helper died and left its URL behind
         for name in (SOCKET_NAME, URL_NAME):

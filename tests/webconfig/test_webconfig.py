@@ -276,3 +276,27 @@ def test_a_huge_or_endless_web_config_is_refused_at_once_the_last_good_one_kept(
     os.mkfifo(fifo)
     with pytest.raises(WebConfigError, match="not a regular file"):
         load_web_config(fifo)
+
+
+def test_a_flood_of_wrong_passwords_never_pushes_out_the_right_one():
+    """Issue 64 (MED): wrong results shared one cache with right ones and a random tenth was
+    evicted when it was full, so Prometheus's password fell out under a flood of never-seen
+    wrong ones, and its next check queued behind theirs (17 of 105 scrapes lost to 503). The
+    right one checked out stays known (answered without a bcrypt check) whatever the flood."""
+    import base64
+
+    import bcrypt
+
+    from exporter.webconfig.basic_auth import CACHE_SIZE, BasicAuth
+
+    def header(password: str) -> str:
+        return "Basic " + base64.b64encode(f"prometheus:{password}".encode()).decode()
+
+    users = {"prometheus": bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode()}
+    auth = BasicAuth()
+    assert auth.check(users, header("s3cret")) is True
+    for guess in range(10 * CACHE_SIZE):
+        assert auth.check(users, header(f"wrong-{guess}")) is False
+        # Known good: answered on the event loop, never waiting for a place to be checked.
+        assert auth.check(users, header("s3cret"), may_block=False) is True
+    assert auth.check(users, header("wrong-0"), may_block=False) in (False, None)  # bounded

@@ -4,11 +4,12 @@ A bcrypt check at cost 10 takes ~70 ms: done for every scrape it would be most o
 exporter's CPU. So, as exporter-toolkit does, the outcome of a (user, hash, password) is
 remembered under a SHA-256 of the three rather than the password itself: the right ones
 (100, the oldest used first out) apart from the wrong ones (100, random eviction), so that a
-flood of wrong passwords never pushes out the one Prometheus sends, which would then queue for
-a check behind the flood's (issue 64: 17 of 105 scrapes lost to 503 with one shared cache); a user not in the file is checked against a hash of the same cost as the
-file's (the highest where they differ), so that the time of an answer does not tell which
-users exist (exporter-toolkit's fixed cost-10 hash told a cost-12 user apart: 249 ms against
-64 ms, round 4); one check runs at a time.
+flood of wrong passwords never pushes out the one Prometheus sends, which would then queue
+for a check behind the flood's (issue 64: 17 of 105 scrapes lost to 503 with one shared
+cache). A user not in the file is checked against a hash of the same cost as the file's (the
+highest where they differ), so that the time of an answer does not tell which users exist
+(exporter-toolkit's fixed cost-10 hash told a cost-12 user apart: 249 ms against 64 ms,
+round 4); one check runs at a time.
 """
 
 from __future__ import annotations

@@ -98,6 +98,10 @@ def llama(device_id: str = GPU0, pod: str = "llama-0") -> PodDevice:
         ("nvidia7", ""),
         ("MIG-unknown", ""),
         ("0000:3b:00.1", ""),
+        # Past 9 digits no shape's number (Python's int() refuses 4,300 and more; issue 64)
+        ("nvidia" + "1" * 5000, ""),
+        ("nvidia1/gi" + "2" * 5000, ""),
+        (f"MIG-{GPU1}/" + "1" * 5000 + "/0", ""),
     ],
 )
 def test_device_ids_resolve_to_the_nvml_gpu(device_id, expected):
@@ -290,6 +294,7 @@ def claimed(device: str, pod: str = "notebook-1", share_id: str = "") -> PodDevi
         ("gpu.nvidia.com", "gpu-7", ""),  # no GPU has that minor
         ("gpu.nvidia.com", "gpu0", ""),  # a shape NVIDIA's driver does not write
         ("gpu.example.com", "gpu-0", ""),  # another driver's names are never guessed
+        ("gpu.nvidia.com", "gpu-" + "1" * 5000, ""),  # no minor has 5,000 digits (issue 64)
     ],
 )
 def test_dra_device_names_resolve_through_the_minor_number(driver, device, expected):

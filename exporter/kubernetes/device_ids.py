@@ -22,12 +22,16 @@ from collections.abc import Iterable, Mapping
 
 from exporter.sample import GpuReading, MigInstanceReading, PodDevice
 
-_GKE = re.compile(r"nvidia(\d+)(?:/(?:gi|vgpu)\d+)*")
+# A number in a device's name (a device minor, a GPU instance) has at most 9 digits: longer,
+# the name is not one of these shapes. (5,000 digits once passed Python's 4,300-digit limit
+# of int() in the render, and every scrape of the node daemon answered 500; issue 64.)
+_N = r"\d{1,9}"
+_GKE = re.compile(rf"nvidia({_N})(?:/(?:gi|vgpu){_N})*")
 NVIDIA_DRA_DRIVER = "gpu.nvidia.com"
-_NVIDIA_DRA = re.compile(r"gpu-(\d+)(?:-mig-[0-9a-z-]+-\d+-\d+)?")
-_NVIDIA_DRA_MIG = re.compile(r"gpu-(\d+)-mig-([0-9a-z-]+)-\d+-\d+")
-_OLD_MIG = re.compile(r"MIG-(GPU-[0-9a-fA-F-]+)/\d+/\d+")
-_OLD_MIG_PARTS = re.compile(r"MIG-(GPU-[0-9a-fA-F-]+)/(\d+)/\d+")
+_NVIDIA_DRA = re.compile(rf"gpu-({_N})(?:-mig-[0-9a-z-]+-{_N}-{_N})?")
+_NVIDIA_DRA_MIG = re.compile(rf"gpu-({_N})-mig-([0-9a-z-]+)-{_N}-{_N}")
+_OLD_MIG = re.compile(rf"MIG-(GPU-[0-9a-fA-F-]+)/{_N}/{_N}")
+_OLD_MIG_PARTS = re.compile(rf"MIG-(GPU-[0-9a-fA-F-]+)/({_N})/{_N}")
 
 
 def base_device_id(device_id: str) -> str:

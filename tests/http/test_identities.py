@@ -218,3 +218,28 @@ def test_a_hung_api_server_holds_no_more_than_a_few_threads(tmp_path, api):
         took = time.monotonic() - started
         storm.join()
     assert took < 1.0, took
+
+
+@pytest.mark.slow
+def test_an_admin_already_reviewed_is_not_refused_under_a_flood_of_made_up_tokens(
+    tmp_path, api, monkeypatch
+):
+    """Issue 64 (LOW): once a known admin's answer expired, their next review waited on the
+    one bucket the flood of made-up tokens drained (8 of 20 /stats got 503). A token the API
+    server authenticated has a budget of its own: every /stats of the admin answered."""
+    import threading
+
+    from exporter.kubernetes import identities
+
+    monkeypatch.setattr(identities, "CACHE_TTL_S", 0.5)  # the admin's answer expires often
+    with served(tmp_path, **_settings(api)) as (server, _):
+        assert _call(server, "GET", "/stats", "alice-token")[0] == 200
+        storm = threading.Thread(target=_storm, args=(server, 4.0, 30))
+        storm.start()
+        time.sleep(0.5)  # the flood has drained the bucket of never-seen tokens
+        statuses = []
+        for _ in range(10):
+            statuses.append(_call(server, "GET", "/stats", "alice-token")[0])
+            time.sleep(0.3)
+        storm.join()
+    assert statuses == [200] * 10, statuses

@@ -24,11 +24,12 @@ adds:
   their connections and ask politely (a fleet of health checkers) can fill every regular slot,
   but not the reserve, so new scrapes and probes always get in (issue 38).
 - when the reserve is full too, a connection that has sent nothing since it opened (nothing
-  read, nothing waiting in its socket) gives way, whatever its age, to a newcomer whose
-  request line asks for a probe path: connections that reopen every 0.4 s without a byte
-  were never old enough to be closed for room, and took every slot, the reserve included
-  (round 4). It is told 503 and closed lingering, like any other. While the reserve has
-  room, nobody is closed for a probe: a client between connect() and send() is silent too.
+  read, nothing waiting in its socket), then one whose request is not whole, gives way,
+  whatever its age, to a newcomer whose request line asks for a probe path: connections that
+  reopen every 0.4 s without a byte (round 4), or with half a request (round 5), were never
+  old enough to be closed for room, and took every slot, the reserve included. It is told 503
+  and closed lingering, like any other. While the reserve has room, nobody is closed for a
+  probe: a client between connect() and send() is silent too.
 - a connection closed to make room, or answered 503, is closed the way Apache and nginx do
   ("lingering close"): its 503 written, then FIN, then whatever the client still sends is
   read and dropped for up to LINGER_S. Closing a socket whose client's bytes are unread
@@ -378,17 +379,18 @@ class GuardedProtocol(HttpToolsProtocol):
         )
 
     def _silence_for_probe(self) -> None:
-        """Close connections that have sent nothing (oldest first) until a reserved slot is
-        free for this probe or scrape, or none is left: what a connection has done decides,
-        not its age alone. Only once the reserve is full too: a client between its connect()
-        and its send() (a few milliseconds, longer on a busy machine) is silent as well, and
-        closing it while the reserve had room turned a new scrape away (1 in 60 in CI)."""
-        silent = (
-            c
-            for c in self._others()
-            if not c.heard and c._lingering is None and not _bytes_waiting(c.transport)
-        )
-        for victim in silent:
+        """Close connections that have sent nothing, then those whose request is not whole
+        (oldest first each), until a reserved slot is free for this probe or scrape, or none
+        is left: what a connection has done decides, not its age alone. Only once the reserve
+        is full too: a client between its connect() and its send() (a few milliseconds,
+        longer on a busy machine) is silent as well, and closing it while the reserve had
+        room turned a new scrape away (1 in 60 in CI). Half requests count as silence: a
+        request line with no end, reconnected as soon as it was closed, kept every slot with
+        young half-requests (round 5: 15 of 16 probes 503)."""
+        others = [c for c in self._others() if c._lingering is None]
+        silent = [c for c in others if not c.heard and not _bytes_waiting(c.transport)]
+        unfinished = [c for c in others if c.heard and c.reading]
+        for victim in (*silent, *unfinished):
             if self._open() <= MAX_CONNECTIONS + PROBE_RESERVE:
                 return
             victim._drop()

@@ -495,6 +495,34 @@ def test_churning_silent_connections_never_lock_out_new_scrapes_and_probes(tmp_p
     assert counts == Counter({b"HTTP/1.1 200 OK": 40}), counts
 
 
+@pytest.mark.slow
+def test_half_requests_that_reconnect_at_once_never_lock_out_new_scrapes_and_probes(tmp_path):
+    """Round 5 (issue 64), HIGH: clients that send only a request line, wait until the server
+    closes them and reconnect at once: 150 of them held every slot, the reserve included,
+    with young half-requests (never READ_GRACE_S old, and not silent: they had sent a line),
+    and 15 of 16 new /healthz and /metrics got 503. A connection whose request is not whole
+    gives way to a newcomer asking for a probe path once the reserve is full, as a silent
+    one does."""
+    with served(tmp_path) as (server, _):
+        address = ("127.0.0.1", server.port)
+        stop = threading.Event()
+
+        def half_requests() -> None:
+            while not stop.is_set():
+                try:
+                    with socket.create_connection(address, timeout=5) as sock:
+                        sock.sendall(b"GET /metrics HTTP/1.1\r\n")
+                        while not stop.is_set() and sock.recv(4096):
+                            pass  # until the server closes it
+                except OSError:
+                    stop.wait(0.01)
+
+        clients = guard.MAX_CONNECTIONS + guard.PROBE_RESERVE + 32
+        statuses = probes_beside(address, half_requests, clients, stop, settle_s=1.5, count=40)
+    counts = Counter(statuses)
+    assert counts == Counter({b"HTTP/1.1 200 OK": 40}), counts
+
+
 # 80 clients in a process of their own, each asking for /metrics on a new connection with a
 # password never seen before, again as soon as it has its answer, for argv[2] seconds.
 PASSWORD_GUESSERS = """

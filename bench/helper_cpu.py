@@ -26,6 +26,7 @@ from typing import Any
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
+PATH = os.environ.get("PYTHONPATH", "")  # carried packages (the GPU machine's), after the root
 
 _SERVER = """
 import sys, threading, time
@@ -77,7 +78,7 @@ def measure(root: str, seconds: float, torch_kind: str) -> dict[str, Any]:
         stderr=subprocess.DEVNULL,
         text=True,
         cwd=root,
-        env={**os.environ, "PYTHONPATH": root},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, PATH]))},
     )
     try:
         assert server.stdout is not None

@@ -580,3 +580,53 @@ def test_a_process_that_joins_with_the_same_settings_is_not_warned():
             assert handle.error is None and handle.warning is None
         finally:
             exporter.stop()
+
+
+# A server on the torch double (tests/support/fake_torch: torch's lazy initialization queue
+# as torch has it): start() before CUDA is up, then the first allocation runs out of memory.
+FIRST_ALLOCATION_OOM = textwrap.dedent(
+    """
+    import json, sys, time, urllib.request
+    sys.path.insert(0, sys.argv[2])
+    import torch
+    import exporter
+    port = int(sys.argv[1])
+    handle = exporter.start(port=port, interval_s=1.0)
+    assert not torch.cuda.is_initialized()
+    try:
+        torch._fake_oom(0)  # the process's first allocation: CUDA starts, then it fails
+    except torch.cuda.OutOfMemoryError:
+        pass
+    oom_at = time.monotonic()
+    seen = None
+    while time.monotonic() - oom_at < 10 and seen is None:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+        lines = [l for l in text.splitlines() if l.startswith("torch_cuda_ooms_by_verdict")]
+        if lines:
+            seen = {"after_s": time.monotonic() - oom_at, "lines": lines}
+        time.sleep(0.02)
+    print(json.dumps(seen), flush=True)
+    """
+)
+
+
+def test_an_oom_in_the_first_allocation_right_after_start_gets_its_verdict_at_once():
+    """Issue 63 item 1: the OOM observer was attached at the agent's first full tick after the
+    process had used CUDA, so an OOM in that first interval (a server's start-up) got no
+    verdict, ever. It is attached inside CUDA's initialization now (exporter.cuda_init), and
+    the verdict's full sample goes at once. The real torch: tests/gpu/test_gpu_oom_at_start.py."""
+    port = free_port()
+    fake = str(Path(exporter.__file__).parents[1] / "tests" / "support" / "fake_torch")
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_ALLOCATION_OOM, str(port), fake],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(exporter.__file__).parents[1],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen is not None, "no verdict on /metrics within 10 s of the OOM"
+    assert seen["after_s"] < 1.5, seen  # the helper samples at 1 Hz
+    assert any(line.endswith(" 1.0") for line in seen["lines"]), seen

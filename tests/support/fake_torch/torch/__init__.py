@@ -11,6 +11,7 @@ exercised end to end on a machine without a GPU. The real thing is tested on the
 import copy
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +25,23 @@ _started = time.monotonic()
 _initialized: set = set()
 _calls: list = []
 _oom_observers: list = []
+# torch.cuda's lazy initialization, as torch has it: calls queued with _lazy_call run on the
+# thread that initializes, after the driver is up and before is_initialized() says so.
+_queued_calls: list = []
+_cuda_up = False
+
+
+def _lazy_init():
+    global _cuda_up
+    if _cuda_up or _Cuda._initializing:
+        return
+    _Cuda._initializing = True
+    try:
+        for queued in list(_queued_calls):
+            queued()
+    finally:
+        _Cuda._initializing = False
+    _cuda_up = True
 
 
 def _retries_override():
@@ -37,7 +55,10 @@ def _retries_override():
 
 
 def _fake_oom(device, alloc_size=1 << 30):
-    """What the real allocator does on an OOM: call the observers, then raise."""
+    """What the real allocator does on an OOM: call the observers, then raise. On a device not
+    in use yet it is the first allocation: CUDA starts (lazily, as torch's does) first."""
+    if device not in _initialized:
+        _Cuda.set_device(device)
     for observer in _oom_observers:
         observer(device, alloc_size, 80 << 30, 1 << 20)
     raise _Cuda.OutOfMemoryError(f"CUDA out of memory on device {device} (fake)")
@@ -45,10 +66,22 @@ def _fake_oom(device, alloc_size=1 << 30):
 
 class _Cuda:
     OutOfMemoryError = MemoryError
+    _initializing = False
 
     @staticmethod
     def is_initialized():
-        return bool(_initialized)
+        return _cuda_up and bool(_initialized)
+
+    @staticmethod
+    def _lazy_init():
+        _lazy_init()
+
+    @staticmethod
+    def _lazy_call(callable):
+        if _Cuda.is_initialized():
+            callable()
+        else:
+            _queued_calls.append(callable)
 
     @staticmethod
     def device_count():
@@ -56,6 +89,7 @@ class _Cuda:
 
     @staticmethod
     def set_device(index):
+        _lazy_init()
         _initialized.add(int(index))
 
     @staticmethod
@@ -135,6 +169,7 @@ def _memory_snapshot(_pool=None):
 
 
 cuda = _Cuda()
+sys.modules["torch.cuda"] = cuda  # as `import torch` loads torch.cuda
 _C = SimpleNamespace(
     _cuda_hasPrimaryContext=lambda i: i in _initialized,
     _cuda_attach_out_of_memory_observer=_oom_observers.append,

@@ -169,7 +169,7 @@ def _memory_snapshot(_pool=None):
 
 
 cuda = _Cuda()
-sys.modules["torch.cuda"] = cuda  # as `import torch` loads torch.cuda
+sys.modules["torch.cuda"] = cuda  # type: ignore[assignment]  # as `import torch` loads it
 _C = SimpleNamespace(
     _cuda_hasPrimaryContext=lambda i: i in _initialized,
     _cuda_attach_out_of_memory_observer=_oom_observers.append,

@@ -38,17 +38,21 @@ SERVER = textwrap.dedent(
     import json, os, sys, time
     import exporter
     port = int(sys.argv[1])
+
+    def say(what):  # one write a line: a forked parent and child share this pipe
+        os.write(1, (json.dumps(what) + "\\n").encode())
+
     handle = exporter.start(port=port, interval_s=0.1)
     if len(sys.argv) > 2 and sys.argv[2] == "fork":
         child = os.fork()
         if child == 0:  # a pre-forking server's worker: its own start() joins anew
             again = exporter.start(port=port, interval_s=0.1)
-            print(json.dumps({"pid": os.getpid(), "url": again.url}), flush=True)
+            say({"pid": os.getpid(), "url": again.url})
             time.sleep(600)
             os._exit(0)
     web = [m for m in ("fastapi", "uvicorn", "prometheus_client", "psutil") if m in sys.modules]
     said = {"pid": os.getpid(), "url": handle.url, "error": handle.error, "web": web}
-    print(json.dumps(said), flush=True)
+    say(said)
     time.sleep(600)
     """
 )

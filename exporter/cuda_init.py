@@ -66,11 +66,9 @@ def _loaded_torch_cuda() -> ModuleType | None:
 def _queue(cuda: ModuleType) -> None:
     global _queued
     with _lock:
-        if _queued:
-            if _initialized(cuda):
-                pass  # our entry ran already: call the new callback below, here
-            else:
-                return  # our entry waits in the queue: it will call the new one too
+        if _queued and not _initialized(cuda):
+            return  # our entry waits in the queue: it will call the new one too
+        # Not queued yet, or it ran already: _lazy_call queues it, or calls it now.
         _queued = True
     # Outside our lock: _lazy_call takes torch's initialization lock, and calls at once
     # (after an initialization in progress on another thread) where CUDA is up.

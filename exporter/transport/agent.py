@@ -93,7 +93,9 @@ class Agent:
             self.config = config
         else:
             try:
-                self.config = load_agent_config(run_dir or "")
+                if not run_dir:  # no folder and no settings: never a file of the cwd's
+                    raise ValueError("no run folder")
+                self.config = load_agent_config(run_dir)
             except Exception:  # the launcher checked them; never fail the host process here
                 from exporter.config import Config
 

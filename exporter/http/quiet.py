@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
+from collections.abc import Callable
 from email.utils import formatdate
 from types import FrameType
 
@@ -37,8 +39,12 @@ def refresh_date(state: ServerState, config: uvicorn.Config) -> None:
 
 
 class QuietServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config) -> None:
+    def __init__(
+        self, config: uvicorn.Config, on_shutdown: Callable[[], None] | None = None
+    ) -> None:
         super().__init__(config)
+        # Closes the connections that uvicorn does not know of (exporter.http.tls's).
+        self._on_shutdown = on_shutdown
         self._loop: asyncio.AbstractEventLoop | None = None
         self._exit: asyncio.Event | None = None
 
@@ -51,6 +57,11 @@ class QuietServer(uvicorn.Server):
         while not self.should_exit:
             await self._exit.wait()
             self._exit.clear()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+        await super().shutdown(sockets)
 
     def exit(self) -> None:
         """Stop serving; safe from any thread."""

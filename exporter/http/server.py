@@ -12,7 +12,6 @@ import errno
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -25,11 +24,11 @@ from starlette.routing import BaseRoute
 from exporter.health import health
 from exporter.http.access import NO_ADMIN, AccessCheck, AdminPaths, is_loopback
 from exporter.http.admin import add_admin_routes
-from exporter.http.guard import READ_GRACE_S, READ_TIMEOUT_S, GuardedProtocol
+from exporter.http.guard import GuardedProtocol
 from exporter.http.page import add_page_routes
 from exporter.http.quiet import QuietServer
 from exporter.http.served import Served
-from exporter.internals import AlertingTlsProtocol
+from exporter.http.tls import TlsAdmission
 from exporter.sigpipe import block_sigpipe_in_this_thread
 from exporter.webconfig.security import WebSecurity
 
@@ -210,112 +209,19 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-_PLAIN_BODY = b"Client sent an HTTP request to an HTTPS server.\n"
-PLAIN_HTTP_TO_TLS = (
-    b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
-    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_PLAIN_BODY), _PLAIN_BODY)
-)
-
-
-# TLS handshakes in progress at once. Each holds asyncio's TLS read buffer (~300 KB) until it
-# completes or READ_TIMEOUT_S passes, before the HTTP guard (exporter.http.guard) sees the
-# connection: 2,000 TCP connects that sent nothing grew the process by ~600 MB (round 4).
-MAX_HANDSHAKES = 64
-
-
-class _Handshakes:
-    """The handshakes in progress of one server, oldest first. A newcomer past the limit
-    takes the place of one that has sent nothing, else of one slower than READ_GRACE_S (a
-    real handshake takes milliseconds), else it is closed at once."""
-
-    def __init__(self) -> None:
-        self.pending: dict[_TlsProtocol, float] = {}  # -> time.monotonic() it started
-
-    def make_room(self) -> bool:
-        if len(self.pending) < MAX_HANDSHAKES:
-            return True
-        slow_since = time.monotonic() - READ_GRACE_S
-        victim = next((p for p in self.pending if not p.heard), None) or next(
-            (p for p, started in self.pending.items() if started <= slow_since), None
-        )
-        if victim is None:
-            return False
-        victim.drop()
-        return True
-
-
-class _Refused(asyncio.Protocol):
-    """A connection for which no handshake may start now: closed at once."""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.abort()  # type: ignore[attr-defined]
-
-
-class _TlsProtocol(AlertingTlsProtocol):
-    """asyncio's TLS protocol, sending OpenSSL's alert when a handshake fails
-    (exporter.internals), counted from accept to the handshake's end (_Handshakes)."""
-
-    # asyncio's read buffer, allocated whole with each protocol (256 KiB): a TLS record is at
-    # most 16 KiB and a request here a few hundred bytes. 32 KiB keeps a flood of connects
-    # from holding (and, freed, fragmenting) hundreds of MB.
-    max_size = 32 * 1024
-
-    def __init__(self, *args: Any, handshakes: _Handshakes, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._handshakes = handshakes
-        self.heard = False  # whether the client has sent a byte
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._handshakes.pending[self] = time.monotonic()
-        super().connection_made(transport)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.heard = True
-        super().buffer_updated(nbytes)  # type: ignore[misc]  # SSLProtocol is buffered (3.11+)
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        self._handshakes.pending.pop(self, None)
-        super().connection_lost(exc)
-
-    def drop(self) -> None:
-        """Close a handshake in progress now (its place goes to a newcomer)."""
-        self._handshakes.pending.pop(self, None)
-        self.abort()
-
-    def handshake_done(self, exc: BaseException | None) -> bytes | None:
-        self._handshakes.pending.pop(self, None)
-        if exc is not None and getattr(exc, "reason", "") == "HTTP_REQUEST":
-            # Plain HTTP to the TLS port (a scrape config without scheme: https): say so in
-            # HTTP, as Go's servers do, instead of a TLS alert it cannot read.
-            return PLAIN_HTTP_TO_TLS
-        return None
-
-
-def _protocol_factory(web: WebSecurity | None) -> Callable[..., asyncio.Protocol]:
-    """What uvicorn calls for each accepted connection. With TLS on, the HTTP protocol sits on
-    asyncio's own TLS protocol, built here with the context in force now: this is how a
-    rotated certificate (or client CA) is used from the next handshake on, as Go's
-    GetConfigForClient does for exporter-toolkit."""
-
-    handshakes = _Handshakes()
+def _protocol_factory(
+    web: WebSecurity | None, admission: TlsAdmission
+) -> Callable[..., asyncio.Protocol]:
+    """What uvicorn calls for each accepted connection. With TLS on, the connection waits as a
+    socket for its first bytes, then the HTTP protocol sits on asyncio's own TLS protocol
+    (exporter.http.tls), with the context in force when it was accepted: a rotated
+    certificate (or client CA) is used from the next connection on."""
 
     def create(**kwargs: Any) -> asyncio.Protocol:
-        protocol = GuardedProtocol(web=web, **kwargs)
         context = web.context_for_connection() if web is not None else None
         if context is None:
-            return protocol
-        if not handshakes.make_room():
-            return _Refused()
-        return _TlsProtocol(
-            asyncio.get_running_loop(),
-            protocol,
-            context,
-            None,  # no waiter: asyncio's own servers pass None too
-            server_side=True,
-            # A client that starts a handshake and stalls is dropped like a slow request.
-            ssl_handshake_timeout=int(READ_TIMEOUT_S),
-            handshakes=handshakes,
-        )
+            return GuardedProtocol(web=web, **kwargs)
+        return admission.arriving(context, lambda: GuardedProtocol(web=web, **kwargs))
 
     return create
 
@@ -352,11 +258,12 @@ class HttpServer:
             web=self.web,
             admin=getattr(app.state, "admin_paths", NO_ADMIN),
         )
+        self._admission = TlsAdmission()
         config = uvicorn.Config(
             served,
             # Slow or hostile clients cannot hold connections (GuardedH11Protocol); TLS
             # with the context in force at each handshake (_protocol_factory).
-            http=_protocol_factory(self.web),  # type: ignore[arg-type]
+            http=_protocol_factory(self.web, self._admission),  # type: ignore[arg-type]
             log_config=None,  # never reconfigure the host process's logging
             # True, because False makes uvicorn empty the process-wide "uvicorn.access"
             # logger: a host served by uvicorn would lose its own access log. Ours is off
@@ -369,7 +276,7 @@ class HttpServer:
             # any address in the audit trail and take another client's rate-limit bucket.
             proxy_headers=False,
         )
-        self._server = QuietServer(config)
+        self._server = QuietServer(config, on_shutdown=self._admission.close_all)
         self._thread: threading.Thread | None = None
 
     @property

@@ -295,12 +295,11 @@ function applyZoom(entry) {
   const view = entry.view;
   let whole = view.wholeGpu;
   if (whole === null) {
-    const i = latestIndex();
-    const free = valueAt(entry, "free_bytes", i);
-    const total = valueAt(entry, "total_bytes", i);
-    const inUse = free !== null && total ? (total - free) / total : null;
+    const inUse = peakInUse(entry);
     // Zoomed in by default only where that shows more: the allocator's layers, using some
-    // but less than half of the GPU. NVML alone (used, free) reads best whole.
+    // but less than half of the GPU at their peak in view. NVML alone (used, free) reads
+    // best whole. The peak, not the latest sample: a page opened as the server restarts
+    // (its GPU nearly empty for a moment) once fixed the whole GPU for a 22 GiB process.
     whole = !(view.mode === "allocator" && inUse !== null && inUse > 0.02 && inUse < 0.5);
     // Decided for good once the GPU's numbers are in: a first sample without NVML's (not
     // read yet, a busy server) once fixed the whole GPU for as long as the page was open.
@@ -312,6 +311,17 @@ function applyZoom(entry) {
   view.zoom.hidden = freeSeries < 0;
   view.zoom.textContent = whole ? "show memory in use" : "show the whole GPU";
   view.mem.redraw();
+}
+
+// The highest share of the GPU in use over the samples in view; null without NVML's numbers.
+function peakInUse(entry) {
+  let peak = null;
+  for (let i = 0; i < store.t.length; i++) {
+    const free = valueAt(entry, "free_bytes", i);
+    const total = valueAt(entry, "total_bytes", i);
+    if (free !== null && free !== undefined && total) peak = Math.max(peak ?? 0, (total - free) / total);
+  }
+  return peak;
 }
 
 function chartWidth(view) {
@@ -536,6 +546,8 @@ export function renderGpus() {
     buildCharts(entry);
     const view = entry.view;
     view.mem.setData(stackData(entry, view.stack));
+    // Not decided while no sample had NVML's numbers: decided on the first render that has.
+    if (view.wholeGpu === null) applyZoom(entry);
     if (view.ratio) view.ratio.setData(ratioData(entry));
     updateHeader(entry);
     updateLedger(entry);

@@ -304,6 +304,15 @@ FAMILIES: tuple[Family, ...] = (
         ANYWHERE,
     ),
     Family(
+        "gpumem_exporter_render_failures",
+        "counter",
+        "/metrics answers that failed to render (each a 500, logged once while it lasts; "
+        "/healthz says failing until one renders). Served once one has failed.",
+        (),
+        "exporter",
+        ANYWHERE,
+    ),
+    Family(
         "gpumem_exporter_web",
         "info",
         "The endpoint's security: TLS, client certificates, basic auth, how admin callers are "

@@ -17,6 +17,7 @@ with it, so they are at most one tick old.
 from __future__ import annotations
 
 import gzip
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from prometheus_client.registry import Collector
 
 from exporter.exposition_templates import TemplateRenderer, families_of
 
+log = logging.getLogger(__name__)
+
 # gzip level 1: paid in the serving process once per tick that is scraped. Measured on the
 # development machine (bench/render_cost's series): one GPU's 10 KiB in 43 us at level 1
 # against 110 us at 6, 8 GPUs' 30 KiB in 58 against 241 us, for 8 % more bytes (2.8 against
@@ -33,6 +36,20 @@ from exporter.exposition_templates import TemplateRenderer, families_of
 GZIP_LEVEL = 1
 # Distinct Accept headers remembered (Prometheus sends one; a scanner must not grow the map).
 MAX_ACCEPT_HEADERS = 16
+
+
+class RenderFailed(Exception):
+    """The exposition could not be rendered; str() says why in one line."""
+
+
+class RenderFailures:
+    """Renders that raised, counted (gpumem_exporter_render_failures_total, on the next
+    answer that renders) and the last one's reason while it lasts (/healthz says "failing"):
+    a value that breaks the render once gave every scrape a 500 while /healthz said ok."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.last: str | None = None  # None once a render succeeds again
 
 
 @dataclass(frozen=True)
@@ -46,8 +63,14 @@ class ExpositionCache:
     """Renders the registry's `collectors` (all of them, in its order) at most once per
     fingerprint and format; safe from any thread."""
 
-    def __init__(self, collectors: Sequence[Collector], fingerprint: Callable[[], object]) -> None:
+    def __init__(
+        self,
+        collectors: Sequence[Collector],
+        fingerprint: Callable[[], object],
+        failures: RenderFailures | None = None,
+    ) -> None:
         self._collectors = tuple(collectors)
+        self.failures = failures if failures is not None else RenderFailures()
         self._fingerprint = fingerprint
         self._lock = threading.Lock()
         self._key: object = None
@@ -72,7 +95,7 @@ class ExpositionCache:
             # instead of each paying for their own.
             plain = self._bodies.get((content_type, False))
             if plain is None:
-                plain = Body(self._render(encoder, content_type), content_type, False)
+                plain = Body(self._render_or_say(encoder, content_type), content_type, False)
                 self.renders += 1
                 self._bodies[(content_type, False)] = plain
             if not gzipped:
@@ -80,6 +103,20 @@ class ExpositionCache:
             body = Body(gzip.compress(plain.data, GZIP_LEVEL), content_type, True)
             self._bodies[(content_type, True)] = body
             return body
+
+    def _render_or_say(self, encoder: Callable[[Collector], bytes], content_type: str) -> bytes:
+        failures = self.failures
+        try:
+            data = self._render(encoder, content_type)
+        except Exception as exc:  # any collector's bug: one answer fails, never the server
+            reason = f"{type(exc).__name__}: {exc}"[:300]
+            if reason != failures.last:  # logged once while it lasts, not on every scrape
+                log.error("gpumem-exporter: /metrics could not be rendered: %s", reason)
+            failures.count += 1
+            failures.last = reason
+            raise RenderFailed(reason) from exc
+        failures.last = None
+        return data
 
     def _render(self, encoder: Callable[[Collector], bytes], content_type: str) -> bytes:
         # The content type names the format, its version and escaping: one encoder each.

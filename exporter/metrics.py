@@ -23,6 +23,7 @@ from exporter import catalog
 from exporter.alerts import allocator_settings
 from exporter.attribution import Attribution, attribute
 from exporter.catalog import PROCESS_LABELS, Family
+from exporter.exposition import RenderFailures
 from exporter.ledger import ledger
 from exporter.process_labels import ProcessLabels
 from exporter.request_counts import RequestCounts
@@ -196,10 +197,12 @@ class SampleCollector(Collector):
         alerts: AlertStates | None = None,
         actions: Callable[[], ActionStats] | None = None,
         admin_requests: RequestCounts | None = None,
+        render_failures: RenderFailures | None = None,
         detail: str = "basic",
     ) -> None:
         self._actions = actions
         self._requests = admin_requests
+        self._render_failures = render_failures
         # Families this mode does not serve, or not at this detail level (catalog.Family).
         mode = traits.name
         has = traits.has
@@ -241,7 +244,8 @@ class SampleCollector(Collector):
         alerts = self._alerts.evaluations if self._alerts is not None else None
         actions = self._actions() if self._actions is not None else None
         requests = self._requests.changes if self._requests is not None else None
-        return (self._state(), alerts, actions, requests)
+        failed = self._render_failures.count if self._render_failures is not None else None
+        return (self._state(), alerts, actions, requests, failed)
 
     def collect(self) -> Iterator[Metric]:
         for family in self.families():
@@ -388,6 +392,10 @@ class SampleCollector(Collector):
             for (action, outcome), count in sorted(self._requests.read().items()):
                 admin.add({"action": action, "outcome": outcome}, count)
             yield admin, True
+        if self._render_failures is not None and self._render_failures.count:
+            failures = self._fill(catalog.family("gpumem_exporter_render_failures"))
+            failures.add({}, self._render_failures.count)
+            yield failures, True
         if stats.endpoint is not None:
             yield from self._endpoint_families(stats.endpoint)
 

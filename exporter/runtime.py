@@ -16,7 +16,7 @@ from exporter.actions.base import Actions
 from exporter.config import Config
 from exporter.detectors import Detectors
 from exporter.detectors import Listener as AlertListener
-from exporter.exposition import ExpositionCache
+from exporter.exposition import ExpositionCache, RenderFailures
 from exporter.http.admin import Admin
 from exporter.http.server import HttpServer, create_app, create_health_app
 from exporter.identity import identity_labels
@@ -173,6 +173,7 @@ def build_runtime(
     def action_stats() -> ActionStats:
         return ActionStats(processes=actions.counts(), endpoint=endpoint_state(config, web))
 
+    render_failures = RenderFailures()
     torch_module = sys.modules.get("torch")  # never import torch just to learn its version
     collector = SampleCollector(
         sampler.state,
@@ -183,6 +184,7 @@ def build_runtime(
         alerts=detectors,
         actions=action_stats,
         admin_requests=requests,
+        render_failures=render_failures,
         detail=config.detail,
     )
     try:
@@ -205,7 +207,7 @@ def build_runtime(
         not_ready=lambda: declared.ready(sampler),
         web=web,
         exposition=(
-            ExpositionCache([*own_collectors, collector], collector.fingerprint)
+            ExpositionCache([*own_collectors, collector], collector.fingerprint, render_failures)
             if owns_registry
             else None
         ),

@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from exporter.actions.local import LocalActions
 from exporter.actions.snapshots import SnapshotStore
 from exporter.config import load_config
+from exporter.exposition import RenderFailures
 from exporter.http.server import HttpServer, create_app
 from exporter.kubernetes.claims import ClaimedDevice
 from exporter.metrics import ActionStats, EndpointState, SampleCollector
@@ -691,6 +692,8 @@ def catalog_collector(
     requests = RequestCounts()
     requests.add("snapshot", "ok")
     changed = SimpleNamespace(changes=1, last={"expandable_segments": ("true", "false")})
+    failures = RenderFailures()  # one answer that failed to render: served once one has
+    failures.count = 1
     alerts = SimpleNamespace(
         evaluations=1,
         firing=lambda: [
@@ -706,6 +709,7 @@ def catalog_collector(
         alerts=alerts,
         actions=lambda: stats,
         admin_requests=requests,
+        render_failures=failures,
         detail=detail,
     )
 

@@ -13,7 +13,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import choose_encoder
 from starlette.routing import BaseRoute
 
+from exporter.exposition import ExpositionCache, RenderFailed
 from exporter.health import health
 from exporter.http.access import NO_ADMIN, AccessCheck, AdminPaths, is_loopback
 from exporter.http.admin import add_admin_routes
@@ -32,9 +33,6 @@ from exporter.http.tls import TlsAdmission
 from exporter.sigpipe import block_sigpipe_in_this_thread
 from exporter.webconfig.security import WebSecurity
 
-if TYPE_CHECKING:
-    from exporter.exposition import ExpositionCache
-
 log = logging.getLogger(__name__)
 
 
@@ -44,15 +42,27 @@ class ServerStartError(RuntimeError):
 
 def metrics_response(exposition: ExpositionCache, accept: str, accept_encoding: str) -> Response:
     """The latest sample's exposition in the format asked for (OpenMetrics if asked for)."""
-    body = exposition.body(accept, accept_encoding)
+    try:
+        body = exposition.body(accept, accept_encoding)
+    except RenderFailed as exc:  # counted and on /healthz (exporter.exposition)
+        return Response(
+            content=f"gpumem-exporter could not render /metrics: {exc}\n",
+            status_code=500,
+            media_type="text/plain; charset=utf-8",
+        )
     headers = {"Content-Encoding": "gzip"} if body.gzipped else None
     return Response(content=body.data, media_type=body.content_type, headers=headers)
 
 
 def health_response(runtime: Served) -> JSONResponse:
     """/healthz's answer (exporter.health; the route's docstring says what it means)."""
+    exposition = runtime.exposition
     healthy, body = health(
-        runtime.sampler, runtime.config.stale_threshold_s, runtime.mode, runtime.silent_processes()
+        runtime.sampler,
+        runtime.config.stale_threshold_s,
+        runtime.mode,
+        runtime.silent_processes(),
+        render_failure=exposition.failures.last if exposition is not None else None,
     )
     return JSONResponse(body, status_code=200 if healthy else 503)
 

@@ -338,3 +338,47 @@ def test_the_exporter_stays_out_of_a_uvicorn_host_apps_logs(tmp_path):
     for path in ("/metrics", "/healthz", "/readyz", "/nope"):
         assert f"GET {path} " not in log, log
     assert log.count("Started server process") == 1, log
+
+
+def test_a_metrics_answer_that_fails_to_render_is_a_visible_state(tmp_path, monkeypatch, caplog):
+    """Round 5, LOW: a value that broke the render gave every scrape a 500 while /healthz
+    said ok, and nothing counted it. Through the real server: the 500 says why, /healthz is
+    "failing" with the reason, the log says it once however many scrapes fail, and once a
+    render succeeds again /metrics counts the failures and /healthz is ok."""
+    from exporter.exposition_templates import TemplateRenderer
+    from tests.helpers import served
+
+    def get(url: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                return answer.status, answer.read()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read()
+
+    real_render = TemplateRenderer.render
+    with served(tmp_path) as (server, _):
+        deadline = time.monotonic() + 10
+        while get(server.url + "/healthz")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+        def broken(self, families):
+            raise ValueError("a value no format can write")
+
+        monkeypatch.setattr(TemplateRenderer, "render", broken)
+        with caplog.at_level(logging.ERROR, logger="exporter.exposition"):
+            answers = [get(server.url + "/metrics") for _ in range(3)]
+        assert {status for status, _ in answers} == {500}
+        said = b"could not render /metrics: ValueError: a value no format can write"
+        assert said in answers[0][1]
+        status, body = get(server.url + "/healthz")
+        health = json.loads(body)
+        assert status == 503 and health["status"] == "failing"
+        assert health["render_failure"] == "ValueError: a value no format can write"
+        logged = [r for r in caplog.records if "could not be rendered" in r.getMessage()]
+        assert len(logged) == 1
+
+        monkeypatch.setattr(TemplateRenderer, "render", real_render)
+        status, body = get(server.url + "/metrics")
+        assert status == 200
+        assert b"gpumem_exporter_render_failures_total 3.0" in body
+        assert get(server.url + "/healthz")[0] == 200

@@ -547,7 +547,7 @@ export function renderGpus() {
     const view = entry.view;
     view.mem.setData(stackData(entry, view.stack));
     // Not decided while no sample had NVML's numbers: decided on the first render that has.
-    if (view.wholeGpu === null) applyZoom(entry);
+    if (view.wholeGpu === null && peakInUse(entry) !== null) applyZoom(entry);
     if (view.ratio) view.ratio.setData(ratioData(entry));
     updateHeader(entry);
     updateLedger(entry);

@@ -10,8 +10,9 @@ object, buffers and HTTP protocol, caught in reference cycles that only the cycl
 frees, so thousands were alive at once however few the caps let stay.
 
 Two caps, each with a rule for who gives way:
-- MAX_WAITING connections that have not sent a byte: the oldest gives way to a newcomer, and
-  each is closed after READ_TIMEOUT_S (a silent client cannot keep a real one out);
+- MAX_WAITING connections that have not sent a byte: the oldest whose bytes have not come
+  gives way to a newcomer, and each is closed after READ_TIMEOUT_S (a silent client cannot
+  keep a real one out);
 - MAX_HANDSHAKES handshakes in progress: a newcomer takes the place of one slower than
   READ_GRACE_S (a real handshake takes milliseconds), else it is closed at once.
 """
@@ -19,7 +20,10 @@ Two caps, each with a rule for who gives way:
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import ssl
+import sys
+import termios
 import time
 from collections.abc import Callable
 from typing import Any
@@ -64,10 +68,18 @@ class TlsAdmission:
         for handshake in list(self.pending):
             handshake.drop()
 
-    def _wait(self, arriving: _Arriving) -> None:
+    def _wait(self, arriving: _Arriving) -> bool:
+        """Whether `arriving` may wait for its first bytes: room is made by closing the oldest
+        one whose bytes have not come. One whose bytes are in the kernel already is about to
+        be read: under a burst of a thousand connects accepted in one turn of the loop, a
+        kubelet's probe that sent its ClientHello at once must not give way to idle ones."""
         if len(self.waiting) >= MAX_WAITING:
-            next(iter(self.waiting)).drop()
+            victim = next((a for a in self.waiting if not a.has_bytes()), None)
+            if victim is None:
+                return False
+            victim.drop()
         self.waiting[arriving] = None
+        return True
 
     def _make_room(self) -> bool:
         if len(self.pending) < MAX_HANDSHAKES:
@@ -98,8 +110,21 @@ class _Arriving(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
+        if not self._admission._wait(self):
+            transport.abort()  # type: ignore[attr-defined]
+            return
         self._timeout = asyncio.get_running_loop().call_later(READ_TIMEOUT_S, self.drop)
-        self._admission._wait(self)
+
+    def has_bytes(self) -> bool:
+        """Whether its first bytes wait in the kernel, unread (one ioctl, no read)."""
+        sock = self._transport.get_extra_info("socket") if self._transport else None
+        if sock is None:
+            return False
+        try:
+            unread = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        except OSError:
+            return False
+        return int.from_bytes(unread, sys.byteorder) > 0
 
     def data_received(self, data: bytes) -> None:
         self._forget()

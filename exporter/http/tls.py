@@ -37,6 +37,9 @@ PLAIN_HTTP_TO_TLS = (
     b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_PLAIN_BODY), _PLAIN_BODY)
 )
 
+# A TLS connection's first byte: the record type of a handshake (RFC 8446, 5.1).
+_HANDSHAKE_RECORD = b"\x16"
+
 # Connections that have sent nothing yet. Each holds a socket (a file descriptor of the host
 # process) and a few hundred bytes; past this the oldest is closed.
 MAX_WAITING = 256
@@ -131,6 +134,16 @@ class _Arriving(asyncio.Protocol):
         transport, self._transport = self._transport, None
         if transport is None or transport.is_closing():
             return
+        if data[:1] != _HANDSHAKE_RECORD:
+            # Not TLS: plain HTTP to the TLS port (a scrape config without scheme: https) is
+            # told so in HTTP, as Go's servers do, with no TLS object built for it. A flood of
+            # request lines to the TLS port made thousands a second, and the process grew.
+            if data[:1].isalpha():
+                transport.write(PLAIN_HTTP_TO_TLS)
+                transport.close()
+            else:
+                transport.abort()
+            return
         if not self._admission._make_room():
             transport.abort()
             return
@@ -205,8 +218,4 @@ class _TlsProtocol(AlertingTlsProtocol):
 
     def handshake_done(self, exc: BaseException | None) -> bytes | None:
         self._admission.pending.pop(self, None)
-        if exc is not None and getattr(exc, "reason", "") == "HTTP_REQUEST":
-            # Plain HTTP to the TLS port (a scrape config without scheme: https): say so in
-            # HTTP, as Go's servers do, instead of a TLS alert it cannot read.
-            return PLAIN_HTTP_TO_TLS
-        return None
+        return None  # OpenSSL's alert (plain HTTP never gets here: _Arriving answers it)

@@ -369,16 +369,9 @@ def test_silent_tls_connections_are_counted_and_cannot_grow_the_process(tmp_path
     assert grown < 48 << 20, f"grew {grown >> 20} MiB"
 
 
-@pytest.mark.slow
-def test_idle_tls_connects_cost_the_server_no_memory_that_stays(tmp_path, pki):
-    """Round 5, HIGH: connects that never send a ClientHello, held 4 s then closed, grew the
-    demo server from 60 MB to 360 MB over 11,000 of them, and it kept the memory: each
-    accepted connection built its TLS object, buffers and HTTP protocol at once, in reference
-    cycles that only the cyclic collector frees. A connection is now a socket until its first
-    bytes. Measured as the issue did: the real CLI's process, rounds of connects, its RSS 8 s
-    after the last round closed within +40 MB of its start; scrapes served meanwhile."""
-    import socket
-
+@contextlib.contextmanager
+def _demo_over_tls(tmp_path, pki):
+    """`gpumem-exporter demo` with TLS, in a process of its own: (its port, its process)."""
     import psutil
 
     from tests.helpers import CLI, free_port, wait_http
@@ -394,8 +387,25 @@ def test_idle_tls_connects_cost_the_server_no_memory_that_stays(tmp_path, pki):
     )
     try:
         wait_http(f"https://localhost:{port}/readyz", proc, context=_client(ca))
-        server = psutil.Process(proc.pid)
         time.sleep(1.0)
+        yield port, psutil.Process(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+@pytest.mark.slow
+def test_idle_tls_connects_cost_the_server_no_memory_that_stays(tmp_path, pki):
+    """Round 5, HIGH: connects that never send a ClientHello, held 4 s then closed, grew the
+    demo server from 60 MB to 360 MB over 11,000 of them, and it kept the memory: each
+    accepted connection built its TLS object, buffers and HTTP protocol at once, in reference
+    cycles that only the cyclic collector frees. A connection is now a socket until its first
+    bytes. Measured as the issue did: the real CLI's process, rounds of connects, its RSS 8 s
+    after the last round closed within +40 MB of its start; scrapes served meanwhile."""
+    import socket
+
+    ca, _ = pki
+    with _demo_over_tls(tmp_path, pki) as (port, server):
         start = server.memory_info().rss
         for count in (2000, 2000, 5000):
             silent = []
@@ -408,10 +418,42 @@ def test_idle_tls_connects_cost_the_server_no_memory_that_stays(tmp_path, pki):
                 sock.close()
         time.sleep(8.0)
         grown = server.memory_info().rss - start
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
     assert grown < 40 << 20, f"grew {grown >> 20} MiB"
+
+
+@pytest.mark.slow
+def test_a_flood_of_plain_http_to_the_tls_port_is_told_so_and_builds_no_tls(tmp_path, pki):
+    """Request lines sent to the TLS port by clients that reconnect at once (thousands a
+    second) each built a TLS object only for OpenSSL to find HTTP in it: the demo server grew
+    from 65 to 151 MB in 10 s (bench.soak --abuse half). A first byte that is no TLS record
+    is answered in HTTP without one: each is told so, and the process stays within 20 MB."""
+    import socket
+    import threading
+
+    ca, _ = pki
+    told: list[bool] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)) as s:
+                s.settimeout(5)
+                s.sendall(b"GET /metrics HTTP/1.1\r\n")
+                told.append(b"HTTP request to an HTTPS server" in s.recv(4096))
+
+    with _demo_over_tls(tmp_path, pki) as (port, server):
+        start = server.memory_info().rss
+        clients = [threading.Thread(target=client) for _ in range(40)]
+        for thread in clients:
+            thread.start()
+        time.sleep(10.0)
+        stop.set()
+        for thread in clients:
+            thread.join(10)
+        grown = server.memory_info().rss - start
+        assert _get_port(port, "/metrics", _client(ca)) == 200
+    assert len(told) > 1000 and all(told), (len(told), told.count(False))
+    assert grown < 20 << 20, f"grew {grown >> 20} MiB over {len(told)} connections"
 
 
 def _get_port(port: int, path: str, context: ssl.SSLContext) -> int:

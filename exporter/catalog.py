@@ -316,8 +316,10 @@ FAMILIES: tuple[Family, ...] = (
         "gpumem_exporter_web",
         "info",
         "The endpoint's security: TLS, client certificates, basic auth, how admin callers are "
-        "identified, and whether admin credentials are accepted over plain HTTP from other "
-        "hosts (admin_cleartext: loopback-only, allowed, or n/a with TLS).",
+        "identified (admin_auth: token, kubernetes or both where configured; none: admin "
+        "actions off; open: the demo's), and whether admin credentials are accepted over "
+        "plain HTTP from other hosts (admin_cleartext: loopback-only, allowed, or n/a with "
+        "TLS).",
         ("tls", "client_auth", "basic_auth", "admin_auth", "admin_cleartext"),
         "exporter",
         ANYWHERE,

@@ -81,9 +81,24 @@ class Runtime:
         return HttpServer(create_health_app(self), self.config.host, self.config.health_port)
 
 
-def endpoint_state(config: Config, web: WebSecurity) -> EndpointState:
+def admin_auth_label(config: Config, traits: Traits) -> str:
+    """How admin callers can be identified, as gpumem_exporter_web_info says it: the methods
+    of admin_auth that have what they need ("token" only with a token or a token file; it
+    said "token" with none, when every admin request was refused), else "open" (the demo,
+    whose actions change nothing) or "none" (admin actions off)."""
+    usable = [
+        method
+        for method in config.admin_auth
+        if method != "token" or config.admin_token or config.admin_token_file
+    ]
+    if usable:
+        return "+".join(usable)
+    return "open" if traits.admin_open else "none"
+
+
+def endpoint_state(config: Config, web: WebSecurity, traits: Traits) -> EndpointState:
     """What /metrics says of the endpoint's security (gpumem_exporter_web_*)."""
-    admin = "+".join(config.admin_auth)
+    admin = admin_auth_label(config, traits)
     return EndpointState(
         tls=web.tls,
         client_auth=web.config.client_auth,
@@ -171,7 +186,7 @@ def build_runtime(
     )
 
     def action_stats() -> ActionStats:
-        return ActionStats(processes=actions.counts(), endpoint=endpoint_state(config, web))
+        return ActionStats(processes=actions.counts(), endpoint=endpoint_state(config, web, traits))
 
     render_failures = RenderFailures()
     torch_module = sys.modules.get("torch")  # never import torch just to learn its version

@@ -285,3 +285,41 @@ def test_a_client_cannot_name_its_own_address_with_x_forwarded_for(tmp_path, cap
         conn.close()
     [line] = [r.getMessage() for r in caplog.records if r.name == "exporter.audit"]
     assert "from 127.0.0.1" in line and "10.9.9.9" not in line, line
+
+
+@pytest.mark.parametrize(
+    ("mode", "settings", "said"),
+    [
+        ("node", {}, "none"),  # no token: every admin request is refused
+        ("node", {"admin_token": "t0ken"}, "token"),
+        ("demo", {}, "open"),  # the demo's actions answer from its recording
+        ("demo", {"admin_token": "t0ken"}, "token"),
+    ],
+)
+def test_web_info_says_how_admin_callers_are_identified_as_configured(
+    tmp_path, mode, settings, said
+):
+    """Round 5 (the front door): admin_auth="token" was shown with no token configured, when
+    every admin request was refused. Read from /metrics of the real server."""
+    import time
+    import urllib.request
+
+    from exporter.http.server import HttpServer, create_app
+    from exporter.sources.replay import ReplaySource
+    from tests.helpers import runtime_of
+
+    sources = [ReplaySource()] if mode == "demo" else []
+    runtime = runtime_of(tmp_path, mode, sources, **settings)
+    runtime.sampler.tick()
+    server = HttpServer(create_app(runtime), "127.0.0.1", 0)
+    server.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server._server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with urllib.request.urlopen(server.url + "/metrics", timeout=5) as answer:
+            body = answer.read().decode()
+    finally:
+        server.stop()
+    (line,) = [x for x in body.splitlines() if x.startswith("gpumem_exporter_web_info{")]
+    assert f'admin_auth="{said}"' in line, line

@@ -84,9 +84,10 @@ def human_answer(answer: dict[str, Any]) -> str:
     return "".join(line + "\n" for line in lines)
 
 
-def oom_answer(stats: dict[str, Any]) -> str:
+def oom_answer(stats: dict[str, Any], base_url: str = "") -> str:
     """`gpumem-exporter why`: each process and device's OOMs, the latest with its verdict, the
-    deciding numbers, the action and its snapshot; from GET /stats."""
+    deciding numbers, the action and its snapshot (a URL on `base_url`, the exporter the
+    answer came from, that opens in a browser); from GET /stats."""
     sample = stats.get("sample") or {}
     pending = {
         (str(row.get("pid")), row.get("device")): row
@@ -118,7 +119,7 @@ def oom_answer(stats: dict[str, Any]) -> str:
                 "observer was armed, or recorded by an older exporter)"
             )
         if last:
-            lines.extend(_verdict_lines(OomVerdict.from_dict(last)))
+            lines.extend(_verdict_lines(OomVerdict.from_dict(last), base_url))
     if not lines:
         return "no out-of-memory error in any process since the exporter started\n"
     return "".join(line + "\n" for line in lines)
@@ -144,7 +145,7 @@ def ledger_answer(stats: dict[str, Any]) -> str:
     return "where the memory goes:\n" + "".join(f"  {line}\n" for line in lines)
 
 
-def _verdict_lines(verdict: OomVerdict) -> list[str]:
+def _verdict_lines(verdict: OomVerdict, base_url: str) -> list[str]:
     at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(verdict.timestamp))
     followed = (
         f" (the burst's most complete record; {verdict.followed} more OOM(s) followed)"
@@ -159,5 +160,5 @@ def _verdict_lines(verdict: OomVerdict) -> list[str]:
     if verdict.missing:
         lines.append(f"    not read: {verdict.missing}")
     if verdict.snapshot:
-        lines.append(f"    snapshot: /snapshots/{verdict.snapshot}/view")
+        lines.append(f"    snapshot: {base_url}/snapshots/{verdict.snapshot}/view")
     return lines

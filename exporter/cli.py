@@ -838,13 +838,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_why(args: argparse.Namespace) -> int:
-    stats = _client_call(args, _client(args).stats)
+    client = _client(args)
+    stats = _client_call(args, client.stats)
     with _shape_checked("GET /stats"):
-        _print_why(args, stats)
+        _print_why(args, stats, client.base_url)
     return 0
 
 
-def _print_why(args: argparse.Namespace, stats: dict[str, Any]) -> None:
+def _print_why(args: argparse.Namespace, stats: dict[str, Any], base_url: str) -> None:
     from exporter.answers import ledger_answer, oom_answer
 
     if args.json:
@@ -865,7 +866,7 @@ def _print_why(args: argparse.Namespace, stats: dict[str, Any]) -> None:
             )
         )
     else:
-        print(terminal_safe(oom_answer(stats) + ledger_answer(stats)), end="")
+        print(terminal_safe(oom_answer(stats, base_url) + ledger_answer(stats)), end="")
 
 
 # A snapshot on an exporter: BASE/snapshots/ID, or its /view or /info page.

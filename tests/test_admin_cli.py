@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -373,3 +374,31 @@ def test_the_demo_keeps_its_snapshots_in_a_folder_of_its_own_removed_when_it_sto
         assert folder.stat().st_mode & 0o077 == 0 and any(folder.iterdir())
         assert not [p for p in temp.iterdir() if p.name.startswith("gpumem-snapshots")]
     assert not folder.exists(), os.listdir(temp)
+
+
+@pytest.mark.slow
+def test_why_prints_the_oom_snapshot_as_a_url_that_opens(tmp_path):
+    """Issue 65: `why` printed the snapshot as a path (`snapshot: /snapshots/ID/view`), which
+    opens nowhere. It is a URL on the exporter asked, and a browser gets the viewer there."""
+    import urllib.error
+    import urllib.request
+
+    with running("demo", "--speed", "10") as url:
+        deadline = time.monotonic() + 30
+        out = ""
+        while "snapshot: " not in out and time.monotonic() < deadline:  # the OOM at 42 s
+            time.sleep(0.5)
+            out = run_cli("why", "--url", url).stdout
+        found = re.search(r"snapshot: (\S+)", out)
+        assert found is not None, out
+        link = found.group(1)
+        assert re.fullmatch(re.escape(url) + r"/snapshots/[^/]+/view", link), link
+        # The snapshot is written after the verdict (the recording's, 4 s after its OOM).
+        while True:
+            try:
+                with urllib.request.urlopen(link, timeout=10) as page:
+                    assert page.status == 200 and page.read(2) == b"<!"
+                    break
+            except urllib.error.HTTPError as error:
+                assert error.code == 404 and time.monotonic() < deadline, error
+                time.sleep(0.2)

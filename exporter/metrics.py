@@ -220,6 +220,8 @@ class SampleCollector(Collector):
         self._version = version
         self._mode = mode
         self._one_process = traits.one_process
+        # pid -> whether its series keep it: decided once per process (exporter.process_labels).
+        self._pids_decided: dict[str, tuple[tuple[str, str], bool]] = {}
         self._torch_version = torch_version
         # (family, per process) -> (label names, those not constant): the same every tick.
         self._label_names: dict[tuple[str, bool], tuple[tuple[str, ...], tuple[str, ...]]] = {}
@@ -266,7 +268,9 @@ class SampleCollector(Collector):
         state = self._state()
         stats = self._actions() if self._actions is not None else None
         sample = state.sample
-        processes = _processes(sample, stats, every_pid=self._one_process)
+        processes = _processes(
+            sample, stats, every_pid=self._one_process, decided=self._pids_decided
+        )
         served = self._served(self._exporter_families(state, stats, processes))
         if sample is None:
             return served
@@ -722,7 +726,11 @@ class SampleCollector(Collector):
 
 
 def _processes(
-    sample: Sample | None, stats: ActionStats | None, *, every_pid: bool
+    sample: Sample | None,
+    stats: ActionStats | None,
+    *,
+    every_pid: bool,
+    decided: dict[str, tuple[tuple[str, str], bool]],
 ) -> ProcessLabels:
     """Every process the rendering names: the allocators', pinned memory's, host memory's and
     the actions' counts (exporter.process_labels)."""
@@ -733,4 +741,4 @@ def _processes(
         found += [vars(p) for p in sample.host_processes]
     if stats is not None:
         found += [p.process for p in stats.processes]
-    return ProcessLabels(found, every_pid=every_pid)
+    return ProcessLabels(found, every_pid=every_pid, decided=decided)

@@ -7,8 +7,10 @@ few hours would pile up series Prometheus keeps for hours after. So a process wh
 role no other process of the endpoint shares (a ranked worker; the one API process) is named by
 them alone, and its pid is only in gpumem_exporter_process_info, to join on where needed. A
 process that has neither, or shares them (two workers of one role without ranks), keeps its pid:
-without it two processes' series would collide. Elsewhere (an endpoint in or beside one process)
-every pid stays: there a series without one is about the serving process itself.
+without it two processes' series would collide. Each process keeps its first decision while it
+is served: a process that joins with the rank and role of one served without its pid takes its
+own pid, and the first one's series stay as they were. Elsewhere (an endpoint in or beside one
+process) every pid stays: there a series without one is about the serving process itself.
 """
 
 from __future__ import annotations
@@ -24,9 +26,20 @@ def _key(process: Mapping[str, object]) -> tuple[str, str]:
 class ProcessLabels:
     """The processes of one rendering: their labels, with the pid blanked where not needed."""
 
-    def __init__(self, processes: Iterable[Mapping[str, object]], *, every_pid: bool = False):
+    def __init__(
+        self,
+        processes: Iterable[Mapping[str, object]],
+        *,
+        every_pid: bool = False,
+        decided: dict[str, tuple[tuple[str, str], bool]] | None = None,
+    ):
         """every_pid: keep every pid (an endpoint of one process, where a series without a pid
-        is read as that process's own, as the multiprocess bridge does)."""
+        is read as that process's own, as the multiprocess bridge does). decided: pid -> (its
+        rank and role, kept), the decisions of earlier renderings, kept up to date here: a
+        process keeps its decision for as long as it is served with the same rank and role,
+        so that another joining or leaving never changes its series (one server alone went
+        without its pid, and took it when a second of its role joined). A process whose rank
+        or role changes (a fork that names its own) has new series anyway: decided again."""
         by_pid: dict[str, Mapping[str, object]] = {}
         for process in processes:
             pid = str(process.get("pid", "") or "")
@@ -34,11 +47,23 @@ class ProcessLabels:
                 by_pid.setdefault(pid, process)
         shared = Counter(_key(p) for p in by_pid.values())
         self.processes = by_pid
-        self._keeps_pid = {
-            pid
-            for pid, p in by_pid.items()
-            if every_pid or _key(p) == ("", "") or shared[_key(p)] > 1
-        }
+        earlier = decided if decided is not None else {}
+        self._keeps_pid = set()
+        for pid, process in by_pid.items():
+            key = _key(process)
+            before = earlier.get(pid)
+            if before is not None and before[0] == key:
+                keeps = before[1]
+            else:
+                keeps = every_pid or key == ("", "") or shared[key] > 1
+            if keeps:
+                self._keeps_pid.add(pid)
+        if decided is not None:
+            for gone in [pid for pid in decided if pid not in by_pid]:
+                decided.pop(gone, None)  # pop: another thread's rendering may have taken it
+            decided.update(
+                (pid, (_key(process), pid in self._keeps_pid)) for pid, process in by_pid.items()
+            )
 
     def keeps_pid(self, pid: object) -> bool:
         return str(pid) in self._keeps_pid

@@ -45,3 +45,21 @@ def test_an_endpoint_of_one_process_keeps_every_pid() -> None:
     processes = ProcessLabels([worker(11, "0"), {"pid": 600, "role": "python"}], every_pid=True)
     assert processes.labels(worker(11, "0"))["pid"] == "11"
     assert processes.labels({"pid": 600})["pid"] == 600
+
+
+def test_a_process_keeps_its_series_when_another_of_its_role_joins_and_leaves() -> None:
+    """Issue 65: one server alone on a helper went without its pid; when a second of its role
+    joined both took their pids, and lost them again when it left: a process joining or
+    leaving changed another's series. Each keeps its first decision while it is served."""
+    decided: dict[str, tuple[tuple[str, str], bool]] = {}
+    alone = ProcessLabels([worker(10, "", "server")], decided=decided)
+    assert not alone.keeps_pid(10)
+    joined = ProcessLabels([worker(10, "", "server"), worker(20, "", "server")], decided=decided)
+    assert not joined.keeps_pid(10)  # as it was
+    assert joined.keeps_pid(20)  # the newcomer is told apart by its pid: no collision
+    left = ProcessLabels([worker(20, "", "server")], decided=decided)
+    assert left.keeps_pid(20)  # as it was
+    assert decided == {"20": (("", "server"), True)}  # the one gone is forgotten
+    # Two that come together keep their pids, as before.
+    both = ProcessLabels([worker(31, "0"), worker(32, "0")], decided={})
+    assert both.keeps_pid(31) and both.keeps_pid(32)

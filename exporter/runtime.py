@@ -170,7 +170,10 @@ def build_runtime(
     sampler = Sampler(
         sources,
         interval_s=config.interval_s,
-        listeners=[detectors, *features, window, pending_ooms, *listeners],
+        # Pending OOMs first: a sample with a verdict must not be served beside the "verdict
+        # pending" of the same OOM while slower listeners run (the demo's publishing of its
+        # OOM snapshot took 1-6 s: `why` and the page said both).
+        listeners=[pending_ooms, detectors, *features, window, *listeners],
     )
     web = web_security(config)
     requests = RequestCounts()

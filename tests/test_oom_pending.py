@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from exporter.answers import oom_answer
@@ -97,3 +98,35 @@ def test_the_page_stats_and_why_say_verdict_pending_then_the_verdict(tmp_path):
     assert not any(row.get("pending") for row in rows)
     assert rows[0]["verdict"]["timestamp"] == 60.0
     assert stats["ooms_pending"] == [] and "verdict pending" not in oom_answer(stats)
+
+
+@pytest.mark.slow
+def test_a_verdict_is_never_served_beside_its_own_pending_oom(tmp_path):
+    """Issue 65: after the demo's OOM, /stats (what `why` and the page read) carried the
+    verdict and "verdict pending" for the same OOM for 1-6 s: the pending rows were updated
+    after the sample listeners that publish the OOM's snapshot. Polled every 50 ms across it."""
+    import json
+    import time
+    import urllib.request
+
+    from tests.helpers import running
+
+    both = []
+    # At twice the recorded pace the OOM (second 42) and its verdict (second 46) are two
+    # ticks apart, as in a live process.
+    with running("demo", "--speed", "2") as url:
+        deadline = time.monotonic() + 40
+        judged_at = None
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(url + "/stats", timeout=5) as answer:
+                stats = json.load(answer)
+            (allocator,) = stats["sample"]["allocators"]
+            if allocator.get("last_oom"):
+                judged_at = judged_at or time.monotonic()
+                if stats.get("ooms_pending"):
+                    both.append(stats["ooms_pending"])
+                if time.monotonic() - judged_at > 2.0:
+                    break
+            time.sleep(0.05)
+    assert judged_at is not None, "the demo's OOM never got its verdict"
+    assert both == []

@@ -116,7 +116,21 @@ def wrapper_argv(wrapper: str, command: tuple[str, ...]) -> list[str]:
 
 
 def run_tree(wrapper: str, tree: Tree) -> tuple[int | None, int]:
-    """(the wrapper's exit status, processes of the tree left afterwards)."""
+    """(the wrapper's exit status, processes of the tree left afterwards). A tree that does
+    not start is started once more: under dumb-init the setsid'd grandchild's tree once showed
+    2 of its 3 processes for 30 s in CI, in 1 of about 40 runs; what is measured here is what
+    a stop leaves, not the other wrappers' start."""
+    try:
+        return _run_tree_once(wrapper, tree)
+    except _DidNotStart:
+        return _run_tree_once(wrapper, tree)
+
+
+class _DidNotStart(AssertionError):
+    pass
+
+
+def _run_tree_once(wrapper: str, tree: Tree) -> tuple[int | None, int]:
     marker = uuid.uuid4().hex
     env = child_env(GPUMEM_TREE_MARK=marker, GPUMEM_STOP_GRACE_S=str(GRACE_S))
     proc = subprocess.Popen(
@@ -130,7 +144,8 @@ def run_tree(wrapper: str, tree: Tree) -> tuple[int | None, int]:
         deadline = time.monotonic() + 30
         while len(tree_of(marker, proc)) < tree.processes and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(tree_of(marker, proc)) >= tree.processes, f"{tree.name} did not start"
+        if len(tree_of(marker, proc)) < tree.processes:
+            raise _DidNotStart(f"{tree.name} did not start")
         time.sleep(0.5)  # past the interpreters' start-up (the SIGTERM-ignoring one sets it)
         if tree.stop:
             proc.send_signal(signal.SIGTERM)

@@ -194,3 +194,16 @@ def free_ports(count: int) -> list[int]:
 
 def free_port() -> int:
     return free_ports(1)[0]
+
+
+def wait_listening(port: int, what: str = "the demo", timeout_s: float = 30.0) -> None:
+    """Until something accepts on 127.0.0.1:`port`; SystemExit saying `what` did not start."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{what} did not start") from None
+            time.sleep(0.1)

@@ -36,7 +36,7 @@ from typing import Any
 
 import psutil
 
-from bench.common import free_port
+from bench.common import free_port, wait_listening
 
 HOST = b"Host: 127.0.0.1\r\n"
 
@@ -128,15 +128,7 @@ def main() -> None:
     )
     result: dict[str, Any] = {"mode": args.mode, "count": count, "root": args.root or "."}
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("the demo did not start") from None
-                time.sleep(0.1)
+        wait_listening(port)
         process = psutil.Process(server.pid)
         prober = Prober(port)
         prober.thread.start()

@@ -34,7 +34,7 @@ from typing import Any
 
 import psutil
 
-from bench.common import free_port
+from bench.common import free_port, wait_listening
 from bench.helper_cpu import _SERVER as HELPER_HOST
 from bench.helper_cpu import _helper
 
@@ -206,15 +206,7 @@ def main() -> None:
         assert host.stdout is not None
         host.stdout.readline()
         helper = _helper(helper_port)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("the demo did not start") from None
-                time.sleep(0.2)
+        wait_listening(port)
         time.sleep(2.0)
         processes = {"server": psutil.Process(server.pid), "helper": helper}
         honest = [

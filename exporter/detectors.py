@@ -117,19 +117,27 @@ class _Series:
 
 
 class _Counter:
-    """Remembers when a counter last rose; a first reading above 0 counts as a rise."""
+    """Remembers when a counter last rose, and its rises within the window (what the alert's
+    value says: "OOMs in the last 10 min" is their sum, as Prometheus's increase() over the
+    rule's range; it was the latest rise alone, 1 beside a banner of 5). A first reading
+    above 0 counts as a rise; a reading below the last (a restart) starts again from it."""
 
     def __init__(self) -> None:
         self.last: float | None = None
         self.risen_at: float | None = None
-        self.rise = 0.0
+        self._rises: deque[tuple[float, float]] = deque()  # (t, by how much), oldest first
 
     def update(self, t: float, value: float) -> None:
         previous = self.last
         if (previous is None and value > 0) or (previous is not None and value > previous):
-            self.rise = value - (previous or 0)
+            self._rises.append((t, value - (previous or 0)))
             self.risen_at = t
         self.last = value
+
+    def risen_within(self, t: float, window_s: float) -> float:
+        while self._rises and t - self._rises[0][0] >= window_s:
+            self._rises.popleft()
+        return sum(rise for _, rise in self._rises)
 
 
 Listener = Callable[[AlertEvent], None]
@@ -253,7 +261,7 @@ class Detectors:
         counter.update(t, value)
         window_s = self.settings.detect_counter_window_s
         recent = counter.risen_at is not None and t - counter.risen_at < window_s
-        return Check(recent, not recent, counter.rise if recent else 0.0)
+        return Check(recent, not recent, counter.risen_within(t, window_s) if recent else 0.0)
 
     def changes(self, key: Subject, settings: Mapping[str, str] | None) -> int:
         """How often this allocator's live settings changed so far (None: not read live

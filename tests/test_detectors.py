@@ -617,3 +617,18 @@ def test_the_recorded_h200_trace_turns_expandable_segments_on_and_that_is_one_ch
             1.0,
         ),
     }
+
+
+def test_a_counter_alerts_value_is_its_increase_over_the_window_as_its_label_says():
+    """Issue 65: the page's row read "OOMs in the last 10 min 1" beside a banner of 5 OOMs:
+    the value was the latest rise alone. It is the counter's increase over the window
+    (detect_counter_window_s, 10 min), as the Prometheus rule's increase() over its range."""
+    detectors, _ = collect()
+    # OOMs at 0, 1, 3 and 5 minutes in: 1 + 1 + 2 + 1 in the window.
+    run(detectors, [allocator(GiB, GiB, 0, ooms=o) for o in (1, 2, 2, 4, 4, 5)])
+    (firing,) = [a for a in detectors.firing_now() if a.alert == "GpuMemOutOfMemory"]
+    assert firing.value == 5
+    # Seven minutes on, the first two rises (at 0 and 1 min) are out of the window.
+    run(detectors, [allocator(GiB, GiB, 0, ooms=5)] * 7)
+    (firing,) = [a for a in detectors.firing_now() if a.alert == "GpuMemOutOfMemory"]
+    assert firing.value == 3

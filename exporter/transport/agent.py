@@ -296,6 +296,14 @@ class Agent:
         refused = self._try_dial()
         if self.on_dial is not None and refused != "":
             self.on_dial(refused)
+        sock = self._sock
+        if refused is None and sock is not None:
+            # Read only once the dial is told: a helper that takes the hello and then says
+            # "refused" is heard by this thread, and its refusal told after the success
+            # would be undone by it (handle.error None, the refusal logged; CI, 1 run in 3).
+            threading.Thread(
+                target=self._read, args=(sock,), name="gpumem-agent-commands", daemon=True
+            ).start()
         return refused is None
 
     def _try_dial(self) -> str | None:
@@ -319,10 +327,7 @@ class Agent:
             said = _refusal(sock)
             self._close()
             return f"the helper did not take this process: {said}"
-        threading.Thread(
-            target=self._read, args=(sock,), name="gpumem-agent-commands", daemon=True
-        ).start()
-        return None
+        return None  # _dial starts the reader
 
     def tick(self) -> None:
         """The probe's records, or the full sample where one is due. (At 1 Hz a tick runs

@@ -517,3 +517,47 @@ def test_what_the_probe_thread_writes_to_a_gone_peer_never_kills_such_a_host(tmp
     that has gone must not kill a host whose SIGPIPE is at its default either."""
     done = _host(_PROBE_THREAD_WRITING_TO_A_GONE_PEER, tmp_path)
     assert done.stdout.split() == ["EPIPE", "alive"]
+
+
+def test_a_refusal_heard_after_the_hello_is_told_after_the_dial_never_undone_by_it(
+    run_dir, monkeypatch
+):
+    """A helper that takes the hello, then says "refused" and closes (the aggregator refuses
+    as soon as it accepts, so a hello often gets through first). What the agent tells last
+    must be the refusal: told before the dial's own "taken", it was undone by it
+    (handle.error None with the refusal logged; CI). A stand-in helper refuses once it has
+    the hello, and the dial is slowed, so that a reader already running would win every
+    time."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(run_dir / SOCKET_NAME))
+    listener.listen(1)
+
+    def refuse_after_hello() -> None:
+        peer, _ = listener.accept()
+        with peer:
+            peer.recv(65536)
+            peer.sendall(protocol.encode(protocol.refused("no room here")))
+
+    helper = threading.Thread(target=refuse_after_hello, daemon=True)
+    helper.start()
+    told: list[str | None] = []
+    agent = ProbedServer().agent(run_dir)
+    agent.on_dial = told.append
+    try_dial = agent._try_dial
+
+    def slow_dial() -> str | None:
+        said = try_dial()
+        time.sleep(0.3)  # the refusal is in the socket by now
+        return said
+
+    monkeypatch.setattr(agent, "_try_dial", slow_dial)
+    try:
+        assert agent.connect(), told  # the hello went through
+        deadline = time.monotonic() + 5
+        while len(told) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert told == [None, "the helper did not take this process: no room here"]
+    finally:
+        agent.stop()
+        listener.close()
+        helper.join(5)

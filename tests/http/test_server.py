@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,21 @@ def test_no_page_loads_from_a_cdn():
     client = TestClient(app)
     assert client.get("/docs").status_code == 404
     assert client.get("/openapi.json").status_code == 200
+
+
+def test_the_api_schema_is_served_without_a_warning_and_the_open_routes_answer_head():
+    """GET of each open route is one operation in the schema (FastAPI warned of duplicate
+    operation IDs when GET and HEAD were one route), and HEAD is answered as before."""
+    app, _ = app_with_clock([0.0])
+    client = TestClient(app)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        schema = client.get("/openapi.json").json()
+    for path in ("/metrics", "/healthz", "/readyz"):
+        assert set(schema["paths"][path]) == {"get"}, schema["paths"][path]
+        head = client.head(path)
+        assert head.status_code in (200, 503) and head.content == b"", (path, head)
+        assert client.post(path).status_code == 405
 
 
 def test_bind_reports_a_taken_port_clearly():

@@ -78,6 +78,10 @@ class Family:
     # that have this (NEEDS); "" never. Breakdowns no shipped rule or dashboard needs, kept
     # off a fleet's series budget.
     full_only: str = ""
+    # A deprecated name (exporter.contract): the family that replaces it, whose samples it
+    # is served with, beside it, until a minor release after `deprecated_since`.
+    replaced_by: str = ""
+    deprecated_since: str = ""
 
     def served(self, has: Collection[str]) -> bool:
         """Whether a mode that has these (Traits.has) serves it, at some detail level."""
@@ -1136,6 +1140,18 @@ FAMILIES: tuple[Family, ...] = (
 BY_NAME = {family.name: family for family in FAMILIES}
 
 
+def deprecated_names(families: tuple[Family, ...]) -> dict[str, tuple[Family, ...]]:
+    """Replacement's name -> the deprecated families served beside it with its samples."""
+    found: dict[str, tuple[Family, ...]] = {}
+    for entry in families:
+        if entry.replaced_by:
+            found[entry.replaced_by] = (*found.get(entry.replaced_by, ()), entry)
+    return found
+
+
+DEPRECATED = deprecated_names(FAMILIES)
+
+
 def family(name: str) -> Family:
     """The declared family of this name (KeyError for one not declared)."""
     return BY_NAME[name]
@@ -1155,6 +1171,13 @@ def keys(name: str) -> tuple[str, ...]:
 
 
 # -- docs/metrics.md (written by exporter.reference) ----------------------------------------
+
+
+def deprecation(entry: Family) -> str:
+    """What the docs say first of a deprecated family."""
+    if not entry.replaced_by:
+        return ""
+    return f"Deprecated since {entry.deprecated_since}: use `{entry.replaced_by}`. "
 
 
 def markdown_table(modes: Mapping[str, Collection[str]]) -> str:
@@ -1186,7 +1209,7 @@ def markdown_table(modes: Mapping[str, Collection[str]]) -> str:
             ", ".join(labels),
             words,
             entry.source,
-            entry.help.replace("|", "\\|"),
+            deprecation(entry) + entry.help.replace("|", "\\|"),
         )
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)

@@ -144,6 +144,19 @@ class FamilyRows:
         return metric
 
 
+def with_deprecated_names(served: list[FamilyRows]) -> list[FamilyRows]:
+    """Each family followed by its deprecated names (exporter.contract), with its samples:
+    a dashboard of the old name keeps working for a minor release beside the new one."""
+    found = []
+    for family in served:
+        found.append(family)
+        for old in catalog.DEPRECATED.get(family.entry.name, ()):
+            alias = FamilyRows(old, family.labels, family.names, family.const_values)
+            alias.rows = family.rows
+            found.append(alias)
+    return found
+
+
 class _LeftOut(FamilyRows):
     """A family this mode or detail level does not serve: what is added to it is dropped."""
 
@@ -273,12 +286,12 @@ class SampleCollector(Collector):
         )
         served = self._served(self._exporter_families(state, stats, processes))
         if sample is None:
-            return served
+            return with_deprecated_names(served) if catalog.DEPRECATED else served
         served += self._served(self._allocator_families(sample, processes))
         served += self._served(self._gpu_families(sample))
         served += self._served(self._kubernetes_families(sample))
         served += self._served(self._host_families(sample, processes))
-        return served
+        return with_deprecated_names(served) if catalog.DEPRECATED else served
 
     def _served(self, families: Iterable[tuple[FamilyRows, bool]]) -> list[FamilyRows]:
         """Those of the families served at this detail level (_fill decided): with samples,

@@ -68,8 +68,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("runtime", "modes"),  # assembly: one declaration per way of running
     # the agents' channel that `run` and exporter.start()'s helper share, and what serves it
     ("transport",),
-    # entry points; reference writes docs/ tables from the declarations
-    ("helper", "run", "embedded", "cli", "__init__", "reference"),
+    # entry points; reference writes docs/ tables from the declarations, contract the
+    # metrics contract (metrics-contract.json)
+    ("helper", "run", "embedded", "cli", "__init__", "reference", "contract"),
 ]
 
 

@@ -5,6 +5,7 @@ table, the per-process CSV), and the facts the captures show hold in it."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections import defaultdict
 from typing import Any
@@ -13,7 +14,6 @@ import pytest
 
 from exporter.sample import Sample
 from exporter.sources.nvml import NvmlSource, gpu_instance_profile
-from tests.conftest import REPO_ROOT
 from tests.support.mig_nvml import NOT_AVAILABLE, CapturedNvml
 from tests.support.nvidia_smi_capture import CAPTURES, FILES, MIB, read, sections
 
@@ -66,12 +66,17 @@ def mig_devices(nvml: CapturedNvml, parent: Any) -> list[Any]:
     return found
 
 
-def test_the_captures_here_are_the_shared_ones_unchanged():
-    shared = REPO_ROOT.parent / "shared" / "captures" / "nvidia-smi"
-    if not shared.is_dir():
-        pytest.skip("the workplace's shared captures are not beside this checkout")
-    for name in [*FILES.values(), "LICENSE", "README.md"]:
-        assert (CAPTURES / name).read_bytes() == (shared / name).read_bytes(), name
+def test_the_captures_here_are_the_ones_recorded_unchanged():
+    """SHA256SUMS was written beside the captures when they were checked equal, byte for
+    byte, to the workplace's shared captures they were copied from: an edit to a capture (a
+    number made to fit) fails here."""
+    sums = {}
+    for line in (CAPTURES / "SHA256SUMS").read_text().splitlines():
+        digest, name = line.split("  ", 1)
+        sums[name] = digest
+    assert sorted(sums) == sorted([*FILES.values(), "LICENSE", "README.md"])
+    for name, digest in sums.items():
+        assert hashlib.sha256((CAPTURES / name).read_bytes()).hexdigest() == digest, name
 
 
 @pytest.mark.parametrize("state", STATES)

@@ -4,7 +4,8 @@ PyTorch calls its OOM observer on the OOM-ing thread after the allocator has flu
 cached segments and retried (docs/facts.md). What is left of the cache then is free bytes in
 segments that also hold live tensors ("holes"): cache that could not be given back. With the
 request, the device's free memory, the process's cap and what other processes hold on the GPU,
-the cause is decided by the first rule that holds, in this order:
+the cause is decided by the first rule that holds, in this order (RULES: one row a cause, its
+condition, the readings it needs and what it says; a new cause is one row):
 
 - `fragmentation`: free bytes in holes >= R (the cache had enough, in pieces too small).
   Action: `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (or uniform sizes where it is on).
@@ -197,116 +198,92 @@ def decide(verdict: OomVerdict) -> OomVerdict:
     return replace(verdict, verdict=name, reason=reason, action=action)
 
 
+@dataclass(frozen=True)
+class Rule:
+    """One cause: asked in RULES' order, the first that holds is the verdict. A rule asked
+    whose `needs` (field, what it is) lacks a reading gives `unknown`, naming it: the rules
+    after it cannot be told apart from it without that reading."""
+
+    verdict: str
+    holds: Callable[[OomVerdict], bool]  # with its needs read
+    says: Callable[[OomVerdict], tuple[str, str]]  # (reason, action), where it holds
+    needs: tuple[tuple[str, str], ...] = ()
+    asked: Callable[[OomVerdict], bool] = lambda v: True  # whether it applies at all
+
+
 def _rule(v: OomVerdict) -> tuple[str, str, str]:
-    asked = fmt_bytes(v.requested_bytes)
-    # 1. The cache had the bytes, in pieces.
-    if v.free_in_holes_bytes is None:
-        return _unknown(v, "free bytes in the cache")
-    if v.free_in_holes_bytes >= v.requested_bytes:
-        largest = v.largest_free_block_bytes
-        piece = f", largest free block {fmt_bytes(largest)}" if largest is not None else ""
-        reason = (
-            f"asked {asked}; {fmt_bytes(v.free_in_holes_bytes)} free in the cache between "
-            f"live tensors{piece}"
-        )
-        if v.expandable_segments:
-            action = (
-                "holes between live tensors even with expandable segments: make allocation "
-                "sizes uniform (pad or bucket batch shapes), free long-lived tensors made "
-                "between short-lived ones"
-            )
-        else:
-            action = (
-                "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and restart "
-                "(empty_cache cannot merge holes between live tensors)"
-            )
-        return "fragmentation", reason, action
-    capped = v.memory_limit_bytes is not None and (
+    for rule in RULES:
+        if not rule.asked(v):
+            continue
+        for name, what in rule.needs:
+            if getattr(v, name) is None:
+                return _unknown(v, what)
+        if rule.holds(v):
+            reason, action = rule.says(v)
+            return rule.verdict, reason, action
+    raise AssertionError("exhaustion holds whenever it is reached")
+
+
+def _capped(v: OomVerdict) -> bool:
+    """A cap under the GPU's size (set_per_process_memory_fraction < 1)."""
+    return v.memory_limit_bytes is not None and (
         v.device_total_bytes is None or v.memory_limit_bytes < v.device_total_bytes
     )
-    # 2. Free memory stranded in private pools would have covered what was missing.
-    stranded = _stranded(v, capped)
-    if stranded is not None:
-        return stranded
-    # 3. The GPU had room; the process's cap did not.
-    if capped:
-        if v.device_free_bytes is None:
-            return _unknown(v, "the GPU's free memory")
-        if v.device_free_bytes >= v.requested_bytes:
-            assert v.memory_limit_bytes is not None
-            room = v.cap_room_bytes
-            reason = (
-                f"asked {asked}; the GPU had {fmt_bytes(v.device_free_bytes)} free but the cap "
-                f"of {fmt_bytes(v.memory_limit_bytes)} left "
-                f"{fmt_bytes(room) if room is not None else 'unknown'}"
-            )
-            need = (v.reserved_bytes or v.memory_limit_bytes) + v.requested_bytes
-            of_gpu = f" ({need / v.device_total_bytes:.2f})" if v.device_total_bytes else ""
-            action = (
-                f"raise torch.cuda.set_per_process_memory_fraction to a cap of at least "
-                f"{fmt_bytes(need)}{of_gpu}, or lower this process's memory use"
-            )
-            return "cap", reason, action
-    # 4. Other processes hold what was missing.
-    if v.device_free_bytes is None:
-        return _unknown(v, "the GPU's free memory")
-    if v.other_processes_bytes is None:
-        return _unknown(v, "the GPU's other processes (NVML)")
+
+
+def _share(v: OomVerdict, nbytes: int | None) -> float:
     total = v.device_total_bytes or 0
-    share = v.other_processes_bytes / total if total else 0.0
-    if (
-        share >= OTHER_PROCESSES_MIN_SHARE
-        and v.other_processes_bytes + v.device_free_bytes >= v.requested_bytes
-    ):
-        named = ", ".join(f"pid {pid} {fmt_bytes(used)}" for pid, used in v.other_processes)
-        reason = (
-            f"asked {asked}; {fmt_bytes(v.device_free_bytes)} free on the GPU, other processes "
-            f"hold {fmt_bytes(v.other_processes_bytes)} ({named})"
-        )
-        first = v.other_processes[0][0] if v.other_processes else None
-        who = f"pid {first}" if first is not None else "the other processes"
-        return "other_processes", reason, f"stop or move {who} off this GPU"
-    # 5. This process's memory outside the allocator filled the GPU.
-    outside = v.outside_allocator_bytes
-    if (
-        outside is not None
-        and total
-        and outside / total >= OUTSIDE_ALLOCATOR_MIN_SHARE
-        and outside + v.device_free_bytes >= v.requested_bytes
-    ):
-        reason = (
-            f"asked {asked}; {fmt_bytes(v.device_free_bytes)} free on the GPU, this process "
-            f"holds {fmt_bytes(outside)} outside PyTorch's allocator"
-        )
-        action = (
-            "free or bound the other allocator in this process (CuPy: "
-            "cupy.get_default_memory_pool().free_all_blocks() or set_limit; NCCL buffers; a "
-            "CuMem/VMM pool), or give torch's allocator less of the GPU"
-        )
-        return "outside_allocator", reason, action
-    # 6. Live tensors fill what this process may use.
-    if v.allocated_bytes is None:
-        return _unknown(v, "allocated bytes")
-    room = v.memory_limit_bytes if capped else v.device_total_bytes
-    of = f" of {fmt_bytes(room)}" + (" (the cap)" if capped else "") if room else ""
+    return nbytes / total if nbytes is not None and total else 0.0
+
+
+# 1. The cache had the bytes, in pieces.
+
+
+def _fragmented(v: OomVerdict) -> bool:
+    assert v.free_in_holes_bytes is not None
+    return v.free_in_holes_bytes >= v.requested_bytes
+
+
+def _fragmentation(v: OomVerdict) -> tuple[str, str]:
+    assert v.free_in_holes_bytes is not None
+    largest = v.largest_free_block_bytes
+    piece = f", largest free block {fmt_bytes(largest)}" if largest is not None else ""
     reason = (
-        f"asked {asked}; live tensors hold {fmt_bytes(v.allocated_bytes)}{of}, "
-        f"{fmt_bytes(v.free_in_holes_bytes)} free in the cache, "
-        f"{fmt_bytes(v.device_free_bytes)} free on the GPU"
+        f"asked {fmt_bytes(v.requested_bytes)}; {fmt_bytes(v.free_in_holes_bytes)} free in "
+        f"the cache between live tensors{piece}"
     )
-    action = "reduce the batch size, sequence length or KV-cache budget, or shard the model wider"
-    return "exhaustion", reason, action
+    if v.expandable_segments:
+        action = (
+            "holes between live tensors even with expandable segments: make allocation "
+            "sizes uniform (pad or bucket batch shapes), free long-lived tensors made "
+            "between short-lived ones"
+        )
+    else:
+        action = (
+            "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and restart "
+            "(empty_cache cannot merge holes between live tensors)"
+        )
+    return reason, action
 
 
-def _stranded(v: OomVerdict, capped: bool) -> tuple[str, str, str] | None:
-    """The `pools` verdict where free bytes in private pools cover what was missing: the
-    request less the room the cap (or, without one, the GPU) left."""
-    stranded = v.private_pools_free_bytes
-    room = v.cap_room_bytes if capped else v.device_free_bytes
+# 2. Free memory stranded in private pools would have covered what was missing: the request
+# less the room the cap (or, without one, the GPU) left.
+
+
+def _pool_room(v: OomVerdict) -> int | None:
+    return v.cap_room_bytes if _capped(v) else v.device_free_bytes
+
+
+def _stranded(v: OomVerdict) -> bool:
+    stranded, room = v.private_pools_free_bytes, _pool_room(v)
     if not stranded or room is None:
-        return None
-    if stranded < v.requested_bytes - room:
-        return None
+        return False
+    return stranded >= v.requested_bytes - room
+
+
+def _pools(v: OomVerdict) -> tuple[str, str]:
+    stranded, room = v.private_pools_free_bytes, _pool_room(v)
+    assert stranded is not None and room is not None
     named = ", ".join(
         f"pool {pool} {fmt_bytes(free)}" for pool, free in v.private_pools_free.items()
     )
@@ -318,7 +295,125 @@ def _stranded(v: OomVerdict, capped: bool) -> tuple[str, str, str] | None:
         "delete what owns the pool (the torch.cuda.MemPool or CUDA graph), then "
         "torch.cuda.empty_cache(); or allocate this request from it (torch.cuda.use_mem_pool)"
     )
-    return "pools", reason, action
+    return reason, action
+
+
+# 3. The GPU had room; the process's cap did not.
+
+
+def _gpu_had_room(v: OomVerdict) -> bool:
+    assert v.device_free_bytes is not None
+    return v.device_free_bytes >= v.requested_bytes
+
+
+def _cap(v: OomVerdict) -> tuple[str, str]:
+    assert v.memory_limit_bytes is not None and v.device_free_bytes is not None
+    room = v.cap_room_bytes
+    reason = (
+        f"asked {fmt_bytes(v.requested_bytes)}; the GPU had {fmt_bytes(v.device_free_bytes)} "
+        f"free but the cap of {fmt_bytes(v.memory_limit_bytes)} left "
+        f"{fmt_bytes(room) if room is not None else 'unknown'}"
+    )
+    need = (v.reserved_bytes or v.memory_limit_bytes) + v.requested_bytes
+    of_gpu = f" ({need / v.device_total_bytes:.2f})" if v.device_total_bytes else ""
+    action = (
+        f"raise torch.cuda.set_per_process_memory_fraction to a cap of at least "
+        f"{fmt_bytes(need)}{of_gpu}, or lower this process's memory use"
+    )
+    return reason, action
+
+
+# 4. Other processes hold what was missing.
+
+
+def _others_hold_it(v: OomVerdict) -> bool:
+    assert v.other_processes_bytes is not None and v.device_free_bytes is not None
+    return (
+        _share(v, v.other_processes_bytes) >= OTHER_PROCESSES_MIN_SHARE
+        and v.other_processes_bytes + v.device_free_bytes >= v.requested_bytes
+    )
+
+
+def _other_processes(v: OomVerdict) -> tuple[str, str]:
+    assert v.other_processes_bytes is not None and v.device_free_bytes is not None
+    named = ", ".join(f"pid {pid} {fmt_bytes(used)}" for pid, used in v.other_processes)
+    reason = (
+        f"asked {fmt_bytes(v.requested_bytes)}; {fmt_bytes(v.device_free_bytes)} free on the "
+        f"GPU, other processes hold {fmt_bytes(v.other_processes_bytes)} ({named})"
+    )
+    first = v.other_processes[0][0] if v.other_processes else None
+    who = f"pid {first}" if first is not None else "the other processes"
+    return reason, f"stop or move {who} off this GPU"
+
+
+# 5. This process's memory outside the allocator filled the GPU.
+
+
+def _outside_fills_it(v: OomVerdict) -> bool:
+    outside, free = v.outside_allocator_bytes, v.device_free_bytes
+    return (
+        outside is not None
+        and free is not None
+        and _share(v, outside) >= OUTSIDE_ALLOCATOR_MIN_SHARE
+        and outside + free >= v.requested_bytes
+    )
+
+
+def _outside_allocator(v: OomVerdict) -> tuple[str, str]:
+    assert v.outside_allocator_bytes is not None and v.device_free_bytes is not None
+    reason = (
+        f"asked {fmt_bytes(v.requested_bytes)}; {fmt_bytes(v.device_free_bytes)} free on the "
+        f"GPU, this process holds {fmt_bytes(v.outside_allocator_bytes)} outside PyTorch's "
+        "allocator"
+    )
+    action = (
+        "free or bound the other allocator in this process (CuPy: "
+        "cupy.get_default_memory_pool().free_all_blocks() or set_limit; NCCL buffers; a "
+        "CuMem/VMM pool), or give torch's allocator less of the GPU"
+    )
+    return reason, action
+
+
+# 6. Live tensors fill what this process may use.
+
+
+def _exhaustion(v: OomVerdict) -> tuple[str, str]:
+    assert v.allocated_bytes is not None and v.free_in_holes_bytes is not None
+    assert v.device_free_bytes is not None
+    capped = _capped(v)
+    room = v.memory_limit_bytes if capped else v.device_total_bytes
+    of = f" of {fmt_bytes(room)}" + (" (the cap)" if capped else "") if room else ""
+    reason = (
+        f"asked {fmt_bytes(v.requested_bytes)}; live tensors hold "
+        f"{fmt_bytes(v.allocated_bytes)}{of}, {fmt_bytes(v.free_in_holes_bytes)} free in the "
+        f"cache, {fmt_bytes(v.device_free_bytes)} free on the GPU"
+    )
+    action = "reduce the batch size, sequence length or KV-cache budget, or shard the model wider"
+    return reason, action
+
+
+_FREE_ON_GPU = ("device_free_bytes", "the GPU's free memory")
+# The module docstring's order; `unknown` is no row: it is what a missing need gives.
+RULES = (
+    Rule(
+        "fragmentation",
+        _fragmented,
+        _fragmentation,
+        needs=(("free_in_holes_bytes", "free bytes in the cache"),),
+    ),
+    Rule("pools", _stranded, _pools),
+    Rule("cap", _gpu_had_room, _cap, needs=(_FREE_ON_GPU,), asked=_capped),
+    Rule(
+        "other_processes",
+        _others_hold_it,
+        _other_processes,
+        needs=(_FREE_ON_GPU, ("other_processes_bytes", "the GPU's other processes (NVML)")),
+    ),
+    Rule("outside_allocator", _outside_fills_it, _outside_allocator),
+    Rule(
+        "exhaustion", lambda v: True, _exhaustion, needs=(("allocated_bytes", "allocated bytes"),)
+    ),
+)
 
 
 def _unknown(v: OomVerdict, needed: str) -> tuple[str, str, str]:

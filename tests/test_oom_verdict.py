@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from exporter.oom_verdict import VERDICTS, OomLog, OomVerdict, decide, describe
+from exporter.oom_verdict import RULES, VERDICTS, OomLog, OomVerdict, Rule, decide, describe
 from tests.conftest import DATA_DIR
 
 GiB = 1 << 30
@@ -238,3 +238,74 @@ def test_a_retry_says_what_is_building(holes, largest, reserved, limit, says) ->
 
     note = retry_pressure(holes, largest, reserved, limit)
     assert note.startswith(says) if says else note == ""
+
+
+# Each rule alone: the readings at its edge, as a bare OomVerdict (nothing else set), so that
+# what holds is the rule's own condition, not the order of the table around it.
+_ALONE = {
+    # (readings where it holds, the same with one reading on the other side of its edge)
+    "fragmentation": ({"free_in_holes_bytes": 2 * GiB}, {"free_in_holes_bytes": 2 * GiB - 1}),
+    "pools": (
+        {"device_free_bytes": GiB, "private_pools_free_bytes": GiB},
+        {"device_free_bytes": GiB, "private_pools_free_bytes": GiB - 1},
+    ),
+    "cap": (
+        {"device_free_bytes": 2 * GiB, "memory_limit_bytes": 10 * GiB, "reserved_bytes": 9 * GiB},
+        {
+            "device_free_bytes": 2 * GiB - 1,
+            "memory_limit_bytes": 10 * GiB,
+            "reserved_bytes": 9 * GiB,
+        },
+    ),
+    "other_processes": (
+        {
+            "device_free_bytes": GiB,
+            "other_processes_bytes": 8 * GiB,
+            "device_total_bytes": 80 * GiB,
+        },
+        {
+            "device_free_bytes": GiB,
+            "other_processes_bytes": 8 * GiB - 1,
+            "device_total_bytes": 80 * GiB,
+        },
+    ),
+    "outside_allocator": (
+        {
+            "device_free_bytes": GiB,
+            "outside_allocator_bytes": 8 * GiB,
+            "device_total_bytes": 80 * GiB,
+        },
+        {
+            "device_free_bytes": GiB,
+            "outside_allocator_bytes": 8 * GiB - 1,
+            "device_total_bytes": 80 * GiB,
+        },
+    ),
+}
+
+
+def test_the_rules_are_the_verdicts_in_the_documented_order() -> None:
+    assert [rule.verdict for rule in RULES] == [v for v in VERDICTS if v != "unknown"]
+
+
+@pytest.mark.parametrize("rule", RULES[:-1], ids=lambda rule: rule.verdict)
+def test_each_rule_alone_holds_at_its_edge_and_says_its_numbers(rule: Rule) -> None:
+    holds, short = (OomVerdict(0, 0.0, 2 * GiB, **readings) for readings in _ALONE[rule.verdict])
+    assert rule.holds(holds) and not rule.holds(short)
+    reason, action = rule.says(holds)
+    assert reason.startswith("asked 2.00 GiB; ") and action, (reason, action)
+
+
+def test_exhaustion_holds_whenever_it_is_reached_and_names_the_room() -> None:
+    exhaustion = RULES[-1]
+    verdict = OomVerdict(
+        0,
+        0.0,
+        GiB,
+        allocated_bytes=70 * GiB,
+        free_in_holes_bytes=0,
+        device_free_bytes=0,
+        device_total_bytes=80 * GiB,
+    )
+    assert exhaustion.holds(verdict)
+    assert "live tensors hold 70.0 GiB of 80.0 GiB" in exhaustion.says(verdict)[0]

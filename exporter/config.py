@@ -603,6 +603,17 @@ class Config:
     def stale_threshold_s(self) -> float:
         return self.stale_after_s or max(3 * self.interval_s, 5.0)
 
+    def admin_methods_ready(self) -> tuple[str, ...]:
+        """The methods of admin_auth that have what they need to identify a caller: "token"
+        with a token or a token file, "kubernetes" (the API server decides) always. The one
+        rule for "admin has credentials": the web config's basic auth lets such callers
+        through with their own credentials, and gpumem_exporter_web_info says them."""
+        return tuple(
+            method
+            for method in self.admin_auth
+            if method != "token" or self.admin_token or self.admin_token_file
+        )
+
     def resolved_admin_token(self) -> str | None:
         """The admin token, read from the file if one is named (so rotations are seen)."""
         if self.admin_token_file:

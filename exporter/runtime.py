@@ -86,13 +86,8 @@ def admin_auth_label(config: Config, traits: Traits) -> str:
     of admin_auth that have what they need ("token" only with a token or a token file; it
     said "token" with none, when every admin request was refused), else "open" (the demo,
     whose actions change nothing) or "none" (admin actions off)."""
-    usable = [
-        method
-        for method in config.admin_auth
-        if method != "token" or config.admin_token or config.admin_token_file
-    ]
-    if usable:
-        return "+".join(usable)
+    if ready := config.admin_methods_ready():
+        return "+".join(ready)
     return "open" if traits.admin_open else "none"
 
 

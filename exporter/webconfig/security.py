@@ -233,10 +233,7 @@ def web_security(config: Config) -> WebSecurity:
     try:
         return WebSecurity(
             config.web_config_file,
-            admin_has_credentials=lambda: (
-                "kubernetes" in config.admin_auth
-                or bool(config.admin_token or config.admin_token_file)
-            ),
+            admin_has_credentials=lambda: bool(config.admin_methods_ready()),
         )
     except WebConfigError as exc:
         raise ConfigError(str(exc)) from None

@@ -99,6 +99,8 @@ class OomVerdict:
     # the default pool cannot use; and by pool id ("0_1"), the most first.
     private_pools_free_bytes: int | None = None
     private_pools_free: dict[str, int] = field(default_factory=dict)
+    # The names the server gave those pools (exporter.name_pool), by pool id: "decode_graphs".
+    private_pool_names: dict[str, str] = field(default_factory=dict)
     # This process's bytes outside PyTorch's allocator at the OOM: NVML's used - reserved.
     outside_allocator_bytes: int | None = None
     expandable_segments: bool = False
@@ -168,6 +170,16 @@ def _checked(name: str, value: Any) -> Any:
             raise ValueError("OOM verdict: private_pools_free is not a short mapping")
         if not all(isinstance(k, str) and len(k) <= 64 and _whole(v) for k, v in value.items()):
             raise ValueError("OOM verdict: private_pools_free maps pool ids to bytes")
+        return dict(value)
+    if name == "private_pool_names":
+        if not isinstance(value, dict) or len(value) > MAX_NAMED_POOLS:
+            raise ValueError("OOM verdict: private_pool_names is not a short mapping")
+        short = all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 64
+            for k, v in value.items()
+        )
+        if not short:
+            raise ValueError("OOM verdict: private_pool_names maps pool ids to names")
         return dict(value)
     if name == "other_processes":
         if not isinstance(value, list) or len(value) > MAX_NAMED_PROCESSES:
@@ -285,7 +297,8 @@ def _pools(v: OomVerdict) -> tuple[str, str]:
     stranded, room = v.private_pools_free_bytes, _pool_room(v)
     assert stranded is not None and room is not None
     named = ", ".join(
-        f"pool {pool} {fmt_bytes(free)}" for pool, free in v.private_pools_free.items()
+        f"pool {pool_label(pool, v.private_pool_names)} {fmt_bytes(free)}"
+        for pool, free in v.private_pools_free.items()
     )
     reason = (
         f"asked {fmt_bytes(v.requested_bytes)}; {fmt_bytes(stranded)} free in private pools "
@@ -296,6 +309,13 @@ def _pools(v: OomVerdict) -> tuple[str, str]:
         "torch.cuda.empty_cache(); or allocate this request from it (torch.cuda.use_mem_pool)"
     )
     return reason, action
+
+
+def pool_label(pool: str, names: Mapping[str, str]) -> str:
+    """A private pool as people read it: its name and id where the server named it
+    ("decode_graphs (0_1)"), else its id."""
+    name = names.get(pool)
+    return f"{name} ({pool})" if name else pool
 
 
 # 3. The GPU had room; the process's cap did not.

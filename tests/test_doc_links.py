@@ -34,7 +34,10 @@ def test_every_link_to_a_document_and_its_section_lands() -> None:
             landing = (document.parent / path).resolve() if path else document
             if not landing.exists():
                 broken.append(f"{document.name}: {target} (no such file)")
-            elif anchor and landing.suffix == ".md":
-                if anchor not in markdown_anchors(landing.read_text()):
-                    broken.append(f"{document.name}: {target} (no such section)")
+            elif (
+                anchor
+                and landing.suffix == ".md"
+                and anchor not in markdown_anchors(landing.read_text())
+            ):
+                broken.append(f"{document.name}: {target} (no such section)")
     assert broken == [], "\n".join(broken)

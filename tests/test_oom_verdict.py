@@ -309,3 +309,21 @@ def test_exhaustion_holds_whenever_it_is_reached_and_names_the_room() -> None:
     )
     assert exhaustion.holds(verdict)
     assert "live tensors hold 70.0 GiB of 80.0 GiB" in exhaustion.says(verdict)[0]
+
+
+def test_a_named_pool_is_said_by_its_name_and_id_and_the_names_are_checked() -> None:
+    verdict = _undecided(_captured("cap"))
+    assert verdict.cap_room_bytes is not None
+    missing = verdict.requested_bytes - verdict.cap_room_bytes
+    stranded = replace(
+        verdict,
+        private_pools_free_bytes=missing,
+        private_pools_free={"0_1": missing},
+        private_pool_names={"0_1": "decode_graphs"},
+    )
+    decided = decide(stranded)
+    assert decided.verdict == "pools" and "pool decode_graphs (0_1) " in decided.reason
+    assert OomVerdict.from_dict(decided.to_dict()) == decided
+    for bad in ({"0_1": 7}, {"0_1": "x" * 65}, {str(i): "p" for i in range(4)}, ["0_1"]):
+        with pytest.raises(ValueError, match="private_pool_names"):
+            OomVerdict.from_dict({**decided.to_dict(), "private_pool_names": bad})

@@ -544,12 +544,15 @@ class TorchAllocatorSource:
                     pool: sums["reserved_bytes"] - sums.get("allocated_bytes", 0)
                     for pool, sums in layout.private_pools.items()
                 }
-                named = sorted(free.items(), key=lambda item: item[1], reverse=True)
+                most = dict(sorted(free.items(), key=lambda item: item[1], reverse=True))
+                most = dict(list(most.items())[:MAX_NAMED_POOLS])
+                names = {pool: pool_registry().describe(pool)["name"] for pool in most}
                 return {
                     "free_in_holes_bytes": layout.default_pool_free_bytes,
                     "largest_free_block_bytes": layout.largest_free_block_bytes,
                     "private_pools_free_bytes": sum(free.values()),
-                    "private_pools_free": dict(named[:MAX_NAMED_POOLS]),
+                    "private_pools_free": most,
+                    "private_pool_names": {pool: name for pool, name in names.items() if name},
                 }
             except Exception as exc:
                 missing.append(f"allocator layout: {exc!r:.120}")

@@ -98,7 +98,8 @@ def test_memory_stranded_in_a_live_mempool_is_pools():
     assert oom["verdict"] == "pools", oom
     assert oom["private_pools_free_bytes"] == r["truth"]["pools_free"] >= 4 * GiB
     assert oom["private_pools_free"][r["pool_id"]] >= 4 * GiB
-    assert f"pool {r['pool_id']} " in oom["reason"]
+    assert f"pool kv_cache ({r['pool_id']}) " in oom["reason"]  # the name the server gave it
+    assert oom["private_pool_names"] == {r["pool_id"]: "kv_cache"}
 
 
 def test_cupy_filling_the_gpu_in_the_same_process_is_outside_allocator():

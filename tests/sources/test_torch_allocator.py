@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from exporter.oom_verdict import decide
 from exporter.sources.torch_allocator import (
     TorchAllocatorSource,
     allocator_reading_from_stats,
@@ -272,3 +273,31 @@ def test_a_switch_the_snapshot_finds_shows_in_the_same_reading(monkeypatch):
     assert switched.expandable_segments is True
     assert "inactive_split_bytes" not in switched.gauges  # not tracked with expandable segments
     assert switched.gauges["reserved_bytes"] == first.gauges["reserved_bytes"]
+
+
+def test_an_oom_verdict_names_a_pool_the_server_named(monkeypatch):
+    """Issue 65: a pool the server named (exporter.name_pool) was only in a full-detail series;
+    its OOM verdict, which `why`, the page and /stats show, named it by id alone. The
+    observer's snapshot here: one segment of the capture moved to pool 0_1, all of it free."""
+    import copy
+
+    from exporter import pools
+
+    data = capture("native")
+    cuda = FakeCuda(copy.deepcopy(data["memory_stats_as_nested_dict"]), True, {0}, count=1)
+    source = TorchAllocatorSource(fake_torch(cuda), env={}, layout_interval_s=0)
+    segments = copy.deepcopy(data["snapshot"]["segments"])
+    stranded = segments[0]
+    stranded["segment_pool_id"] = [0, 1]
+    for block in stranded["blocks"]:
+        block["state"] = "inactive"
+    stranded["allocated_size"] = stranded["active_size"] = 0
+    names = pools.PoolNames()
+    monkeypatch.setattr(pools, "registry", lambda: names)
+    monkeypatch.setattr("exporter.sources.torch_allocator.pool_registry", lambda: names)
+    names.name((0, 1), "kv_cache")
+    total = stranded["total_size"]
+    verdict = decide(source.read_oom(0, 2 * total, 1 << 40, total, segments=segments))
+    assert verdict.private_pools_free["0_1"] == total  # beside the capture's own graph pool
+    assert verdict.private_pool_names == {"0_1": "kv_cache"}
+    assert verdict.verdict == "pools" and "pool kv_cache (0_1) " in verdict.reason, verdict

@@ -105,10 +105,23 @@ class SampleWindow:
             start -= 1
         return records[start:]
 
-    def to_dict(self, timestamp: float | None = None) -> dict[str, Any]:
+    def to_dict(self, timestamp: float | None = None, upto: Sample | None = None) -> dict[str, Any]:
         """The records newer than `timestamp` as columns: one list of timestamps, and per GPU
-        one list per field, aligned with them (None where the GPU or the value is missing)."""
-        return columns(self.since(timestamp))
+        one list per field, aligned with them (None where the GPU or the value is missing).
+
+        `upto`: the sample the rest of an answer comes from (the sampler's latest): the
+        columns end with it, so that a page's numbers and its ledger, processes and alerts are
+        of one sample. The sampler publishes a sample before its listeners run, so under load
+        this window was a tick behind it, or, read after it, a tick ahead: the page's card
+        mixed two samples."""
+        records = self.since(timestamp)
+        if upto is not None:
+            while records and records[-1].timestamp > upto.timestamp:
+                records.pop()
+            newest = records[-1].timestamp if records else None
+            if newest != upto.timestamp and (timestamp is None or upto.timestamp > timestamp):
+                records.append(Record(upto.timestamp, *gpu_points(upto)))
+        return columns(records)
 
 
 def columns(records: list[Record]) -> dict[str, Any]:

@@ -3,6 +3,7 @@ about what it keeps per GPU in each mode (embedded/demo, node daemon, run)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import tracemalloc
@@ -304,3 +305,35 @@ def test_build_runtime_feeds_every_sample_to_the_window(tmp_path):
     assert len(runtime.window) == 2
     assert runtime.window.interval_s == 0.5 and runtime.window.capacity == 1200
     assert not math.isnan(runtime.window.since()[0].values[FIELDS.index("used_bytes")])
+
+
+def test_the_page_gets_the_window_up_to_the_sample_the_rest_of_its_answer_is_from(tmp_path):
+    """Issue 65: under load the GPU card's numbers (the window's last point) and its ledger
+    (the sampler's latest sample) came from two samples: the sampler publishes a sample
+    before its listeners append it here, and a page read between saw the window a tick
+    behind, or, read the other way round, a tick ahead. /api/window now ends its columns
+    with the sample it answers from."""
+    from exporter.http.page import window_payload
+
+    runtime = build_runtime(
+        load_config(env={}, snapshot_dir=str(tmp_path)), mode="demo", sources=[]
+    )
+    window = runtime.window
+    samples = [
+        Sample(timestamp=1000.0 + t, gpus=[gpu(0, UUID0, used=t * GiB, free=(80 - t) * GiB)])
+        for t in range(4)
+    ]
+    for sample in samples[:2]:
+        window(sample)
+    # A tick behind: the sampler has published samples[2], its listeners have not run yet.
+    runtime.sampler._state = dataclasses.replace(runtime.sampler.state(), sample=samples[2])
+    body = window_payload(runtime, None)
+    assert body["timestamps"] == [1000.0, 1001.0, 1002.0]
+    assert body["gpus"][0]["series"]["used_bytes"][-1] == 2 * GiB
+    assert window_payload(runtime, 1001.0)["timestamps"] == [1002.0]
+    assert window_payload(runtime, 1002.0)["timestamps"] == []
+    # A tick ahead: the window has samples[3], the state read before it is samples[2].
+    window(samples[2])
+    window(samples[3])
+    assert window_payload(runtime, None)["timestamps"] == [1000.0, 1001.0, 1002.0]
+    assert len(window) == 4  # nothing added to the window itself

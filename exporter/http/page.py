@@ -127,7 +127,7 @@ def window_payload(runtime: Served, since: float | None) -> dict[str, Any]:
             for name, status in state.sources.items()
             if status.unavailable or (status.last_error and not status.up)
         },
-        **window.to_dict(since),
+        **window.to_dict(since, upto=sample),
         "host": host_row(sample),
         "processes": process_rows(sample) if sample else [],
         "ledgers": ledger_rows(sample) if sample else {},

@@ -93,16 +93,22 @@ def test_abort_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def _gz(data: bytes) -> bytes:
+    """gzip with no time in its header: the same bytes, so the same test ids, in every process
+    (pytest-xdist's workers must collect the same tests)."""
+    return gzip.compress(data, mtime=0)
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
         (b"not gzip", "is not a gzip trace file"),
-        (gzip.compress(b""), "is empty"),
-        (gzip.compress(b'{"format": "other"}\n'), "is not a gpumem-trace file"),
-        (gzip.compress(b'{"format": "gpumem-trace", "version": 9}\n'), "unsupported trace version"),
-        (gzip.compress(b'{"format": "gpumem-trace", "version": 1}\n'), "holds no samples"),
-        (gzip.compress(b'{"format": "gpumem-trace", "version": 1}\n{"x": 1}\n'), "malformed"),
-        (gzip.compress(b'{"format": "gpumem-trace", "version": 1}\n{oops\n'), "malformed"),
+        (_gz(b""), "is empty"),
+        (_gz(b'{"format": "other"}\n'), "is not a gpumem-trace file"),
+        (_gz(b'{"format": "gpumem-trace", "version": 9}\n'), "unsupported trace version"),
+        (_gz(b'{"format": "gpumem-trace", "version": 1}\n'), "holds no samples"),
+        (_gz(b'{"format": "gpumem-trace", "version": 1}\n{"x": 1}\n'), "malformed"),
+        (_gz(b'{"format": "gpumem-trace", "version": 1}\n{oops\n'), "malformed"),
     ],
 )
 def test_bad_trace_files_get_a_one_line_reason(tmp_path, content, message):

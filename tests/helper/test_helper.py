@@ -328,18 +328,19 @@ def test_the_helper_keeps_out_of_the_servers_multiprocess_folder(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_folders_of_dead_helpers_are_swept_by_the_next_start(tmp_path):
+def test_folders_of_dead_helpers_are_swept_by_the_next_start(run_dir):
     """A SIGKILLed helper cannot remove its folder: the next start() of this user removes the
-    folders no helper holds (not a fresh one, which may be its starter's)."""
-    dead = tmp_path / f"{join.HELPER_PREFIX}{os.getuid()}-0-dead"
-    fresh = tmp_path / f"{join.HELPER_PREFIX}{os.getuid()}-0-fresh"
+    folders no helper holds (not a fresh one, which may be its starter's). In a short folder:
+    a socket's path has at most 107 bytes, which pytest's own temp paths pass under xdist."""
+    dead = run_dir / f"{join.HELPER_PREFIX}{os.getuid()}-0-dead"
+    fresh = run_dir / f"{join.HELPER_PREFIX}{os.getuid()}-0-fresh"
     for folder in (dead, fresh):
         folder.mkdir(mode=0o700)
         (folder / join.HELPER_LOCK).touch()  # nobody holds it
         (folder / join.URL_NAME).write_text("http://127.0.0.1:1\n")
     old = time.time() - 2 * join.SWEEP_AFTER_S
     os.utime(dead, (old, old))
-    handle = exporter.start(port=0, interval_s=0.1, helper_dir=str(tmp_path))
+    handle = exporter.start(port=0, interval_s=0.1, helper_dir=str(run_dir))
     try:
         assert handle.error is None
         assert not dead.exists() and fresh.exists()

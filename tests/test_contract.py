@@ -9,6 +9,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -30,7 +31,7 @@ from tests.helpers import (
 RESERVED = "torch_cuda_reserved_bytes"
 
 
-def _replaced(monkeypatch: pytest.MonkeyPatch, family: str, **changes: object) -> None:
+def _replaced(monkeypatch: pytest.MonkeyPatch, family: str, **changes: Any) -> None:
     """The catalog with `family` changed as `changes` say."""
     families = tuple(
         dataclasses.replace(f, **changes) if f.name == family else f for f in catalog.FAMILIES

@@ -242,7 +242,7 @@ def test_a_retry_says_what_is_building(holes, largest, reserved, limit, says) ->
 
 # Each rule alone: the readings at its edge, as a bare OomVerdict (nothing else set), so that
 # what holds is the rule's own condition, not the order of the table around it.
-_ALONE = {
+_ALONE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     # (readings where it holds, the same with one reading on the other side of its edge)
     "fragmentation": ({"free_in_holes_bytes": 2 * GiB}, {"free_in_holes_bytes": 2 * GiB - 1}),
     "pools": (

@@ -1,6 +1,6 @@
 // The admin API from the page: snapshots and empty_cache, with the token the user gives
 // (kept in sessionStorage, sent as a Bearer header, never in a URL).
-import { el, fmtBytes, fmtDateTime } from "./format.js";
+import { el, fmtBytes, fmtDateTime, labelCells } from "./format.js";
 export const TOKEN_KEY = "gpumem-admin-token";
 
 // -- admin: snapshots and actions -----------------------------------------------------------
@@ -157,6 +157,7 @@ function renderSnapshots(snapshots) {
       );
     }),
   );
+  labelCells(document.getElementById("snapshot-rows"));
 }
 
 function replayNote(answer) {

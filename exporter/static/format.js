@@ -40,6 +40,14 @@ export function el(tag, attrs, ...children) {
   }
   return node;
 }
+// Each cell of a table body named by its column's heading (data-label): on a narrow screen a
+// row is shown as a card of "heading value" lines (page.css), whose headings are these.
+export function labelCells(tbody) {
+  const headings = [...tbody.closest("table").tHead.rows[0].cells].map((th) => th.textContent);
+  for (const row of tbody.rows) {
+    [...row.cells].forEach((cell, i) => { cell.dataset.label = headings[i] || ""; });
+  }
+}
 export function cssVar(name) {
   return getComputedStyle(document.documentElement).getPropertyValue(name).trim();
 }

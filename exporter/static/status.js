@@ -1,6 +1,6 @@
 // Firing alerts, the process table and the status line.
 // -- alerts, processes, status ------------------------------------------------------------------
-import { el, fmtBytes, fmtClock, fmtRatio, gpuTitle } from "./format.js";
+import { el, fmtBytes, fmtClock, fmtRatio, gpuTitle, labelCells } from "./format.js";
 import { lastTimestamp, store } from "./state.js";
 
 function gpuLabel(key) {
@@ -86,6 +86,7 @@ export function renderProcesses(rows) {
       ),
     ),
   );
+  labelCells(document.getElementById("process-rows"));
 }
 
 const MODE_NAMES = { node: "node daemon", demo: "demo", run: "run", embedded: "embedded" };

@@ -491,8 +491,10 @@ def test_live_page_on_the_demo_draws_alerts_and_actions_without_a_token(tmp_path
     for width in (1400, 420):
         state = result["widths"][str(width)]
         assert state["pageErrors"] == 0, state["pageErrorText"]
-        # Nothing reaches past the window, the OOM banner's long action included (a phone).
+        # Nothing reaches past the window, the OOM banner's long action included (a phone),
+        # nor a cell of the processes' or the snapshots' tables (rows are cards there).
         assert state["sideways"] == [], (width, state["sideways"])
+        assert state["tableRows"] >= 1 and state["cutCells"] == [], (width, state["cutCells"])
         (gpu0,) = state["cards"]
         assert gpu0["title"] == "GPU 0 · NVIDIA H200"
         # Four layers of the stack (free is left out: the demo's process uses a sixth of the
@@ -869,6 +871,8 @@ def test_runbook_tables_fit_the_window_without_scrolling_sideways(tmp_path):
     for width in ("1400", "1920", "420"):
         shown = result["runbooks"][width]
         assert shown["tables"] >= 4 and shown["clipped"] == [], (width, shown)
+        # No word of prose broken mid-word (at 1400 px "fragmen/tation", beside empty room).
+        assert shown["broken"] == [], (width, shown["broken"])
 
 
 @pytest.mark.slow

@@ -166,6 +166,13 @@ try {
       .filter((e) => !e.closest(".table-wrap") && e.getClientRects().length > 0 &&
         e.getBoundingClientRect().right > document.documentElement.clientWidth + 1)
       .slice(0, 10).map((e) => e.id || e.className || e.tagName),
+    // Table cells (processes, snapshots) past the window's right edge: on a phone they were
+    // reachable only by scrolling their box sideways, the snapshot's links off the screen.
+    cutCells: [...document.querySelectorAll(".table-wrap td")]
+      .filter((td) => td.getClientRects().length > 0 &&
+        td.getBoundingClientRect().right > document.documentElement.clientWidth + 1)
+      .slice(0, 10).map((td) => td.closest("table").className + ": " + (td.dataset.label || td.cellIndex)),
+    tableRows: [...document.querySelectorAll(".table-wrap tbody tr")].length,
     adminState: document.getElementById("admin-state").textContent,
     tokenFormShown: !document.getElementById("token-form").hidden,
     snapshotRows: document.getElementById("snapshot-rows").children.length,
@@ -224,7 +231,23 @@ try {
         const tables = [...document.querySelectorAll("main table")];
         const clipped = tables.filter((t) => t.scrollWidth > t.clientWidth + 1 ||
           [...t.querySelectorAll("td, th")].some((c) => c.getBoundingClientRect().right > right + 1));
-        return { tables: tables.length,
+        // Words of prose broken across lines (letters only: a hyphen may break a word, and
+        // code and links, identifiers, may break anywhere).
+        const broken = [];
+        for (const cell of document.querySelectorAll("main td, main th")) {
+          const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+          for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+            if (node.parentElement.closest("code, a")) continue;
+            for (const match of node.data.matchAll(/[A-Za-z]{2,}/g)) {
+              const range = document.createRange();
+              range.setStart(node, match.index);
+              range.setEnd(node, match.index + match[0].length);
+              const lines = new Set([...range.getClientRects()].map((r) => Math.round(r.top)));
+              if (lines.size > 1) broken.push(match[0]);
+            }
+          }
+        }
+        return { tables: tables.length, broken: broken.slice(0, 10),
           clipped: clipped.map((t) => t.closest("section").id + ": " + t.querySelector("th").textContent) };
       })()`);
     }

@@ -592,6 +592,8 @@ def _sites_html(segments: list[Segment], top_n: int = 15) -> Html:
 # -- timeline --------------------------------------------------------------------------------
 
 CHART_W, CHART_H = 1240, 320
+# "OOM" in the chart's bold 11 px (svg .oom text), with room to spare.
+OOM_LABEL_PX = 30
 PAD_L, PAD_R, PAD_T, PAD_B = 78, 16, 22, 46
 
 _MARKERS = {
@@ -755,17 +757,21 @@ def _timeline_markers(
                 f"with {_fmt_bytes(group[0].addr)} free on the device"
                 + (f" (+{n - 1} more OOMs here)" if n > 1 else "")
             )
+            # Right of its line, or left of it where the chart ends there: an OOM at the
+            # snapshot's last moment (the one it was taken at) was cut to "OC".
+            fits = x + 3 + OOM_LABEL_PX <= CHART_W
             out.append(
                 html(
                     '<g class="oom"><title>{tip}</title>'
                     '<line x1="{x:.1f}" x2="{x:.1f}" y1="{y1}" y2="{y2}"/>'
-                    '<text x="{tx:.1f}" y="{ty}">OOM</text></g>',
+                    '<text x="{tx:.1f}" y="{ty}" text-anchor="{anchor}">OOM</text></g>',
                     tip=tip,
                     x=x,
                     y1=PAD_T,
                     y2=PAD_T + plot_h,
-                    tx=x + 3,
+                    tx=x + 3 if fits else x - 3,
                     ty=PAD_T + 12,
+                    anchor="start" if fits else "end",
                 )
             )
             continue

@@ -361,6 +361,27 @@ def test_render_timeline_markers() -> None:
     assert "MiB</text>" in page
 
 
+def test_an_oom_at_the_snapshots_last_moment_keeps_its_whole_label() -> None:
+    """A snapshot taken at its OOM has the OOM last: its label went right of the line, past
+    the chart's edge, and showed "OC". It goes left of the line there; elsewhere right."""
+    snap = {
+        "segments": [segment(1 << 30, [block(3 << 20)])],
+        "device_traces": [
+            _trace(
+                ("segment_alloc", 4 << 20, 1_000_000),
+                ("oom", 8 << 30, 1_200_000),
+                ("alloc", 3 << 20, 1_500_000),
+                ("oom", 8 << 30, 2_000_000),
+            )
+        ],
+    }
+    labels = re.findall(
+        r'<text x="([\d.]+)" y="\d+" text-anchor="(\w+)">OOM</text>', render_html(snap)
+    )
+    assert [anchor for _, anchor in labels] == ["start", "end"], labels
+    assert float(labels[0][0]) < float(labels[1][0])  # both where their OOMs are
+
+
 def test_render_untimed_history() -> None:
     # Older torch versions have no time_us: the axis falls back to entry numbers.
     trace = [{"action": "alloc", "size": 1 << 20}, {"action": "alloc", "size": 1 << 20}]

@@ -67,6 +67,11 @@ class PoolNames:
                 return
             self._named[label] = (kind, name)
 
+    def names(self) -> dict[str, str]:
+        """Pool label -> the name the server gave it (a snapshot's sidecar keeps them)."""
+        with self._lock:
+            return {label: name for label, (_, name) in self._named.items()}
+
     def describe(self, label: str) -> dict[str, str]:
         """{"kind", "name"} of one pool label ("other" sums pools beyond the bound)."""
         with self._lock:

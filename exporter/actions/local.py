@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from exporter import pools
 from exporter.actions.base import (
     ActionConflict,
     ActionCooldown,
@@ -403,8 +404,9 @@ class LocalActions:
         meta: dict[str, Any] | None = None,
     ) -> SnapshotInfo:
         snapshot = self.capture()
+        named = {"pool_names": names} if (names := pools.registry().names()) else {}
         written = self.store.write(
-            snapshot, trigger, info=info, meta={"process": self.process, **(meta or {})}
+            snapshot, trigger, info=info, meta={"process": self.process, **named, **(meta or {})}
         )
         self.count_snapshot(trigger)
         log.info("allocator snapshot (%s) written: %s", trigger, written.filename)

@@ -448,7 +448,16 @@ def _segment_html(seg: Segment, width: float) -> Html:
     )
 
 
-def _segment_map_html(segments: list[Segment], max_segments: int, budget: Budget) -> Html:
+def _pool_label(pool: str, names: Mapping[str, str]) -> str:
+    if pool == "0,0":
+        return "default pool"
+    name = names.get(pool)
+    return f"private pool {name}" if name else "private pool (CUDA graphs / mempool)"
+
+
+def _segment_map_html(
+    segments: list[Segment], max_segments: int, budget: Budget, names: Mapping[str, str]
+) -> Html:
     """The map of one device's segments."""
     segs = [s for s in segments if s.total_size > 0]
     if not segs:
@@ -482,7 +491,7 @@ def _segment_map_html(segments: list[Segment], max_segments: int, budget: Budget
                 "<h4>{label} <code>({pool})</code>: {segments} segments, {reserved} reserved, "
                 "{allocated} allocated, fragmentation {fragmentation}</h4>"
                 '<div class="map" style="width:{width}px">{bars}</div>',
-                label="default pool" if pool == "0,0" else "private pool (CUDA graphs / mempool)",
+                label=_pool_label(pool, names),
                 pool=pool,
                 segments=t.segments,
                 reserved=_fmt_bytes(t.reserved),
@@ -965,11 +974,24 @@ def render_html(
             f"too large to render: {n_devices} devices, more than the {MAX_DEVICES} drawn"
         )
 
-    sections = _sections(snapshot, segments, by_device, traces, top_n, max_segments, budget)
     # The OOM's verdict: in the pickle itself (a downloaded snapshot, offline) or in the
     # snapshot store's sidecar (exporter.actions.oom writes both).
     verdict = snapshot.get(SNAPSHOT_KEY) or (meta or {}).get("oom")
+    names = pool_names(meta, verdict)
+    sections = _sections(snapshot, segments, by_device, traces, top_n, max_segments, budget, names)
     return _page(title, meta, sections, _verdict_html(verdict))
+
+
+def pool_names(meta: Mapping[str, Any] | None, verdict: Any) -> dict[str, str]:
+    """The names the server gave its private pools (exporter.name_pool), by the viewer's pool
+    id ("0,1"): from the snapshot's sidecar, and from its OOM verdict."""
+    found: dict[str, str] = {}
+    for source in ((meta or {}).get("pool_names"), (verdict or {}).get("private_pool_names")):
+        if isinstance(source, Mapping):
+            for pool, name in source.items():
+                if isinstance(pool, str) and isinstance(name, str) and name:
+                    found[pool.replace("_", ",")] = name[:64]
+    return found
 
 
 def _sections(
@@ -980,6 +1002,7 @@ def _sections(
     top_n: int,
     max_segments: int,
     budget: Budget,
+    names: Mapping[str, str],
 ) -> list[tuple[str, str, Html]]:
     """The page's sections: (anchor, heading, content)."""
     sections: list[tuple[str, str, Html]] = []
@@ -991,7 +1014,7 @@ def _sections(
             html(
                 "<h3>cuda:{device}</h3>{map}",
                 device=d,
-                map=_segment_map_html(by_device[d], max_segments, budget),
+                map=_segment_map_html(by_device[d], max_segments, budget, names),
             )
             for d in sorted(by_device)
         )

@@ -486,3 +486,37 @@ def test_a_page_is_rendered_once_and_the_oldest_of_more_than_four_is_dropped(
         pages.page("s0", paths[0], title="s0", meta={"id": "s0"})
     paths[KEPT].unlink()  # the newest is kept
     assert f"s{KEPT}" in pages.page(f"s{KEPT}", paths[KEPT], title="x", meta={})
+
+
+def test_a_private_pool_the_server_named_is_shown_by_its_name(tmp_path, monkeypatch) -> None:
+    """Issue 65: a pool the server named (exporter.name_pool) was "private pool (CUDA graphs /
+    mempool) (0,1)" in the viewer. A snapshot written by the exporter keeps the names in its
+    sidecar; an OOM's snapshot has them in its verdict too."""
+    from exporter import pools
+    from exporter.actions.local import LocalActions
+    from exporter.actions.snapshots import SnapshotStore
+    from exporter.config import load_config
+
+    snap = {
+        "segments": [
+            segment(1 << 30, [block(3 << 20)]),
+            segment(2 << 30, [block(2 << 20, state="inactive")], segment_pool_id=(0, 1)),
+            segment(3 << 30, [block(2 << 20, state="inactive")], segment_pool_id=(1, 0)),
+        ],
+        "device_traces": [[]],
+    }
+    names = pools.PoolNames()
+    names.name((0, 1), "kv_cache")
+    monkeypatch.setattr(pools, "registry", lambda: names)
+    config = load_config(env={}, snapshot_dir=str(tmp_path))
+    actions = LocalActions(SnapshotStore.for_config(config), config=config)
+    monkeypatch.setattr(actions, "capture", lambda: snap)  # torch's _snapshot(), isolated
+    written = actions.write_snapshot("api")
+    assert written.meta["pool_names"] == {"0_1": "kv_cache"}
+    page = render_html(snap, meta=written.meta)
+    assert "<h4>private pool kv_cache <code>(0,1)</code>" in page
+    assert "<h4>private pool (CUDA graphs / mempool) <code>(1,0)</code>" in page  # unnamed
+    verdict = {"private_pool_names": {"1_0": "decode_graphs"}}
+    assert "<h4>private pool decode_graphs <code>(1,0)</code>" in render_html(
+        snap, meta={"oom": verdict}
+    )

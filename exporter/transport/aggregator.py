@@ -30,6 +30,7 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -135,10 +136,14 @@ class Aggregator:
         hello_timeout_s: float = HELLO_TIMEOUT_S,
         proc: str = "/proc",
         silent_after_s: float = 5.0,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         # A process that has not reported for this long is silent (stopped, or hung holding
         # its GIL): its last numbers are withdrawn and /readyz names it (issue 38).
         self.silent_after_s = silent_after_s
+        # Called (on the aggregator's thread) when a connection opens or closes: the helper
+        # waits on it to leave once the last process it serves has gone, instead of looking.
+        self._on_change = on_change
         self.socket_path = Path(run_dir) / SOCKET_NAME
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(str(self.socket_path))
@@ -230,6 +235,8 @@ class Aggregator:
             self._connections[sock.fileno()] = peer
             self.admitted += 1
         self._selector.register(sock, selectors.EVENT_READ, peer)
+        if self._on_change is not None:
+            self._on_change()
 
     @staticmethod
     def _peer_credentials(sock: socket.socket) -> int | None:
@@ -277,6 +284,8 @@ class Aggregator:
             self._connections.pop(key, None)
             registered = self._peers.pop(key, None) is not None
         peer.sock.close()
+        if self._on_change is not None:
+            self._on_change()
         if registered:
             log.info("process %s (%s) left", peer.process.get("pid"), peer.process.get("role"))
 

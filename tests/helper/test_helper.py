@@ -195,6 +195,21 @@ def test_a_helper_that_dies_is_started_again_and_counted():
         assert line.endswith(" 1.0"), line
 
 
+def test_a_helper_told_to_stop_stops_at_once_while_it_serves():
+    """SIGTERM ends the helper's wait for its processes to leave (it waits to be told of a
+    departure, and looks at its folder only every FOLDER_LOOK_S): gone in well under that."""
+    from exporter.helper import process as helper_process
+
+    port = free_port()
+    with servers(port) as [server]:
+        answer(server)
+        [helper] = helpers(port)
+        started = time.monotonic()
+        helper.send_signal(signal.SIGTERM)
+        helper.wait(helper_process.FOLDER_LOOK_S)
+        assert time.monotonic() - started < helper_process.FOLDER_LOOK_S / 2
+
+
 def test_a_folder_of_another_user_is_refused(caplog, tmp_path):
     """A helper folder for the port that another user made: never joined (its socket would
     take this process's readings and commands), and the handle says why."""

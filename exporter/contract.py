@@ -126,11 +126,15 @@ def read(path: Path = CONTRACT) -> dict[str, Entry]:
     return {name: {k: v for k, v in e.items() if k != "since"} for name, e in families.items()}
 
 
-def problems(path: Path = CONTRACT, version: str = __version__) -> list[str]:
-    """Why the file is not the contract of this code: breaks, or families not written yet."""
+def _declared_now() -> dict[str, Entry]:
     from exporter.modes import MODES  # the modes sit above the catalog
 
-    now = declared({name: mode.traits.has for name, mode in MODES.items()})
+    return declared({name: mode.traits.has for name, mode in MODES.items()})
+
+
+def problems(path: Path = CONTRACT, version: str = __version__) -> list[str]:
+    """Why the file is not the contract of this code: breaks, or families not written yet."""
+    now = _declared_now()
     released = read(path)
     found = breaks(released, now, version)
     if not found and json.loads(path.read_text()) != updated(released, now, version):
@@ -140,9 +144,7 @@ def problems(path: Path = CONTRACT, version: str = __version__) -> list[str]:
 
 def write(path: Path = CONTRACT, version: str = __version__) -> list[str]:
     """Add what is new (atomically); the breaks instead, if any (nothing written)."""
-    from exporter.modes import MODES
-
-    now = declared({name: mode.traits.has for name, mode in MODES.items()})
+    now = _declared_now()
     released = read(path) if path.exists() else {}
     found = breaks(released, now, version)
     if found:

@@ -147,6 +147,8 @@ class FamilyRows:
 def with_deprecated_names(served: list[FamilyRows]) -> list[FamilyRows]:
     """Each family followed by its deprecated names (exporter.contract), with its samples:
     a dashboard of the old name keeps working for a minor release beside the new one."""
+    if not catalog.DEPRECATED:  # every render, while no name is deprecated: nothing to add
+        return served
     found = []
     for family in served:
         found.append(family)
@@ -286,12 +288,12 @@ class SampleCollector(Collector):
         )
         served = self._served(self._exporter_families(state, stats, processes))
         if sample is None:
-            return with_deprecated_names(served) if catalog.DEPRECATED else served
+            return with_deprecated_names(served)
         served += self._served(self._allocator_families(sample, processes))
         served += self._served(self._gpu_families(sample))
         served += self._served(self._kubernetes_families(sample))
         served += self._served(self._host_families(sample, processes))
-        return with_deprecated_names(served) if catalog.DEPRECATED else served
+        return with_deprecated_names(served)
 
     def _served(self, families: Iterable[tuple[FamilyRows, bool]]) -> list[FamilyRows]:
         """Those of the families served at this detail level (_fill decided): with samples,

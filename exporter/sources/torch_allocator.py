@@ -544,15 +544,15 @@ class TorchAllocatorSource:
                     pool: sums["reserved_bytes"] - sums.get("allocated_bytes", 0)
                     for pool, sums in layout.private_pools.items()
                 }
-                most = dict(sorted(free.items(), key=lambda item: item[1], reverse=True))
-                most = dict(list(most.items())[:MAX_NAMED_POOLS])
-                names = {pool: pool_registry().describe(pool)["name"] for pool in most}
+                most = sorted(free.items(), key=lambda item: item[1], reverse=True)
+                most = most[:MAX_NAMED_POOLS]
+                names = pool_registry().names()
                 return {
                     "free_in_holes_bytes": layout.default_pool_free_bytes,
                     "largest_free_block_bytes": layout.largest_free_block_bytes,
                     "private_pools_free_bytes": sum(free.values()),
-                    "private_pools_free": most,
-                    "private_pool_names": {pool: name for pool, name in names.items() if name},
+                    "private_pools_free": dict(most),
+                    "private_pool_names": {pool: names[pool] for pool, _ in most if pool in names},
                 }
             except Exception as exc:
                 missing.append(f"allocator layout: {exc!r:.120}")

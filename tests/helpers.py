@@ -652,6 +652,10 @@ def short_rules(tmp: Path) -> list[str]:
 WORKER = {"pid": "100", "rank": "0", "local_rank": "0", "role": "worker"}
 
 
+# client_python's own collectors, registered beside ours: not the exporter's families.
+CLIENT_PYTHON = re.compile(r"^(process_(?!resident_memory_peak)|python_)")
+
+
 def catalog_collector(
     sample: Sample, mode: str, const: dict[str, str], per_process: bool, detail: str = "full"
 ) -> SampleCollector:

@@ -17,10 +17,14 @@ from exporter.sample import Sample
 from exporter.sources.replay import demo_trace_path
 from exporter.trace import read_trace
 from exporter.window import FIELDS
-from tests.helpers import catalog_collector, every_family_cases, node_shaped, run_shaped
+from tests.helpers import (
+    CLIENT_PYTHON,
+    catalog_collector,
+    every_family_cases,
+    node_shaped,
+    run_shaped,
+)
 
-# client_python's own collectors, registered beside ours: not the exporter's families.
-_CLIENT_PYTHON = re.compile(r"^(process_(?!resident_memory_peak)|python_)")
 _BY_EXPOSED = {f.exposed: f for f in catalog.FAMILIES}
 
 
@@ -45,7 +49,7 @@ def test_every_family_served_is_declared_with_its_type_and_labels() -> None:
     served: set[str] = set()
     for mode, per_process, text in _expositions():
         for family in text_string_to_metric_families(text):
-            if _CLIENT_PYTHON.match(family.name):
+            if CLIENT_PYTHON.match(family.name):
                 continue
             # The text format shows an info family as a gauge named <name>_info.
             entry = _BY_EXPOSED.get(family.name) or catalog.family(family.name)

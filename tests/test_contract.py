@@ -21,6 +21,7 @@ from exporter.sources.replay import demo_trace_path
 from exporter.trace import read_trace
 from tests.conftest import REPO_ROOT
 from tests.helpers import (
+    CLIENT_PYTHON,
     catalog_collector,
     every_family_cases,
     mig_node_sample,
@@ -127,13 +128,6 @@ def test_a_deprecated_name_is_served_beside_its_replacement_with_its_samples(
         assert renamed == served[RESERVED], mode
 
 
-# client_python's own collectors, registered beside ours: not the exporter's families.
-def _ours(name: str) -> bool:
-    return not name.startswith(("python_", "process_")) or name.startswith(
-        "process_resident_memory_peak"
-    )
-
-
 @pytest.mark.slow
 def test_every_modes_exposition_holds_to_the_contract() -> None:
     """Each family a mode serves is in the contract for that mode, with its type and labels;
@@ -161,7 +155,7 @@ def test_every_modes_exposition_holds_to_the_contract() -> None:
         registry.register(catalog_collector(sample, mode, const, per_process, "full"))
         text = generate_latest(registry).decode()
         for family in text_string_to_metric_families(text):
-            if not _ours(family.name):
+            if CLIENT_PYTHON.match(family.name):
                 continue
             names = (family.name, f"{family.name}_info", f"{family.name}_total")
             exposed = next((name for name in names if name in families), None)

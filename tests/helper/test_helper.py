@@ -210,6 +210,40 @@ def test_a_helper_told_to_stop_stops_at_once_while_it_serves():
         assert time.monotonic() - started < helper_process.FOLDER_LOOK_S / 2
 
 
+def test_the_helper_is_told_its_last_process_left_and_leaves_after_leave_after_s(
+    run_dir, monkeypatch
+):
+    """The helper does not look whether it is still needed: the aggregator wakes it when a
+    connection closes, and it leaves LEAVE_AFTER_S later. Its folder look is put off here
+    (60 s), so that only the wake can end the wait in time."""
+    import threading
+
+    from exporter.helper import process as helper_process
+
+    monkeypatch.setattr(helper_process, "FOLDER_LOOK_S", 60.0)
+    wake, stop = threading.Event(), threading.Event()
+    aggregator = Aggregator(run_dir, on_change=wake.set)
+    try:
+        agent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        agent.connect(str(run_dir / SOCKET_NAME))
+        wait_for(lambda: aggregator.connections() == 1, "the connection taken", 5.0)
+        waiting = threading.Thread(
+            target=helper_process._until_unneeded, args=(run_dir, aggregator, stop, wake)
+        )
+        waiting.start()
+        time.sleep(0.3)
+        assert waiting.is_alive()  # one process served: it stays
+        left = time.monotonic()
+        agent.close()
+        waiting.join(helper_process.LEAVE_AFTER_S + 2.0)
+        assert not waiting.is_alive(), "still waiting after its last process left"
+        assert time.monotonic() - left >= helper_process.LEAVE_AFTER_S
+    finally:
+        stop.set()
+        wake.set()
+        aggregator.close()
+
+
 def test_a_folder_of_another_user_is_refused(caplog, tmp_path):
     """A helper folder for the port that another user made: never joined (its socket would
     take this process's readings and commands), and the handle says why."""

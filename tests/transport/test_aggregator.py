@@ -105,6 +105,47 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
+def _wakeups(thread: threading.Thread) -> int:
+    """How many times a thread of this process has slept and woken (Linux's count)."""
+    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
+    return int(next(x for x in status.splitlines() if x.startswith("voluntary_ctxt")).split()[1])
+
+
+def test_the_aggregator_sleeps_while_no_process_speaks(run_dir):
+    """Its thread wakes for a message, a deadline or close(), never on a timer: a helper
+    serving one process at 1 Hz woke three times a tick (a 0.5 s timer), each wake ~0.13 ms
+    of CPU on a VM."""
+    aggregator = Aggregator(run_dir)
+    conn = speak(aggregator)
+    try:
+        assert wait_for(lambda: registered(aggregator), 5)
+        time.sleep(0.1)
+        before = _wakeups(aggregator._thread)
+        time.sleep(1.5)
+        assert _wakeups(aggregator._thread) - before == 0
+        conn.close()  # it still wakes for what it waits for: the process left
+        assert wait_for(lambda: not registered(aggregator), 5)
+        started = time.monotonic()
+    finally:
+        aggregator.close()
+    assert time.monotonic() - started < 0.3  # close() wakes it: no timer to wait out
+
+
+def test_a_connection_that_never_says_hello_is_closed_at_its_deadline(run_dir):
+    """Nothing wakes the loop on a timer, so the hello deadline is what it waits for."""
+    aggregator = Aggregator(run_dir, hello_timeout_s=0.3)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        silent.connect(str(aggregator.socket_path))
+        started = time.monotonic()
+        assert wait_for(lambda: _closed(silent), 3)
+        assert 0.3 <= time.monotonic() - started < 0.8
+        assert aggregator.rejected["hello_timeout"] == 1
+    finally:
+        silent.close()
+        aggregator.close()
+
+
 HOST = """
 import json, resource, sys, time
 from exporter.transport.aggregator import Aggregator

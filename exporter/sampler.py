@@ -22,6 +22,14 @@ log = logging.getLogger(__name__)
 
 Listener = Callable[[Sample], None]
 
+# A paced sampler (Aggregator.pace) ticks when a process reports, once at least this much of
+# an interval has passed since its last tick: its ticks then follow the reports, one a
+# report at 1 Hz, however the two started; never more than one per 3/4 interval with many.
+PACED_EARLIEST = 0.75
+# ...and at the latest this much of an interval after its last, with no report: later than
+# one interval, so that a report due just after the interval takes the tick (they lock).
+PACED_LATEST = 1.5
+
 # A source counts as failing once this many reads in a row have failed: one failed read (a
 # transient NVML error) must not flap a health check.
 FAILING_AFTER_READS = 3
@@ -50,6 +58,7 @@ class Sampler:
         self._thread: threading.Thread | None = None
         self._errors = RateLimitedLog(log)
         self._pid = os.getpid()
+        self._ticked_at = 0.0
 
     # -- reading ------------------------------------------------------------------------
 
@@ -128,13 +137,35 @@ class Sampler:
                 self._errors.error(f"listener:{name}", f"sample listener {name} failed", exc)
         return sample
 
+    # -- paced by another thread's wake-ups (Aggregator.pace) --------------------------------
+
+    def due_at(self) -> float:
+        """When a paced sampler ticks at the latest (time.monotonic()), heard from or not."""
+        return self._ticked_at + PACED_LATEST * self.interval_s
+
+    def paced_tick(self, heard: bool) -> None:
+        """Tick if due: now that a process has reported (`heard`) and most of an interval has
+        passed, or at due_at() without one. Called by the thread that just woke for the
+        report, so the tick costs no wake-up of its own and serves the report at once."""
+        if self._stop.is_set():
+            return
+        since = time.monotonic() - self._ticked_at
+        if since >= PACED_LATEST * self.interval_s or (
+            heard and since >= PACED_EARLIEST * self.interval_s
+        ):
+            self._ticked_at = time.monotonic()
+            self._guarded_tick()
+
+    def _guarded_tick(self) -> None:
+        try:
+            self.tick()
+        except Exception as exc:  # never let the thread die: it is the exporter
+            self._errors.error("tick", "sampler tick failed", exc)
+
     def _run(self) -> None:
         next_tick = time.monotonic()
         while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception as exc:  # never let the thread die: it is the exporter
-                self._errors.error("tick", "sampler tick failed", exc)
+            self._guarded_tick()
             next_tick += self.interval_s
             delay = next_tick - time.monotonic()
             if delay < 0:  # fell behind (slow source, suspended process): do not burst

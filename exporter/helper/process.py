@@ -135,7 +135,7 @@ def _serve(folder: Path, sidecar: Config | None) -> int:
         except ServerStartError as exc:
             return _failed(str(exc))
         cleanup.callback(http.stop)
-        runtime.sampler.start()
+        aggregator.pace(runtime.sampler)  # ticks as the processes report (Aggregator.pace)
         cleanup.callback(runtime.sampler.stop)
         http.start()
         atomic.write_bytes(folder / join.URL_NAME, http.url.encode())

@@ -114,7 +114,7 @@ def _run(command: Sequence[str], config: Config, supervisor: Supervisor) -> int:
             supervisor.gpu_pids = pids
         http = runtime.server()  # ServerStartError
         cleanup.callback(http.stop)
-        runtime.sampler.start()
+        aggregator.pace(runtime.sampler)  # ticks as the processes report (Aggregator.pace)
         cleanup.callback(runtime.sampler.stop)
         http.start()
         log.info("gpumem-exporter run: serving %s/metrics for %s", http.url, " ".join(command))

@@ -123,6 +123,46 @@ def test_the_full_sample_comes_again_every_detail_interval(run_dir):
         assert server.full_ticks == 2
 
 
+def test_a_paced_sampler_ticks_on_the_aggregators_thread_as_the_process_reports(run_dir):
+    """Aggregator.pace (the helper's and run's sampler): a report ticks it at once once 3/4
+    of an interval has passed, on the thread that woke for the report; with no report it
+    ticks 1.5 intervals after its last; a stopped sampler never ticks."""
+    from exporter.sampler import Sampler
+
+    ticks: list[tuple[float, str]] = []
+
+    def heard(_sample: object) -> None:
+        ticks.append((time.monotonic(), threading.current_thread().name))
+
+    def ticked(count: int, within_s: float) -> bool:
+        deadline = time.monotonic() + within_s
+        while len(ticks) < count and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return len(ticks) >= count
+
+    with probed(run_dir) as (_, aggregator, agent):
+        agent.tick()
+        served(aggregator)
+        # No source: stop() would close them, the aggregator among them.
+        sampler = Sampler([], interval_s=0.4, listeners=[heard])
+        aggregator.pace(sampler)
+        assert ticked(1, 0.3)  # the first at once
+        time.sleep(max(ticks[0][0] + 0.32 - time.monotonic(), 0.0))
+        reported = time.monotonic()
+        agent.tick()  # 0.32 s after its last tick: past 3/4 of 0.4
+        assert ticked(2, 0.2)
+        assert ticks[1][0] - reported < 0.1 and ticks[1][1] == "gpumem-aggregator"
+        agent.tick()  # at once again: too soon after the last tick, no tick
+        time.sleep(0.1)
+        assert len(ticks) == 2
+        assert ticked(3, 1.0)  # heard from or not, 1.5 intervals after its last
+        assert 0.55 <= ticks[2][0] - ticks[1][0] < 0.9
+        sampler.stop()
+        agent.tick()
+        time.sleep(0.7)
+        assert len(ticks) == 3
+
+
 def _wakeups(thread: threading.Thread) -> int:
     """How many times a thread of this process has slept and woken (Linux's count)."""
     status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()

@@ -123,6 +123,25 @@ def _helper_link(handle: Any) -> Any:
     return getattr(handle, "_link", None) or getattr(handle, "_probe", None)
 
 
+def _delivered(handle: Any, under_run: bool) -> dict[str, Any]:
+    """The agent's counts of what it sent (and whether it is connected): under `run`, the
+    module's agent; with a helper (exporter.start() since issue 49), the handle's link's."""
+    module = sys.modules.get("exporter.run.agent")
+    found = getattr(module, "_agent", None) if under_run and module is not None else None
+    link = _helper_link(handle) if handle is not None else None
+    if found is None and link is not None:
+        found = link.agent
+    if found is None:
+        return {}
+    counts: dict[str, Any] = {
+        name: getattr(found, name, None)  # None: an agent before the probe
+        for name in ("full_samples", "records_sent", "records_dropped")
+    }
+    counts["connected"] = getattr(found, "_sock", None) is not None
+    counts["link_error"] = getattr(link, "error", None) if link is not None else None
+    return counts
+
+
 def _bare_probe(interval_s: float, stop: Any, timing: TickTiming | None = None) -> Any:
     """The floor of exporting from inside a server: a thread that ticks bare_tick() at the
     interval. No exporter code at all."""
@@ -265,6 +284,9 @@ def serve(arm: str, seconds: float, port: int, time_ticks: bool = False) -> dict
     worker = threading.Thread(target=allocate, name="allocator", daemon=True)
     worker.start()
     handle = None
+    # Seconds until /metrics served this process's allocator; None: it never did in 20 s
+    # (an arm that measures an exporter that does not deliver must say so).
+    first_sample_s: float | None = None
     interval, page, under_run = ARMS[arm]
     bare = arm.startswith("probe-")
     timing = TickTiming() if time_ticks else None
@@ -279,11 +301,13 @@ def serve(arm: str, seconds: float, port: int, time_ticks: bool = False) -> dict
         clients.append(subprocess.Popen([*scrape, "/metrics"]))
         if page:  # the live page polls its data once a second
             clients.append(subprocess.Popen([*scrape, "/api/window"]))
-        deadline = time.monotonic() + 20
+        waited = time.monotonic()
+        deadline = waited + 20
         while time.monotonic() < deadline:  # this process's first allocator sample is in
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as r:
                     if b"torch_cuda_reserved_bytes{" in r.read():
+                        first_sample_s = time.monotonic() - waited
                         break
             except OSError:
                 pass
@@ -331,6 +355,7 @@ def serve(arm: str, seconds: float, port: int, time_ticks: bool = False) -> dict
         if server_before is not None and server_after is not None
         else None
     )
+    delivered = _delivered(handle, under_run)  # before stop(): what the window's agent sent
     stop.set()
     # Joined, not left to interpreter exit: a daemon thread still allocating while CUDA tears
     # down aborts the process (SIGABRT, seen once in 16 runs of the `off` arm, exporter absent).
@@ -345,17 +370,6 @@ def serve(arm: str, seconds: float, port: int, time_ticks: bool = False) -> dict
         probe_reader.wait(timeout=10)
     late.sort()
     n = len(late)
-    agent = sys.modules.get("exporter.run.agent")
-    ticks = {}
-    # Under `run`, the module's agent; with a helper (exporter.start() since issue 49), the
-    # handle's link's.
-    found = getattr(agent, "_agent", None) if agent is not None else None
-    link = _helper_link(handle) if handle is not None else None
-    if found is None and link is not None:
-        found = link.agent
-    if found is not None:
-        for name in ("full_samples", "records_sent", "records_dropped"):
-            ticks[name] = getattr(found, name, None)  # None: an agent before the probe
     return {
         "arm": arm,
         "wakeups": n,
@@ -371,7 +385,9 @@ def serve(arm: str, seconds: float, port: int, time_ticks: bool = False) -> dict
         # the `off` arm is what the exporter costs, threads it starts included.
         "process_cpu_ms_per_s": process_cpu / wall * 1000,
         "server_cpu_ms_per_s": server_cpu,
-        "agent": ticks,  # under `run`: what its ticks did over the whole process's life
+        # What its agent sent over the process's life so far, and whether it is connected.
+        "agent": delivered,
+        "first_sample_s": first_sample_s if interval is not None and not bare else None,
         # --ticks: each tick's CPU in the window, by kind (bare, record, full)
         **({"ticks_cpu_us": timing.summary()} if timing is not None else {}),
     }

@@ -123,6 +123,14 @@ def _helper_link(handle: Any) -> Any:
     return getattr(handle, "_link", None) or getattr(handle, "_probe", None)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _delivered(handle: Any, under_run: bool) -> dict[str, Any]:
     """The agent's counts of what it sent (and whether it is connected): under `run`, the
     module's agent; with a helper (exporter.start() since issue 49), the handle's link's."""
@@ -415,7 +423,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--serve", help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=9471)
+    # 0: a free port for each arm. One port for all let an arm join (or be kept from its
+    # port by) a helper an earlier arm or an earlier run left, of other code.
+    parser.add_argument("--port", type=int, default=0)
     parser.add_argument(
         "--arms", default=",".join(ARMS), help="comma-separated, of " + ", ".join(ARMS)
     )
@@ -431,15 +441,16 @@ def main() -> None:
         for given in args.root:
             root, _, only = given.partition(":")
             for arm in (only or args.arms).split(","):
+                port = args.port or _free_port()
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(REPO)]))
                 command = [sys.executable, __file__, "--root", root, "--serve", arm]
                 interval, _, under_run = ARMS[arm]
                 if under_run:  # the launcher serves on the port; this process only samples
                     launcher = [sys.executable, "-m", "exporter.cli", "run", "--port"]
-                    launcher += [str(args.port), "--interval-s", str(interval), "--"]
+                    launcher += [str(port), "--interval-s", str(interval), "--"]
                     command = [*launcher, *command]
                 out = subprocess.run(
-                    [*command, "--seconds", str(args.seconds), "--port", str(args.port)]
+                    [*command, "--seconds", str(args.seconds), "--port", str(port)]
                     + (["--ticks"] if args.ticks else []),
                     env=env,
                     capture_output=True,

@@ -377,6 +377,15 @@ def running(
             assert proc.wait(timeout=15) in (0, -signal.SIGTERM)
         finally:
             proc.kill()
+            close_pipes(proc)
+
+
+def close_pipes(proc: subprocess.Popen[Any]) -> None:
+    """Close the pipes a test read a process through, once it has ended: one left to the
+    garbage collector is a ResourceWarning (an error under `-W error`)."""
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
 
 
 # -- deployment checks' tools -------------------------------------------------------------
@@ -630,6 +639,8 @@ def stop_processes(procs: Sequence[subprocess.Popen[str]]) -> None:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(timeout=10)
+        close_pipes(proc)
 
 
 def short_rules(tmp: Path) -> list[str]:

@@ -30,7 +30,7 @@ from exporter.config import Config
 from exporter.helper import join
 from exporter.transport.agent import SOCKET_NAME
 from exporter.transport.aggregator import Aggregator
-from tests.helpers import free_port
+from tests.helpers import close_pipes, free_port
 
 # A server: start() at argv[1]'s port, say what the handle says, then idle (or fork first).
 SERVER = textwrap.dedent(
@@ -106,6 +106,7 @@ def servers(
         for proc in procs:
             proc.kill()
             proc.wait()
+            close_pipes(proc)
 
 
 def answer(proc: subprocess.Popen[str]) -> dict:

@@ -132,7 +132,8 @@ def test_the_aggregator_sleeps_while_no_process_speaks(run_dir):
         started = time.monotonic()
     finally:
         aggregator.close()
-    assert time.monotonic() - started < 0.3  # close() wakes it: no timer to wait out
+    # close() wakes it (without the wake it waited out its join's 2 s: no timer ends the wait)
+    assert time.monotonic() - started < 1.0
 
 
 def test_a_connection_that_never_says_hello_is_closed_at_its_deadline(run_dir):
@@ -143,7 +144,7 @@ def test_a_connection_that_never_says_hello_is_closed_at_its_deadline(run_dir):
         silent.connect(str(aggregator.socket_path))
         started = time.monotonic()
         assert wait_for(lambda: _closed(silent), 3)
-        assert 0.3 <= time.monotonic() - started < 0.8
+        assert 0.3 <= time.monotonic() - started < 1.5  # never, without the deadline
         assert aggregator.rejected["hello_timeout"] == 1
     finally:
         silent.close()

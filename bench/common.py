@@ -179,6 +179,17 @@ def write_json(path: Path, result: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def read_status_line(sock: socket.socket) -> bytes:
+    """Read until the answer's status line is in; b"" if the peer closed before one."""
+    data = b""
+    while b"\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.partition(b"\r\n")[0]
+
+
 def free_ports(count: int) -> list[int]:
     """Ports free on 127.0.0.1 now, all different (their sockets are held until all are
     picked)."""

@@ -123,14 +123,6 @@ def _helper_link(handle: Any) -> Any:
     return getattr(handle, "_link", None) or getattr(handle, "_probe", None)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _delivered(handle: Any, under_run: bool) -> dict[str, Any]:
     """The agent's counts of what it sent (and whether it is connected): under `run`, the
     module's agent; with a helper (exporter.start() since issue 49), the handle's link's."""
@@ -436,12 +428,14 @@ def main() -> None:
     if args.serve:
         print(json.dumps(serve(args.serve, args.seconds, args.port, args.ticks)), flush=True)
         return
+    from bench.common import free_port
+
     results: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
         for given in args.root:
             root, _, only = given.partition(":")
             for arm in (only or args.arms).split(","):
-                port = args.port or _free_port()
+                port = args.port or free_port()
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(REPO)]))
                 command = [sys.executable, __file__, "--root", root, "--serve", arm]
                 interval, _, under_run = ARMS[arm]

@@ -36,7 +36,7 @@ from typing import Any
 
 import psutil
 
-from bench.common import free_port, wait_listening
+from bench.common import free_port, read_status_line, wait_listening
 
 HOST = b"Host: 127.0.0.1\r\n"
 
@@ -99,13 +99,8 @@ def status_line(port: int) -> str:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
             sock.sendall(b"GET /metrics HTTP/1.1\r\n" + HOST + b"Connection: close\r\n\r\n")
-            data = b""
-            while b"\r\n" not in data:
-                chunk = sock.recv(4096)
-                if not chunk:
-                    break
-                data += chunk
-        return data.partition(b"\r\n")[0].decode(errors="replace") or "closed, no answer"
+            line = read_status_line(sock)
+        return line.decode(errors="replace") or "closed, no answer"
     except OSError as exc:
         return type(exc).__name__
 

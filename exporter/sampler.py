@@ -149,11 +149,12 @@ class Sampler:
         report, so the tick costs no wake-up of its own and serves the report at once."""
         if self._stop.is_set():
             return
-        since = time.monotonic() - self._ticked_at
+        now = time.monotonic()
+        since = now - self._ticked_at
         if since >= PACED_LATEST * self.interval_s or (
             heard and since >= PACED_EARLIEST * self.interval_s
         ):
-            self._ticked_at = time.monotonic()
+            self._ticked_at = now
             self._guarded_tick()
 
     def _guarded_tick(self) -> None:

@@ -173,10 +173,10 @@ class Aggregator:
         self._log = RateLimitedLog(log)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._server, selectors.EVENT_READ)
-        # close() wakes the loop through this pair: the loop has no timer of its own, so a
-        # helper serving one process at 1 Hz wakes once a tick, not three times (each wake
-        # cost ~0.13 ms of CPU on the VMs measured: docs/performance.md).
         self._paced: Paced | None = None
+        # close() and pace() wake the loop through this pair: the loop has no timer of its
+        # own, so a helper serving one process at 1 Hz wakes once a tick, not three times
+        # (each wake cost ~0.13 ms of CPU on the VMs measured: docs/performance.md).
         self._waker, self._woken = socket.socketpair()
         self._woken.setblocking(False)
         self._selector.register(self._woken, selectors.EVENT_READ)
@@ -555,13 +555,15 @@ class Aggregator:
         thread woke once more (each wake ~0.13 ms of CPU on a VM), and serves each report at
         once rather than up to an interval later."""
         self._paced = paced
+        self._wake()
+
+    def _wake(self) -> None:
         with contextlib.suppress(OSError):
             self._waker.send(b"x")
 
     def close(self) -> None:
         self._closed = True
-        with contextlib.suppress(OSError):
-            self._waker.send(b"x")
+        self._wake()
         self._thread.join(2.0)
         with self._lock:
             connections = list(self._connections.values())

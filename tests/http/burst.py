@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 
+from bench.common import read_status_line
 from tests.conftest import REPO_ROOT
 
 
@@ -25,13 +26,7 @@ def status_line(address: tuple[str, int], path: str) -> bytes:
         with socket.create_connection(address, timeout=20) as sock:
             head = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
             sock.sendall(head.encode())
-            data = b""
-            while b"\r\n" not in data:
-                chunk = sock.recv(4096)
-                if not chunk:
-                    break
-                data += chunk
-            return data.partition(b"\r\n")[0]
+            return read_status_line(sock)
     except OSError as exc:
         return f"<{type(exc).__name__}>".encode()
 

@@ -105,7 +105,6 @@ class KubeletSource:
     # -- the sampler's side: cheap, never blocks on the kubelet ---------------------------
 
     def read(self) -> SourceReading:
-        self._start()
         pids = frozenset(self._pids())
         if pids != self._containers.keys():
             # Processes came or went: who holds the GPUs may have changed pods too.
@@ -118,6 +117,9 @@ class KubeletSource:
                 for pid in sorted(pids)
             }
             self._wake.set()
+        # Started after the wake is set: a thread started before it could clear the wake,
+        # begin the first List, and then List again for the same change (two calls for one).
+        self._start()
         with self._lock:
             state = self._state
         return SourceReading(kubelet=state, process_containers=list(self._containers.values()))

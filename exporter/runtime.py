@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+from prometheus_client import CollectorRegistry, PlatformCollector
 from prometheus_client.registry import Collector
 
 from exporter.actions.base import Actions
@@ -25,6 +25,7 @@ from exporter.metrics import ActionStats, EndpointState, SampleCollector
 from exporter.modes import MODES, Mode
 from exporter.modes.run import silent_processes
 from exporter.oom_pending import PendingOoms
+from exporter.own_process_metrics import OwnProcessMetrics
 from exporter.request_counts import RequestCounts
 from exporter.sampler import Listener, Sampler
 from exporter.sources import Source, kinds
@@ -157,7 +158,9 @@ def build_runtime(
     own_collectors: list[Collector] = []
     if registry is None:
         registry = CollectorRegistry()
-        own_collectors = [ProcessCollector(registry=registry), PlatformCollector(registry=registry)]
+        own_process = OwnProcessMetrics()  # client_python's ProcessCollector's families
+        registry.register(own_process)
+        own_collectors = [own_process, PlatformCollector(registry=registry)]
     detectors = Detectors(config, listeners=list(on_alert))
     features = actions.sample_listeners(detectors)
     window = SampleWindow(config.interval_s)

@@ -1,0 +1,112 @@
+"""The process metrics every endpoint serves are client_python's ProcessCollector's: the same
+families (name, type, help, order) and the same values, read more cheaply
+(exporter.own_process_metrics)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+import pytest
+from prometheus_client import ProcessCollector
+
+from exporter.own_process_metrics import OwnProcessMetrics
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _by_name(metrics):
+    return {m.name: m for m in metrics}
+
+
+def _open_fds(collector) -> float:
+    return _by_name(collector.collect())["process_open_fds"].samples[0].value
+
+
+def _moments(check, attempts: int = 5) -> bool:
+    """Whether `check()` held at one of a few moments: other tests' threads in this worker
+    open and close descriptors between two reads."""
+    return any(check() for _ in range(attempts))
+
+
+def test_the_families_and_values_are_client_pythons():
+    ours = OwnProcessMetrics()
+    client_pythons = ProcessCollector(registry=None)
+    try:
+        theirs = _by_name(client_pythons.collect())
+        mine = _by_name(ours.collect())
+        assert list(mine) == list(theirs)
+        for name, metric in mine.items():
+            assert (metric.type, metric.documentation) == (
+                theirs[name].type,
+                theirs[name].documentation,
+            )
+            assert [s.name for s in metric.samples] == [s.name for s in theirs[name].samples]
+        value = {name: m.samples[0].value for name, m in mine.items()}
+        expected = {name: m.samples[0].value for name, m in theirs.items()}
+        # Fixed for the process's life: equal to the byte and the tick.
+        for name in ("process_start_time_seconds", "process_max_fds"):
+            assert value[name] == expected[name]
+        # Read a moment apart: as close as what moved meanwhile.
+        cpu = "process_cpu_seconds"  # a counter's name, without _total
+        assert abs(value[cpu] - expected[cpu]) < 0.1
+        rss, vms = "process_resident_memory_bytes", "process_virtual_memory_bytes"
+        assert abs(value[rss] - expected[rss]) < 16 << 20
+        assert abs(value[vms] - expected[vms]) < 64 << 20
+        # Both count the descriptors of this process, the one ours keeps open among them.
+        assert _moments(lambda: _open_fds(ours) == _open_fds(client_pythons))
+    finally:
+        ours.close()
+
+
+def test_the_values_move_with_the_process():
+    """Read again on every collect (the file is kept open, its text is the kernel's anew)."""
+    ours = OwnProcessMetrics()
+    cpu = "process_cpu_seconds"
+    try:
+        before = _by_name(ours.collect())
+        spent = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+        while sum(resource.getrusage(resource.RUSAGE_SELF)[:2]) < spent + 0.05:
+            pass  # burn CPU for 50 ms, past a clock tick
+        assert _by_name(ours.collect())[cpu].samples[0].value > before[cpu].samples[0].value
+
+        def five_more() -> bool:
+            first = _open_fds(ours)
+            kept = [os.open(os.devnull, os.O_RDONLY) for _ in range(5)]
+            try:
+                return _open_fds(ours) == first + 5
+            finally:
+                for fd in kept:
+                    os.close(fd)
+
+        assert _moments(five_more)
+    finally:
+        ours.close()
+
+
+def test_a_forked_child_reads_its_own_process():
+    ours = OwnProcessMetrics()
+    ours.collect()  # the parent's /proc/PID/stat opened
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            start = _by_name(ours.collect())["process_start_time_seconds"].samples[0].value
+            os.write(write, repr(start).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        child_start = float(os.read(read, 100))
+    finally:
+        os.close(read)
+        os.waitpid(child, 0)
+        parent_start = _by_name(ours.collect())["process_start_time_seconds"].samples[0].value
+        ours.close()
+    assert child_start > parent_start  # the child's start, not its parent's
+
+
+def test_without_proc_it_serves_nothing(tmp_path):
+    """As client_python's: a machine without /proc (macOS) has no process families."""
+    assert list(OwnProcessMetrics(proc=str(tmp_path / "none")).collect()) == []

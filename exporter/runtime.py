@@ -186,8 +186,17 @@ def build_runtime(
         pending_ooms=pending_ooms,
     )
 
+    # Built again only when the web config changes (a reload, or one that failed): every
+    # scrape's fingerprint and render ask for it.
+    built: dict[int, EndpointState] = {}  # web.changes -> what it was then
+
     def action_stats() -> ActionStats:
-        return ActionStats(processes=actions.counts(), endpoint=endpoint_state(config, web, traits))
+        seen = web.changes  # read first: a reload while it is built is seen by the next call
+        endpoint = built.get(seen)
+        if endpoint is None:
+            built.clear()
+            endpoint = built[seen] = endpoint_state(config, web, traits)
+        return ActionStats(processes=actions.counts(), endpoint=endpoint)
 
     render_failures = RenderFailures()
     torch_module = sys.modules.get("torch")  # never import torch just to learn its version

@@ -96,6 +96,9 @@ class WebSecurity:
         self.reload_ok = True
         self.reload_ok_at = time.time()
         self.last_error = ""
+        # Counts every change of what /metrics says of the endpoint (a reload or a failed
+        # one): what is built from it is built again only then (exporter.runtime).
+        self.changes = 0
 
     # -- keeping current ---------------------------------------------------------------------
 
@@ -124,6 +127,7 @@ class WebSecurity:
                 if problem != self.last_error:  # one line per new problem, not per handshake
                     log.error("web config not reloaded, the last good one stays: %s", problem)
                 self.reload_ok, self.last_error = False, problem
+                self.changes += 1
                 return
             rate_changed = (config.rate_interval_s, config.rate_burst) != (
                 self.config.rate_interval_s,
@@ -137,6 +141,7 @@ class WebSecurity:
             if not self.reload_ok:
                 log.info("web config %s reloaded", self.path)
             self.reload_ok, self.reload_ok_at, self.last_error = True, time.time(), ""
+            self.changes += 1
 
     def _signature_now(self) -> tuple[tuple[str, int, int, int, int] | tuple[str, str], ...]:
         files = [self.path, *(self.config.tls.files() if self.config.tls else ())]

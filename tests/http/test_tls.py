@@ -295,6 +295,9 @@ def test_a_broken_new_file_keeps_the_last_good_one_and_says_so(tmp_path, pki, ca
     path = _tls(tmp_path, pair)
     with served(tmp_path, web_config_file=str(path)) as (server, runtime):
         caplog.set_level(logging.ERROR, logger="exporter.webconfig.security")
+        runtime.sampler.tick()  # scraped before: what /metrics said must not stick
+        body = _get(server, "/metrics", _client(ca))[1]
+        assert b"gpumem_exporter_web_config_last_reload_successful 1.0" in body
         web_config(tmp_path, "tls_server_config:\n  cert_file: [\n")  # not YAML
         for _ in range(3):  # three handshakes, one log line
             assert _get(server, "/healthz", _client(ca))[0] == 200

@@ -38,6 +38,7 @@ def read_status(pid: int, proc: str = "/proc") -> dict[str, int] | None:
                 data += more
         finally:
             os.close(fd)
+        data = b"\n" + data  # each field is searched for at a line's start
         values = {}
         for key, name in _STATUS_FIELDS:
             start = data.find(key)

@@ -18,6 +18,7 @@ instead of prometheus_client's per-sample label escaping and string building (5-
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Protocol
 
@@ -78,9 +79,10 @@ _FORMATTED_MAX = 4096
 
 
 def format_value(value: float) -> str:
-    """floatToGoString(value), remembered. Not zero: 0.0 and -0.0 are one key but two texts."""
+    """floatToGoString(value), remembered. Zero apart: 0.0 and -0.0 are one key but two texts
+    (and counters at rest are most of a render's zeros)."""
     if not value:
-        return floatToGoString(value)
+        return "-0.0" if math.copysign(1.0, value) < 0 else "0.0"
     found = _FORMATTED.get(value)
     if found is None:
         if len(_FORMATTED) >= _FORMATTED_MAX:

@@ -196,6 +196,8 @@ class ActionStats:
 
 # Allocator families in the order /metrics has always listed them (the catalog's order).
 _ALLOCATOR = tuple(f for f in catalog.FAMILIES if f.source == "torch" and f.group != "pinned_host")
+_ALLOCATOR_GROUPS = tuple(dict.fromkeys(f.group for f in _ALLOCATOR))
+_ALLOCATOR_INFO = _ALLOCATOR.index(catalog.family("torch_cuda_allocator"))
 # Families filled from a reading's attribute of the same name, where it is not None.
 _ATTRIBUTE_GROUPS = ("ratio", "non_allocator")
 
@@ -238,21 +240,37 @@ class SampleCollector(Collector):
         # pid -> whether its series keep it: decided once per process (exporter.process_labels).
         self._pids_decided: dict[str, tuple[tuple[str, str], bool]] = {}
         self._torch_version = torch_version
-        # (family, per process) -> (label names, those not constant): the same every tick.
-        self._label_names: dict[tuple[str, bool], tuple[tuple[str, ...], tuple[str, ...]]] = {}
+        # (family, per process) -> (label names, those not constant, the one _LeftOut of a
+        # family not served here or None): the same every tick.
+        self._plans: dict[
+            tuple[str, bool], tuple[tuple[str, ...], tuple[str, ...], _LeftOut | None]
+        ] = {}
 
     def _fill(self, entry: Family, per_process: bool = False) -> FamilyRows:
         """A new family of the catalog, with its labels (and the process labels where one
         endpoint serves several processes), less those constant on this process."""
-        key = (entry.name, per_process)
-        found = self._label_names.get(key)
+        found = self._plans.get((entry.name, per_process))
         if found is None:
-            names = entry.labels + (PROCESS_LABELS if per_process and entry.per_process else ())
-            names = tuple(n for n in names if n not in self._const_names)
-            found = self._label_names[key] = (self._const_names + names, names)
-        if entry.name in self._left_out:  # not served at this detail level: nothing to fill
-            return _LeftOut(entry, found[0], found[1], self._const_values)
-        return FamilyRows(entry, found[0], found[1], self._const_values)
+            found = self._plan(entry, per_process)
+        labels, names, left_out = found
+        if left_out is not None:  # not served at this detail level: nothing to fill
+            return left_out
+        return FamilyRows(entry, labels, names, self._const_values)
+
+    def _plan(
+        self, entry: Family, per_process: bool
+    ) -> tuple[tuple[str, ...], tuple[str, ...], _LeftOut | None]:
+        names = entry.labels + (PROCESS_LABELS if per_process and entry.per_process else ())
+        names = tuple(n for n in names if n not in self._const_names)
+        labels = self._const_names + names
+        # One for every render: what is added to it is dropped, so it stays empty.
+        left_out = (
+            _LeftOut(entry, labels, names, self._const_values)
+            if entry.name in self._left_out
+            else None
+        )
+        found = self._plans[(entry.name, per_process)] = (labels, names, left_out)
+        return found
 
     def fingerprint(self) -> tuple[object, ...]:
         """Everything collect() reads that can change: equal fingerprints, equal output
@@ -454,11 +472,12 @@ class SampleCollector(Collector):
             return
         # One endpoint for several processes (gpumem-exporter run): label each by process.
         per_process = any(reading.process for reading in sample.allocators)
-        families = {entry: self._fill(entry, per_process) for entry in _ALLOCATOR}
-        by_key: dict[str, dict[str, FamilyRows]] = {}
-        for entry, filling in families.items():
-            by_key.setdefault(entry.group, {})[entry.key] = filling
-        info = families[catalog.family("torch_cuda_allocator")]
+        # In a list, not a map by Family: a Family's hash is its 13 fields' (dataclass).
+        families = [self._fill(entry, per_process) for entry in _ALLOCATOR]
+        by_key: dict[str, dict[str, FamilyRows]] = {group: {} for group in _ALLOCATOR_GROUPS}
+        for entry, filling in zip(_ALLOCATOR, families, strict=True):
+            by_key[entry.group][entry.key] = filling
+        info = families[_ALLOCATOR_INFO]
         for reading in sample.allocators:
             ids = Labels(
                 processes.labels(reading.process),
@@ -466,7 +485,7 @@ class SampleCollector(Collector):
                 gpu_uuid=reading.gpu_uuid,
             )
             self._add_allocator_reading(by_key, info, reading, ids)
-        yield from ((filling, False) for filling in families.values())
+        yield from ((filling, False) for filling in families)
         yield from self._pinned_host_families(sample, processes)
 
     def _add_allocator_reading(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import gzip
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,9 +16,10 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
+from prometheus_client.utils import floatToGoString
 
 from exporter.exposition import ExpositionCache
-from exporter.exposition_templates import TemplateRenderer, families_of
+from exporter.exposition_templates import TemplateRenderer, families_of, format_value
 from tests.helpers import catalog_collector, every_family_cases
 
 # What Prometheus 2 and 3 send, and every format and escaping client_python can answer.
@@ -129,3 +131,13 @@ def test_templates_of_shapes_gone_are_dropped() -> None:
         collector.metrics = [family]
         renderer.render(families_of([collector]))
     assert len(renderer._templates) == 1
+
+
+@pytest.mark.parametrize(
+    "value",
+    [0, 0.0, -0.0, False, True, 1, -1, 1.5, 2**63, 1e300, 5e-324, math.inf, -math.inf, math.nan],
+)
+def test_a_value_is_written_as_client_python_writes_it(value) -> None:
+    """Twice: once formatted, once remembered."""
+    assert format_value(value) == floatToGoString(value)
+    assert format_value(value) == floatToGoString(value)

@@ -388,6 +388,14 @@ def close_pipes(proc: subprocess.Popen[Any]) -> None:
             pipe.close()
 
 
+def kill_process(proc: subprocess.Popen[Any]) -> None:
+    """Kill a process a test started, reap it and close its pipes (nothing left to the
+    garbage collector: no zombie, no ResourceWarning)."""
+    proc.kill()
+    proc.wait()
+    close_pipes(proc)
+
+
 # -- deployment checks' tools -------------------------------------------------------------
 
 JS_DIR = REPO_ROOT / "tests" / "js"

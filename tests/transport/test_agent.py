@@ -270,6 +270,7 @@ def test_a_launcher_that_does_not_read_never_blocks_the_probe(run_dir):
     listener.listen(1)
     server = ProbedServer()
     agent = server.agent(run_dir)
+    conn = None
     try:
         agent.tick()  # connects; hello and the full sample fit in an empty buffer
         conn, _ = listener.accept()
@@ -284,6 +285,8 @@ def test_a_launcher_that_does_not_read_never_blocks_the_probe(run_dir):
             assert record.unpack(data)[0] == 0
     finally:
         agent.stop()
+        if conn is not None:
+            conn.close()
         listener.close()
 
 
@@ -298,6 +301,7 @@ def test_full_samples_never_block_the_probe_on_a_helper_that_does_not_read(run_d
     server = ProbedServer()
     agent = server.agent(run_dir)
     agent.detail_interval_s = 0.0  # a full sample at every tick
+    conn = None
     try:
         agent.tick()
         conn, _ = listener.accept()
@@ -309,6 +313,8 @@ def test_full_samples_never_block_the_probe_on_a_helper_that_does_not_read(run_d
         assert len(samples) > 10 and all(m["type"] in ("hello", "sample") for m in samples)
     finally:
         agent.stop()
+        if conn is not None:
+            conn.close()
         listener.close()
 
 

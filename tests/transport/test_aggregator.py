@@ -20,6 +20,7 @@ import pytest
 from exporter.actions.base import Target
 from exporter.transport.aggregator import Aggregator
 from tests.conftest import REPO_ROOT
+from tests.helpers import close_pipes, kill_process
 
 
 def peer(sock: Path, mode: str, rank: str, **env: str) -> subprocess.Popen[str]:
@@ -88,7 +89,7 @@ def test_an_idle_connection_flood_costs_no_thread_and_a_new_worker_still_joins(r
         try:
             assert wait_for(lambda: str(worker.pid) in registered(aggregator))
         finally:
-            worker.kill()
+            kill_process(worker)
     finally:
         for s in flood:
             s.close()
@@ -197,12 +198,13 @@ def test_running_out_of_fds_pauses_accepting_and_never_ends_it(run_dir):
                 seen = json.loads(host.stdout.readline())
             assert str(worker.pid) in seen
         finally:
-            worker.kill()
+            kill_process(worker)
     finally:
         for s in flood:
             s.close()
         host.kill()
         _, stderr = host.communicate()
+        close_pipes(host)
     assert "cannot accept agent connections" in stderr  # it did run out, and said so
 
 
@@ -262,9 +264,9 @@ def test_only_the_process_asked_may_answer(run_dir):
             assert wait_for(lambda: aggregator.rejected["reply"] >= 1)  # ids it was never sent
             results = aggregator.command("stats", {}, Target(pid=honest.pid), timeout_s=5)
         finally:
-            spoof.kill()
+            kill_process(spoof)
     finally:
-        honest.kill()
+        kill_process(honest)
         aggregator.close()
     assert [(r.process["pid"], r.result) for r in results] == [(str(honest.pid), {"who": "answer"})]
 
@@ -279,8 +281,8 @@ def test_a_rank_the_environment_contradicts_is_the_environments(run_dir):
         assert ranks == {str(liar.pid): "3", str(unset.pid): "5"}
         assert aggregator.rejected["claim"] == 1
     finally:
-        liar.kill()
-        unset.kill()
+        kill_process(liar)
+        kill_process(unset)
         aggregator.close()
 
 
@@ -340,8 +342,7 @@ def test_series_have_a_budget_per_process_and_per_endpoint(run_dir):
         assert first in served and len(served) == 16  # the newest is the one left out
     finally:
         for proc in processes:
-            proc.kill()
-            proc.wait()
+            kill_process(proc)
         aggregator.close()
 
 
@@ -406,8 +407,7 @@ def test_an_unbacked_rank_stands_only_while_no_other_process_has_it(run_dir):
         assert aggregator.rejected["claim"] == 3
     finally:
         for proc in peers:
-            proc.kill()
-            proc.wait()
+            kill_process(proc)
         aggregator.close()
 
 

@@ -9,6 +9,7 @@ spawned and forked by multiprocessing, sitecustomize injection, Unix sockets, HT
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,7 +31,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO_ROOT
-from tests.helpers import free_port
+from tests.helpers import free_port, kill_process
 
 pytestmark = pytest.mark.slow
 
@@ -132,6 +134,24 @@ def launched(tmp_path: Path, **settings: str) -> Iterator[tuple[str, subprocess.
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+        _keep_output(proc)
+
+
+def _keep_output(proc: subprocess.Popen) -> None:
+    """What the launcher wrote, kept for the test to read after launched() (proc.stdout
+    becomes it), and its pipe closed. The read ends when every writer is gone: a process
+    of the server still holding the pipe is one left behind, and fails the test."""
+    assert proc.stdout is not None
+    pipe, output = proc.stdout, []
+    reader = threading.Thread(target=lambda: output.append(pipe.read()), daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():
+        if sys.exc_info()[0] is None:  # the test's own failure, if any, is the one told
+            raise AssertionError("a process of the server still holds the launcher's output")
+        return
+    pipe.close()
+    proc.stdout = io.StringIO(output[0])
 
 
 def test_every_process_under_one_endpoint_exits_cleaned_up_and_fan_out(tmp_path):
@@ -820,8 +840,7 @@ def test_folders_of_launchers_that_are_gone_are_swept_at_start(short_tmp):
         assert done.returncode == 0, done.stderr
         assert sorted(temp.glob("gpumem-run-*")) == sorted([running, new])
     finally:
-        holder.kill()
-        holder.wait()
+        kill_process(holder)
     # Its holder gone, the folder is swept by the next launcher.
     done = run_launcher("--", "true", env={"TMPDIR": str(temp)})
     assert sorted(temp.glob("gpumem-run-*")) == [new]
@@ -919,6 +938,7 @@ def test_orphans_the_launcher_adopted_are_in_host_memory(tmp_path):
         (control / "stop").touch()
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+        _keep_output(proc)
 
 
 # A server that leaves two daemons behind its own tree: one setsid'd after a double fork (its
@@ -966,7 +986,7 @@ def test_a_killed_launcher_takes_daemons_it_adopted_with_it(tmp_path, short_tmp)
         proc.wait(10)
         wait_for(lambda: not any(_alive(pid) for pid in daemons), 30, "the daemons to stop")
     finally:
-        proc.kill()
+        kill_process(proc)
         for pid_file in tmp_path.glob("*.pid"):
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
@@ -1005,7 +1025,7 @@ def test_a_command_the_keeper_was_never_told_of_is_stopped_with_the_launcher(tmp
         wait_for(lambda: not _alive(child), 30, "the stalled command to stop")
         wait_for(lambda: not _alive(keeper) and not run_dir.exists(), 15, "the keeper to end")
     finally:
-        launcher.kill()
+        kill_process(launcher)
         with contextlib.suppress(ProcessLookupError, NameError):
             os.kill(child, signal.SIGKILL)
 

@@ -282,8 +282,9 @@ def test_the_cli_never_follows_a_redirect_with_its_token(tmp_path, command):
     try:
         result = run_cli(*args, env={**os.environ, "GPUMEM_PASSWORD": "pw"})
     finally:
-        server.shutdown()
-        other.shutdown()
+        for each in (server, other):
+            each.shutdown()
+            each.server_close()
     line = one_error_line(result, command)
     assert "HTTP 307" in line and "not followed" in line
     assert seen == []
@@ -334,6 +335,7 @@ def test_a_snapshot_download_is_streamed_and_a_cut_one_leaves_no_file(tmp_path, 
             assert client.download("00001.0-manual", output) == len(body)
     finally:
         server.shutdown()
+        server.server_close()
     if cut:
         assert list(tmp_path.iterdir()) == []  # no file, no temp file
     else:

@@ -4,6 +4,7 @@ rebound Host name is refused (exporter/http/access.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 
@@ -63,13 +64,13 @@ def test_the_page_itself_and_non_browser_clients_still_act(open_demo):
 
 
 def _get(port: int, host: str) -> int:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    connection.putrequest("GET", "/metrics", skip_host=True)
-    connection.putheader("Host", host)
-    connection.endheaders()
-    response = connection.getresponse()
-    response.read()
-    return response.status
+    with contextlib.closing(http.client.HTTPConnection("127.0.0.1", port, timeout=10)) as c:
+        c.putrequest("GET", "/metrics", skip_host=True)
+        c.putheader("Host", host)
+        c.endheaders()
+        response = c.getresponse()
+        response.read()
+        return response.status
 
 
 @pytest.mark.slow

@@ -216,6 +216,8 @@ def test_slow_connections_are_capped_and_scrapes_still_answer(tmp_path):
                 keeper.request("GET", "/metrics")
                 status = keeper.getresponse().status
             assert status == 200
+            fresh.close()
         finally:
+            keeper.close()
             for sock in slow:
                 sock.close()

@@ -141,9 +141,9 @@ def test_an_api_server_that_cannot_answer_is_a_503_in_bounded_time(
         assert "Kubernetes API" in body["detail"] and "alice-token" not in body["detail"]
         assert took < 8
         # /metrics is never held by it.
-        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=2)
-        connection.request("GET", "/metrics", headers={"Host": "localhost"})
-        assert connection.getresponse().status == 200
+        with contextlib.closing(http.client.HTTPConnection("127.0.0.1", server.port, 2)) as c:
+            c.request("GET", "/metrics", headers={"Host": "localhost"})
+            assert c.getresponse().status == 200
 
 
 def test_every_admin_route_has_an_rbac_resource(tmp_path):
@@ -212,9 +212,9 @@ def test_a_hung_api_server_holds_no_more_than_a_few_threads(tmp_path, api):
         storm.start()
         time.sleep(1.0)
         started = time.monotonic()
-        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-        connection.request("GET", "/api/window", headers={"Host": "localhost"})
-        assert connection.getresponse().status == 200
+        with contextlib.closing(http.client.HTTPConnection("127.0.0.1", server.port, 10)) as c:
+            c.request("GET", "/api/window", headers={"Host": "localhost"})
+            assert c.getresponse().status == 200
         took = time.monotonic() - started
         storm.join()
     assert took < 1.0, took

@@ -16,7 +16,7 @@ from email.utils import parsedate_to_datetime
 import pytest
 
 from exporter.http.server import HTTP_THREAD
-from tests.helpers import served
+from tests.helpers import kill_process, served
 
 
 def _thread_cpu_s(name: str) -> float:
@@ -104,5 +104,4 @@ def test_a_signal_stops_a_server_in_the_main_thread(tmp_path) -> None:
         process.wait(timeout=10)
         assert time.monotonic() - started < 3
     finally:
-        process.kill()
-        process.wait()
+        kill_process(process)

@@ -28,7 +28,7 @@ from exporter.transport import fanout
 from exporter.transport.aggregator import Aggregator
 from exporter.transport.fanout import FanOutActions
 from tests.conftest import REPO_ROOT
-from tests.helpers import AUTH, TOKEN, served
+from tests.helpers import AUTH, TOKEN, close_pipes, kill_process, served
 from tests.http.burst import burst, status_line
 
 
@@ -135,6 +135,7 @@ def test_seventy_slow_readers_take_neither_scrapes_nor_health_checks_away(tmp_pa
                     except (OSError, http.client.HTTPException):
                         answered.append(None)
                         scraper.close()
+            scraper.close()
             assert answered == [200] * 20, answered
             # Past the write deadline they are gone, whatever room was needed.
             deadline = time.monotonic() + 10
@@ -277,6 +278,7 @@ def test_a_kept_alive_scraper_keeps_its_connection_when_the_server_fills(tmp_pat
             assert scraper.getresponse().status == 200
             assert scraper.sock.getsockname()[1] == local_port
         finally:
+            scraper.close()
             for sock in held:
                 sock.close()
 
@@ -318,9 +320,9 @@ def test_health_answers_while_admin_calls_wait_for_a_stopped_process(run_dir, mo
         os.kill(worker.pid, signal.SIGSTOP)
 
         def admin_call() -> None:
-            connection = http.client.HTTPConnection(address[0], address[1], timeout=30)
-            connection.request("GET", "/history", headers=AUTH)
-            connection.getresponse().read()
+            with contextlib.closing(http.client.HTTPConnection(*address, timeout=30)) as c:
+                c.request("GET", "/history", headers=AUTH)
+                c.getresponse().read()
 
         callers = [threading.Thread(target=admin_call) for _ in range(45)]
         for caller in callers:
@@ -328,17 +330,16 @@ def test_health_answers_while_admin_calls_wait_for_a_stopped_process(run_dir, mo
         time.sleep(1.0)  # every pool thread now waits for the stopped worker
         for path in ("/healthz", "/readyz"):
             began = time.monotonic()
-            connection = http.client.HTTPConnection(*address, timeout=30)
-            connection.request("GET", path)
-            status = connection.getresponse().status
+            with contextlib.closing(http.client.HTTPConnection(*address, timeout=30)) as c:
+                c.request("GET", path)
+                status = c.getresponse().status
             took = time.monotonic() - began
             assert status == 200 and took < 1.5, (path, status, took)
         for caller in callers:
             caller.join(30)
     finally:
         os.kill(worker.pid, signal.SIGCONT)
-        worker.kill()
-        worker.wait()
+        kill_process(worker)
         server.stop()
         aggregator.close()
 
@@ -399,6 +400,7 @@ def test_polite_kept_alive_clients_never_lock_out_new_scrapes_and_probes(tmp_pat
             ]
         finally:
             out, _ = checkers.communicate(timeout=30)
+            close_pipes(checkers)
     # The whole answer of any that is not 200: the guard's 503 says "too many connections".
     assert all(a.startswith(b"HTTP/1.1 200 OK\r\n") for a in answers), [
         a for a in answers if not a.startswith(b"HTTP/1.1 200 OK\r\n")
@@ -588,7 +590,8 @@ def test_wrong_passwords_never_lock_out_scrapes_and_probes(tmp_path):
                     statuses.append(b"")
                 time.sleep(0.05)
         finally:
-            guessers.wait(timeout=30)
+            guessers.communicate(timeout=30)
+            close_pipes(guessers)
     counts = Counter(s[:12] for s in statuses)
     assert counts == {b"HTTP/1.1 200": 40}, counts
 

@@ -263,6 +263,8 @@ def test_a_rotated_certificate_is_served_from_the_next_handshake_with_no_failed_
                 except BaseException as exc:
                     failures.append(exc)
                 time.sleep(0.02)
+            if connection is not None:
+                connection.close()
 
         threads = [threading.Thread(target=scrape, args=(k,)) for k in (True, False)]
         for thread in threads:
@@ -377,7 +379,7 @@ def _demo_over_tls(tmp_path, pki):
     """`gpumem-exporter demo` with TLS, in a process of its own: (its port, its process)."""
     import psutil
 
-    from tests.helpers import CLI, free_port, wait_http
+    from tests.helpers import CLI, close_pipes, free_port, wait_http
 
     ca, pair = pki
     port = free_port()
@@ -394,7 +396,8 @@ def _demo_over_tls(tmp_path, pki):
         yield port, psutil.Process(proc.pid)
     finally:
         proc.terminate()
-        proc.wait(timeout=15)
+        proc.communicate(timeout=15)
+        close_pipes(proc)
 
 
 @pytest.mark.slow

@@ -320,7 +320,7 @@ def test_health_answers_while_admin_calls_wait_for_a_stopped_process(run_dir, mo
         os.kill(worker.pid, signal.SIGSTOP)
 
         def admin_call() -> None:
-            with contextlib.closing(http.client.HTTPConnection(*address, timeout=30)) as c:
+            with contextlib.closing(http.client.HTTPConnection(address[0], address[1], 30)) as c:
                 c.request("GET", "/history", headers=AUTH)
                 c.getresponse().read()
 

@@ -30,7 +30,7 @@ from exporter.runtime import build_runtime
 from exporter.sources.replay import ReplaySource, demo_trace_path
 from exporter.trace import read_trace
 from tests.conftest import REPO_ROOT, require_tool
-from tests.helpers import free_port
+from tests.helpers import free_port, stop_processes
 
 Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -362,11 +362,7 @@ def test_a_two_worker_server_shows_every_workers_series_and_drops_a_dead_ones(tm
             "the stopped worker's series to go",
         )
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        finally:
-            server.kill()
+        stop_processes([server])
 
 
 @pytest.mark.slow

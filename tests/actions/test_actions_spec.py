@@ -21,7 +21,7 @@ from exporter.actions.base import ActionMethods, Target
 from exporter.actions.spec import ACTIONS, BY_NAME, ParamError
 from exporter.transport.aggregator import Aggregator
 from tests.conftest import REPO_ROOT
-from tests.helpers import AUTH, make_app, run_cli
+from tests.helpers import AUTH, kill_process, make_app, run_cli
 
 FAKE_TORCH = REPO_ROOT / "tests" / "support" / "fake_torch"
 # (action, parameters, what the refusal says): one value out of each kind of bound.
@@ -126,8 +126,7 @@ def test_an_agent_refuses_what_the_declaration_refuses() -> None:
         (answered,) = aggregator.command("history", {}, Target(), timeout_s=30)
         assert answered.ok, answered.error
     finally:
-        agent.kill()
-        agent.wait()
+        kill_process(agent)
         aggregator.close()
         for child in run_dir.iterdir():
             child.unlink()

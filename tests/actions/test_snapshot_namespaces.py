@@ -12,6 +12,7 @@ import pytest
 
 from exporter import atomic
 from tests.conftest import REPO_ROOT, require_tool
+from tests.helpers import close_pipes
 
 # The writer's container: a few processes first, so that the writer's pid is one the other
 # namespace does not have (there only the sweeper's own pid 1 exists).
@@ -66,12 +67,14 @@ def test_a_sweep_in_another_pid_namespace_leaves_a_live_capture_alone(tmp_path):
         assert int(line.split()[1]) > 1  # its pid in its own namespace
         swept = in_namespace(unshare, SWEEPER, str(folder), stdout=subprocess.PIPE)
         out, _ = swept.communicate(timeout=60)
+        close_pipes(swept)
         assert "pid 1" in out  # the sweeper's namespace has no process of the writer's pid
         assert "statuses ['recording']" in out, out
         assert "capture.pickle" in out.split("temps", 1)[1], out  # the temp file is kept
     finally:
         writer.kill()
         writer.wait(timeout=10)
+        close_pipes(writer)
 
 
 def test_a_capture_of_another_namespace_is_abandoned_once_overdue(tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ from exporter.config import Config
 from exporter.helper import join
 from exporter.transport.agent import SOCKET_NAME
 from exporter.transport.aggregator import Aggregator
-from tests.helpers import close_pipes, free_port
+from tests.helpers import close_pipes, free_port, kill_process
 
 # A server: start() at argv[1]'s port, say what the handle says, then idle (or fork first).
 SERVER = textwrap.dedent(
@@ -330,8 +330,7 @@ def test_a_sidecar_helper_is_joined_never_replaced_and_stays():
         assert sidecar.wait(10) == 0
         assert os.listdir(shared) == []
     finally:
-        server.kill()
-        server.wait()
+        kill_process(server)
         if sidecar is not None and sidecar.poll() is None:
             sidecar.kill()
             sidecar.wait()

@@ -1113,3 +1113,4 @@ def test_torch_multiprocessing_spawn_roles_tell_the_processes_apart(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+        _keep_output(proc)

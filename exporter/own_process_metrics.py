@@ -5,7 +5,7 @@ client_python's ProcessCollector opens /proc/self/stat and /proc/self/limits thr
 file objects and lists /proc/self/fd on every collect: 51 us hot, 220-250 us on the cold caches
 a once-a-second render finds (measured in the helper process on the development VM), a fifth of
 the helper's whole render. Here /proc/self/stat is kept open and read again from its start
-(exporter.sources.host.ProcFile), the file limit comes from getrlimit() (the soft limit, the
+(exporter.proc_file), the file limit comes from getrlimit() (the soft limit, the
 column client_python reads), and the start time's parts are read once: 14 us hot.
 
 The families are client_python's, name for name, help for help, value for value (a test holds
@@ -21,7 +21,9 @@ from collections.abc import Iterable
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from exporter.sources.host import PAGE_SIZE, ProcFile
+from exporter.proc_file import ProcFile
+
+_PAGE_SIZE = resource.getpagesize()
 
 
 def _boot_time(proc: str) -> float | None:
@@ -71,7 +73,7 @@ class OwnProcessMetrics(Collector):
                 GaugeMetricFamily(
                     "process_resident_memory_bytes",
                     "Resident memory size in bytes.",
-                    value=float(parts[21]) * PAGE_SIZE,
+                    value=float(parts[21]) * _PAGE_SIZE,
                 ),
                 GaugeMetricFamily(
                     "process_start_time_seconds",

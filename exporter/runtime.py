@@ -108,6 +108,24 @@ def endpoint_state(config: Config, web: WebSecurity, traits: Traits) -> Endpoint
     )
 
 
+def endpoint_states(
+    config: Config, web: WebSecurity, traits: Traits
+) -> Callable[[], EndpointState]:
+    """endpoint_state(), built again only when the web config changes (a reload, or one that
+    failed): every scrape's fingerprint and render ask for it."""
+    built: dict[int, EndpointState] = {}  # web.changes -> what it was then
+
+    def current() -> EndpointState:
+        seen = web.changes  # read first: a reload while it is built is seen by the next call
+        found = built.get(seen)
+        if found is None:
+            built.clear()
+            found = built[seen] = endpoint_state(config, web, traits)
+        return found
+
+    return current
+
+
 class MetricNameClash(ValueError):
     """The registry given (the host's, attach()) already has metrics of these names."""
 
@@ -186,17 +204,10 @@ def build_runtime(
         pending_ooms=pending_ooms,
     )
 
-    # Built again only when the web config changes (a reload, or one that failed): every
-    # scrape's fingerprint and render ask for it.
-    built: dict[int, EndpointState] = {}  # web.changes -> what it was then
+    endpoint = endpoint_states(config, web, traits)
 
     def action_stats() -> ActionStats:
-        seen = web.changes  # read first: a reload while it is built is seen by the next call
-        endpoint = built.get(seen)
-        if endpoint is None:
-            built.clear()
-            endpoint = built[seen] = endpoint_state(config, web, traits)
-        return ActionStats(processes=actions.counts(), endpoint=endpoint)
+        return ActionStats(processes=actions.counts(), endpoint=endpoint())
 
     render_failures = RenderFailures()
     torch_module = sys.modules.get("torch")  # never import torch just to learn its version

@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
         "config",
         "identity",
         "probe",  # the serving process's tick: standard library only
+        "proc_file",  # a /proc file kept open, read again from its start
         # every reach into uvicorn's, asyncio's and ssl's internals, named and checked
         "internals",
     ),
@@ -51,6 +52,7 @@ LAYERS: list[tuple[str, ...]] = [
         "window",
         "oom_pending",
         "metrics",
+        "own_process_metrics",  # client_python's process_* families, read more cheaply
         "exposition",
         "exposition_templates",
         "viewer",

@@ -6,12 +6,12 @@ GPU looks fine; these numbers make that visible next to the GPU ones.
 
 from __future__ import annotations
 
-import os
 import resource
 import sys
 
 import psutil
 
+from exporter.proc_file import ProcFile
 from exporter.sample import HostReading, SourceReading
 from exporter.sources import HOST_MEMORY
 
@@ -43,29 +43,6 @@ def parse_meminfo(data: bytes) -> dict[str, int]:
         fields = data[start + len(key) : data.find(b"\n", start + 1)].split()
         values[name] = int(fields[0]) * (1024 if fields[1:] == [b"kB"] else 1)
     return values
-
-
-class ProcFile:
-    """A /proc file kept open and read again from its start (pread) on every tick: the kernel
-    writes it anew for each read at offset 0, and an open and a close per tick are saved."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd: int | None = None
-
-    def read(self) -> bytes:
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            return os.pread(self._fd, 16384, 0)
-        except OSError:
-            self.close()  # reopened on the next read
-            raise
-
-    def close(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
 
 
 class HostMemorySource:

@@ -8,7 +8,8 @@ import os
 import psutil
 import pytest
 
-from exporter.sources.host import HostMemorySource, ProcFile, parse_meminfo
+from exporter.proc_file import ProcFile
+from exporter.sources.host import HostMemorySource, parse_meminfo
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="needs Linux /proc")
 

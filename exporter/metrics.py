@@ -269,8 +269,8 @@ class SampleCollector(Collector):
             if entry.name in self._left_out
             else None
         )
-        found = self._plans[(entry.name, per_process)] = (labels, names, left_out)
-        return found
+        self._plans[(entry.name, per_process)] = (labels, names, left_out)
+        return labels, names, left_out
 
     def fingerprint(self) -> tuple[object, ...]:
         """Everything collect() reads that can change: equal fingerprints, equal output

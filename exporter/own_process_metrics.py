@@ -21,9 +21,7 @@ from collections.abc import Iterable
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from exporter.proc_file import ProcFile
-
-_PAGE_SIZE = resource.getpagesize()
+from exporter.proc_file import PAGE_SIZE, ProcFile
 
 
 def _boot_time(proc: str) -> float | None:
@@ -73,7 +71,7 @@ class OwnProcessMetrics(Collector):
                 GaugeMetricFamily(
                     "process_resident_memory_bytes",
                     "Resident memory size in bytes.",
-                    value=float(parts[21]) * _PAGE_SIZE,
+                    value=float(parts[21]) * PAGE_SIZE,
                 ),
                 GaugeMetricFamily(
                     "process_start_time_seconds",

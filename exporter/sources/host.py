@@ -11,7 +11,7 @@ import sys
 
 import psutil
 
-from exporter.proc_file import ProcFile
+from exporter.proc_file import PAGE_SIZE, ProcFile, field_keys, parse_fields
 from exporter.sample import HostReading, SourceReading
 from exporter.sources import HOST_MEMORY
 
@@ -24,25 +24,14 @@ def peak_rss_bytes() -> int:
 
 MEMINFO = "/proc/meminfo"
 STATM = "/proc/self/statm"
-PAGE_SIZE = resource.getpagesize()
-
 WANTED = ("MemTotal", "MemAvailable", "SwapTotal", "SwapFree")
-_KEYS = tuple((name, f"\n{name}:".encode()) for name in WANTED)
+_KEYS = field_keys(WANTED)
 
 
 def parse_meminfo(data: bytes) -> dict[str, int]:
     """The fields of /proc/meminfo this source needs, in bytes. One read gives memory and
-    swap (psutil reads the file twice plus /proc/vmstat on every tick, ~170 us measured); a
-    search per field takes a quarter of a regular expression's time over the whole file."""
-    data = b"\n" + data
-    values = {}
-    for name, key in _KEYS:
-        start = data.find(key)
-        if start < 0:
-            continue
-        fields = data[start + len(key) : data.find(b"\n", start + 1)].split()
-        values[name] = int(fields[0]) * (1024 if fields[1:] == [b"kB"] else 1)
-    return values
+    swap (psutil reads the file twice plus /proc/vmstat on every tick, ~170 us measured)."""
+    return parse_fields(data, _KEYS)
 
 
 class HostMemorySource:

@@ -18,7 +18,6 @@ import argparse
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from bench.common import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PATH = os.environ.get("PYTHONPATH", "")  # carried packages (the GPU machine's), after the root
@@ -55,12 +56,6 @@ _HEADERS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _helper(port: int) -> psutil.Process:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -85,7 +80,7 @@ def _threads(pid: int) -> dict[str, tuple[int, int]]:
 
 
 def measure(root: str, seconds: float, torch_kind: str) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-c", _SERVER, str(port), root, torch_kind],
         stdin=subprocess.PIPE,

@@ -21,6 +21,7 @@ import ssl
 import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -386,6 +387,12 @@ def close_pipes(proc: subprocess.Popen[Any]) -> None:
     for pipe in (proc.stdin, proc.stdout, proc.stderr):
         if pipe is not None:
             pipe.close()
+
+
+def thread_wakeups(thread: threading.Thread) -> int:
+    """How many times a thread of this process has slept and woken (Linux's count)."""
+    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
+    return int(next(x for x in status.splitlines() if x.startswith("voluntary_ctxt")).split()[1])
 
 
 def kill_process(proc: subprocess.Popen[Any]) -> None:

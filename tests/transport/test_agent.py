@@ -22,7 +22,7 @@ from exporter.probe.allocator import AllocatorProbe
 from exporter.transport import protocol
 from exporter.transport.agent import SOCKET_NAME
 from exporter.transport.aggregator import Aggregator
-from tests.helpers import ProbedServer
+from tests.helpers import ProbedServer, thread_wakeups
 
 
 def served(aggregator: Aggregator, timeout_s: float = 5.0, **wanted: int):
@@ -165,12 +165,6 @@ def test_a_paced_sampler_ticks_on_the_aggregators_thread_as_the_process_reports(
         assert len(ticks) == 3
 
 
-def _wakeups(thread: threading.Thread) -> int:
-    """How many times a thread of this process has slept and woken (Linux's count)."""
-    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
-    return int(next(x for x in status.splitlines() if x.startswith("voluntary_ctxt")).split()[1])
-
-
 def test_the_command_reader_sleeps_while_records_go_out(run_dir):
     """The thread that waits for the launcher's commands costs the serving process nothing
     per tick: it is not woken each time the launcher takes a record (it was, in recv())."""
@@ -178,14 +172,14 @@ def test_the_command_reader_sleeps_while_records_go_out(run_dir):
         agent.tick()
         [reader] = [t for t in threading.enumerate() if t.name == "gpumem-agent-commands"]
         served(aggregator)
-        before = _wakeups(reader)
+        before = thread_wakeups(reader)
         for _ in range(30):
             server.allocate(1 << 20)
             agent.tick()
             time.sleep(0.005)  # the aggregator takes each record before the next one
         served(aggregator, allocated_bytes=server.stats["allocated_bytes"]["all"]["current"])
         assert agent.records_sent == 30
-        assert _wakeups(reader) - before <= 2
+        assert thread_wakeups(reader) - before <= 2
         # It still wakes for what it waits for: a command reaches this process's actions,
         # which answer (that the test double's torch has no CUDA for them to act on).
         [result] = aggregator.command("reset_peak", {}, Target(), timeout_s=5.0)

@@ -20,7 +20,7 @@ import pytest
 from exporter.actions.base import Target
 from exporter.transport.aggregator import Aggregator
 from tests.conftest import REPO_ROOT
-from tests.helpers import close_pipes, kill_process
+from tests.helpers import close_pipes, kill_process, thread_wakeups
 
 
 def peer(sock: Path, mode: str, rank: str, **env: str) -> subprocess.Popen[str]:
@@ -110,12 +110,6 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
-def _wakeups(thread: threading.Thread) -> int:
-    """How many times a thread of this process has slept and woken (Linux's count)."""
-    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
-    return int(next(x for x in status.splitlines() if x.startswith("voluntary_ctxt")).split()[1])
-
-
 def test_the_aggregator_sleeps_while_no_process_speaks(run_dir):
     """Its thread wakes for a message, a deadline or close(), never on a timer: a helper
     serving one process at 1 Hz woke three times a tick (a 0.5 s timer), each wake ~0.13 ms
@@ -125,9 +119,9 @@ def test_the_aggregator_sleeps_while_no_process_speaks(run_dir):
     try:
         assert wait_for(lambda: registered(aggregator), 5)
         time.sleep(0.1)
-        before = _wakeups(aggregator._thread)
+        before = thread_wakeups(aggregator._thread)
         time.sleep(1.5)
-        assert _wakeups(aggregator._thread) - before == 0
+        assert thread_wakeups(aggregator._thread) - before == 0
         conn.close()  # it still wakes for what it waits for: the process left
         assert wait_for(lambda: not registered(aggregator), 5)
         started = time.monotonic()

@@ -94,11 +94,19 @@ def run_dir() -> Iterator[Path]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def repo_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child that imports the repository: REPO_ROOT put
+    before the PYTHONPATH it already has (the GPU machine's packages are found through it),
+    with EXTRA set."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
 def run_support_script(script: str, *args: str, alloc_conf: str = "") -> dict:
     """Run tests/support/SCRIPT ARGS in a fresh process (allocator settings and CUDA contexts
     are per process) and return the JSON object it prints last."""
-    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=alloc_conf)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env = repo_env(PYTORCH_CUDA_ALLOC_CONF=alloc_conf)
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "tests" / "support" / script), *args],
         env=env,

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO_ROOT, run_support_script
+from tests.conftest import REPO_ROOT, repo_env, run_support_script
 
 torch = pytest.importorskip("torch")
 
@@ -240,8 +240,7 @@ def test_admin_api_on_a_real_allocator():
 def test_oom_snapshot_survives_the_process_dying(tmp_path):
     import pickle
 
-    env = dict(os.environ, SNAPSHOT_DIR=str(tmp_path))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env = repo_env(SNAPSHOT_DIR=str(tmp_path))
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "tests" / "support" / "gpu_scenarios.py"), "oom_exit"],
         env=env,
@@ -296,8 +295,7 @@ def test_run_two_ranks_on_two_gpus(tmp_path):
         port = s.getsockname()[1]
     control = tmp_path / "control"
     control.mkdir()
-    env = dict(os.environ, GPUMEM_ADMIN_TOKEN="t", GPUMEM_SNAPSHOT_DIR=str(tmp_path / "snaps"))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env = repo_env(GPUMEM_ADMIN_TOKEN="t", GPUMEM_SNAPSHOT_DIR=str(tmp_path / "snaps"))
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -428,14 +426,12 @@ def test_torchrun_under_run_actions_oom_alerts_and_host_memory(tmp_path):
     control.mkdir()
     token = tmp_path / "token"
     token.write_text("t")
-    env = dict(
-        os.environ,
+    env = repo_env(
         GPUMEM_ADMIN_TOKEN="t",
         GPUMEM_SNAPSHOT_DIR=str(tmp_path / "snaps"),
         GPUMEM_OOM_SNAPSHOT="1",
         GPUMEM_EMPTY_CACHE_COOLDOWN_S="0",
     )
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     launcher = [sys.executable, "-m", "exporter.cli", "run", "--port", str(port)]
     torchrun = [
         sys.executable,
@@ -795,7 +791,7 @@ def test_components_and_the_ledger_under_run(tmp_path):
         [sys.executable, "-m", "exporter.cli", "run", "--port", str(port), "--interval-s", "0.2",
          "--", sys.executable, script, "ledger", url],
         capture_output=True, text=True, timeout=180, cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        env=repo_env(),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     _check_ledger(json.loads(out.stdout.strip().splitlines()[-1]))

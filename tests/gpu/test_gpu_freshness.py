@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, repo_env
 from tests.helpers import CLI, free_port
 
 torch = pytest.importorskip("torch")
@@ -110,8 +110,7 @@ def run_workload(tmp_path: Path, under_run: bool) -> dict[str, Any]:
         pytest.skip("GPU 0 is in use by another process")
     events_path = tmp_path / "events.jsonl"
     port, node_port = free_port(), free_port()
-    env = dict(os.environ, GPUMEM_INTERVAL_S=str(INTERVAL_S), GPUMEM_KUBELET_SOCKET="off")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env = repo_env(GPUMEM_INTERVAL_S=str(INTERVAL_S), GPUMEM_KUBELET_SOCKET="off")
     workload = [
         sys.executable,
         str(REPO_ROOT / "tests" / "support" / "freshness_workload.py"),

@@ -15,12 +15,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO_ROOT
-from tests.helpers import free_port
+from tests.conftest import REPO_ROOT, repo_env
+from tests.helpers import free_port, kill_process
 from tests.support.kubelet_standin import claim_pod, dra_device, pod, write_state
 
 torch = pytest.importorskip("torch")
@@ -39,51 +40,46 @@ time.sleep(600)
 """
 
 
-def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), e.get("PYTHONPATH")]))
-    return e
-
-
 @pytest.fixture
 def node(tmp_path) -> Iterator[dict]:
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True, env=env()
-    )
-    assert holder.stdout is not None
-    uuid = "GPU-" + holder.stdout.readline().strip()
-    state, sock = tmp_path / "state.json", tmp_path / "kubelet.sock"
-    write_state(state, [pod("serving", "llama-0", "server", f"{uuid}::0", f"{uuid}::1")])
-    kubelet = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.kubelet_standin", str(sock), str(state)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env(),
-        cwd=REPO_ROOT,
-    )
-    assert kubelet.stdout is not None
-    assert kubelet.stdout.readline().strip() == "ready"
-    port = free_port()
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "exporter.cli", "serve", "--port", str(port)],
-        env={
-            **env(),
-            "GPUMEM_KUBELET_SOCKET": str(sock),
-            "GPUMEM_KUBELET_REFRESH_S": "1",
-            "GPUMEM_PROCESS_INTERVAL_S": "1",
-        },
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
+    # Every process is killed and reaped however the set-up ends: a kubelet that never says
+    # ready must not leave the holder's 2 GiB on the GPU for the tests after.
+    started: list[subprocess.Popen[str]] = []
+
+    def start(args: list[str], **kwargs: Any) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, **kwargs)
+        started.append(proc)
+        return proc
+
     try:
+        holder = start([sys.executable, "-c", HOLDER], env=repo_env())
+        assert holder.stdout is not None
+        uuid = "GPU-" + holder.stdout.readline().strip()
+        state, sock = tmp_path / "state.json", tmp_path / "kubelet.sock"
+        write_state(state, [pod("serving", "llama-0", "server", f"{uuid}::0", f"{uuid}::1")])
+        kubelet = start(
+            [sys.executable, "-m", "tests.support.kubelet_standin", str(sock), str(state)],
+            env=repo_env(),
+            cwd=REPO_ROOT,
+        )
+        assert kubelet.stdout is not None
+        assert kubelet.stdout.readline().strip() == "ready"
+        port = free_port()
+        serve = start(
+            [sys.executable, "-m", "exporter.cli", "serve", "--port", str(port)],
+            env={
+                **repo_env(),
+                "GPUMEM_KUBELET_SOCKET": str(sock),
+                "GPUMEM_KUBELET_REFRESH_S": "1",
+                "GPUMEM_PROCESS_INTERVAL_S": "1",
+            },
+            stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}"
         yield {"uuid": uuid, "pid": holder.pid, "state": state, "url": url, "proc": serve}
     finally:
-        for proc in (serve, kubelet, holder):
-            proc.terminate()
-        for proc in (serve, kubelet, holder):
-            proc.wait(timeout=20)
+        for proc in reversed(started):
+            kill_process(proc)
 
 
 def scrape(url: str) -> dict[str, list]:

@@ -8,13 +8,12 @@ Run on the GPU machine: `pytest -m gpu tests/gpu/test_gpu_oom_at_start.py`."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, repo_env
 from tests.helpers import free_port
 
 torch = pytest.importorskip("torch")
@@ -41,8 +40,7 @@ CAUSES = [
 
 
 def _env(alloc_conf: str) -> dict[str, str]:
-    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=alloc_conf)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env = repo_env(PYTORCH_CUDA_ALLOC_CONF=alloc_conf)
     return env
 
 

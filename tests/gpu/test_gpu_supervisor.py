@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, repo_env
 from tests.helpers import free_port
 
 torch = pytest.importorskip("torch")
@@ -48,8 +48,7 @@ def nvml_pids() -> set[int]:
 
 def test_sigterm_to_the_launcher_stops_every_litserve_worker(tmp_path):
     port, app_port = free_port(), free_port()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env = repo_env()
     log = (tmp_path / "launcher.log").open("w")
     launcher = subprocess.Popen(
         [

@@ -36,6 +36,7 @@ from exporter import atomic
 from exporter.config import SETTINGS, Config, ConfigError, load_config
 from exporter.helper import join
 from exporter.http.server import ServerStartError
+from exporter.sampler import PACED_LATEST
 from exporter.transport.agent import SOCKET_NAME
 from exporter.transport.aggregator import Aggregator
 from exporter.transport.folder import hold_lock
@@ -50,7 +51,9 @@ LEAVE_AFTER_S = 1.0
 # How often it looks whether it still has its folder. Whether it is still needed it is told
 # (the aggregator wakes it when a connection opens or closes): looking every 0.1 s cost the
 # helper 2 of its 5.7 ms of CPU a second at 1 Hz with a scrape a second, every 0.5 s 0.33 of
-# 3.3 (`python -m bench.helper_cpu`, on a CPU-only machine).
+# 3.3 (`python -m bench.helper_cpu`, on a CPU-only machine). The look is made on the
+# sampler's tick, by the thread already awake for it (FolderLook): a wake-up of its own every
+# 2 s cost 0.13 ms/s more. Only a sampler slower than this wakes the main thread to look.
 FOLDER_LOOK_S = 2.0
 
 
@@ -135,6 +138,8 @@ def _serve(folder: Path, sidecar: Config | None) -> int:
         except ServerStartError as exc:
             return _failed(str(exc))
         cleanup.callback(http.stop)
+        folder_look = FolderLook(folder, wake)
+        runtime.sampler.listeners.append(folder_look)
         aggregator.pace(runtime.sampler)  # ticks as the processes report (Aggregator.pace)
         cleanup.callback(runtime.sampler.stop)
         http.start()
@@ -147,19 +152,46 @@ def _serve(folder: Path, sidecar: Config | None) -> int:
             while not stop.wait(1.0) and _folder_kept(folder):
                 pass
             return 0
-        _until_unneeded(folder, aggregator, stop, wake)
+        # Ticks at least this often look at the folder: no timer of its own for it.
+        ticks_look = PACED_LATEST * config.interval_s <= FOLDER_LOOK_S
+        _until_unneeded(folder_look, aggregator, stop, wake, ticks_look)
     return 0
 
 
+class FolderLook:
+    """Whether the helper still has its folder, looked at on the sampler's ticks (a listener,
+    on the thread that ticks) at most every FOLDER_LOOK_S; `wake` is set once it is gone."""
+
+    def __init__(self, folder: Path, wake: threading.Event) -> None:
+        self.folder, self._wake = folder, wake
+        self.gone = False
+        self._looked_at = time.monotonic()
+
+    def __call__(self, _sample: object) -> None:
+        if not self.gone and time.monotonic() - self._looked_at >= FOLDER_LOOK_S:
+            self.look()
+
+    def look(self) -> None:
+        self._looked_at = time.monotonic()
+        if not _folder_kept(self.folder):
+            self.gone = True
+            self._wake.set()
+
+
 def _until_unneeded(
-    folder: Path, aggregator: Aggregator, stop: threading.Event, wake: threading.Event
+    folder_look: FolderLook,
+    aggregator: Aggregator,
+    stop: threading.Event,
+    wake: threading.Event,
+    ticks_look: bool,
 ) -> None:
     """Until no process has been served for LEAVE_AFTER_S (none came: FIRST_PEER_S), its
     folder is gone, or it is stopped. Woken by the aggregator when a connection opens or
-    closes, and every FOLDER_LOOK_S for the folder."""
+    closes, and by `folder_look` when the folder is gone; where the sampler's ticks are
+    too far apart to look (`ticks_look` False), it looks every FOLDER_LOOK_S itself."""
     started = time.monotonic()
     left_at: float | None = None  # when the last connection closed; None while one is open
-    while not stop.is_set():
+    while not stop.is_set() and not folder_look.gone:
         now = time.monotonic()
         deadline = None
         if aggregator.connections():
@@ -172,10 +204,13 @@ def _until_unneeded(
         if deadline is not None and now >= deadline:
             log.info("no process left to serve: leaving")
             return
-        wake.wait(FOLDER_LOOK_S if deadline is None else min(FOLDER_LOOK_S, deadline - now))
+        look_s = None if ticks_look else FOLDER_LOOK_S
+        if deadline is not None:
+            look_s = deadline - now if look_s is None else min(look_s, deadline - now)
+        wake.wait(look_s)
         wake.clear()
-        if not _folder_kept(folder):
-            return
+        if not ticks_look:
+            folder_look.look()
 
 
 def _folder_kept(folder: Path) -> bool:

@@ -229,7 +229,8 @@ def test_the_helper_is_told_its_last_process_left_and_leaves_after_leave_after_s
         agent.connect(str(run_dir / SOCKET_NAME))
         wait_for(lambda: aggregator.connections() == 1, "the connection taken", 5.0)
         waiting = threading.Thread(
-            target=helper_process._until_unneeded, args=(run_dir, aggregator, stop, wake)
+            target=helper_process._until_unneeded,
+            args=(helper_process.FolderLook(run_dir, wake), aggregator, stop, wake, False),
         )
         waiting.start()
         time.sleep(0.3)
@@ -684,3 +685,57 @@ def test_an_oom_in_the_first_allocation_right_after_start_gets_its_verdict_at_on
     assert seen is not None, "no verdict on /metrics within 10 s of the OOM"
     assert seen["after_s"] < 1.5, seen  # the helper samples at 1 Hz
     assert any(line.endswith(" 1.0") for line in seen["lines"]), seen
+
+
+def test_a_helper_whose_sampler_ticks_slower_than_its_folder_look_looks_itself(
+    run_dir, monkeypatch
+):
+    """The folder is looked at on the sampler's ticks (FolderLook, a listener). Where ticks
+    are further apart than FOLDER_LOOK_S, the main thread looks on its own timer: a removed
+    folder still ends the wait, with a process served and no tick at all."""
+    import threading
+
+    from exporter.helper import process as helper_process
+
+    monkeypatch.setattr(helper_process, "FOLDER_LOOK_S", 0.2)
+    wake, stop = threading.Event(), threading.Event()
+    aggregator = Aggregator(run_dir, on_change=wake.set)
+    agent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        agent.connect(str(run_dir / SOCKET_NAME))
+        wait_for(lambda: aggregator.connections() == 1, "the connection taken", 5.0)
+        look = helper_process.FolderLook(run_dir, wake)
+        waiting = threading.Thread(
+            target=helper_process._until_unneeded, args=(look, aggregator, stop, wake, False)
+        )
+        waiting.start()
+        time.sleep(0.5)
+        assert waiting.is_alive()  # its folder is there and a process is served: it stays
+        (run_dir / SOCKET_NAME).unlink()
+        waiting.join(2.0)
+        assert not waiting.is_alive(), "its folder is gone and it still waits"
+        assert look.gone
+    finally:
+        stop.set()
+        wake.set()
+        agent.close()
+        aggregator.close()
+
+
+def test_a_tick_looks_at_the_folder_at_most_every_folder_look_s(run_dir, monkeypatch):
+    """FolderLook on the sampler's ticks: a look at most every FOLDER_LOOK_S, and the main
+    thread woken once the folder is gone."""
+    import threading
+
+    from exporter.helper import process as helper_process
+
+    monkeypatch.setattr(helper_process, "FOLDER_LOOK_S", 0.3)
+    wake = threading.Event()
+    (run_dir / SOCKET_NAME).touch()
+    look = helper_process.FolderLook(run_dir, wake)
+    (run_dir / SOCKET_NAME).unlink()
+    look(None)  # a tick right after the last look: not looked at yet
+    assert not look.gone and not wake.is_set()
+    time.sleep(0.35)
+    look(None)
+    assert look.gone and wake.is_set()

@@ -7,7 +7,16 @@ import json
 
 import pytest
 
-from exporter.attribution import DraClaim, GpuPod, ProcessPod, UnattributedProcess, attribute
+from exporter.attribution import (
+    Attribution,
+    DraClaim,
+    GpuPod,
+    ProcessPod,
+    UnattributedProcess,
+)
+from exporter.attribution import (
+    attribute as attribute_or_none,
+)
 from exporter.kubernetes.device_ids import base_device_id, resolve_dra_gpu_uuid, resolve_gpu_uuid
 from exporter.sample import (
     GpuReading,
@@ -26,6 +35,13 @@ PID = RAW["devices"][0]["processes"][0]["pid"]
 PID_USED = RAW["devices"][0]["processes"][0]["usedGpuMemory"]
 UID_A = "2c9f8a79-5391-454b-88cb-86190881cb96"
 UID_B = "7922aa99-d4aa-4885-a953-82976860b23a"
+
+
+def attribute(sample: Sample) -> Attribution:
+    """exporter.attribution.attribute() of a sample that has something to attribute."""
+    result = attribute_or_none(sample)
+    assert result is not None
+    return result
 
 
 def gpus() -> list[GpuReading]:
@@ -153,6 +169,7 @@ def test_a_pod_uid_the_kubelets_links_do_not_name_is_no_holders():
     assert result.unattributed_processes[0].reason == "not_assigned"
     # The pod reader's list alone may be older than the pod: not judged from it.
     s = sample([llama()], [the_process()], [stranger], pods=None)
+    assert s.kubelet is not None
     s.kubelet.pods = dict(LLAMA)
     assert attribute(s).unattributed_processes == []
 
@@ -235,7 +252,7 @@ def test_no_assignment_known_yet_judges_nothing():
 
 
 def test_no_kubelet_view_is_no_attribution():
-    assert attribute(Sample(timestamp=0.0, gpus=gpus())) is None
+    assert attribute_or_none(Sample(timestamp=0.0, gpus=gpus())) is None
 
 
 def test_a_lost_gpu_is_not_judged():
@@ -259,6 +276,7 @@ def test_a_process_newer_than_the_kubelets_answer_is_pending_never_named():
     assert result.unattributed_gpus[GPU0] == (0, 0)  # not counted: its pod may hold the GPU
     # Once a List asked after it answers, it is judged as any other (its links read then).
     s = sample([llama()], [the_process()], [newcomer], {**LLAMA, UID_B: ("serving", "llama-0")})
+    assert s.kubelet is not None
     s.kubelet.asked_s = 2.5
     assert attribute(s).unattributed_processes == []
     # A StatefulSet's pod recreated under the same name (another UID), its links read but

@@ -7,6 +7,7 @@ tests/gpu/test_gpu.py::test_components_and_the_ledger_on_a_real_allocator)."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 
@@ -139,7 +140,7 @@ def reading(**fields: object) -> AllocatorReading:
 
 
 def test_the_ledger_sums_to_reserved_plus_outside_whatever_was_named():
-    cases = [
+    cases: list[dict[str, Any]] = [
         {},
         {"components": {"weights": 6 * GiB, "kv_cache": 3 * GiB}},
         {"components": {"weights": 6 * GiB, "kv_cache": 9 * GiB}},  # names more than allocated

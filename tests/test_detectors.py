@@ -454,7 +454,7 @@ def test_slope_matches_least_squares_over_the_window():
 
     rng = random.Random(3)
     series = _Series(window_s=100)
-    points = []
+    points: list[tuple[float, float]] = []
     for i in range(500):
         t, v = 1.7e9 + i * 0.5, 1e10 - i * 3e6 + rng.uniform(-1e6, 1e6)
         series.add(t, v)
@@ -582,7 +582,7 @@ def test_the_recorded_h200_trace_turns_expandable_segments_on_and_that_is_one_ch
 
     _, samples = read_trace(DATA_DIR / "h200_oom_storm_trace.jsonl.gz")
     detectors, events = collect()
-    changed_at = []
+    changed_at: list[int] = []
     for i, sample in enumerate(samples):
         detectors(sample)
         if list(detectors.settings_changes()) and not changed_at:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from fastapi import FastAPI
@@ -13,7 +14,7 @@ from prometheus_client import CollectorRegistry
 import exporter
 from exporter.config import ConfigError
 
-QUIET = {"serve_http": False, "torch": False, "nvml": False}
+QUIET: dict[str, Any] = {"serve_http": False, "torch": False, "nvml": False}
 
 
 @pytest.fixture
@@ -83,7 +84,7 @@ def test_attach_to_another_app_or_after_start_says_so(log):
 def test_invalid_settings_of_a_second_call_still_raise(log):
     exporter.start(**QUIET)
     with pytest.raises(ConfigError, match="port"):
-        exporter.start(port="nine", **QUIET)
+        exporter.start(port="nine", **QUIET)  # type: ignore[arg-type]  # a caller's mistake
 
 
 def test_a_handle_prints_as_one_short_line(tmp_path):

@@ -124,10 +124,10 @@ def test_a_failed_handshake_sends_what_handshake_done_answers():
     try:
         protocol = Answering(
             loop, asyncio.Protocol(), ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER),
-            None,  # no waiter, as asyncio's own servers
+            None,  # type: ignore[arg-type]  # no waiter, as asyncio's own servers
             server_side=True,
         )  # fmt: skip
-        protocol._transport = Transport()  # what connection_made sets
+        protocol._transport = Transport()  # type: ignore[assignment]  # as connection_made
         with contextlib.suppress(Exception):  # asyncio's own handling, after ours
             protocol._on_handshake_complete(ssl.SSLError(1, "handshake failure"))
         assert written[0] == b"HTTP/1.0 400 Bad Request\r\n\r\n"

@@ -28,6 +28,7 @@ def test_round_trip_of_the_demo_trace():
     assert any(s.processes_cached for s in samples)  # the trace reuses NVML's process list
     assert any(r.non_allocator_age_s for s in samples for r in s.allocators)
     for sample in samples[:: max(len(samples) // 20, 1)]:
+        assert sample.host is not None
         back = sample_from_exposition(render(sample, replay=True), timestamp=sample.timestamp)
         # A scrape does not say whether the exporter reused its process list, nor the GPU's
         # minor number (kept for Kubernetes attribution, not a series), nor a MIG mode that is
@@ -126,6 +127,7 @@ def test_named_components_round_trip_and_the_ledger_is_derived_not_read_back():
         "cached_free",
         "outside_allocator",
     ]
+    assert reading.non_allocator_bytes is not None
     assert sum(parts.values()) == reading.gauges["reserved_bytes"] + reading.non_allocator_bytes
     back = sample_from_exposition(text, timestamp=sample.timestamp)
     assert back.allocators == sample.allocators

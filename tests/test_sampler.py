@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from exporter.sample import AllocatorReading, HostReading, SourceReading
+from exporter.sample import AllocatorReading, HostReading, Sample, SourceReading
 from exporter.sampler import Sampler
 
 
@@ -70,7 +70,7 @@ def test_readings_of_all_sources_are_merged():
 
 
 def test_a_failing_listener_does_not_stop_sampling():
-    seen = []
+    seen: list[Sample] = []
 
     def broken(sample):
         raise ValueError("listener bug")

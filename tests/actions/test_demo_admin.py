@@ -105,7 +105,9 @@ def test_a_demo_snapshot_is_the_recorded_one_of_the_moment_it_replays(tmp_path):
         assert f"second {recorded:.0f} of the demo trace" in page
         assert "{&#x27;" not in page and "{'" not in page  # no dict in the header
     oom_id = taken[at_oom_s + 1.0]["id"]
-    at_oom = load_snapshot(runtime.actions.store.path(runtime.actions.store.get(oom_id)))
+    info = runtime.actions.store.get(oom_id)
+    assert info is not None
+    at_oom = load_snapshot(runtime.actions.store.path(info))
     assert any(e["action"] == "oom" for e in at_oom["device_traces"][0])
     assert "oom snapshot" in client.get(f"/snapshots/{oom_id}/view").text
     assert "api snapshot" in client.get(f"/snapshots/{taken[last_s]['id']}/view").text
@@ -131,7 +133,9 @@ def test_the_replayed_oom_snapshot_is_listed_counted_and_linked_from_its_verdict
     for second in (60.0, 120.0, replay.duration_s + 1.0):  # after the OOM, later, next loop
         now[0] = second
         runtime.sampler.tick()
-        verdict = runtime.sampler.latest.allocators[0].last_oom
+        latest = runtime.sampler.latest
+        assert latest is not None
+        verdict = latest.allocators[0].last_oom
         assert verdict is not None and verdict.verdict == "fragmentation"
         listed = {s["id"]: s for s in client.get("/snapshots").json()["snapshots"]}
         assert {s["trigger"] for s in listed.values()} == {"oom"}
@@ -144,6 +148,7 @@ def test_the_replayed_oom_snapshot_is_listed_counted_and_linked_from_its_verdict
     assert len(listed) == len(recorded_ooms) >= 1
     metrics = client.get("/metrics").text
     assert f'gpumem_exporter_snapshots_total{{trigger="oom"}} {len(recorded_ooms)}.0' in metrics
+    assert verdict is not None
     assert client.get(f"/snapshots/{verdict.snapshot}/view").text.startswith("<!")
 
 

@@ -60,6 +60,7 @@ def test_a_sweep_in_another_pid_namespace_leaves_a_live_capture_alone(tmp_path):
     writer = in_namespace(
         unshare, WRITER, CAPTURE, str(folder), stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
+    assert writer.stdout is not None and writer.stderr is not None
     try:
         line = writer.stdout.readline()
         if not line.startswith("writing"):

@@ -460,7 +460,7 @@ def test_torchrun_under_run_actions_oom_alerts_and_host_memory(tmp_path):
         text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
         return [s for f in text_string_to_metric_families(text) for s in f.samples]
 
-    def cli(*args: str) -> tuple[int, dict | str, str]:
+    def cli(*args: str) -> tuple[int, Any, str]:
         done = subprocess.run(
             [
                 *(sys.executable, "-m", "exporter.cli", *args, "--url", url),
@@ -473,7 +473,7 @@ def test_torchrun_under_run_actions_oom_alerts_and_host_memory(tmp_path):
             timeout=300,
         )
         try:
-            out: dict | str = json.loads(done.stdout)
+            out: Any = json.loads(done.stdout)
         except ValueError:
             out = done.stdout
         return done.returncode, out, done.stderr

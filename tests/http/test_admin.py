@@ -24,7 +24,7 @@ def demo(tmp_path):
 def admin_routes(app):
     for route in app.routes:
         if isinstance(route, APIRoute) and "admin" in route.tags:
-            for method in route.methods:
+            for method in route.methods or ():
                 yield method, route.path.replace("{snapshot_id}", "20260101T000000Z-00000000")
 
 

@@ -556,6 +556,7 @@ def test_live_page_shows_each_oom_verdict_in_a_banner_at_the_top(tmp_path):
         s for s in captured_oom_samples() if s.allocators[0].ooms_by_verdict.get("fragmentation")
     ]
     verdict = sample.allocators[0].last_oom
+    assert verdict is not None
     trace = trace_of_sample(tmp_path / "oom.jsonl.gz", sample, count=40)
     runtime = runtime_for(tmp_path, "demo", [ReplaySource(trace, speed=20)], interval_s=0.2)
     with serving(runtime) as url:
@@ -636,9 +637,9 @@ def test_ooms_a_burst_apart_stay_apart_on_the_chart(tmp_path):
     with serving(runtime) as url:
         result = drive(url, tmp_path, "apart", widths=[420], min_points=100)
     markers = result["widths"]["420"]["cards"][0]["markers"]["markers"]
-    ooms = [m for m in markers if m["kind"] == "OOM"]
-    assert [m["count"] for m in ooms] == [1, 1], ooms
-    assert ooms[1]["x0"] - ooms[0]["x1"] < 60  # close enough that pixels alone would merge
+    oom_marks = [m for m in markers if m["kind"] == "OOM"]
+    assert [m["count"] for m in oom_marks] == [1, 1], oom_marks
+    assert oom_marks[1]["x0"] - oom_marks[0]["x1"] < 60  # so close that pixels would merge
 
 
 STORM_TRACE = REPO_ROOT / "tests" / "data" / "h200_oom_storm_trace.jsonl.gz"
@@ -669,7 +670,9 @@ def test_live_page_stays_readable_in_an_oom_storm(tmp_path):
         card = state["cards"][0]
         markers, labels = card["markers"]["markers"], card["markers"]["labels"]
         ooms = [m for m in markers if m["kind"] == "OOM"]
-        in_view = int(re.search(r"OOMs\s*(\d+) in view", card["legend"])[1])
+        legend = re.search(r"OOMs\s*(\d+) in view", card["legend"])
+        assert legend is not None, card["legend"]
+        in_view = int(legend[1])
         assert in_view >= 100 and sum(m["count"] for m in ooms) == in_view
         # Merged: far fewer markers than rises, at least one carrying many OOMs.
         assert len(ooms) < 10 and max(m["count"] for m in ooms) >= 20, ooms

@@ -124,6 +124,7 @@ def test_a_cpu_only_host_is_no_data_with_its_reason_not_an_error(stopped, caplog
     from exporter.sources.torch_allocator import NO_CUDA_BUILD
 
     handle = exporter.start(port=0, interval_s=0.02, helper=False)
+    assert handle.url is not None
     time.sleep(0.3)  # many ticks
     torch = sys.modules.get("torch")  # imported by another test, or not
     if torch is not None and not (torch.version.cuda or getattr(torch.version, "hip", None)):
@@ -145,6 +146,7 @@ def test_a_cpu_only_host_served_by_the_helper(stopped, caplog):
     """The same through the helper: ready, every source up, the reason on the handle (asked
     of the helper), nothing logged here above INFO."""
     handle = exporter.start(port=0, interval_s=0.05)
+    assert handle.url is not None
     deadline = time.monotonic() + 10
     while True:
         try:
@@ -209,6 +211,7 @@ def test_the_in_process_server_thread_cannot_be_killed_by_a_client_gone_mid_answ
     writes to a client that hung up: that thread blocks SIGPIPE (the write fails with EPIPE),
     and the host's own threads keep their mask."""
     handle = exporter.start(port=0, interval_s=0.05, helper=False)
+    assert handle.url is not None
     with urllib.request.urlopen(handle.url + "/healthz", timeout=5):
         pass
     (http,) = [t for t in threading.enumerate() if t.name == HTTP_THREAD]
@@ -218,7 +221,7 @@ def test_the_in_process_server_thread_cannot_be_killed_by_a_client_gone_mid_answ
 
 def test_invalid_arguments_raise_config_error(stopped):
     with pytest.raises(ConfigError):
-        exporter.start(port="nine")
+        exporter.start(port="nine")  # type: ignore[arg-type]  # a caller's mistake
 
 
 def test_attach_uses_the_hosts_app_and_registry(stopped):
@@ -276,9 +279,10 @@ def test_attach_adds_metrics_when_the_app_has_none(stopped):
 
 
 def test_on_alert_reaches_the_callers_callback(stopped):
+    from exporter.detectors import AlertEvent
     from exporter.sample import AllocatorReading, Sample
 
-    events = []
+    events: list[AlertEvent] = []
     handle = exporter.start(serve_http=False, on_alert=events.append)
     sample = Sample(
         timestamp=1.0,
@@ -293,6 +297,7 @@ def test_on_alert_reaches_the_callers_callback(stopped):
             )
         ],
     )
+    assert handle.runtime is not None
     handle.runtime.detectors(sample)
     assert [(e.alert, e.state) for e in events] == [("GpuMemOutOfMemory", "firing")]
 

@@ -124,7 +124,7 @@ def test_seventy_slow_readers_take_neither_scrapes_nor_health_checks_away(tmp_pa
         try:
             wait_until_stalled(server, 64)  # their answers fill every buffer and stall
             scraper = http.client.HTTPConnection(*address, timeout=5)
-            answered = []
+            answered: list[int | None] = []
             for _ in range(10):
                 for path in ("/metrics", "/healthz"):
                     try:

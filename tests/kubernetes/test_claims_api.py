@@ -310,6 +310,13 @@ def test_nvidias_own_names_never_ask_for_resource_slices(api, tmp_path):
         kubelet.stop()
 
 
+def reading_pods(source: KubeletSource) -> dict[str, tuple[str, str]] | None:
+    """The pod names of the kubelet source's reading now."""
+    kubelet = source.read().kubelet
+    assert kubelet is not None
+    return kubelet.pods
+
+
 @pytest.mark.slow
 def test_slow_claim_lists_never_hold_up_the_pod_names(api, tmp_path):
     """Round 4, LOW 11: the pod reader and the claim reader shared one thread: with claim
@@ -331,7 +338,7 @@ def test_slow_claim_lists_never_hold_up_the_pod_names(api, tmp_path):
         time.sleep(0.5)  # the claim reader is now waiting on its slow list
         api.pods.append(pod("research", "newcomer", UID_B, {CRIO_ID: "worker"}))
         started = time.monotonic()
-        while UID_B not in (source.read().kubelet.pods or {}):
+        while UID_B not in (reading_pods(source) or {}):
             assert time.monotonic() - started < 2.0, "named only after the claims' list"
             time.sleep(0.05)
     finally:

@@ -181,6 +181,7 @@ def test_the_pod_reader_names_processes_on_a_shared_gpu_and_finds_the_intruder()
         "0043435f-1854-4327-b76b-730f681a781d": ("ml", "notebook-3"),
     }
     result = attribute(shared_gpu_sample(pods))
+    assert result is not None
     names = {p.pid: (p.namespace, p.pod, p.container) for p in result.process_pods}
     assert names == {
         101: ("serving", "llama-0", "server"),
@@ -194,6 +195,7 @@ def test_the_pod_reader_names_processes_on_a_shared_gpu_and_finds_the_intruder()
 
 def test_without_the_pod_reader_a_shared_gpu_keeps_pod_uids_and_judges_no_pod_process():
     result = attribute(shared_gpu_sample(None))
+    assert result is not None
     assert {p.pod for p in result.process_pods} == {""}
     assert result.unattributed_processes == []
 
@@ -290,7 +292,7 @@ def test_a_slow_api_server_never_holds_up_the_kubelets_refresh(api, tmp_path):
         assert reading is not None and reading.up and reading.devices
         write_state(state, [kubelet_pod("batch", "embed-7", "worker", f"{GPU0}::0")])
         deadline = time.monotonic() + 2
-        while source.read().kubelet.devices[0].pod != "embed-7":
+        while ((source.read().kubelet or reading).devices or [])[0].pod != "embed-7":
             assert time.monotonic() < deadline, "the kubelet's new answer waited for the API"
             time.sleep(0.05)
     finally:

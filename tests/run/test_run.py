@@ -831,6 +831,7 @@ def test_folders_of_launchers_that_are_gone_are_swept_at_start(short_tmp):
         stdout=subprocess.PIPE,
         text=True,
     )
+    assert holder.stdout is not None
     try:
         assert holder.stdout.readline().strip() == "locked"
         # Just made by a launcher that has not locked it yet: spared.
@@ -971,6 +972,7 @@ def test_a_killed_launcher_takes_daemons_it_adopted_with_it(tmp_path, short_tmp)
         stderr=subprocess.STDOUT,
         text=True,
     )  # fmt: skip
+    assert proc.stdout is not None
     try:
         while (line := proc.stdout.readline()) and line.strip() != "started":
             pass  # the launcher's log
@@ -1017,6 +1019,7 @@ def test_a_command_the_keeper_was_never_told_of_is_stopped_with_the_launcher(tmp
         text=True,
         env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
     )
+    assert launcher.stdout is not None
     try:
         keeper, child = map(int, launcher.stdout.readline().split())
         time.sleep(1.5)  # one look of the keeper at the launcher's children

@@ -25,7 +25,7 @@ def core(readings) -> list[dict]:
 def test_it_reads_what_the_cuda_source_reads(name):
     data = json.loads((DATA_DIR / f"allocator_{name}.json").read_text())
     cuda = FakeCuda(data["memory_stats_as_nested_dict"], initialized=True, contexts={0, 1})
-    cuda.get_allocator_backend = lambda: data["allocator_backend"]
+    cuda.get_allocator_backend = lambda: data["allocator_backend"]  # type: ignore[method-assign]
     torch = fake_torch(cuda)
     env = {"PYTORCH_CUDA_ALLOC_CONF": data["alloc_conf"]}
     accelerator = AcceleratorAllocatorSource(torch, env).read().allocators

@@ -114,7 +114,11 @@ class Clock:
         return self.now
 
 
-def reader(clock: Clock, snapshot=None, history: bool = False, **kwargs) -> LayoutReader:
+class CountingReader(LayoutReader):
+    calls: list[int]  # one entry per snapshot taken
+
+
+def reader(clock: Clock, snapshot=None, history: bool = False, **kwargs) -> CountingReader:
     data = capture("native")["snapshot"]
     calls: list[int] = []
 
@@ -124,8 +128,8 @@ def reader(clock: Clock, snapshot=None, history: bool = False, **kwargs) -> Layo
             return snapshot()
         return data
 
-    result = LayoutReader(take, history_enabled=lambda: history, clock=clock, **kwargs)
-    result.calls = calls  # type: ignore[attr-defined]
+    result = CountingReader(take, history_enabled=lambda: history, clock=clock, **kwargs)
+    result.calls = calls
     return result
 
 
@@ -242,6 +246,7 @@ def test_a_torch_that_takes_no_trace_argument_is_asked_for_its_whole_snapshot_fr
     torch._C._cuda_memorySnapshot = older
     source = TorchAllocatorSource(torch, env={}, layout_interval_s=0.001)
     first = source.read().allocators[0]
+    assert source._layout is not None
     source._layout._next = 0.0  # due again
     second = source.read().allocators[0]
     assert calls == [(0, 0, False), None, None]

@@ -319,8 +319,8 @@ def test_missing_grpc_is_a_state_said_once(tmp_path, caplog):
         source.refresh()
     reading = source.read()
     source.close()
-    assert reading.kubelet.up is False
-    assert "grpcio is not installed" in reading.kubelet.error
+    assert reading.kubelet is not None and reading.kubelet.up is False
+    assert "grpcio is not installed" in (reading.kubelet.error or "")
     assert sum("grpcio" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -328,11 +328,13 @@ def test_kubelet_source_is_on_in_kubernetes_and_off_outside(tmp_path):
     config = load_config(env={})
     assert kubelet_source(config, list, env={}) is None  # no socket at the default path here
     source = kubelet_source(config, list, env={"KUBERNETES_SERVICE_HOST": "10.0.0.1"})
-    assert source is not None and source.socket_path.endswith("pod-resources/kubelet.sock")
+    assert isinstance(source, KubeletSource)
+    assert source.socket_path.endswith("pod-resources/kubelet.sock")
     off = load_config(env={"GPUMEM_KUBELET_SOCKET": "off", "KUBERNETES_SERVICE_HOST": "x"})
     assert kubelet_source(off, list, env={"KUBERNETES_SERVICE_HOST": "x"}) is None
     explicit = load_config(env={"GPUMEM_KUBELET_SOCKET": str(tmp_path / "k.sock")})
-    assert kubelet_source(explicit, list, env={}).socket_path == str(tmp_path / "k.sock")
+    source = kubelet_source(explicit, list, env={})
+    assert isinstance(source, KubeletSource) and source.socket_path == str(tmp_path / "k.sock")
 
 
 @pytest.mark.parametrize(
@@ -374,12 +376,14 @@ def test_extra_resources_are_matched(tmp_path):
             ),
             list,
         )
+        assert isinstance(source, KubeletSource)
         source.refresh()
         reading = source.read()
         source.close()
     finally:
         kubelet.stop()
-    assert {d.pod for d in reading.kubelet.devices} == {"p", "q"}
+    assert reading.kubelet is not None
+    assert {d.pod for d in reading.kubelet.devices or ()} == {"p", "q"}
 
 
 def test_a_blind_node_daemon_is_not_ready_with_its_reason():

@@ -272,8 +272,8 @@ def test_the_node_daemon_serves_each_gpu_instance_once_as_the_capture_has_it(mac
     if (machine, state) == ("h100-mig", "load"):
         assert non_process[2] == 39 * MIB  # 11091 MiB used, 11052 by its three processes
     # Every MIG device is named with the GPU instance whose memory it shares.
-    rows = served["gpu_mig_device_info"]
-    devices = {labels["mig_uuid"]: int(labels["gpu_instance"]) for labels, _ in rows}
+    info = served["gpu_mig_device_info"]
+    devices = {labels["mig_uuid"]: int(labels["gpu_instance"]) for labels, _ in info}
     assert devices == {m.uuid: m.gpu_instance_id for m in gpu.mig_devices}
 
 

@@ -32,6 +32,8 @@ def test_reading_matches_nvml_v2_and_the_process_list(raw):
             v2["reserved"],
         )
         # The v2 split is complete: total = used + free + driver reserved (seen on H200).
+        assert gpu.used_bytes is not None and gpu.free_bytes is not None
+        assert gpu.driver_reserved_bytes is not None
         assert gpu.total_bytes == gpu.used_bytes + gpu.free_bytes + gpu.driver_reserved_bytes
         # v1's used is v2's used plus what the driver reserves.
         assert dev["memory_v1"]["used"] == v2["used"] + v2["reserved"]

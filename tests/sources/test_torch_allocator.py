@@ -129,7 +129,9 @@ def test_only_devices_with_a_context_are_read_with_explicit_indices():
 
 def test_the_memory_cap_is_read_as_the_allocator_computes_it_only_where_torch_has_it():
     cuda = FakeCuda(capture("native")["memory_stats_as_nested_dict"], True, {0, 1})
-    cuda.get_device_properties = lambda i: SimpleNamespace(uuid=f"0000-{i}", total_memory=80 << 30)
+    cuda.get_device_properties = lambda i: SimpleNamespace(  # type: ignore[method-assign]
+        uuid=f"0000-{i}", total_memory=80 << 30
+    )
     torch = fake_torch(cuda)
     fractions = {0: 0.25, 1: 1.0}  # what set_per_process_memory_fraction left
     torch._C._cuda_getMemoryFraction = lambda i: fractions[i]
@@ -184,10 +186,15 @@ def test_an_allocation_retry_reads_the_layout_at_once_at_most_once_a_second(monk
 
     data = capture("native")
     cuda = FakeCuda(copy.deepcopy(data["memory_stats_as_nested_dict"]), True, {0}, count=1)
-    cuda.get_allocator_backend = lambda: "native"
+    cuda.get_allocator_backend = lambda: "native"  # type: ignore[method-assign]
     torch = fake_torch(cuda)
-    snapshots = []
-    torch._C._cuda_memorySnapshot = lambda pool: snapshots.append(pool) or data["snapshot"]
+    snapshots: list[object] = []
+
+    def snapshot(pool: object) -> dict:
+        snapshots.append(pool)
+        return data["snapshot"]
+
+    torch._C._cuda_memorySnapshot = snapshot
     now = [1000.0]
     monkeypatch.setattr(module.time, "time", lambda: now[0])
     source = TorchAllocatorSource(torch, env={}, layout_interval_s=3600.0)
@@ -218,8 +225,13 @@ def test_the_light_snapshot_at_an_oom_is_refused_over_the_block_limit_or_while_r
     data = capture("native")
     cuda = FakeCuda(copy.deepcopy(data["memory_stats_as_nested_dict"]), True, {0}, count=1)
     torch = fake_torch(cuda)
-    taken = []
-    torch._C._cuda_memorySnapshot = lambda pool: taken.append(pool) or data["snapshot"]
+    taken: list[object] = []
+
+    def snapshot(pool: object) -> dict:
+        taken.append(pool)
+        return data["snapshot"]
+
+    torch._C._cuda_memorySnapshot = snapshot
     recording = [False]
     torch._C._cuda_isHistoryEnabled = lambda: recording[0]
     source = TorchAllocatorSource(torch, env={}, layout_interval_s=0, layout_max_blocks=10_000)

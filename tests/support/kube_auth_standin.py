@@ -25,6 +25,7 @@ class StandInAuthApi:
         self.reviews: list[dict[str, Any]] = []
         self.trickle_s = 0.0  # seconds between the bytes of an answer
         self.redirect_to = ""
+        self.account: Path | None = None  # the service account's folder a test made for it
         api = self
 
         class Handler(BaseHTTPRequestHandler):

@@ -203,7 +203,9 @@ def test_a_process_nvml_lists_late_gets_its_outside_bytes_in_a_second_not_ten(ru
     (listed,) = device["processes"]
     listed["pid"] += 1  # not (yet) this process
     with probed(run_dir) as (server, aggregator, agent):
-        server.cuda.get_device_properties = lambda index: SimpleNamespace(uuid=device["uuid"])
+        server.cuda.get_device_properties = lambda index: SimpleNamespace(  # type: ignore[method-assign]
+            uuid=device["uuid"]
+        )
         probe = NonAllocatorReader(FakeNvml(raw), pid=lambda: capture["pid"])
         agent.source = TorchAllocatorSource(server.torch, layout_interval_s=0, non_allocator=probe)
         agent.interval_s = 1.0  # as at 1 Hz (the test still ticks it by hand)

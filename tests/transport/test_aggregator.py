@@ -168,6 +168,7 @@ def test_running_out_of_fds_pauses_accepting_and_never_ends_it(run_dir):
         cwd=REPO_ROOT,
     )
     flood = []
+    assert host.stdout is not None
     try:
         assert host.stdout.readline().strip() == "ready"
         sock_path = run_dir / "aggregator.sock"
@@ -240,6 +241,7 @@ def test_ages_a_process_sent_grow_while_its_reading_waits(run_dir):
         time.sleep(0.3)
         (reading,) = aggregator.read().allocators
         assert reading.non_allocator_bytes == 500
+        assert reading.non_allocator_age_s is not None and reading.layout_age_s is not None
         assert 1.3 <= reading.non_allocator_age_s < 3.0
         assert 3.3 <= reading.layout_age_s < 5.0
         conn.close()

@@ -70,7 +70,7 @@ def test_records_between_lines_are_taken_whole_however_the_stream_is_cut():
     stream = first + line + second + second + line
     for cut in range(1, 40):
         reader = protocol.StreamReader()
-        found = []
+        found: list[bytes] = []
         for at in range(0, len(stream), cut):
             found += reader.feed(stream[at : at + cut])
         assert found == [first, line[:-1], second, second, line[:-1]], cut

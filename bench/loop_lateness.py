@@ -436,7 +436,13 @@ def main() -> None:
             root, _, only = given.partition(":")
             for arm in (only or args.arms).split(","):
                 port = args.port or free_port()
-                env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(REPO)]))
+                # The path it was given stays after the trees (the GPU machine's carried
+                # packages: without them the helper could not start, and the arm measured a
+                # probe whose link never connected).
+                carried = os.environ.get("PYTHONPATH", "")
+                env = dict(
+                    os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, str(REPO), carried]))
+                )
                 command = [sys.executable, __file__, "--root", root, "--serve", arm]
                 interval, _, under_run = ARMS[arm]
                 if under_run:  # the launcher serves on the port; this process only samples

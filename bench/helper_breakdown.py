@@ -36,6 +36,7 @@ PARTS = (
     ("exporter.metrics", "SampleCollector", "fingerprint"),
     ("exporter.exposition_templates", "TemplateRenderer", "render"),
     ("exporter.own_process_metrics", "OwnProcessMetrics", "collect"),
+    ("exporter.exposition", "", "gzip_compress"),
     ("gzip", "", "compress"),
     ("exporter.sampler", "Sampler", "tick"),
     ("exporter.transport.aggregator", "Aggregator", "_read"),

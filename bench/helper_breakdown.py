@@ -35,7 +35,7 @@ PARTS = (
     ("exporter.metrics", "SampleCollector", "families"),
     ("exporter.metrics", "SampleCollector", "fingerprint"),
     ("exporter.exposition_templates", "TemplateRenderer", "render"),
-    ("exporter.own_process_metrics", "OwnProcessMetrics", "collect"),
+    ("exporter.own_process_metrics", "OwnProcessMetrics", "families"),
     ("exporter.exposition", "", "gzip_compress"),
     ("gzip", "", "compress"),
     ("exporter.sampler", "Sampler", "tick"),

@@ -110,3 +110,29 @@ def test_a_forked_child_reads_its_own_process():
 def test_without_proc_it_serves_nothing(tmp_path):
     """As client_python's: a machine without /proc (macOS) has no process families."""
     assert list(OwnProcessMetrics(proc=str(tmp_path / "none")).collect()) == []
+
+
+@pytest.mark.parametrize(
+    "accept",
+    ["text/plain; version=0.0.4", "application/openmetrics-text; version=1.0.0"],
+)
+def test_the_rendered_families_are_the_encoders_text(accept):
+    """The exposition renders these families through templates of their fixed shapes
+    (families(), no prometheus_client family made): the bytes are the encoder's own, render
+    after render, as the values move."""
+    from prometheus_client.exposition import choose_encoder
+
+    from exporter.exposition_templates import TemplateRenderer, _One
+
+    encoder, _ = choose_encoder(accept)
+    renderer = TemplateRenderer(encoder)
+    ours = OwnProcessMetrics()
+    try:
+        for _ in range(3):
+            families = ours.families()
+            assert len(families) == 6
+            expected = encoder(_One([f.to_metric() for f in families]))
+            assert renderer.render(families) == expected
+            sum(range(200_000))  # CPU moves between renders
+    finally:
+        ours.close()

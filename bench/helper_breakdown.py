@@ -14,19 +14,15 @@ line: per part, its calls per second, mean microseconds per call and ms per seco
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import free_port
-from bench.helper_cpu import _HEADERS, _SERVER, PATH, REPO, _helper, _threads
+from bench.helper_cpu import REPO, _threads, served
 
 # (module, class or "", function): what is timed inside the helper.
 PARTS = (
@@ -93,34 +89,11 @@ if "exporter.helper" in " ".join(getattr(sys, "orig_argv", sys.argv)):
 
 
 def measure(root: str, seconds: float, torch_kind: str) -> dict[str, Any]:
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="helper-breakdown-") as folder:
         (Path(folder) / "sitecustomize.py").write_text(f"PARTS = {PARTS!r}\n" + _SITECUSTOMIZE)
         out = Path(folder) / "parts.json"
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [folder, root, PATH])),
-            "GPUMEM_BREAKDOWN_OUT": str(out),
-        }
-        server = subprocess.Popen(
-            [sys.executable, "-c", _SERVER, str(port), root, torch_kind],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            cwd=root,
-            env=env,
-        )
-        try:
-            assert server.stdout is not None
-            server.stdout.readline()
-            helper = _helper(port)
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-
-            def scrape() -> None:
-                conn.request("GET", "/metrics", headers=_HEADERS)
-                conn.getresponse().read()
-
+        env = {"GPUMEM_BREAKDOWN_OUT": str(out)}
+        with served(root, torch_kind, first=folder, env=env) as (helper, scrape):
             for _ in range(4):  # past the first samples and the wrapping (2 s in)
                 scrape()
                 time.sleep(1.0)
@@ -137,13 +110,6 @@ def measure(root: str, seconds: float, torch_kind: str) -> dict[str, Any]:
             time.sleep(0.2)
             after = json.loads(out.read_text())
             wall = time.monotonic() - started
-        finally:
-            server.kill()
-            server.wait()
-            if server.stdout is not None:
-                server.stdout.close()
-            if server.stdin is not None:
-                server.stdin.close()
     parts = {}
     for key, (calls, cpu_s) in sorted(after.items()):
         calls -= before.get(key, (0, 0.0))[0]

@@ -21,6 +21,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +81,15 @@ def _threads(pid: int) -> dict[str, tuple[int, int]]:
     return found
 
 
-def measure(root: str, seconds: float, torch_kind: str) -> dict[str, Any]:
+@contextmanager
+def served(
+    root: str, torch_kind: str, first: str = "", env: dict[str, str] | None = None
+) -> Iterator[tuple[psutil.Process, Callable[[], None]]]:
+    """A server of `root`'s exporter.start() on a free port: its helper, and a kept-alive
+    scrape as Prometheus 3 makes it. `first`: a folder put first on the path (a
+    sitecustomize); `env`: more variables. The server is killed and reaped after."""
     port = free_port()
+    path = os.pathsep.join(filter(None, [first, root, PATH]))
     server = subprocess.Popen(
         [sys.executable, "-c", _SERVER, str(port), root, torch_kind],
         stdin=subprocess.PIPE,
@@ -88,7 +97,7 @@ def measure(root: str, seconds: float, torch_kind: str) -> dict[str, Any]:
         stderr=subprocess.DEVNULL,
         text=True,
         cwd=root,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, PATH]))},
+        env={**os.environ, **(env or {}), "PYTHONPATH": path},
     )
     try:
         assert server.stdout is not None
@@ -100,6 +109,18 @@ def measure(root: str, seconds: float, torch_kind: str) -> dict[str, Any]:
             conn.request("GET", "/metrics", headers=_HEADERS)
             conn.getresponse().read()
 
+        yield helper, scrape
+        conn.close()
+    finally:
+        server.kill()
+        server.wait()
+        for pipe in (server.stdin, server.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def measure(root: str, seconds: float, torch_kind: str) -> dict[str, Any]:
+    with served(root, torch_kind) as (helper, scrape):
         for _ in range(3):  # past the first samples (imports, NVML's start)
             scrape()
             time.sleep(1.0)
@@ -112,29 +133,26 @@ def measure(root: str, seconds: float, torch_kind: str) -> dict[str, Any]:
             time.sleep(1.0)
         after, threads_after = helper.cpu_times(), _threads(helper.pid)
         wall = time.monotonic() - started
-        cpu = after.user + after.system - before.user - before.system
-        by_thread = {
-            name: (
-                round((ns - threads_before.get(name, (0, 0))[0]) / wall / 1e6, 3),
-                round((runs - threads_before.get(name, (0, 0))[1]) / wall, 2),
-            )
-            for name, (ns, runs) in threads_after.items()
-        }
-        return {
-            "root": root,
-            # The kernel's nanosecond count of every thread (schedstat); the clock-tick
-            # figure (psutil, 10 ms steps: +-0.5 ms/s over 20 s) beside it.
-            "helper_cpu_ms_per_s": (
-                sum(ms for ms, _ in by_thread.values()) if by_thread else cpu / wall * 1000
-            ),
-            "helper_cpu_ticks_ms_per_s": cpu / wall * 1000,
-            "wakeups_per_s": round(sum(runs for _, runs in by_thread.values()), 2),
-            "threads_ms_per_s_and_runs_per_s": by_thread,
-            "scrapes": scrapes,
-        }
-    finally:
-        server.kill()
-        server.wait()
+    cpu = after.user + after.system - before.user - before.system
+    by_thread = {
+        name: (
+            round((ns - threads_before.get(name, (0, 0))[0]) / wall / 1e6, 3),
+            round((runs - threads_before.get(name, (0, 0))[1]) / wall, 2),
+        )
+        for name, (ns, runs) in threads_after.items()
+    }
+    return {
+        "root": root,
+        # The kernel's nanosecond count of every thread (schedstat); the clock-tick
+        # figure (psutil, 10 ms steps: +-0.5 ms/s over 20 s) beside it.
+        "helper_cpu_ms_per_s": (
+            sum(ms for ms, _ in by_thread.values()) if by_thread else cpu / wall * 1000
+        ),
+        "helper_cpu_ticks_ms_per_s": cpu / wall * 1000,
+        "wakeups_per_s": round(sum(runs for _, runs in by_thread.values()), 2),
+        "threads_ms_per_s_and_runs_per_s": by_thread,
+        "scrapes": scrapes,
+    }
 
 
 def main() -> None:

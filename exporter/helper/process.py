@@ -138,7 +138,7 @@ def _serve(folder: Path, sidecar: Config | None) -> int:
         except ServerStartError as exc:
             return _failed(str(exc))
         cleanup.callback(http.stop)
-        folder_look = FolderLook(folder, wake)
+        folder_look = FolderLook(folder, wake, config.interval_s)
         runtime.sampler.listeners.append(folder_look)
         aggregator.pace(runtime.sampler)  # ticks as the processes report (Aggregator.pace)
         cleanup.callback(runtime.sampler.stop)
@@ -152,18 +152,19 @@ def _serve(folder: Path, sidecar: Config | None) -> int:
             while not stop.wait(1.0) and _folder_kept(folder):
                 pass
             return 0
-        # Ticks at least this often look at the folder: no timer of its own for it.
-        ticks_look = PACED_LATEST * config.interval_s <= FOLDER_LOOK_S
-        _until_unneeded(folder_look, aggregator, stop, wake, ticks_look)
+        _until_unneeded(folder_look, aggregator, stop, wake)
     return 0
 
 
 class FolderLook:
     """Whether the helper still has its folder, looked at on the sampler's ticks (a listener,
-    on the thread that ticks) at most every FOLDER_LOOK_S; `wake` is set once it is gone."""
+    on the thread that ticks) at most every FOLDER_LOOK_S; `wake` is set once it is gone.
+    `on_ticks`: whether a sampler of `interval_s` ticks often enough to look; where it does
+    not, the main thread looks on its own timer (_until_unneeded)."""
 
-    def __init__(self, folder: Path, wake: threading.Event) -> None:
+    def __init__(self, folder: Path, wake: threading.Event, interval_s: float) -> None:
         self.folder, self._wake = folder, wake
+        self.on_ticks = PACED_LATEST * interval_s <= FOLDER_LOOK_S  # its slowest tick
         self.gone = False
         self._looked_at = time.monotonic()
 
@@ -179,16 +180,12 @@ class FolderLook:
 
 
 def _until_unneeded(
-    folder_look: FolderLook,
-    aggregator: Aggregator,
-    stop: threading.Event,
-    wake: threading.Event,
-    ticks_look: bool,
+    folder_look: FolderLook, aggregator: Aggregator, stop: threading.Event, wake: threading.Event
 ) -> None:
     """Until no process has been served for LEAVE_AFTER_S (none came: FIRST_PEER_S), its
     folder is gone, or it is stopped. Woken by the aggregator when a connection opens or
     closes, and by `folder_look` when the folder is gone; where the sampler's ticks are
-    too far apart to look (`ticks_look` False), it looks every FOLDER_LOOK_S itself."""
+    too far apart to look (not `folder_look.on_ticks`), it looks every FOLDER_LOOK_S itself."""
     started = time.monotonic()
     left_at: float | None = None  # when the last connection closed; None while one is open
     while not stop.is_set() and not folder_look.gone:
@@ -204,12 +201,12 @@ def _until_unneeded(
         if deadline is not None and now >= deadline:
             log.info("no process left to serve: leaving")
             return
-        look_s = None if ticks_look else FOLDER_LOOK_S
-        if deadline is not None:
-            look_s = deadline - now if look_s is None else min(look_s, deadline - now)
-        wake.wait(look_s)
+        waits = [deadline - now] if deadline is not None else []
+        if not folder_look.on_ticks:
+            waits.append(FOLDER_LOOK_S)
+        wake.wait(min(waits, default=None))
         wake.clear()
-        if not ticks_look:
+        if not folder_look.on_ticks:
             folder_look.look()
 
 

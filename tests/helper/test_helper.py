@@ -230,7 +230,8 @@ def test_the_helper_is_told_its_last_process_left_and_leaves_after_leave_after_s
         wait_for(lambda: aggregator.connections() == 1, "the connection taken", 5.0)
         waiting = threading.Thread(
             target=helper_process._until_unneeded,
-            args=(helper_process.FolderLook(run_dir, wake), aggregator, stop, wake, False),
+            # A sampler too slow to look on its ticks: the main thread's (put-off) timer.
+            args=(helper_process.FolderLook(run_dir, wake, 3600.0), aggregator, stop, wake),
         )
         waiting.start()
         time.sleep(0.3)
@@ -704,9 +705,10 @@ def test_a_helper_whose_sampler_ticks_slower_than_its_folder_look_looks_itself(
     try:
         agent.connect(str(run_dir / SOCKET_NAME))
         wait_for(lambda: aggregator.connections() == 1, "the connection taken", 5.0)
-        look = helper_process.FolderLook(run_dir, wake)
+        look = helper_process.FolderLook(run_dir, wake, interval_s=1.0)  # 1.5 s > 0.2 s
+        assert not look.on_ticks
         waiting = threading.Thread(
-            target=helper_process._until_unneeded, args=(look, aggregator, stop, wake, False)
+            target=helper_process._until_unneeded, args=(look, aggregator, stop, wake)
         )
         waiting.start()
         time.sleep(0.5)
@@ -732,7 +734,8 @@ def test_a_tick_looks_at_the_folder_at_most_every_folder_look_s(run_dir, monkeyp
     monkeypatch.setattr(helper_process, "FOLDER_LOOK_S", 0.3)
     wake = threading.Event()
     (run_dir / SOCKET_NAME).touch()
-    look = helper_process.FolderLook(run_dir, wake)
+    look = helper_process.FolderLook(run_dir, wake, interval_s=0.1)
+    assert look.on_ticks
     (run_dir / SOCKET_NAME).unlink()
     look(None)  # a tick right after the last look: not looked at yet
     assert not look.gone and not wake.is_set()

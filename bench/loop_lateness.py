@@ -430,16 +430,16 @@ def main() -> None:
         return
     from bench.common import free_port
 
+    # The path it was given stays after the trees (the GPU machine's carried packages:
+    # without them the helper could not start, and the arm measured a probe whose link never
+    # connected).
+    carried = os.environ.get("PYTHONPATH", "")
     results: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
         for given in args.root:
             root, _, only = given.partition(":")
             for arm in (only or args.arms).split(","):
                 port = args.port or free_port()
-                # The path it was given stays after the trees (the GPU machine's carried
-                # packages: without them the helper could not start, and the arm measured a
-                # probe whose link never connected).
-                carried = os.environ.get("PYTHONPATH", "")
                 env = dict(
                     os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, str(REPO), carried]))
                 )

@@ -292,7 +292,13 @@ def test_a_slow_api_server_never_holds_up_the_kubelets_refresh(api, tmp_path):
         assert reading is not None and reading.up and reading.devices
         write_state(state, [kubelet_pod("batch", "embed-7", "worker", f"{GPU0}::0")])
         deadline = time.monotonic() + 2
-        while ((source.read().kubelet or reading).devices or [])[0].pod != "embed-7":
+
+        def first_pod() -> str:
+            kubelet = source.read().kubelet
+            assert kubelet is not None and kubelet.devices
+            return kubelet.devices[0].pod
+
+        while first_pod() != "embed-7":
             assert time.monotonic() < deadline, "the kubelet's new answer waited for the API"
             time.sleep(0.05)
     finally:

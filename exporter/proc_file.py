@@ -8,6 +8,7 @@ import resource
 from collections.abc import Iterable
 
 PAGE_SIZE = resource.getpagesize()
+READ_BYTES = 16384  # more than a stat, statm, meminfo or status file holds but for long Groups
 
 
 def field_keys(names: Iterable[str]) -> tuple[tuple[str, bytes], ...]:
@@ -39,11 +40,17 @@ class ProcFile:
         self.path = path
         self._fd: int | None = None
 
-    def read(self) -> bytes:
+    def read(self, whole: bool = False) -> bytes:
+        """The file's first READ_BYTES, or all of it (`whole`: a status file's Groups line
+        can push its later fields past them)."""
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            return os.pread(self._fd, 16384, 0)
+            data = chunk = os.pread(self._fd, READ_BYTES, 0)
+            while whole and len(chunk) == READ_BYTES:
+                chunk = os.pread(self._fd, READ_BYTES, len(data))
+                data += chunk
+            return data
         except OSError:
             self.close()  # reopened on the next read
             raise

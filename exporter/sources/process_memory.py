@@ -16,7 +16,7 @@ import psutil
 
 from exporter import budget
 from exporter.identity import command_line, command_role
-from exporter.proc_file import field_keys, parse_fields
+from exporter.proc_file import ProcFile, field_keys, parse_fields
 from exporter.sample import HostProcessReading, SourceReading
 from exporter.sources import HOST_PROCESSES
 
@@ -41,11 +41,67 @@ def read_status(pid: int, proc: str = "/proc") -> dict[str, int] | None:
                 data += chunk
         finally:
             os.close(fd)
+    except OSError:
+        return None
+    return status_values(data)
+
+
+def status_values(data: bytes) -> dict[str, int] | None:
+    """read_status()'s fields from a status file's text."""
+    try:
         found = parse_fields(data, _STATUS_KEYS)
-    except (OSError, ValueError, IndexError):
+    except (ValueError, IndexError):
         return None
     values = {_STATUS_FIELDS[name]: value for name, value in found.items()}
     return values if "rss" in values else None  # kernel threads and zombies have no VmRSS
+
+
+class KeptStatus:
+    """/proc/PID/status of the processes read on every tick, each kept open (pread): on the
+    cold caches of the helper's once-a-second tick an open, a read and a close of its served
+    process's status cost 180 us of CPU against 55 for a read of the file kept open (the
+    development VM, bench.helper_breakdown's conditions).
+
+    A descriptor names the process it was opened for, not its PID: once that process is gone
+    its reads fail, and the PID's file is opened again (a new process that took the PID is
+    read, never the old one's numbers). At most MAX_KEPT_OPEN are kept (the node daemon may
+    see hundreds of GPU processes); the rest are opened on each read, as before."""
+
+    MAX_KEPT_OPEN = 64
+
+    def __init__(self, proc: str) -> None:
+        self._proc = proc
+        self._files: dict[int, ProcFile] = {}
+
+    def read(self, pid: int) -> dict[str, int] | None:
+        kept = self._files.get(pid)
+        if kept is None:
+            if len(self._files) >= self.MAX_KEPT_OPEN:
+                return read_status(pid, self._proc)
+            kept = self._files[pid] = ProcFile(f"{self._proc}/{pid}/status")
+        for _ in range(2):  # the second: the PID's file opened again, after its process left
+            try:
+                data = kept.read(whole=True)
+            except OSError:
+                continue  # closed by read(): opened again on the next
+            if data:
+                return status_values(data)
+            kept.close()  # an empty read: a task gone
+        self.forget(pid)
+        return None
+
+    def keep_only(self, pids: Iterable[int]) -> None:
+        for gone in set(self._files) - set(pids):
+            self.forget(gone)
+
+    def forget(self, pid: int) -> None:
+        kept = self._files.pop(pid, None)
+        if kept is not None:
+            kept.close()
+
+    def close(self) -> None:
+        for pid in list(self._files):
+            self.forget(pid)
 
 
 # A tenant's process sets its own environment (up to a quarter of its stack limit): only this
@@ -104,13 +160,14 @@ class ProcessMemorySource:
         self._labels = labels
         self._proc = proc
         self._described: dict[int, tuple[list[str], dict[str, str]]] = {}
+        self._status = KeptStatus(proc)
 
     def read(self) -> SourceReading:
         pids = sorted(set(self._pids()))
         known = self._labels() if self._labels is not None else {}
         readings = []
         for pid in pids:
-            status = read_status(pid, self._proc)
+            status = self._status.read(pid)
             if status is None:
                 continue
             labels = known.get(pid)
@@ -132,6 +189,7 @@ class ProcessMemorySource:
             )
         for gone in set(self._described) - set(pids):  # pids are reused: forget the exited
             del self._described[gone]
+        self._status.keep_only(pids)
         largest = sorted(readings, key=lambda r: -r.resident_bytes)
         served, dropped = budget.take(largest, budget.HOST_PROCESSES)
         if dropped:
@@ -139,4 +197,4 @@ class ProcessMemorySource:
         return SourceReading(host_processes=readings, over_budget={"host_processes": dropped})
 
     def close(self) -> None:
-        pass
+        self._status.close()

@@ -82,16 +82,30 @@ class OwnProcessMetrics(Collector):
         self._ticks = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
         self._boot = _boot_time(proc)
         self._stat: ProcFile | None = None
-        self._pid = 0  # the process _stat was opened in: a forked child opens its own
+        # /proc/self/fd kept open and listed through its descriptor: 71 against 103 us of CPU
+        # on cold caches for a listing by path (development VM). Like client_python's count,
+        # this one counts every descriptor the process holds, the listing's own included.
+        self._fd_dir: int | None = None
+        self._pid = 0  # the process these were opened in: a forked child opens its own
 
-    def _read_stat(self) -> list[bytes]:
+    def _opened_here(self) -> ProcFile:
         if self._stat is None or self._pid != os.getpid():
-            # A forked child inherits the descriptor of its parent's /proc/PID/stat: its copy
-            # is closed, and the child's own file opened.
+            # A forked child inherits its parent's descriptors of /proc/PID/stat and
+            # /proc/PID/fd: its copies are closed, and the child's own files opened.
             self.close()
             self._stat, self._pid = ProcFile(f"{self._proc}/self/stat"), os.getpid()
+        return self._stat
+
+    def _read_stat(self) -> list[bytes]:
         # The command name (field 2) may hold spaces and ')': fields count from after it.
-        return self._stat.read().rpartition(b")")[2].split()
+        return self._opened_here().read().rpartition(b")")[2].split()
+
+    def _count_fds(self) -> int:
+        self._opened_here()
+        if self._fd_dir is None:
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+            self._fd_dir = os.open(f"{self._proc}/self/fd", flags)
+        return len(os.listdir(self._fd_dir))
 
     def collect(self) -> Iterable[Metric]:
         return [family.to_metric() for family in self.families()]
@@ -115,7 +129,7 @@ class OwnProcessMetrics(Collector):
         except (OSError, ValueError, IndexError):
             pass
         try:
-            open_fds = len(os.listdir(f"{self._proc}/self/fd"))
+            open_fds = self._count_fds()
         except OSError:
             return found
         found.append(_OPEN_FDS.holding(float(open_fds)))
@@ -127,6 +141,9 @@ class OwnProcessMetrics(Collector):
     def close(self) -> None:
         if self._stat is not None:
             self._stat.close()
+        if self._fd_dir is not None:
+            fd, self._fd_dir = self._fd_dir, None
+            os.close(fd)
 
     # The registry that holds it has no close(): its descriptor goes with it (tests make
     # hundreds of runtimes in one process).

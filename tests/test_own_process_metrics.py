@@ -107,6 +107,31 @@ def test_a_forked_child_reads_its_own_process():
     assert child_start > parent_start  # the child's start, not its parent's
 
 
+def test_a_forked_child_counts_its_own_descriptors():
+    """/proc/self/fd is kept open: a forked child lists its own directory, not the one its
+    parent opened (which names the parent's descriptors)."""
+    ours = OwnProcessMetrics()
+    ours.collect()  # the parent's /proc/PID/fd opened
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            held = [os.open(os.devnull, os.O_RDONLY) for _ in range(20)]
+            counted = _open_fds(ours)
+            listed = len(os.listdir("/proc/self/fd"))
+            os.write(write, repr((counted, listed, len(held))).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        counted, listed, _ = eval(os.read(read, 100))
+    finally:
+        os.close(read)
+        os.waitpid(child, 0)
+        ours.close()
+    assert counted == listed
+
+
 def test_without_proc_it_serves_nothing(tmp_path):
     """As client_python's: a machine without /proc (macOS) has no process families."""
     assert list(OwnProcessMetrics(proc=str(tmp_path / "none")).collect()) == []

@@ -130,6 +130,7 @@ def run_workload(tmp_path: Path, under_run: bool) -> dict[str, Any]:
     )
     scrapes: list[dict[str, Any]] = []
     held: list[dict[str, Any]] = []
+    scrapers: list[Scraper] = []
     try:
         deadline = time.monotonic() + 120
         while not any(e["kind"] == "ready" for e in read_events(events_path)):
@@ -139,6 +140,7 @@ def run_workload(tmp_path: Path, under_run: bool) -> dict[str, Any]:
         pid = next(e["pid"] for e in read_events(events_path) if e["kind"] == "ready")
         time.sleep(2.0)  # the first ticks
         ours, node_scraper = Scraper(port), Scraper(node_port)
+        scrapers += [ours, node_scraper]
         measured_hold = False
         while not any(e["kind"] == "done" for e in read_events(events_path)):
             assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
@@ -164,6 +166,8 @@ def run_workload(tmp_path: Path, under_run: bool) -> dict[str, Any]:
                 held.append({"ours": values, "node": node_values, "smi_mib": smi_used_mib(pid)})
             time.sleep(max(SCRAPE_EVERY_S - (time.time() - started), 0.0))
     finally:
+        for scraper in scrapers:
+            scraper.connection.close()
         for process in (server, node):
             process.terminate()
         for process in (server, node):
@@ -171,6 +175,8 @@ def run_workload(tmp_path: Path, under_run: bool) -> dict[str, Any]:
                 process.wait(30)
             except subprocess.TimeoutExpired:
                 process.kill()
+                process.wait()
+        log.close()
     return {"pid": pid, "events": read_events(events_path), "scrapes": scrapes, "held": held}
 
 

@@ -94,12 +94,16 @@ def format_value(value: float) -> str:
 class Template:
     """A family's text as (text before a value, that value's index) pieces and a tail."""
 
-    __slots__ = ("pieces", "tail")
+    __slots__ = ("_one", "pieces", "tail")
 
     def __init__(self, pieces: list[tuple[str, int]], tail: str) -> None:
         self.pieces, self.tail = pieces, tail
+        # Most families have one series: their text is two strings around the value.
+        self._one = len(pieces) == 1 and pieces[0][1] == 0
 
     def fill(self, values: Sequence[float]) -> str:
+        if self._one:
+            return self.pieces[0][0] + format_value(values[0]) + self.tail
         text = [before + format_value(values[index]) for before, index in self.pieces]
         text.append(self.tail)
         return "".join(text)
@@ -126,6 +130,9 @@ def _parse(text: str, samples: int) -> Template | None:
     return Template(pieces, before)
 
 
+_UNKNOWN = Template([], "")  # a shape without a template yet (None: one without any)
+
+
 class TemplateRenderer:
     """Renders families through templates made by `encoder`; one renderer per format."""
 
@@ -145,12 +152,11 @@ class TemplateRenderer:
             shape = family.shape()
             if shape is None:
                 template = None
-            elif shape in kept:
-                template = kept[shape]
-            elif shape in templates:
-                template = kept[shape] = templates[shape]
-            else:
-                template = kept[shape] = self._template(family)
+            else:  # a shape is hashed twice a render: its tuples keep no hash
+                template = templates.get(shape, _UNKNOWN)
+                if template is _UNKNOWN:
+                    template = self._template(family)
+                kept[shape] = template
             if template is None:
                 text.append(self._encode(family.to_metric()))
             else:

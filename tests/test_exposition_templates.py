@@ -104,6 +104,19 @@ def test_a_template_made_once_gives_the_encoders_text_as_the_values_move() -> No
     assert moved > 10
 
 
+@pytest.mark.slow
+def test_every_family_of_the_catalog_has_a_template() -> None:
+    """A template that does not give back the encoder's text is dropped for the encoder's
+    slower path, silently: every family the exporter serves must keep one, in each format."""
+    for mode, per_process, const, sample in every_family_cases():
+        collector = catalog_collector(sample, mode, const, per_process, "full")
+        for accept in ACCEPTS:
+            renderer = TemplateRenderer(choose_encoder(accept)[0])
+            renderer.render(families_of([collector]))
+            fell_back = [shape for shape, kept in renderer._templates.items() if kept is None]
+            assert renderer._templates and not fell_back, (mode, accept, fell_back[:1])
+
+
 def test_a_family_the_template_cannot_carry_is_rendered_by_the_encoder() -> None:
     """A timestamp or an exemplar follows the value: no template, the encoder's text."""
     stamped = GaugeMetricFamily("stamped", "with a timestamp", labels=["a"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -32,16 +33,18 @@ def test_a_huge_environment_is_read_only_up_to_its_bound():
         child.communicate(b"")
 
 
+def _open_files() -> list[str]:
+    """What this process's descriptors are open on."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed meanwhile
+            found.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return found
+
+
 def _status_descriptors(pid: int) -> int:
     """This process's descriptors open on /proc/PID/status."""
-    target = f"/proc/{pid}/status"
-    found = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            found += os.readlink(f"/proc/self/fd/{fd}") == target
-        except OSError:
-            pass  # the listing's own descriptor, closed meanwhile
-    return found
+    return _open_files().count(f"/proc/{pid}/status")
 
 
 def test_a_process_status_is_kept_open_read_fresh_and_closed_when_it_leaves():
@@ -94,15 +97,7 @@ def test_the_source_closes_the_files_of_processes_no_longer_listed(tmp_path):
     source = ProcessMemorySource(lambda: listed, labels=lambda: {}, proc=str(tmp_path))
 
     def open_files() -> set[str]:
-        found = set()
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                target = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith(str(tmp_path)):
-                found.add(target)
-        return found
+        return {target for target in _open_files() if target.startswith(str(tmp_path))}
 
     assert [r.resident_bytes for r in source.read().host_processes] == [7 << 10, 8 << 10]
     assert open_files() == {f"{tmp_path}/7/status", f"{tmp_path}/8/status"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import resource
 import sys
+from collections.abc import Callable
 
 import pytest
 from prometheus_client import ProcessCollector
@@ -85,24 +86,33 @@ def test_the_values_move_with_the_process():
         ours.close()
 
 
-def test_a_forked_child_reads_its_own_process():
-    ours = OwnProcessMetrics()
-    ours.collect()  # the parent's /proc/PID/stat opened
+def _in_a_forked_child(report: Callable[[], float]) -> float:
+    """`report()` run in a forked child of this process, its number sent back by a pipe."""
     read, write = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover - the child reports through the pipe
         try:
-            start = _by_name(ours.collect())["process_start_time_seconds"].samples[0].value
-            os.write(write, repr(start).encode())
+            os.write(write, repr(report()).encode())
         finally:
             os._exit(0)
     os.close(write)
     try:
-        child_start = float(os.read(read, 100))
+        return float(os.read(read, 100))
     finally:
         os.close(read)
         os.waitpid(child, 0)
-        parent_start = _by_name(ours.collect())["process_start_time_seconds"].samples[0].value
+
+
+def test_a_forked_child_reads_its_own_process():
+    ours = OwnProcessMetrics()
+
+    def start() -> float:
+        return _by_name(ours.collect())["process_start_time_seconds"].samples[0].value
+
+    try:
+        parent_start = start()  # the parent's /proc/PID/stat opened
+        child_start = _in_a_forked_child(start)
+    finally:
         ours.close()
     assert child_start > parent_start  # the child's start, not its parent's
 
@@ -111,25 +121,17 @@ def test_a_forked_child_counts_its_own_descriptors():
     """/proc/self/fd is kept open: a forked child lists its own directory, not the one its
     parent opened (which names the parent's descriptors)."""
     ours = OwnProcessMetrics()
-    ours.collect()  # the parent's /proc/PID/fd opened
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - the child reports through the pipe
-        try:
-            held = [os.open(os.devnull, os.O_RDONLY) for _ in range(20)]
-            counted = _open_fds(ours)
-            listed = len(os.listdir("/proc/self/fd"))
-            os.write(write, repr((counted, listed, len(held))).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
+
+    def counted_less_listed() -> float:
+        for _ in range(20):  # the child's own, open until it exits
+            os.open(os.devnull, os.O_RDONLY)
+        return _open_fds(ours) - len(os.listdir("/proc/self/fd"))
+
     try:
-        counted, listed, _ = eval(os.read(read, 100))
+        ours.collect()  # the parent's /proc/PID/fd opened
+        assert _in_a_forked_child(counted_less_listed) == 0
     finally:
-        os.close(read)
-        os.waitpid(child, 0)
         ours.close()
-    assert counted == listed
 
 
 def test_without_proc_it_serves_nothing(tmp_path):

@@ -180,6 +180,37 @@ def run_workload(tmp_path: Path, under_run: bool) -> dict[str, Any]:
     return {"pid": pid, "events": read_events(events_path), "scrapes": scrapes, "held": held}
 
 
+def _off_scrapes(
+    during: list[dict[str, Any]], off: list[float], events: list[dict[str, Any]], churn: float
+) -> list[dict[str, Any]]:
+    """The first scrapes whose non-allocator bytes were off, each with when its value was
+    taken (the scrape's time less its age) and the churn's blocks around that moment: what
+    a run that serves a wrong value (docs/metrics.md, "Not always exact") needs to be read."""
+    blocks = [e for e in events if e["kind"] == "block"]
+    found = []
+    for scrape, x in zip(during, off, strict=True):
+        if abs(x) <= 64 * MiB:
+            continue
+        age = scrape["ours"].get("torch_cuda_non_allocator_age_seconds")
+        taken = scrape["t"] - age if age is not None else None
+        near = [
+            {"t": round(b["t"] - churn, 3), "mib": b["mib"]}
+            for b in blocks
+            if taken is not None and abs(b["t"] - taken) <= 0.3
+        ]
+        found.append(
+            {
+                "t": round(scrape["t"] - churn, 2),
+                "off_MiB": x / MiB,
+                "taken_t": round(taken - churn, 3) if taken is not None else None,
+                "blocks_near_take": near,
+            }
+        )
+        if len(found) == 6:
+            break
+    return found
+
+
 def check(result: dict[str, Any]) -> dict[str, Any]:
     events, scrapes = result["events"], result["scrapes"]
     truths = [e["non_allocator"] for e in events if e["kind"] == "truth"]
@@ -196,6 +227,7 @@ def check(result: dict[str, Any]) -> dict[str, Any]:
         "non_allocator_within_64MiB": close / len(during),
         "non_allocator_off_MiB_worst": max(abs(x) for x in off) / MiB,
         "truth_MiB": truth / MiB,
+        "off_scrapes": _off_scrapes(during, off, events, churn),
     }
 
     # Per-process memory after each step: NVML's from 2 ticks on, in both endpoints.

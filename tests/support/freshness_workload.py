@@ -6,7 +6,8 @@ With PORT it embeds the exporter on that port (interval GPUMEM_INTERVAL_S); with
 under `gpumem-exporter run`, whose agent reads it. Phases, each logged to EVENTS as a JSON
 line with its wall-clock time:
 1. churn: 64-512 MiB allocated and freed every 20-80 ms with the cache emptied each time, so
-   that reserved and NVML's used move all the time (non-allocator bytes must not);
+   that reserved and NVML's used move all the time (non-allocator bytes must not); each block
+   logged when held and when given back;
 2. steps: 1-4 GiB held 3 s, then freed (per-process memory must follow within 2 ticks);
 3. fragmentation and OOM under a per-process memory cap: half of sixty 100 MiB blocks freed,
    a 4 GiB request that needs a retry, a 6 GiB one that runs out of memory; then held.
@@ -63,11 +64,14 @@ def main() -> None:
     event("churn")
     end = time.time() + 20.0
     while time.time() < end:
-        block = torch.empty(rng.randint(64, 512) * MiB, dtype=torch.uint8, device="cuda:0")
+        mib = rng.randint(64, 512)
+        block = torch.empty(mib * MiB, dtype=torch.uint8, device="cuda:0")
         torch.cuda.synchronize()
+        event("block", mib=mib)  # held from here (a wrong value's take is found among these)
         time.sleep(rng.uniform(0.02, 0.08))
         del block
         torch.cuda.empty_cache()
+        event("block", mib=-mib)  # given back to the GPU
         time.sleep(rng.uniform(0.02, 0.08))
     event("churn_end")
     time.sleep(1.5)

@@ -1,8 +1,9 @@
 """Replay: plays back a trace recorded on a real GPU at the pace it was recorded, looping.
 
 So that a replay looks like one long-lived process to Prometheus, counters keep rising across
-loops (each loop adds the trace's own increase, which makes the seam continuous) and lifetime
-peaks never drop below the trace's highest peak once it has been reached.
+loops (each loop adds the trace's own increase, which makes the seam continuous), lifetime
+peaks never drop below the trace's highest peak once it has been reached, and only the first
+loop plays the recording's first sample (its start: the process before it held anything).
 """
 
 from __future__ import annotations
@@ -98,6 +99,11 @@ class ReplaySource:
         if not self._loop and loop >= 1:
             return 0, len(self._samples) - 1
         index = max(bisect.bisect_right(self._offsets, offset) - 1, 0)
+        if loop >= 1 and index == 0 and len(self._samples) > 1:
+            # Later loops start at the second sample: the first is the recording's start (the
+            # demo's server before it loaded anything, 0 bytes allocated), and a long-lived
+            # process does not go back to it for a tick at every loop.
+            index = 1
         return int(loop), index
 
     def recorded_process(self) -> dict[str, str]:

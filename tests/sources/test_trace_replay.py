@@ -166,6 +166,23 @@ def test_counters_stay_monotonic_and_continuous_across_loops():
     assert peak == max(s.allocators[0].gauges["reserved_peak_bytes"] for s in samples)
 
 
+def test_a_later_loop_never_goes_back_to_the_recordings_start():
+    """The demo's first sample is its server before it loaded anything (0 bytes allocated):
+    played at every loop's seam, the live page's ledger and the charts dropped to nothing for
+    a tick (a clean-clone CI run caught the page showing it). Only the first loop plays it."""
+    samples = demo_samples()
+    assert not samples[0].allocators[0].gauges.get("allocated_bytes")
+    clock = Clock()
+    replay = ReplaySource(clock=clock)
+    assert replay.position() == (0, 0)
+    for loop in (1, 2):
+        clock.now = loop * replay.duration_s + 1e-6
+        assert replay.position() == (loop, 1)
+        assert replay.read().allocators[0].gauges["allocated_bytes"] > 0
+        clock.now = loop * replay.duration_s + samples[2].timestamp - samples[0].timestamp + 1e-6
+        assert replay.position() == (loop, 2)
+
+
 def test_replay_without_loop_holds_the_last_sample():
     samples = demo_samples()
     clock = Clock()

@@ -237,6 +237,13 @@ class Detectors:
         for (alert, key), state in sorted(self._states.items()):
             yield alert, dict(key), state.firing
 
+    def firing_subjects(self) -> list[tuple[str, dict[str, str]]]:
+        """(alert, labels) of each alert firing now, in firing()'s order: what /metrics and
+        /stats serve, on every render. The states that are not firing (most of them) are
+        neither sorted nor made into labels: 0.6 against 6 us hot for the demo's 11."""
+        firing = [(alert, key) for (alert, key), state in self._states.items() if state.firing]
+        return [(alert, dict(key)) for alert, key in sorted(firing)]
+
     def firing_now(self) -> list[FiringAlert]:
         """The alerts firing now, critical first, then the longest firing."""
         alerts = [

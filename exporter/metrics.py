@@ -46,12 +46,12 @@ _HOST_PROCESS = catalog.group("host_process")
 class AlertStates(Protocol):
     """The in-process detectors, as the collector reads them (exporter.detectors)."""
 
-    # Changes whenever firing() may answer differently (cheaper than comparing answers).
+    # Changes whenever firing_subjects() may answer differently (cheaper than comparing).
     @property
     def evaluations(self) -> int: ...
 
-    def firing(self) -> Iterable[tuple[str, dict[str, str], bool]]:
-        """(alert, labels, firing) for each alert state the detectors hold."""
+    def firing_subjects(self) -> Iterable[tuple[str, dict[str, str]]]:
+        """(alert, labels) of each alert firing now."""
         ...
 
     def settings_changes(self) -> Iterable[tuple[dict[str, str], SettingsChanged]]:
@@ -346,9 +346,8 @@ class SampleCollector(Collector):
             # Only what fires: a state that is not firing says nothing a fleet needs stored,
             # and one series per alert and subject would outnumber the data.
             firing = self._fill(catalog.family("gpumem_exporter_alert_firing"))
-            for alert, labels, is_firing in self._alerts.firing():
-                if is_firing:
-                    firing.add(processes.labels({**labels, "alert": alert}), 1.0)
+            for alert, labels in self._alerts.firing_subjects():
+                firing.add(processes.labels({**labels, "alert": alert}), 1.0)
             yield firing, False
             changes = self._fill(catalog.family("gpumem_exporter_allocator_settings_changes"))
             change = self._fill(catalog.family("gpumem_exporter_allocator_settings_change"))

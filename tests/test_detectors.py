@@ -7,9 +7,12 @@ import logging
 
 import pytest
 
+from exporter.actions.base import Target
+from exporter.actions.stats import latest_stats
 from exporter.alerts import BY_NAME
 from exporter.config import ConfigError, load_config
 from exporter.detectors import AlertEvent, Detectors
+from exporter.oom_pending import PendingOoms
 from exporter.sample import (
     AllocatorReading,
     GpuReading,
@@ -346,6 +349,15 @@ def test_two_processes_on_one_device_keep_their_own_alerts():
     assert fired[-1].labels == b and fired[-1].device == "0"
     firing = {(alert, labels["pid"]) for alert, labels, on in detectors.firing() if on}
     assert ("GpuMemAllocRetries", "12") in firing and ("GpuMemAllocRetries", "11") not in firing
+    # What /metrics and /stats read: the firing ones alone, in the same order, and /stats
+    # limited to the process asked for.
+    assert detectors.firing_subjects() == [(a, ids) for a, ids, on in detectors.firing() if on]
+    for target, expected in ((Target(), [b]), (Target(pid=12), [b]), (Target(pid=11), [])):
+        stats = latest_stats(
+            sample, target, mode="run", detectors=detectors, pending_ooms=PendingOoms()
+        )
+        retrying = [f for f in stats["alerts_firing"] if f["alert"] == "GpuMemAllocRetries"]
+        assert [{k: v for k, v in f.items() if k != "alert"} for f in retrying] == expected
     # A process that exits resolves and forgets its alerts (no stale series, pids reused).
     gone = Sample(timestamp=t + 60 * 40.5)
     gone.allocators = [process_allocator("11", 5)]

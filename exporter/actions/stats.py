@@ -38,8 +38,8 @@ def latest_stats(
         ]
     firing = [
         {"alert": alert, **labels}
-        for alert, labels, is_firing in (detectors.firing() if detectors else [])
-        if is_firing and (not target.selective or target.matches(labels))
+        for alert, labels in (detectors.firing_subjects() if detectors else [])
+        if not target.selective or target.matches(labels)
     ]
     pending = [
         row

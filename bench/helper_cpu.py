@@ -62,7 +62,9 @@ def _helper(port: int) -> psutil.Process:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         for conn in psutil.net_connections("tcp"):
-            if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            if conn.status != psutil.CONN_LISTEN or not conn.laddr or not conn.pid:
+                continue
+            if conn.laddr.port == port:
                 return psutil.Process(conn.pid)
         time.sleep(0.1)
     raise RuntimeError(f"nothing listens on {port}")
@@ -71,7 +73,7 @@ def _helper(port: int) -> psutil.Process:
 def _threads(pid: int) -> dict[str, tuple[int, int]]:
     """Each thread's CPU in ns and how many times it ran (/proc/PID/task/TID/schedstat), by
     its order of start (threads of one role start in the same order in every checkout)."""
-    found = {}
+    found: dict[str, tuple[int, int]] = {}
     for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
         try:
             ns, _, runs = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()

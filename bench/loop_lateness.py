@@ -34,6 +34,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.helper_cpu import _threads
+
 REPO = Path(__file__).resolve().parent.parent
 # arm -> (sampling interval, whether the live page is open beside the scrapes, whether the
 # process runs under `gpumem-exporter run`: its agent samples, the launcher serves)
@@ -108,14 +110,15 @@ def _serving_process(port: int) -> Any:
 
 
 def _cpu_s(process: Any) -> float | None:
-    """A process's CPU seconds (user and system), None if it is gone or unknown."""
+    """A process's CPU seconds (user and system), None if it is gone or unknown: the sum of
+    its threads' nanosecond counts (bench.helper_cpu._threads). psutil's cpu_times() counts
+    in clock ticks (10 ms), so a helper's ~25 ms over a 10 s arm read as 1.0 or 2.0 ms/s."""
     if process is None:
         return None
     try:
-        times = process.cpu_times()
-    except Exception:
+        return sum(ns for ns, _ in _threads(process.pid).values()) / 1e9
+    except (OSError, ValueError):
         return None
-    return float(times.user + times.system)
 
 
 def _helper_link(handle: Any) -> Any:

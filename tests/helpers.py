@@ -726,8 +726,8 @@ def catalog_collector(
     failures.count = 1
     alerts = SimpleNamespace(
         evaluations=1,
-        firing=lambda: [
-            ("GpuMemOutOfMemory", {"device": "0", "gpu_uuid": "GPU-x", **process}, True)
+        firing_subjects=lambda: [
+            ("GpuMemOutOfMemory", {"device": "0", "gpu_uuid": "GPU-x", **process})
         ],
         settings_changes=lambda: [({"device": "0", "gpu_uuid": "GPU-x", **process}, changed)],
     )

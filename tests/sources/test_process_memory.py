@@ -107,3 +107,20 @@ def test_the_source_closes_the_files_of_processes_no_longer_listed(tmp_path):
     assert open_files() == {f"{tmp_path}/7/status"}
     source.close()
     assert open_files() == set()
+
+
+def test_a_status_longer_than_one_read_is_read_whole(tmp_path):
+    """A process in thousands of groups has a Groups line past the first 16 KiB read, with
+    VmRSS after it: read once (read_status) and kept open (KeptStatus), it is found."""
+    from exporter.sources.process_memory import KeptStatus, read_status
+
+    (tmp_path / "7").mkdir()
+    groups = " ".join(str(g) for g in range(100000, 104000))  # ~28 KiB
+    (tmp_path / "7" / "status").write_text(f"Name:\tx\nGroups:\t{groups}\nVmRSS:\t5 kB\n")
+    assert read_status(7, str(tmp_path)) == {"rss": 5 << 10}
+    kept = KeptStatus(str(tmp_path))
+    try:
+        assert kept.read(7) == {"rss": 5 << 10}
+        assert kept.read(7) == {"rss": 5 << 10}  # read again from its start
+    finally:
+        kept.close()

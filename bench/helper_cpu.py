@@ -58,14 +58,20 @@ _HEADERS = {
 }
 
 
+def listening_process(port: int) -> psutil.Process | None:
+    """The process listening on `port` (a helper, or `run`'s launcher), or None."""
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+            return psutil.Process(conn.pid) if conn.pid else None
+    return None
+
+
 def _helper(port: int) -> psutil.Process:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        for conn in psutil.net_connections("tcp"):
-            if conn.status != psutil.CONN_LISTEN or not conn.laddr or not conn.pid:
-                continue
-            if conn.laddr.port == port:
-                return psutil.Process(conn.pid)
+        found = listening_process(port)
+        if found is not None:
+            return found
         time.sleep(0.1)
     raise RuntimeError(f"nothing listens on {port}")
 

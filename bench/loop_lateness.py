@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.helper_cpu import _threads
+from bench.helper_cpu import _threads, listening_process
 
 REPO = Path(__file__).resolve().parent.parent
 # arm -> (sampling interval, whether the live page is open beside the scrapes, whether the
@@ -97,16 +97,6 @@ def bare_tick() -> tuple[Any, Any]:
             os.write(fd, pack(*values))
 
     return tick, reader
-
-
-def _serving_process(port: int) -> Any:
-    """The process listening on `port` (the helper, or `run`'s launcher), or None."""
-    import psutil
-
-    for conn in psutil.net_connections("tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
-            return psutil.Process(conn.pid) if conn.pid else None
-    return None
 
 
 def _cpu_s(process: Any) -> float | None:
@@ -335,7 +325,7 @@ def serve(arm: str, seconds: float, port: int, time_ticks: bool = False) -> dict
             late.append(time.perf_counter() - asked - 0.001)
 
     threads_before, process_before = _threads_cpu_s(), time.process_time()
-    server = _serving_process(port) if interval is not None and not bare else None
+    server = listening_process(port) if interval is not None and not bare else None
     server_before = _cpu_s(server)
     gc_pauses = GcPauses()
     started = time.perf_counter()

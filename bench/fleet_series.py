@@ -34,7 +34,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter.catalog import DETAIL_LEVELS
 from exporter.config import Config
 from exporter.detectors import Detectors
-from exporter.metrics import ActionStats, SampleCollector
+from exporter.fill.render import ActionStats
+from exporter.metrics import SampleCollector
 from exporter.modes import MODES
 from exporter.sample import (
     ExporterState,

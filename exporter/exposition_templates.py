@@ -30,7 +30,7 @@ Encoder = Callable[[Collector], bytes]
 
 
 class Family(Protocol):
-    """What a template is made from and filled with (exporter.metrics.FamilyRows is one)."""
+    """What a template is made from and filled with (exporter.fill.rows.FamilyRows is one)."""
 
     def shape(self) -> Hashable | None:
         """The family's text apart from its values; None if it has no template."""

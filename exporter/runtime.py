@@ -17,11 +17,12 @@ from exporter.config import Config
 from exporter.detectors import Detectors
 from exporter.detectors import Listener as AlertListener
 from exporter.exposition import ExpositionCache, RenderFailures
+from exporter.fill.render import ActionStats, EndpointState
 from exporter.http.admin import Admin
 from exporter.http.server import HttpServer, create_app, create_health_app
 from exporter.identity import identity_labels
 from exporter.kubernetes.identities import kubernetes_identities
-from exporter.metrics import ActionStats, EndpointState, SampleCollector
+from exporter.metrics import SampleCollector
 from exporter.modes import MODES, Mode
 from exporter.modes.run import silent_processes
 from exporter.oom_pending import PendingOoms

@@ -42,9 +42,10 @@ from exporter.actions.local import LocalActions
 from exporter.actions.snapshots import SnapshotStore
 from exporter.config import load_config
 from exporter.exposition import RenderFailures
+from exporter.fill.render import ActionStats, EndpointState
 from exporter.http.server import HttpServer, create_app
 from exporter.kubernetes.claims import ClaimedDevice
-from exporter.metrics import ActionStats, EndpointState, SampleCollector
+from exporter.metrics import SampleCollector
 from exporter.modes import MODES
 from exporter.request_counts import RequestCounts
 from exporter.runtime import build_runtime

@@ -51,6 +51,7 @@ LAYERS: list[tuple[str, ...]] = [
         "detectors",
         "window",
         "oom_pending",
+        "fill",  # the catalog's families filled from a sample, one module per subject
         "metrics",
         "own_process_metrics",  # client_python's process_* families, read more cheaply
         "exposition",

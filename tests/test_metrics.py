@@ -198,7 +198,7 @@ def test_one_subjects_labels_give_each_family_its_own_label_values() -> None:
     """Labels makes a family's label values once per set of names: families of other names
     (or other constant labels) given the same subject get their own values, not the first's."""
     from exporter import catalog
-    from exporter.metrics import FamilyRows, Labels
+    from exporter.fill.rows import FamilyRows, Labels
 
     subject = Labels({"device": 0, "gpu_uuid": "GPU-a", "pool": "large"})
     entry = catalog.family("torch_cuda_reserved_bytes")

@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -421,6 +422,22 @@ def main() -> None:
     if args.serve:
         print(json.dumps(serve(args.serve, args.seconds, args.port, args.ticks)), flush=True)
         return
+    with tempfile.TemporaryDirectory(prefix="loop-lateness-") as links:
+        compare(args, Path(links))
+
+
+def exporter_only(root: str, links: Path) -> str:
+    """A folder holding `root`'s exporter package alone (a link), to go first on the path:
+    the measured tree gives the exporter, this checkout the bench. With `root` itself first,
+    a tree from before a helper of the bench was added gave its own older bench, and every
+    arm of it failed at its first import."""
+    folder = links / str(len(list(links.iterdir())))
+    folder.mkdir()
+    (folder / "exporter").symlink_to(Path(root).resolve() / "exporter", target_is_directory=True)
+    return str(folder)
+
+
+def compare(args: argparse.Namespace, links: Path) -> None:
     from bench.common import free_port
 
     # The path it was given stays after the trees (the GPU machine's carried packages:
@@ -428,14 +445,16 @@ def main() -> None:
     # connected).
     carried = os.environ.get("PYTHONPATH", "")
     results: list[dict[str, Any]] = []
+    paths: dict[str, str] = {}
     for round_ in range(args.rounds):
         for given in args.root:
             root, _, only = given.partition(":")
             for arm in (only or args.arms).split(","):
                 port = args.port or free_port()
-                env = dict(
-                    os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, str(REPO), carried]))
-                )
+                if root not in paths:
+                    paths[root] = exporter_only(root, links)
+                path = os.pathsep.join(filter(None, [paths[root], str(REPO), carried]))
+                env = dict(os.environ, PYTHONPATH=path)
                 command = [sys.executable, __file__, "--root", root, "--serve", arm]
                 interval, _, under_run = ARMS[arm]
                 if under_run:  # the launcher serves on the port; this process only samples

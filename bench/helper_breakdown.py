@@ -34,7 +34,7 @@ PARTS = (
     ("exporter.exposition", "", "gzip_compress"),
     ("exporter.sampler", "Sampler", "tick"),
     ("exporter.transport.aggregator", "Aggregator", "_read"),
-    ("exporter.transport.aggregator", "Aggregator", "_record"),
+    ("exporter.transport.peer", "Peer", "take_record"),
     ("exporter.transport.aggregator", "Aggregator", "read"),
     ("exporter.http.guard", "GuardedProtocol", "data_received"),
     ("exporter.http.guard", "GuardedProtocol", "on_response_complete"),

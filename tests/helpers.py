@@ -205,7 +205,11 @@ class ProbedServer:
         return agent
 
     def allocate(self, nbytes: int) -> None:
-        self.stats["allocated_bytes"]["all"]["current"] += nbytes
+        # As the caching allocator counts it: in all, and in the pool of its size (PyTorch's
+        # small pool takes blocks of up to 1 MiB).
+        pool = "small_pool" if nbytes <= 1 << 20 else "large_pool"
+        for where in ("all", pool):
+            self.stats["allocated_bytes"][where]["current"] += nbytes
 
 
 def captured_sample(name: str) -> Sample:

@@ -19,7 +19,6 @@ may answer it; a rank its launch environment contradicts is replaced by that env
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import itertools
 import logging
@@ -33,7 +32,6 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,16 +40,13 @@ from exporter.actions.base import ProcessResult, Target
 from exporter.probe import record
 from exporter.ratelimit import RateLimitedLog
 from exporter.sample import (
-    ActionCounts,
     AllocatorReading,
-    PinnedHostReading,
     ProcessCounts,
     SourceReading,
 )
-from exporter.sources.allocator_layout import bounded_pools, pool_label
-from exporter.sources.process_memory import read_environ
 from exporter.transport import protocol
 from exporter.transport.agent import SOCKET_NAME
+from exporter.transport.peer import Peer, aged, environment_labels
 
 log = logging.getLogger("exporter.aggregator")
 
@@ -66,63 +61,6 @@ ACCEPT_BACKOFF_S = 0.2
 # A peer that does not take a command within this long is given up on.
 SEND_TIMEOUT_S = 5.0
 _NO_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
-
-
-_CONNECTION_IDS = itertools.count(1)
-
-
-@dataclass
-class _Peer:
-    sock: socket.socket
-    pid: int
-    id: int = field(default_factory=lambda: next(_CONNECTION_IDS))  # never reused, unlike fds
-    connected_at: float = field(default_factory=time.monotonic)
-    reader: protocol.StreamReader = field(default_factory=protocol.StreamReader)
-    process: dict[str, str] = field(default_factory=dict)
-    allocators: list[AllocatorReading] = field(default_factory=list)
-    sampled_at: float = 0.0  # time.monotonic() when `allocators` arrived
-    reported_at: float | None = None  # the same moment as Unix time, for /metrics
-    counts: ActionCounts = field(default_factory=ActionCounts)
-    pinned_host: PinnedHostReading | None = None
-    # Each device's reading of the latest full sample, with the Unix time it came: what a
-    # probe record's numbers update (its settings, layout and verdicts stay).
-    full: dict[int, tuple[AllocatorReading, float]] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    # Labels the process claimed that its start-up environment does not show (RANK set by
-    # the process itself): they stand only while no other process has them (_hello).
-    unbacked: set[str] = field(default_factory=set)
-
-    def send(self, message: dict[str, Any]) -> None:
-        with self.lock:
-            self.sock.sendall(protocol.encode(message))
-
-
-def _environment_labels(pid: int, proc: str = "/proc") -> dict[str, str]:
-    """rank and local_rank as the process was started with them (RANK, LOCAL_RANK in
-    /proc/<pid>/environ): what a hello's claims are checked against. Only the variables that
-    are there: a process may set RANK itself after it started (torch.multiprocessing workers
-    often do), which /proc cannot show; such a claim is unbacked (Aggregator._hello)."""
-    env = read_environ(pid, proc)
-    return {
-        label: env[name].decode(errors="replace")[:64]
-        for label, name in (("rank", b"RANK"), ("local_rank", b"LOCAL_RANK"))
-        if name in env
-    }
-
-
-def _quiet_s(peer: _Peer, now: float) -> float:
-    """Seconds since the process last reported (or connected, before its first report)."""
-    return now - (peer.sampled_at or peer.connected_at)
-
-
-def _aged(reading: AllocatorReading, waited_s: float) -> AllocatorReading:
-    """A peer's reading with its ages as of now: it was sent `waited_s` ago."""
-    ages = {}
-    for name in ("layout_age_s", "non_allocator_age_s"):
-        age = getattr(reading, name)
-        if age is not None:
-            ages[name] = age + max(waited_s, 0.0)
-    return dataclasses.replace(reading, **ages) if ages else reading
 
 
 class Paced(Protocol):
@@ -161,8 +99,8 @@ class Aggregator:
         self._max_peers = max_peers
         self._hello_timeout_s = hello_timeout_s
         self._proc = proc
-        self._peers: dict[int, _Peer] = {}  # fileno -> peer that said hello
-        self._connections: dict[int, _Peer] = {}  # fileno -> every open connection
+        self._peers: dict[int, Peer] = {}  # fileno -> peer that said hello
+        self._connections: dict[int, Peer] = {}  # fileno -> every open connection
         self._lock = threading.Lock()
         # request id -> (the answer, the connection it was sent to: only that one may answer)
         self._pending: dict[int, tuple[Future[ProcessResult], int]] = {}
@@ -268,7 +206,7 @@ class Aggregator:
             sock.close()
             return
         sock.settimeout(SEND_TIMEOUT_S)  # reads happen only when the selector says so
-        peer = _Peer(sock, pid)
+        peer = Peer(sock, pid)
         with self._lock:
             self._connections[sock.fileno()] = peer
             self.admitted += 1
@@ -286,7 +224,7 @@ class Aggregator:
         pid, uid, _ = struct.unpack("3i", creds)
         return int(pid) if uid == os.getuid() else None
 
-    def _read(self, peer: _Peer) -> None:
+    def _read(self, peer: Peer) -> None:
         try:
             chunk = peer.sock.recv(1 << 16)
         except (BlockingIOError, TimeoutError):
@@ -314,7 +252,7 @@ class Aggregator:
             self._count("hello_timeout", f"closed pid {peer.pid}: no hello")
             self._drop(peer)
 
-    def _drop(self, peer: _Peer) -> None:
+    def _drop(self, peer: Peer) -> None:
         key = peer.sock.fileno()
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(peer.sock)
@@ -332,7 +270,7 @@ class Aggregator:
             self.rejected[reason] += 1
         self._log.warning(f"agent:{reason}", message)
 
-    def _reject(self, peer: _Peer, exc: protocol.ProtocolError) -> None:
+    def _reject(self, peer: Peer, exc: protocol.ProtocolError) -> None:
         with self._lock:
             self.rejected[exc.reason] += 1
         peer.allocators = []  # that process's sample is dropped, nobody else's
@@ -340,11 +278,11 @@ class Aggregator:
         who = peer.process.get("pid") or peer.pid or "?"
         self._log.warning(f"agent:{exc.reason}", f"rejected a message from pid {who}: {exc}")
 
-    def _hello(self, peer: _Peer, process: dict[str, str]) -> None:
+    def _hello(self, peer: Peer, process: dict[str, str]) -> None:
         backed: dict[str, str] = {}
         if peer.pid:
             process["pid"] = str(peer.pid)  # the socket's word, not the agent's
-            backed = _environment_labels(peer.pid, self._proc)
+            backed = environment_labels(peer.pid, self._proc)
             for name, value in backed.items():
                 if process.get(name, "") != value:  # a claim its environment does not back
                     self._count("claim", f"pid {peer.pid} claimed {name}={process.get(name)!r}")
@@ -364,7 +302,7 @@ class Aggregator:
         log.info("process %s (%s) joined", process.get("pid"), process.get("role"))
 
     def _settle_claims(
-        self, peer: _Peer, process: dict[str, str], backed: dict[str, str]
+        self, peer: Peer, process: dict[str, str], backed: dict[str, str]
     ) -> list[str]:
         """A rank its environment does not show stands only if it is a number no other
         process has: never a second rank 0 beside the real one (issue 38). A backed rank
@@ -390,10 +328,10 @@ class Aggregator:
                 refused.append(f"pid {peer.pid} claimed {name}={value!r}, unbacked and taken")
         return refused
 
-    def _handle(self, peer: _Peer, line: bytes) -> None:
+    def _handle(self, peer: Peer, line: bytes) -> None:
         if line[:4] == record.MAGIC:
             try:
-                self._record(peer, line)
+                peer.take_record(line)
             except protocol.ProtocolError as exc:
                 self._reject(peer, exc)
             except record.RecordError as exc:
@@ -412,15 +350,7 @@ class Aggregator:
             elif not peer.process:
                 raise protocol.ProtocolError("order", f"a {kind} message before hello")
             elif kind == "sample":
-                readings, counts = protocol.parse_sample(message)
-                for reading in readings:
-                    reading.process = dict(peer.process)
-                pinned = protocol.parse_pinned_host(message)
-                if pinned is not None:
-                    pinned.process = dict(peer.process)
-                peer.allocators, peer.counts, peer.pinned_host = readings, counts, pinned
-                peer.sampled_at, peer.reported_at = time.monotonic(), time.time()
-                peer.full = {r.device: (r, peer.reported_at) for r in readings}
+                peer.take_sample(message)
             elif kind == "reply":
                 request_id, result = protocol.parse_reply(message)
                 result.process = dict(peer.process)
@@ -441,47 +371,6 @@ class Aggregator:
                 raise protocol.ProtocolError("type", f"an agent may not send {kind!r}")
         except protocol.ProtocolError as exc:
             self._reject(peer, exc)
-
-    def _record(self, peer: _Peer, data: bytes) -> None:
-        """A probe record: one device's numbers of one tick, over its latest full sample."""
-        if not peer.process:
-            raise protocol.ProtocolError("order", "a record before hello")
-        device, _, at, parts = record.unpack(data)
-        full = peer.full.get(device)
-        if full is None:
-            raise protocol.ProtocolError("order", f"a record of device {device} before its sample")
-        base, base_at = full
-        waited = max(at - base_at, 0.0)
-        ages = {
-            name: getattr(base, name) + waited
-            for name in ("layout_age_s", "non_allocator_age_s")
-            if getattr(base, name) is not None
-        }
-        private_pools = base.private_pools
-        if parts["private_pools"]:  # torch 2.13+: reserved by pool, fresher than the layout's
-            fresh = {
-                pool_label((first, second)): {"reserved_bytes": reserved}
-                for first, second, reserved in parts["private_pools"]
-            }
-            merged = {label: dict(values) for label, values in base.private_pools.items()}
-            for label, values in bounded_pools(fresh).items():
-                merged.setdefault(label, {}).update(values)
-            private_pools = merged
-        reading = dataclasses.replace(
-            base,
-            gauges=parts["gauges"],
-            counters=parts["counters"],
-            pools=parts["pools"],
-            max_split_size_bytes=parts["max_split_size_bytes"],
-            private_pools=private_pools,
-            **ages,
-        )
-        others = [r for r in peer.allocators if r.device != device]
-        peer.allocators = sorted([*others, reading], key=lambda r: r.device)
-        if parts["pinned"] is not None:
-            held, in_use = parts["pinned"]
-            peer.pinned_host = PinnedHostReading(held, in_use, process=dict(peer.process))
-        peer.sampled_at, peer.reported_at = time.monotonic(), time.time()
 
     def connections(self) -> int:
         """Open connections from agents (said hello or not): whether anyone is served."""
@@ -517,7 +406,7 @@ class Aggregator:
             over["per_process"] += dropped
             mine, dropped = budget.take(mine, budget.PER_ENDPOINT - len(allocators))
             over["per_endpoint"] += dropped
-            allocators.extend(_aged(a, now - peer.sampled_at) for a in mine)
+            allocators.extend(aged(a, now - peer.sampled_at) for a in mine)
         if any(over.values()):
             self._log.warning(
                 "budget",
@@ -532,15 +421,15 @@ class Aggregator:
             over_budget=over,
         )
 
-    def _silent(self, peer: _Peer, now: float) -> bool:
-        return _quiet_s(peer, now) > self.silent_after_s
+    def _silent(self, peer: Peer, now: float) -> bool:
+        return peer.quiet_s(now) > self.silent_after_s
 
     def silent_processes(self) -> list[tuple[dict[str, str], float]]:
         """(labels, seconds since its last report) of each process that has gone silent."""
         with self._lock:
             peers = list(self._peers.values())
         now = time.monotonic()
-        return [(dict(p.process), _quiet_s(p, now)) for p in peers if self._silent(p, now)]
+        return [(dict(p.process), p.quiet_s(now)) for p in peers if self._silent(p, now)]
 
     def action_counts(self) -> list[ProcessCounts]:
         with self._lock:
@@ -592,7 +481,7 @@ class Aggregator:
                 (p for p in self._peers.values() if p.allocators and target.matches(p.process)),
                 key=lambda p: int(p.process.get("pid") or 0),
             )
-        waiting: list[tuple[_Peer, int, Future[ProcessResult]]] = []
+        waiting: list[tuple[Peer, int, Future[ProcessResult]]] = []
         results: list[ProcessResult] = []
         for peer in peers:
             request_id = next(self._ids)
@@ -616,7 +505,7 @@ class Aggregator:
                 results.append(self._gave_up(peer, request_id, error, "timeout"))
         return sorted(results, key=lambda r: int(r.process.get("pid") or 0))
 
-    def _gave_up(self, peer: _Peer, request_id: int, error: str, outcome: str) -> ProcessResult:
+    def _gave_up(self, peer: Peer, request_id: int, error: str, outcome: str) -> ProcessResult:
         with self._lock:
             self._pending.pop(request_id, None)
         return ProcessResult(dict(peer.process), False, error=error, outcome=outcome)

@@ -61,9 +61,13 @@ def test_records_carry_each_ticks_numbers_over_the_full_sample(run_dir):
             agent.tick()
             reading = served(aggregator, allocated_bytes=allocated + step * (1 << 20))
         assert server.full_ticks == 1  # three records, no full sample
-        # Everything else of the full sample stays: identity, backend, pools, counters.
+        # The pools' numbers come with each record too (three 1 MiB blocks: the small pool).
+        small = reading.pools["small"]["allocated_bytes"]
+        assert small == first.pools["small"]["allocated_bytes"] + 3 * (1 << 20)
+        assert reading.pools["large"] == first.pools["large"]
+        # Everything else of the full sample stays: identity, backend, counters.
         assert (reading.gpu_uuid, reading.backend) == (first.gpu_uuid, first.backend)
-        assert reading.pools == first.pools and reading.counters == first.counters
+        assert reading.counters == first.counters
         pinned = aggregator.read().pinned_host[0]
         assert pinned.held_bytes == server.host_stats["allocated_bytes"]["current"]
         assert pinned.process["pid"] == first.process["pid"]

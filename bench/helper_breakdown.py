@@ -36,8 +36,8 @@ PARTS = (
     ("exporter.transport.aggregator", "Aggregator", "_read"),
     ("exporter.transport.peer", "Peer", "take_record"),
     ("exporter.transport.aggregator", "Aggregator", "read"),
-    ("exporter.http.guard", "GuardedProtocol", "data_received"),
-    ("exporter.http.guard", "GuardedProtocol", "on_response_complete"),
+    ("exporter.http.guard", "GuardedConnection", "data_received"),
+    ("exporter.http.guard", "GuardedConnection", "answer_done"),
 )
 
 _SITECUSTOMIZE = """

@@ -2,10 +2,11 @@
 
 The HTTP layer needs a few things these packages do not offer publicly: a TLS handshake that
 fails sends OpenSSL's alert before the connection closes (asyncio drops it unsent), a
-certificate's expiry read from its file without loading the key, and uvicorn's HTTP/1.1
-protocol and server extended rather than forked (the guard's deadlines and slots, the quiet
-main loop). The underscore names live here and nowhere else in the package; the public but
-undocumented ones that subclasses elsewhere lean on are listed beside them. RELIED_ON names
+certificate's expiry read from its file without loading the key, uvicorn's server without the
+timer of its main loop (QuietServer), and uvicorn's HTTP/1.1 protocol without its access log
+(the guard, exporter.http.guard, wraps that protocol and reaches into nothing else of it).
+The underscore names live here and nowhere else in the package; the public but
+undocumented ones this module leans on are listed beside them. RELIED_ON names
 each, and tests/test_internals.py checks every one against the installed packages, so an
 upgrade that moves one fails that test, not a production server. pyproject.toml bounds the
 uvicorn versions this was checked against. asyncio's and ssl's are Python's, checked on 3.11
@@ -15,10 +16,17 @@ test of RELIED_ON fails there and says so).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
+import socket
 import ssl
 from asyncio.sslproto import SSLProtocol
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
+
+import uvicorn
 
 # (what it belongs to, the attribute): the class, or the object its instances are, as the test
 # builds them.
@@ -30,36 +38,15 @@ RELIED_ON: tuple[tuple[str, str], ...] = (
     ("asyncio.sslproto.SSLProtocol", "_outgoing"),
     # ssl: a certificate file's fields without a context (what `openssl x509` prints).
     ("ssl._ssl", "_test_decode_cert"),
-    # uvicorn's server (exporter.http.quiet): its main loop, first tick, exit flag, and the
-    # state whose default headers carry Date.
+    # uvicorn's server (QuietServer below): its main loop, first tick, exit flag.
     ("uvicorn.Server", "main_loop"),
     ("uvicorn.Server", "on_tick"),
     ("uvicorn.Server", "should_exit"),
     ("uvicorn.Server", "handle_exit"),
-    ("uvicorn.server.ServerState", "default_headers"),
-    ("uvicorn.server.ServerState", "connections"),
-    ("uvicorn.Config", "encoded_headers"),
-    ("uvicorn.Config", "date_header"),
-    # uvicorn's HTTP/1.1 protocol on httptools (exporter.http.guard): the parser's callbacks
-    # it extends, the request in progress (whose keep_alive, default_headers and
-    # response_started it reads and sets), its parser, loop, transport, connections and
-    # server state, and the loggers it replaces.
-    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "on_message_begin"),
-    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "on_headers_complete"),
-    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "on_message_complete"),
-    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "cycle"),
-    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "parser"),
-    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "loop"),
-    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "transport"),
-    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "server_state"),
-    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "connections"),
-    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "config"),
-    ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "scheme"),
+    # uvicorn's HTTP/1.1 protocol on httptools, which exporter.http.guard wraps: the access
+    # log and the logger it replaces (quiet_http_protocol).
     ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "access_log"),
     ("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol", "logger"),
-    ("uvicorn.protocols.http.httptools_impl.RequestResponseCycle", "keep_alive"),
-    ("uvicorn.protocols.http.httptools_impl.RequestResponseCycle", "default_headers"),
-    ("uvicorn.protocols.http.httptools_impl.RequestResponseCycle", "response_started"),
 )
 
 
@@ -97,3 +84,65 @@ def decode_certificate(path: str) -> dict[str, Any]:
     certificate."""
     decoded: dict[str, Any] = ssl._ssl._test_decode_cert(path)  # type: ignore[attr-defined]
     return decoded
+
+
+def quiet_http_protocol(protocol: asyncio.Protocol, logger: logging.Logger) -> asyncio.Protocol:
+    """uvicorn's HTTP protocol (one per connection) without an access log line per request
+    and with its protocol errors on `logger`. uvicorn logs each request when its
+    "uvicorn.access" logger has handlers, whatever Config.access_log says: in a host served by
+    uvicorn that is the host's access log, which Prometheus's scrapes must not fill."""
+    quieted: Any = protocol
+    quieted.access_log = False
+    quieted.logger = logger
+    return protocol
+
+
+class QuietServer(uvicorn.Server):
+    """uvicorn's server without its wake-ups: nothing runs on the HTTP thread while nobody asks.
+
+    uvicorn's main loop sleeps 0.1 s at a time to notice `should_exit` and to refresh the Date
+    header once a second: ten wake-ups a second, which cost 3 ms of CPU per second in the
+    serving process (measured: docs/performance.md), more than the exporter's own work. Here
+    the main loop waits for an exit event instead, set by `exit()` from any thread or by
+    uvicorn's signal handler; the Date header is each answer's (exporter.http.guard.AnswerWatch),
+    and uvicorn's own is off (Config(date_header=False))."""
+
+    def __init__(
+        self, config: uvicorn.Config, on_shutdown: Callable[[], None] | None = None
+    ) -> None:
+        super().__init__(config)
+        # Closes the connections that uvicorn does not know of (exporter.http.tls's).
+        self._on_shutdown = on_shutdown
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._exit: asyncio.Event | None = None
+
+    async def main_loop(self) -> None:
+        await self.on_tick(0)  # the default headers, as uvicorn's first tick sets them
+        # Set before should_exit is read: exit() from another thread either sees the event
+        # or has set should_exit before this reads it.
+        self._exit = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        while not self.should_exit:
+            await self._exit.wait()
+            self._exit.clear()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+        await super().shutdown(sockets)
+
+    def exit(self) -> None:
+        """Stop serving; safe from any thread."""
+        self.should_exit = True
+        self._wake()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)  # SIGINT/SIGTERM, when serving in the main thread
+        self._wake()
+
+    def _wake(self) -> None:
+        loop, event = self._loop, self._exit
+        if loop is None or event is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nothing to wake
+            loop.call_soon_threadsafe(event.set)

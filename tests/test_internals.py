@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from exporter import internals
@@ -48,22 +48,7 @@ def instances() -> Iterator[dict[str, Any]]:
     yield {
         "asyncio.sslproto.SSLProtocol": tls,
         "uvicorn.Server": uvicorn.Server(config),
-        "uvicorn.server.ServerState": ServerState(),
-        "uvicorn.Config": config,
         "uvicorn.protocols.http.httptools_impl.HttpToolsProtocol": protocol,
-        "uvicorn.protocols.http.httptools_impl.RequestResponseCycle": RequestResponseCycle(
-            scope={},  # type: ignore[typeddict-item]
-            transport=None,  # type: ignore[arg-type]
-            flow=None,  # type: ignore[arg-type]
-            logger=protocol.logger,
-            access_logger=protocol.logger,
-            access_log=False,
-            default_headers=[],
-            message_event=asyncio.Event(),
-            expect_100_continue=False,
-            keep_alive=True,
-            on_response=lambda: None,
-        ),
     }
     _close_app_transport(tls)
     loop.close()

@@ -36,23 +36,31 @@ adds:
   sends a reset, which destroys the 503 in flight: under 1,200 simultaneous connections, 153
   clients got resets instead of 503 (issue 38), their requests still unread behind a busy
   event loop when their connections were picked to make room.
+
+The guard wraps uvicorn's HTTP/1.1 protocol (httptools) rather than extending it: it sits
+between the transport and that protocol as an asyncio protocol of its own (GuardedConnection),
+reads the request stream with its own httptools parser (where each request starts and ends,
+how long its head is), and learns where each answer starts and ends from the ASGI side
+(AnswerWatch, the outermost app), where it also says `Connection: close` and the Date. Nothing
+of uvicorn's protocol is reached into but its access log and logger (exporter.internals).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import logging
-import socket
 import struct
 import termios
 import time
+from collections.abc import Callable
+from email.utils import formatdate
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from exporter.http.quiet import refresh_date
+from exporter.internals import quiet_http_protocol
 from exporter.ratelimit import RateLimitedLog
 from exporter.webconfig.security import WebSecurity
 
@@ -84,7 +92,6 @@ RETRY_AFTER_S = 1
 LINGER_S = 2.0
 
 _BUSY_BODY = b"the exporter has too many connections; retry shortly\n"
-_CORK: int | None = getattr(socket, "TCP_CORK", None)
 
 _LARGE_BODY = b"request header fields too large\n"
 HEAD_TOO_LARGE = (
@@ -102,38 +109,140 @@ BUSY_RESPONSE = (
 )
 
 
-async def _head_too_large(scope: Any, receive: Any, send: Any) -> None:
-    headers, _, body = HEAD_TOO_LARGE.partition(b"\r\n\r\n")
-    fields = [line.split(b": ", 1) for line in headers.split(b"\r\n")[1:]]
-    await send({"type": "http.response.start", "status": 431, "headers": fields})
-    await send({"type": "http.response.body", "body": body})
+class Connections:
+    """One server's open connections as the guard sees them, and each by its client's address
+    (the ASGI scope's `client`: how AnswerWatch finds the connection a request came on)."""
+
+    def __init__(self) -> None:
+        self.open: set[GuardedConnection] = set()
+        self.by_client: dict[tuple[Any, ...], GuardedConnection] = {}
+
+    def add(self, connection: GuardedConnection) -> None:
+        self.open.add(connection)
+        if connection.client is not None:
+            self.by_client[connection.client] = connection
+
+    def discard(self, connection: GuardedConnection) -> None:
+        self.open.discard(connection)
+        if connection.client is not None and self.by_client.get(connection.client) is connection:
+            del self.by_client[connection.client]
 
 
-class GuardedProtocol(HttpToolsProtocol):
-    """uvicorn's HTTP/1.1 protocol on httptools (llhttp, Node.js's parser), with the deadlines
-    and slots above, the request head bounded (MAX_HEAD_BYTES), the Date header kept current
-    without uvicorn's timer (exporter.http.quiet), and, where the web config asks for client
-    certificates with allowed names, a 403 for every request of a connection whose certificate
-    has none of them. Made with functools.partial (uvicorn creates one per connection)."""
+class GatheredWrites:
+    """The connection's transport as uvicorn's protocol writes to it. uvicorn writes an
+    answer's head and body apart, and with TCP_NODELAY (bind_socket says why) each write was a
+    segment of its own: a scrape's two sends cost the server more than the rest of its answer
+    (docs/performance.md). Gathered here, they leave as one write at the end of the event
+    loop's turn (before the task of a pipelined request's answer takes its turn)."""
 
-    def __init__(self, *args: Any, web: WebSecurity | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # uvicorn logs each request when its "uvicorn.access" logger has handlers, whatever
-        # Config.access_log says: in a host served by uvicorn that is the host's access log,
-        # which Prometheus's scrapes must not fill. Protocol errors go to our own logger too.
-        self.access_log = False
-        self.logger = log
+    __slots__ = ("_loop", "_pending", "_transport", "ended")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport, self._loop = transport, loop
+        self._pending: list[bytes] = []
+        self.ended = False  # the guard answered and half-closed: uvicorn's writes are dropped
+
+    def write(self, data: bytes) -> None:
+        if self.ended:
+            return
+        if not self._pending:
+            self._loop.call_soon(self.flush)
+        self._pending.append(data)
+
+    def flush(self) -> None:
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = []
+        if not self.ended and not self._transport.is_closing():
+            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._pending = []
+        self._transport.abort()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def is_reading(self) -> bool:
+        return self._transport.is_reading()
+
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(len(p) for p in self._pending)
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
+
+def guarded(
+    connections: Connections, web: WebSecurity | None, **uvicorn_args: Any
+) -> GuardedConnection:
+    """A new connection's protocol: uvicorn's HTTP/1.1 protocol on httptools (llhttp, Node.js's
+    parser), made with the arguments uvicorn gives its protocol factory, inside the guard."""
+    inner = quiet_http_protocol(HttpToolsProtocol(**uvicorn_args), log)
+    return GuardedConnection(inner, connections, web)
+
+
+class GuardedConnection(asyncio.Protocol):
+    """One connection: the deadlines and slots above, the request head bounded
+    (MAX_HEAD_BYTES), and, where the web config asks for client certificates with allowed
+    names, a 403 for every request of a connection whose certificate has none of them; what
+    passes goes to `inner` (uvicorn's HTTP protocol), which writes through GatheredWrites."""
+
+    def __init__(
+        self,
+        inner: asyncio.Protocol,
+        connections: Connections,
+        web: WebSecurity | None = None,
+    ) -> None:
+        self.inner = inner
+        self.connections = connections
         self.web = web
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self.writes: GatheredWrites | None = None
+        self.client: tuple[Any, ...] | None = None  # (host, port), as the ASGI scope has it
         # Why this connection's client certificate is refused (client_allowed_sans).
         self.refused: str | None = None
         self.opened = time.monotonic()
         self._read_deadline: asyncio.TimerHandle | None = None
         self._reading_since = 0.0
         self._write_deadline: asyncio.TimerHandle | None = None
+        # The request stream as the guard reads it (uvicorn's protocol reads it again).
+        self._parser: Any = httptools.HttpRequestParser(self)
+        self._parsing = True  # False after what httptools cannot read: uvicorn answers it
         # The request head in progress (None: not in one): its bytes parsed, and the bytes of
-        # the reads that left it open.
+        # the reads that left it open; and whether a whole head of this read was too long.
         self._head_bytes: int | None = None
         self._head_read = 0
+        self._head_too_large = False
+        # Requests handed to the app whose answers are not complete (AnswerWatch), and whether
+        # one of them has begun its answer.
+        self.in_flight = 0
+        self.answering = False
         # The first bytes of a connection that found the server full, until its request line
         # says whether it may have a reserved slot; None once admitted.
         self._waiting: bytearray | None = None
@@ -153,12 +262,21 @@ class GuardedProtocol(HttpToolsProtocol):
         """An answer waits for the client to read (the transport paused writing)."""
         return self._write_deadline is not None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        if self.web is not None and self.scheme == "https":
+    # -- the transport's calls -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.loop = asyncio.get_running_loop()
+        peer = transport.get_extra_info("peername")
+        self.client = tuple(peer[:2]) if isinstance(peer, tuple) else None
+        self.connections.add(self)
+        if self.web is not None and transport.get_extra_info("sslcontext") is not None:
             self.refused = self.web.peer_refused(transport.get_extra_info("peercert"))
+        self.writes = GatheredWrites(transport, self.loop)
+        self.inner.connection_made(self.writes)  # type: ignore[arg-type]
         self._arm()
-        full = len(self.connections) > MAX_CONNECTIONS and self._open() > MAX_CONNECTIONS
+        full = len(self.connections.open) > MAX_CONNECTIONS and self._open() > MAX_CONNECTIONS
         if full and not self._make_room():
             self._waiting = bytearray()
 
@@ -168,7 +286,20 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._lingering is not None:
             self._lingering.cancel()
             self._lingering = None
-        super().connection_lost(exc)
+        self.connections.discard(self)
+        self.inner.connection_lost(exc)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+        if self._write_deadline is None:
+            self._write_deadline = self.loop.call_later(WRITE_TIMEOUT_S, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+        self._disarm_write()
 
     def data_received(self, data: bytes) -> None:
         self.heard = True
@@ -180,84 +311,60 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._waiting is not None:
             self._admit(data)
             return
-        super().data_received(data)
-        if self._head_bytes is not None and not self.transport.is_closing():
+        if self._parsing:
+            try:
+                self._parser.feed_data(data)
+            except httptools.HttpParserError:  # uvicorn answers it (400, or an upgrade)
+                self._parsing = False
+        if self._head_bytes is not None:
             # A head still open after this read: httptools keeps a header field's bytes until
             # it ends, so what this read brought counts (at most a read of earlier requests'
             # bytes too many).
             self._head_read += len(data)
-            if self._head_read > MAX_HEAD_BYTES:
-                if self.cycle is not None and not self.cycle.response_complete:
-                    self.transport.close()  # an answer going out: no room for ours
-                else:
-                    self._linger(HEAD_TOO_LARGE)
+            self._head_too_large |= self._head_read > MAX_HEAD_BYTES
+        if self._head_too_large:
+            if self.in_flight:
+                self.transport.close()  # an answer going out: no room for ours
+            else:
+                self._linger(HEAD_TOO_LARGE)
+            return
+        self.inner.data_received(data)
 
-    # -- the parser's callbacks: where a request starts and ends ---------------------------
+    # -- the guard's parser: where a request starts and ends --------------------------------
 
     def on_message_begin(self) -> None:
-        super().on_message_begin()
         self._head_bytes, self._head_read = 0, 0
         if not self.reading:  # the first bytes of the next request on a kept-alive one
             self._arm()
 
     def on_url(self, url: bytes) -> None:
-        super().on_url(url)
         if self._head_bytes is not None:
             self._head_bytes += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        super().on_header(name, value)
         if self._head_bytes is not None:
             self._head_bytes += len(name) + len(value) + 4
 
     def on_headers_complete(self) -> None:
-        too_large = (self._head_bytes or 0) > MAX_HEAD_BYTES
-        self._head_bytes = None
-        refresh_date(self.server_state, self.config)
-        if too_large:  # a whole head in one read: answered 431 instead of by the app
-            app, self.app = self.app, _head_too_large
-            try:
-                super().on_headers_complete()
-            finally:
-                self.app = app
+        if (self._head_bytes or 0) > MAX_HEAD_BYTES:
+            self._head_too_large = True  # answered 431 instead of by the app
         else:
-            super().on_headers_complete()
-        # A reserved slot serves one request; and a client's "Connection: close" ends the
-        # connection (uvicorn 0.40 and older kept it open on httptools: the version decided).
-        cycle = self.cycle
-        if cycle is not None and (self.one_request or not self.parser.should_keep_alive()):
-            # The answer says Connection: close (uvicorn 0.40 and older only closed), then the
-            # connection closes. A list of this answer's own: the server's is shared.
-            cycle.keep_alive = False
-            cycle.default_headers = [*cycle.default_headers, (b"connection", b"close")]
-        self._cork(True)
-
-    def on_response_complete(self) -> None:
-        self._cork(False)  # the answer's last bytes leave now
-        super().on_response_complete()
-
-    def _cork(self, on: bool) -> None:
-        """uvicorn writes an answer's head and body apart, and with TCP_NODELAY (bind_socket
-        says why) each write was a segment of its own: a scrape's two sends cost the server
-        more than the rest of its answer (docs/performance.md). Corked, the kernel sends
-        them as one segment when the answer is complete (Linux; elsewhere a no-op)."""
-        sock = self.transport.get_extra_info("socket") if _CORK is not None else None
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, _CORK, on)
+            self.in_flight += 1
+        self._head_bytes = None
 
     def on_message_complete(self) -> None:
-        super().on_message_complete()
         self._disarm()  # the request is in: no read deadline while it is answered
 
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        if self._write_deadline is None:
-            self._write_deadline = self.loop.call_later(WRITE_TIMEOUT_S, self._write_stalled)
+    # -- AnswerWatch's calls -----------------------------------------------------------------
 
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        self._disarm_write()
+    def answer_started(self) -> None:
+        self.answering = True
+
+    def answer_done(self) -> None:
+        self.answering = False
+        self.in_flight = max(self.in_flight - 1, 0)
+
+    # -- answers of the guard's own ----------------------------------------------------------
 
     def _refuse(self, reason: str) -> None:
         body = reason.encode() + b"\n"
@@ -294,11 +401,7 @@ class GuardedProtocol(HttpToolsProtocol):
         """The connections that hold a slot: not those being closed lingering (answered,
         half-closed, drained for up to LINGER_S), which would otherwise keep the slots of
         clients that have gone and turn the next newcomers away too."""
-        return sum(
-            1
-            for c in self.connections
-            if not (isinstance(c, GuardedProtocol) and c._lingering is not None)
-        )
+        return sum(1 for c in self.connections.open if c._lingering is None)
 
     def _busy(self) -> None:
         """503 with Retry-After, then close: a full server says so in HTTP (a reset reads as a
@@ -308,11 +411,15 @@ class GuardedProtocol(HttpToolsProtocol):
         self._linger(BUSY_RESPONSE)
 
     def _linger(self, answer: bytes) -> None:
-        """Write `answer`, send FIN, drain the client for up to LINGER_S, then close."""
+        """Write `answer`, send FIN, drain the client for up to LINGER_S, then close. uvicorn's
+        protocol writes nothing after it (a write after the FIN would raise)."""
         self._disarm()
         transport = self.transport
         if transport.is_closing():
             return
+        if self.writes is not None:
+            self.writes.flush()
+            self.writes.ended = True
         transport.write(answer)
         if not transport.can_write_eof():  # TLS: close_notify, then close
             transport.close()
@@ -359,22 +466,18 @@ class GuardedProtocol(HttpToolsProtocol):
         self._disarm_write()
         if stalled:
             self.transport.abort()
-        elif self.cycle is None or not self.cycle.response_started:
+        elif not self.answering:
             self._linger(BUSY_RESPONSE)
         else:
             self.transport.close()
 
     # -- making room -----------------------------------------------------------------------
 
-    def _others(self) -> list[GuardedProtocol]:
+    def _others(self) -> list[GuardedConnection]:
         """The other connections that may be closed for room, oldest first (not those going
         already: closing one frees nothing)."""
         return sorted(
-            (
-                c
-                for c in self.connections
-                if isinstance(c, GuardedProtocol) and c is not self and not c.transport.is_closing()
-            ),
+            (c for c in self.connections.open if c is not self and not c.transport.is_closing()),
             key=lambda c: c.opened,
         )
 
@@ -421,3 +524,71 @@ def _bytes_waiting(transport: asyncio.BaseTransport) -> bool:
     except OSError:
         return True
     return struct.unpack("i", count)[0] > 0
+
+
+_date = (0, b"")  # (the second, its Date header value), shared: the clock is one
+
+
+def http_date() -> bytes:
+    """The Date header's value (RFC 9110: an origin server with a clock sends it), formatted
+    once a second."""
+    global _date
+    second = int(time.time())
+    if second != _date[0]:
+        _date = (second, formatdate(second, usegmt=True).encode())
+    return _date[1]
+
+
+def _asks_to_close(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(name == b"connection" and b"close" in value.lower() for name, value in headers)
+
+
+class AnswerWatch:
+    """The guard's ASGI side, the outermost app: every answer gets the current Date, and the
+    connection a request came on (found by the client's address) learns when its answer
+    starts and ends. Where that connection serves one request (a reserved slot) or the client
+    asked to close, the answer says `Connection: close`, and uvicorn closes after it (uvicorn
+    0.40 and older kept such a connection open on httptools: the header decides)."""
+
+    def __init__(self, app: Callable[..., Any], connections: Connections) -> None:
+        self.app = app
+        self.connections = connections
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        client = scope.get("client")
+        connection = self.connections.by_client.get(tuple(client)) if client else None
+        close = connection is not None and (
+            connection.one_request or _asks_to_close(scope["headers"])
+        )
+        done = False
+
+        async def watched(message: Any) -> None:
+            nonlocal done
+            kind = message["type"]
+            if kind == "http.response.start":
+                extra = [(b"date", http_date())]
+                if close:
+                    extra.append((b"connection", b"close"))
+                message = {**message, "headers": [*message.get("headers", ()), *extra]}
+                if connection is not None:
+                    connection.answer_started()
+            await send(message)
+            if (
+                connection is not None
+                and kind == "http.response.body"
+                and not message.get("more_body", False)
+                and not done
+            ):
+                done = True
+                connection.answer_done()
+
+        try:
+            await self.app(scope, receive, watched)
+        finally:
+            if connection is not None and not done:  # the app failed: uvicorn answers 500
+                done = True
+                connection.in_flight = max(connection.in_flight - 1, 0)
+                connection.answering = False

@@ -25,11 +25,11 @@ from exporter.exposition import ExpositionCache, RenderFailed
 from exporter.health import health
 from exporter.http.access import NO_ADMIN, AccessCheck, AdminPaths, is_loopback
 from exporter.http.admin import add_admin_routes
-from exporter.http.guard import GuardedProtocol
+from exporter.http.guard import AnswerWatch, Connections, guarded
 from exporter.http.page import add_page_routes
-from exporter.http.quiet import QuietServer
 from exporter.http.served import Served
 from exporter.http.tls import TlsAdmission
+from exporter.internals import QuietServer
 from exporter.sigpipe import block_sigpipe_in_this_thread
 from exporter.webconfig.security import WebSecurity
 
@@ -234,7 +234,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def _protocol_factory(
-    web: WebSecurity | None, admission: TlsAdmission
+    web: WebSecurity | None, admission: TlsAdmission, connections: Connections
 ) -> Callable[..., asyncio.Protocol]:
     """What uvicorn calls for each accepted connection. With TLS on, the connection waits as a
     socket for its first bytes, then the HTTP protocol sits on asyncio's own TLS protocol
@@ -244,8 +244,8 @@ def _protocol_factory(
     def create(**kwargs: Any) -> asyncio.Protocol:
         context = web.context_for_connection() if web is not None else None
         if context is None:
-            return GuardedProtocol(web=web, **kwargs)
-        return admission.arriving(context, lambda: GuardedProtocol(web=web, **kwargs))
+            return guarded(connections, web, **kwargs)
+        return admission.arriving(context, lambda: guarded(connections, web, **kwargs))
 
     return create
 
@@ -275,24 +275,33 @@ class HttpServer:
         # Without a file the web config's rules are not checked per request.
         web: WebSecurity | None = getattr(app.state, "web", None)
         self.web = web if web is not None and web.path else None
-        # Every request passes the one access check, the open routes' too.
-        served = AccessCheck(
-            OpenRoutes(app, getattr(app.state, "open_routes", {})),
-            loopback_only=is_loopback(host),  # every Host must then be a loopback name
-            web=self.web,
-            admin=getattr(app.state, "admin_paths", NO_ADMIN),
+        # The open connections as the guard sees them (exporter.http.guard).
+        self.connections = Connections()
+        # Every request passes the one access check, the open routes' too; the guard's ASGI
+        # side sees every answer start and end.
+        served = AnswerWatch(
+            AccessCheck(
+                OpenRoutes(app, getattr(app.state, "open_routes", {})),
+                loopback_only=is_loopback(host),  # every Host must then be a loopback name
+                web=self.web,
+                admin=getattr(app.state, "admin_paths", NO_ADMIN),
+            ),
+            self.connections,
         )
         self._admission = TlsAdmission()
         config = uvicorn.Config(
             served,
-            # Slow or hostile clients cannot hold connections (GuardedH11Protocol); TLS
+            # Slow or hostile clients cannot hold connections (exporter.http.guard); TLS
             # with the context in force at each handshake (_protocol_factory).
-            http=_protocol_factory(self.web, self._admission),  # type: ignore[arg-type]
+            http=_protocol_factory(self.web, self._admission, self.connections),  # type: ignore[arg-type]
             log_config=None,  # never reconfigure the host process's logging
             # True, because False makes uvicorn empty the process-wide "uvicorn.access"
             # logger: a host served by uvicorn would lose its own access log. Ours is off
-            # in GuardedH11Protocol.
+            # on each connection's protocol (exporter.internals.quiet_http_protocol).
             access_log=True,
+            # The Date header is each answer's (exporter.http.guard.AnswerWatch): uvicorn's
+            # is refreshed by a timer that wakes its loop ten times a second.
+            date_header=False,
             lifespan="off",
             timeout_graceful_shutdown=2,
             # No proxy stands before this server: the peer's address is the client's. Trusted

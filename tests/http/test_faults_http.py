@@ -193,7 +193,7 @@ def test_slow_connections_are_capped_and_scrapes_still_answer(tmp_path):
             # for room, and the scrape below would get a fair 503).
             cap = guard.MAX_CONNECTIONS + guard.PROBE_RESERVE
             deadline = time.monotonic() + 15
-            while not cap - 1 <= (held := len(server._server.server_state.connections)) <= cap + 1:
+            while not cap - 1 <= (held := len(server.connections.open)) <= cap + 1:
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.05)

@@ -1,6 +1,6 @@
-"""uvicorn without its wake-ups (exporter.http.quiet): the HTTP thread sleeps while nobody
-asks, stops at once when told from another thread or by a signal, and the Date it sends is
-the current second."""
+"""uvicorn without its wake-ups (exporter.internals.QuietServer): the HTTP thread sleeps while
+nobody asks, stops at once when told from another thread or by a signal, and the Date it sends
+(exporter.http.guard.AnswerWatch) is the current second."""
 
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ def slow_reader(address: tuple[str, int], requests: int) -> socket.socket:
 def wait_until_stalled(server: HttpServer, count: int) -> None:
     """Until `count` connections have answers the client does not read (the guard's view)."""
     deadline = time.monotonic() + 30
-    connections = server._server.server_state.connections
+    connections = server.connections.open
 
     def stalled() -> int:
         while True:
@@ -139,8 +139,8 @@ def test_seventy_slow_readers_take_neither_scrapes_nor_health_checks_away(tmp_pa
             assert answered == [200] * 20, answered
             # Past the write deadline they are gone, whatever room was needed.
             deadline = time.monotonic() + 10
-            while len(server._server.server_state.connections) > 2:
-                assert time.monotonic() < deadline, len(server._server.server_state.connections)
+            while len(server.connections.open) > 2:
+                assert time.monotonic() < deadline, len(server.connections.open)
                 time.sleep(0.1)
         finally:
             for sock in readers:
@@ -617,7 +617,7 @@ def test_answers_a_client_does_not_read_wait_in_its_buffer_one_at_a_time(tmp_pat
                     sock.send(request)
             time.sleep(0.003)
         time.sleep(1.0)
-        connections = server._server.server_state.connections
+        connections = server.connections.open
         buffered = sum(c.transport.get_write_buffer_size() for c in connections)
         answer = len(status_line(("127.0.0.1", server.port), "/metrics"))  # still served
         for sock in clients:

@@ -13,6 +13,7 @@ import logging
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
@@ -136,6 +137,28 @@ def add_routes(app: FastAPI, runtime: Served, *, include_metrics: bool = True) -
     return admin_routes
 
 
+# path -> the answer, from the request's headers (lower-case names, as ASGI gives them).
+Routes = Mapping[str, Callable[[dict[bytes, bytes]], Response]]
+
+
+@dataclass(frozen=True)
+class AroundTheApp:
+    """What HttpServer serves around an app (create_app, create_health_app): the routes it
+    answers before the app (OpenRoutes), the admin routes the access check knows by
+    declaration, and the web config it serves with (TLS, basic auth, headers). Kept on the app
+    as its one typed record (`around(app)`), so that a wrapper of the app can hand it on."""
+
+    open_routes: Routes = field(default_factory=dict)
+    admin: AdminPaths = NO_ADMIN
+    web: WebSecurity | None = None
+
+
+def around(app: Any) -> AroundTheApp:
+    """The app's record (create_app's), or nothing around an app made elsewhere."""
+    found = getattr(getattr(app, "state", None), "around", None)
+    return found if isinstance(found, AroundTheApp) else AroundTheApp()
+
+
 def create_app(runtime: Served) -> FastAPI:
     app = FastAPI(
         title="gpumem-exporter",
@@ -144,11 +167,10 @@ def create_app(runtime: Served) -> FastAPI:
         redoc_url=None,
     )
     # The access check (HttpServer) knows the admin routes by this declaration.
-    app.state.admin_paths = AdminPaths(add_routes(app, runtime))
+    admin = AdminPaths(add_routes(app, runtime))
     add_page_routes(app, runtime)  # here, not in add_routes: attach() must not take the host's `/`
     # What HttpServer answers before the app (OpenRoutes), by the routes' own functions.
-    app.state.open_routes = open_routes(runtime)
-    app.state.web = runtime.web  # HttpServer serves with it (TLS, basic auth, headers)
+    app.state.around = AroundTheApp(open_routes(runtime), admin, runtime.web)
     return app
 
 
@@ -167,14 +189,10 @@ def create_health_app(runtime: Served) -> FastAPI:
     def readyz() -> Response:
         return readiness_response(runtime)
 
-    app.state.open_routes = {
-        path: route for path, route in open_routes(runtime).items() if path != "/metrics"
-    }
+    app.state.around = AroundTheApp(
+        {path: route for path, route in open_routes(runtime).items() if path != "/metrics"}
+    )
     return app
-
-
-# path -> the answer, from the request's headers (lower-case names, as ASGI gives them).
-Routes = Mapping[str, Callable[[dict[bytes, bytes]], Response]]
 
 
 def open_routes(runtime: Served) -> Routes:
@@ -265,7 +283,7 @@ _NOT_FROM_OUR_THREAD = _NotFromOurThread()  # one filter, added once however oft
 
 class HttpServer:
     """uvicorn on a pre-bound socket, in the calling thread (`run`) or a daemon thread; the
-    app's `state.open_routes` (create_app) are answered before the app (OpenRoutes)."""
+    app's open routes (`around(app)`) are answered before the app (OpenRoutes)."""
 
     def __init__(self, app: FastAPI, host: str, port: int) -> None:
         self.sock = bind_socket(host, port)
@@ -273,7 +291,8 @@ class HttpServer:
         self.port = self.sock.getsockname()[1]
         # The web config (TLS, basic auth, headers, rate limit), where create_app was given one.
         # Without a file the web config's rules are not checked per request.
-        web: WebSecurity | None = getattr(app.state, "web", None)
+        parts = around(app)
+        web = parts.web
         self.web = web if web is not None and web.path else None
         # The open connections as the guard sees them (exporter.http.guard).
         self.connections = Connections()
@@ -281,10 +300,10 @@ class HttpServer:
         # side sees every answer start and end.
         served = AnswerWatch(
             AccessCheck(
-                OpenRoutes(app, getattr(app.state, "open_routes", {})),
+                OpenRoutes(app, parts.open_routes),
                 loopback_only=is_loopback(host),  # every Host must then be a loopback name
                 web=self.web,
-                admin=getattr(app.state, "admin_paths", NO_ADMIN),
+                admin=parts.admin,
             ),
             self.connections,
         )

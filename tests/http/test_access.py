@@ -14,7 +14,7 @@ import pytest
 from starlette.routing import Mount
 
 from exporter.http.access import CROSS_SITE, NO_HOST, REBOUND, AdminPaths
-from exporter.http.server import HttpServer
+from exporter.http.server import HttpServer, around
 from tests.helpers import make_app
 from tests.support.pki import web_config
 
@@ -66,7 +66,7 @@ def test_the_routes_are_many_and_the_admin_ones_are_declared(server):
     app, _ = server
     routes = list(every_route(app))
     assert len(routes) > 20 and ("GET", "/metrics") in routes and ("POST", "/snapshot") in routes
-    admin = app.state.admin_paths
+    admin = around(app).admin
     assert isinstance(admin, AdminPaths)
     assert "/snapshot" in admin and "/snapshots/x" in admin and "/stats" in admin
     assert "/metrics" not in admin and "/" not in admin and "/healthz" not in admin
@@ -123,7 +123,7 @@ def test_with_basic_auth_only_the_probes_and_self_authenticating_admin_routes_pa
             status, _, asks = ask(serving.port, method, path, {"Host": "localhost"})
             if path in PROBES:
                 assert status in (200, 503, 405), (method, path, status)
-            elif admin_token and path in app.state.admin_paths:
+            elif admin_token and path in around(app).admin:
                 assert (status, asks) == (401, "Bearer"), (method, path)  # the token's
             else:
                 assert (status, asks) == (401, "Basic"), (method, path)

@@ -12,13 +12,14 @@ import re
 import socket
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from exporter.http import guard
-from exporter.http.server import HttpServer
+from exporter.http.server import HttpServer, around
 from tests.helpers import served
 
 OPENMETRICS = "application/openmetrics-text;version=1.0.0;escaping=underscores"
@@ -31,8 +32,8 @@ class CountingApp:
         self.app, self.calls = app, 0
         self.runtime: Any = None  # serving() sets the runtime it serves
         # HttpServer finds the open routes here (none: every request goes to the app).
-        routes = app.state.open_routes if shortcut else {}
-        self.state = SimpleNamespace(web=app.state.web, open_routes=routes)
+        parts = around(app)
+        self.state = SimpleNamespace(around=parts if shortcut else replace(parts, open_routes={}))
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":

@@ -27,6 +27,7 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 # (what it belongs to, the attribute): the class, or the object its instances are, as the test
 # builds them.
@@ -86,15 +87,17 @@ def decode_certificate(path: str) -> dict[str, Any]:
     return decoded
 
 
-def quiet_http_protocol(protocol: asyncio.Protocol, logger: logging.Logger) -> asyncio.Protocol:
-    """uvicorn's HTTP protocol (one per connection) without an access log line per request
-    and with its protocol errors on `logger`. uvicorn logs each request when its
+def quiet_http_protocol(logger: logging.Logger, **uvicorn_args: Any) -> asyncio.Protocol:
+    """uvicorn's HTTP/1.1 protocol on httptools (llhttp, Node.js's parser) for one connection,
+    made with the arguments uvicorn gives its protocol factory, without an access log line per
+    request and with its protocol errors on `logger`. uvicorn logs each request when its
     "uvicorn.access" logger has handlers, whatever Config.access_log says: in a host served by
     uvicorn that is the host's access log, which Prometheus's scrapes must not fill."""
-    quieted: Any = protocol
-    quieted.access_log = False
-    quieted.logger = logger
-    return protocol
+    protocol: Any = HttpToolsProtocol(**uvicorn_args)
+    protocol.access_log = False
+    protocol.logger = logger
+    quiet: asyncio.Protocol = protocol
+    return quiet
 
 
 class QuietServer(uvicorn.Server):

@@ -161,3 +161,31 @@ def test_no_other_module_reaches_into_their_internals():
         for reach in _private_reaches(path)
     ]
     assert found == []
+
+
+def _submodule_imports(path: Path) -> Iterator[str]:
+    """Imports of a submodule of uvicorn or asyncio (uvicorn.server, asyncio.sslproto, ...):
+    their packages' own names are public, what lies under them is not."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in ("uvicorn", "asyncio") and "." in name:
+                yield f"{path.name}:{node.lineno} {name}"
+
+
+def test_no_other_module_imports_from_inside_uvicorn_or_asyncio():
+    """The guard wraps uvicorn's protocol without importing it (exporter.internals makes it):
+    only internals.py takes anything from inside uvicorn or asyncio."""
+    found = [
+        reach
+        for path in sorted((REPO_ROOT / "exporter").rglob("*.py"))
+        if path != REPO_ROOT / "exporter" / "internals.py"
+        for reach in _submodule_imports(path)
+    ]
+    assert found == []

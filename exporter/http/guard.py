@@ -58,7 +58,6 @@ from email.utils import formatdate
 from typing import Any
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from exporter.internals import quiet_http_protocol
 from exporter.ratelimit import RateLimitedLog
@@ -200,10 +199,9 @@ class GatheredWrites:
 def guarded(
     connections: Connections, web: WebSecurity | None, **uvicorn_args: Any
 ) -> GuardedConnection:
-    """A new connection's protocol: uvicorn's HTTP/1.1 protocol on httptools (llhttp, Node.js's
-    parser), made with the arguments uvicorn gives its protocol factory, inside the guard."""
-    inner = quiet_http_protocol(HttpToolsProtocol(**uvicorn_args), log)
-    return GuardedConnection(inner, connections, web)
+    """A new connection's protocol: uvicorn's HTTP/1.1 protocol (exporter.internals), made with
+    the arguments uvicorn gives its protocol factory, inside the guard."""
+    return GuardedConnection(quiet_http_protocol(log, **uvicorn_args), connections, web)
 
 
 class GuardedConnection(asyncio.Protocol):

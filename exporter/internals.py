@@ -111,11 +111,16 @@ class QuietServer(uvicorn.Server):
     and uvicorn's own is off (Config(date_header=False))."""
 
     def __init__(
-        self, config: uvicorn.Config, on_shutdown: Callable[[], None] | None = None
+        self,
+        config: uvicorn.Config,
+        on_shutdown: Callable[[], None] | None = None,
+        after_shutdown: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(config)
         # Closes the connections that uvicorn does not know of (exporter.http.tls's).
         self._on_shutdown = on_shutdown
+        # Closes what uvicorn's shutdown left open (exporter.http.guard.Connections.abort_all).
+        self._after_shutdown = after_shutdown
         self._loop: asyncio.AbstractEventLoop | None = None
         self._exit: asyncio.Event | None = None
 
@@ -133,6 +138,9 @@ class QuietServer(uvicorn.Server):
         if self._on_shutdown is not None:
             self._on_shutdown()
         await super().shutdown(sockets)
+        if self._after_shutdown is not None:
+            self._after_shutdown()
+            await asyncio.sleep(0)  # the aborted connections' sockets close on the next turn
 
     def exit(self) -> None:
         """Stop serving; safe from any thread."""

@@ -126,6 +126,14 @@ class Connections:
         if connection.client is not None and self.by_client.get(connection.client) is connection:
             del self.by_client[connection.client]
 
+    def abort_all(self) -> None:
+        """Close at once every connection still open: what uvicorn's graceful shutdown left
+        (an answer its client never reads cannot be flushed, so closing it waits forever),
+        which the stopped server's event loop would otherwise leave open behind it."""
+        for connection in list(self.open):
+            if connection.transport is not None:
+                connection.transport.abort()
+
 
 class GatheredWrites:
     """The connection's transport as uvicorn's protocol writes to it. uvicorn writes an

@@ -328,7 +328,11 @@ class HttpServer:
             # any address in the audit trail and take another client's rate-limit bucket.
             proxy_headers=False,
         )
-        self._server = QuietServer(config, on_shutdown=self._admission.close_all)
+        self._server = QuietServer(
+            config,
+            on_shutdown=self._admission.close_all,
+            after_shutdown=self.connections.abort_all,
+        )
         self._thread: threading.Thread | None = None
 
     @property

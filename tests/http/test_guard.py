@@ -8,6 +8,7 @@ import http.client
 import time
 
 from tests.helpers import served
+from tests.http.test_slow_clients import slow_reader, wait_until_stalled
 
 
 def _metrics(conn: http.client.HTTPConnection) -> bytes:
@@ -42,3 +43,23 @@ def test_an_answer_leaves_as_one_write_and_its_connection_sees_it_end(tmp_path):
             assert connection.client == ("127.0.0.1", conn.sock.getsockname()[1])
         finally:
             conn.close()
+
+
+def test_a_stopped_server_leaves_no_connection_open(tmp_path):
+    """Clients that pipeline requests and never read hold answers that cannot be flushed:
+    uvicorn's graceful shutdown closes them, which waits for ever, and the stopped server's
+    loop left them open (their sockets, and a ResourceWarning when collected: a CI run
+    failed on it). Stopped, the server closes them at once."""
+    with served(tmp_path) as (server, _):
+        readers = [slow_reader(("127.0.0.1", server.port), 400) for _ in range(3)]
+        wait_until_stalled(server, len(readers))
+    for sock in readers:
+        sock.settimeout(5)
+        try:
+            while sock.recv(1 << 20):
+                pass  # what the server had sent, then its end
+        except ConnectionResetError:
+            pass
+        finally:
+            sock.close()
+    assert not server.connections.open

@@ -951,3 +951,32 @@ def daemon_under_prometheus(tmp: Path, sources: list) -> Iterator[str]:
 
 def values(result: list[dict], label: str) -> dict[str, float]:
     return {r["metric"].get(label, ""): float(r["value"][1]) for r in result}
+
+
+def slow_reader(address: tuple[str, int], requests: int) -> socket.socket:
+    """Pipelines `requests` requests for a 51 KB static file (the vendored uPlot, which does not
+    change with the page) and never reads an answer."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(address)
+    sock.sendall(
+        b"GET /static/uplot/uPlot.iife.min.js HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * requests
+    )
+    return sock
+
+
+def wait_until_stalled(server: HttpServer, count: int) -> None:
+    """Until `count` connections have answers the client does not read (the guard's view)."""
+    deadline = time.monotonic() + 30
+    connections = server.connections.open
+
+    def stalled() -> int:
+        while True:
+            try:  # the server's thread changes the set meanwhile
+                return sum(getattr(c, "stalled", False) for c in list(connections))
+            except RuntimeError:
+                continue
+
+    while stalled() < count:
+        assert time.monotonic() < deadline, "the slow readers' answers never stalled"
+        time.sleep(0.1)

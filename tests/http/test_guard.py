@@ -7,8 +7,7 @@ from __future__ import annotations
 import http.client
 import time
 
-from tests.helpers import served
-from tests.http.test_slow_clients import slow_reader, wait_until_stalled
+from tests.helpers import served, slow_reader, wait_until_stalled
 
 
 def _metrics(conn: http.client.HTTPConnection) -> bytes:

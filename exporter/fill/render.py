@@ -12,7 +12,7 @@ from exporter.exposition import RenderFailures
 from exporter.fill.rows import Plans
 from exporter.process_labels import ProcessLabels
 from exporter.request_counts import RequestCounts
-from exporter.sample import ExporterState, ProcessCounts, Sample
+from exporter.sample import ExporterState, ProcessCounts
 
 
 class SettingsChanged(Protocol):
@@ -83,7 +83,3 @@ class Render:
     state: ExporterState
     stats: ActionStats | None
     processes: ProcessLabels  # every process the render names (exporter.process_labels)
-
-    @property
-    def sample(self) -> Sample | None:
-        return self.state.sample

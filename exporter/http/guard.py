@@ -131,12 +131,12 @@ class Connections:
         (an answer its client never reads cannot be flushed, so closing it waits forever),
         which the stopped server's event loop would otherwise leave open behind it."""
         for connection in list(self.open):
-            if connection.transport is not None:
-                connection.transport.abort()
+            connection.transport.abort()
 
 
 class GatheredWrites:
-    """The connection's transport as uvicorn's protocol writes to it. uvicorn writes an
+    """The connection's transport as uvicorn's protocol uses it (what its HTTP/1.1 protocol
+    and its flow control call). uvicorn writes an
     answer's head and body apart, and with TCP_NODELAY (bind_socket says why) each write was a
     segment of its own: a scrape's two sends cost the server more than the rest of its answer
     (docs/performance.md). Gathered here, they leave as one write at the end of the event
@@ -168,10 +168,6 @@ class GatheredWrites:
         self.flush()
         self._transport.close()
 
-    def abort(self) -> None:
-        self._pending = []
-        self._transport.abort()
-
     def is_closing(self) -> bool:
         return self._transport.is_closing()
 
@@ -183,25 +179,6 @@ class GatheredWrites:
 
     def resume_reading(self) -> None:
         self._transport.resume_reading()
-
-    def is_reading(self) -> bool:
-        return self._transport.is_reading()
-
-    def can_write_eof(self) -> bool:
-        return self._transport.can_write_eof()
-
-    def write_eof(self) -> None:
-        self.flush()
-        self._transport.write_eof()
-
-    def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + sum(len(p) for p in self._pending)
-
-    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
-        self._transport.set_protocol(protocol)
-
-    def get_protocol(self) -> asyncio.BaseProtocol:
-        return self._transport.get_protocol()
 
 
 def guarded(
@@ -569,12 +546,9 @@ class AnswerWatch:
         close = connection is not None and (
             connection.one_request or _asks_to_close(scope["headers"])
         )
-        done = False
 
         async def watched(message: Any) -> None:
-            nonlocal done
-            kind = message["type"]
-            if kind == "http.response.start":
+            if message["type"] == "http.response.start":
                 extra = [(b"date", http_date())]
                 if close:
                     extra.append((b"connection", b"close"))
@@ -582,19 +556,9 @@ class AnswerWatch:
                 if connection is not None:
                     connection.answer_started()
             await send(message)
-            if (
-                connection is not None
-                and kind == "http.response.body"
-                and not message.get("more_body", False)
-                and not done
-            ):
-                done = True
-                connection.answer_done()
 
         try:
             await self.app(scope, receive, watched)
-        finally:
-            if connection is not None and not done:  # the app failed: uvicorn answers 500
-                done = True
-                connection.in_flight = max(connection.in_flight - 1, 0)
-                connection.answering = False
+        finally:  # answered, or failed (uvicorn then answers 500 itself)
+            if connection is not None:
+                connection.answer_done()

@@ -136,7 +136,7 @@ class Connections:
 
 class GatheredWrites:
     """The connection's transport as uvicorn's protocol uses it (what its HTTP/1.1 protocol
-    and its flow control call). uvicorn writes an
+    and flow control call; it never hands the connection on: websockets are off). uvicorn writes an
     answer's head and body apart, and with TCP_NODELAY (bind_socket says why) each write was a
     segment of its own: a scrape's two sends cost the server more than the rest of its answer
     (docs/performance.md). Gathered here, they leave as one write at the end of the event
@@ -297,7 +297,10 @@ class GuardedConnection(asyncio.Protocol):
         if self._parsing:
             try:
                 self._parser.feed_data(data)
-            except httptools.HttpParserError:  # uvicorn answers it (400, or an upgrade)
+            # What httptools cannot read (uvicorn answers 400), or an upgrade's head (uvicorn
+            # answers it as plain HTTP: websockets are off), after which the stream is not
+            # HTTP's: the guard reads no further. HttpParserUpgrade is not an HttpParserError.
+            except (httptools.HttpParserError, httptools.HttpParserUpgrade):
                 self._parsing = False
         if self._head_bytes is not None:
             # A head still open after this read: httptools keeps a header field's bytes until

@@ -321,6 +321,8 @@ class HttpServer:
             # The Date header is each answer's (exporter.http.guard.AnswerWatch): uvicorn's
             # is refreshed by a timer that wakes its loop ten times a second.
             date_header=False,
+            # No websockets: a guarded connection is never handed to another protocol.
+            ws="none",
             lifespan="off",
             timeout_graceful_shutdown=2,
             # No proxy stands before this server: the peer's address is the client's. Trusted

@@ -5,6 +5,7 @@ started and ended. The real server on a real socket."""
 from __future__ import annotations
 
 import http.client
+import socket
 import time
 
 from tests.helpers import served, slow_reader, wait_until_stalled
@@ -62,3 +63,22 @@ def test_a_stopped_server_leaves_no_connection_open(tmp_path):
         finally:
             sock.close()
     assert not server.connections.open
+
+
+def test_a_websocket_upgrade_is_answered_as_plain_http(tmp_path):
+    """The exporter serves no websockets, and a guarded connection is never handed to another
+    protocol outside the guard (uvicorn would, were a websocket library installed beside it):
+    an upgrade request is an HTTP request like any other."""
+    with (
+        served(tmp_path) as (server, _),
+        socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock,
+    ):
+        sock.sendall(
+            b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade, close\r\n"
+            b"Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+        )
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer[:200]

@@ -12,14 +12,16 @@ it reproduces the encoder's text exactly. A family the template cannot carry (a 
 timestamp or an exemplar) is rendered by the encoder each time.
 
 The cost of a render is then the values' formatting plus a dictionary lookup per family,
-instead of prometheus_client's per-sample label escaping and string building (5-10x more).
+instead of prometheus_client's per-sample label escaping and string building (5-10x more);
+a family whose values are those of the last render, bit for bit, takes that render's text.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from array import array
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Protocol
 
 from prometheus_client.metrics_core import Metric
@@ -94,12 +96,15 @@ def format_value(value: float) -> str:
 class Template:
     """A family's text as (text before a value, that value's index) pieces and a tail."""
 
-    __slots__ = ("_one", "pieces", "tail")
+    __slots__ = ("_last", "_one", "pieces", "tail")
 
     def __init__(self, pieces: list[tuple[str, int]], tail: str) -> None:
         self.pieces, self.tail = pieces, tail
         # Most families have one series: their text is two strings around the value.
         self._one = len(pieces) == 1 and pieces[0][1] == 0
+        # The last values filled in (their bytes: exact, -0.0 and NaN included) and the text;
+        # none yet (a family without series has the empty bytes).
+        self._last: tuple[bytes | None, str] = (None, "")
 
     def fill(self, values: Sequence[float]) -> str:
         if self._one:
@@ -107,6 +112,18 @@ class Template:
         text = [before + format_value(values[index]) for before, index in self.pieces]
         text.append(self.tail)
         return "".join(text)
+
+    def fill_again(self, values: Sequence[float]) -> str:
+        """fill(values), the last text again where the values are the last ones, bit for bit:
+        from one tick to the next most families' values do not move (build and settings
+        info, sources up, counters at rest), and a render asks each family every second."""
+        key = array("d", values).tobytes()
+        last = self._last
+        if last[0] == key:
+            return last[1]
+        text = self.fill(values)
+        self._last = (key, text)  # one object: a render on another thread reads it whole
+        return text
 
 
 def _parse(text: str, samples: int) -> Template | None:
@@ -160,7 +177,7 @@ class TemplateRenderer:
             if template is None:
                 text.append(self._encode(family.to_metric()))
             else:
-                text.append(template.fill(family.values()))
+                text.append(template.fill_again(family.values()))
         self._templates = kept
         text.append(self._trailer)
         return "".join(text).encode("utf-8")
@@ -183,12 +200,14 @@ class TemplateRenderer:
         return template
 
 
-def families_of(collectors: Iterable[Collector]) -> Iterator[Family]:
+def families_of(collectors: Iterable[Collector]) -> list[Family]:
     """The families of `collectors`, in order: rows where the collector has them
     (`families()`), else what its collect() yields."""
+    found: list[Family] = []
     for collector in collectors:
         rows = getattr(collector, "families", None)
         if rows is not None:
-            yield from rows()
+            found += rows()
         else:
-            yield from (ForeignFamily(metric) for metric in collector.collect())
+            found += [ForeignFamily(metric) for metric in collector.collect()]
+    return found

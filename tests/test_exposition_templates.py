@@ -146,6 +146,23 @@ def test_templates_of_shapes_gone_are_dropped() -> None:
     assert len(renderer._templates) == 1
 
 
+def test_a_template_filled_again_gives_each_renders_own_values_bit_for_bit() -> None:
+    """A template keeps the text of the values it was last filled with: the same values again
+    (most families from one tick to the next) give that text, any other values their own,
+    down to the zero's sign; and a family without series keeps its HELP and TYPE lines."""
+    renderer = TemplateRenderer(choose_encoder("")[0])
+    for values in ([0.0, 1.0], [0.0, 1.0], [-0.0, 1.0], [-0.0, 1.0], [0.0, 1.0], [math.nan, 1.0],
+                   [math.nan, 1.0], [1.0, 0.0], [1.0, 0.0], []):  # fmt: skip
+        family = GaugeMetricFamily("moving", "two series", labels=["n"])
+        empty = GaugeMetricFamily("empty", "no series")
+        for n, value in enumerate(values):
+            family.add_metric([str(n)], value)
+        collector = Frozen(_registry())
+        collector.metrics = [family, empty]
+        expected = choose_encoder("")[0](_registry(collector))
+        assert renderer.render(families_of([collector])) == expected, values
+
+
 @pytest.mark.parametrize(
     "value",
     [0, 0.0, -0.0, False, True, 1, -1, 1.5, 2**63, 1e300, 5e-324, math.inf, -math.inf, math.nan],

@@ -42,9 +42,13 @@ class Labels(dict[str, object]):
 class FamilyRows:
     """One family being filled, as plain rows: label values are given by name, so a label
     that is constant on this process (an embedded exporter with RANK set has `rank`
-    everywhere) is left out in one place."""
+    everywhere) is left out in one place.
 
-    __slots__ = ("const_values", "entry", "labels", "names", "rows")
+    A row's label values and its number are kept in two lists side by side, so that the
+    renderer's two questions (its shape, its values) are answered without a pass over the
+    rows: a render asks them of every family, once a second on cold caches."""
+
+    __slots__ = ("const_values", "entry", "infos", "label_rows", "labels", "names", "numbers")
 
     def __init__(
         self,
@@ -54,8 +58,9 @@ class FamilyRows:
         const_values: tuple[str, ...],
     ):
         self.entry, self.labels, self.names, self.const_values = entry, labels, names, const_values
-        # (label values, value): a number, or the info labels of an info family.
-        self.rows: list[tuple[tuple[str, ...], float | Mapping[str, str]]] = []
+        self.label_rows: list[tuple[str, ...]] = []  # each row's label values
+        self.numbers: list[float] = []  # each row's value (an info series' is 1)
+        self.infos: list[Mapping[str, str]] = []  # each row's info labels (info families)
 
     def _values(self, labels: Mapping[str, object]) -> tuple[str, ...]:
         if type(labels) is Labels:
@@ -63,24 +68,37 @@ class FamilyRows:
         return (*self.const_values, *(str(labels.get(n, "")) for n in self.names))
 
     def add(self, labels: Mapping[str, object], value: float) -> None:
-        self.rows.append((self._values(labels), value))
+        self.label_rows.append(self._values(labels))
+        self.numbers.append(value)
 
     def add_info(self, labels: Mapping[str, object], info: Mapping[str, str]) -> None:
-        self.rows.append((self._values(labels), info))
+        self.label_rows.append(self._values(labels))
+        self.numbers.append(1.0)
+        self.infos.append(info)
+
+    @property
+    def rows(self) -> list[tuple[tuple[str, ...], float | Mapping[str, str]]]:
+        """(label values, value) per row: a number, or the info labels of an info family."""
+        if self.entry.kind == "info":
+            return list(zip(self.label_rows, self.infos, strict=True))
+        return list(zip(self.label_rows, self.numbers, strict=True))
+
+    def shares_rows_of(self, other: FamilyRows) -> None:
+        """Serve `other`'s rows as this family's too (a deprecated name beside its new one)."""
+        self.label_rows, self.numbers, self.infos = other.label_rows, other.numbers, other.infos
 
     def shape(self) -> Hashable:
         """Everything the text depends on but the values: equal shapes, equal text between
         the values."""
-        if self.entry.kind == "info":
-            rows = tuple((values, tuple(info.items())) for values, info in self.rows)  # type: ignore[union-attr]
-            return (self.entry.name, self.labels, rows)
-        return (self.entry.name, self.labels, tuple([values for values, _ in self.rows]))
+        if self.infos:
+            infos = tuple(tuple(info.items()) for info in self.infos)
+            return (self.entry.name, self.labels, tuple(self.label_rows), infos)
+        return (self.entry.name, self.labels, tuple(self.label_rows))
 
     def values(self) -> list[float]:
-        """One per row, in the order of to_metric()'s samples (an info series' value is 1)."""
-        if self.entry.kind == "info":
-            return [1.0] * len(self.rows)
-        return [value for _, value in self.rows]  # type: ignore[misc]
+        """One per row, in the order of to_metric()'s samples (an info series' value is 1).
+        The family's own list: a renderer reads it and keeps it, and changes nothing."""
+        return self.numbers
 
     def to_metric(self) -> Metric:
         entry = self.entry
@@ -118,7 +136,7 @@ def served(families: Iterable[tuple[FamilyRows, bool]]) -> list[FamilyRows]:
     return [
         family
         for family, always in families
-        if not isinstance(family, LeftOut) and (always or family.rows)
+        if not isinstance(family, LeftOut) and (always or family.label_rows)
     ]
 
 
@@ -132,7 +150,7 @@ def with_deprecated_names(served: list[FamilyRows]) -> list[FamilyRows]:
         found.append(family)
         for old in catalog.DEPRECATED.get(family.entry.name, ()):
             alias = FamilyRows(old, family.labels, family.names, family.const_values)
-            alias.rows = family.rows
+            alias.shares_rows_of(family)
             found.append(alias)
     return found
 

@@ -323,6 +323,11 @@ class HttpServer:
             date_header=False,
             # No websockets: a guarded connection is never handed to another protocol.
             ws="none",
+            # asyncio's own loop, never uvloop: uvicorn's "auto" takes uvloop wherever it is
+            # installed (vLLM and `uvicorn[standard]` install it), and the guard is built on
+            # asyncio's transports; under uvloop every connection failed in connection_made.
+            # The server runs on a loop of its own (its thread, or `run`'s), not the host's.
+            loop="asyncio",
             lifespan="off",
             timeout_graceful_shutdown=2,
             # No proxy stands before this server: the peer's address is the client's. Trusted

@@ -30,7 +30,7 @@ from exporter.config import Config
 from exporter.helper import join
 from exporter.transport.agent import SOCKET_NAME
 from exporter.transport.aggregator import Aggregator
-from tests.helpers import close_pipes, free_port, kill_process
+from tests.helpers import close_pipes, free_port, kill_process, require_module
 
 # A server: start() at argv[1]'s port, say what the handle says, then idle (or fork first).
 SERVER = textwrap.dedent(
@@ -134,6 +134,19 @@ def test_a_process_that_called_start_owns_no_listening_socket_and_its_sigkill_le
         left_after = time.monotonic() - began
     assert not folder_of(port).exists()
     assert left_after < 5.0
+
+
+def test_a_server_with_uvloop_installed_is_served():
+    """vLLM and `uvicorn[standard]` install uvloop, and uvicorn's default loop is uvloop
+    wherever it is installed: under it the helper accepted every scrape and dropped it (the
+    guard is built on asyncio's transports). The test environment has uvloop, as theirs does;
+    the helper serves on asyncio's own loop."""
+    require_module("uvloop", "uvloop")
+    port = free_port()
+    with servers(port) as [server]:
+        assert answer(server)["error"] is None
+        for _ in range(3):  # kept-alive or not, each answered
+            assert "gpumem_exporter_build_info" in metrics(port)
 
 
 def test_workers_with_one_port_share_one_helper_that_leaves_with_the_last():

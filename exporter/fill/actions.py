@@ -17,6 +17,12 @@ def families(render: Render, stats: ActionStats) -> Iterator[tuple[FamilyRows, b
     snapshots = new(catalog.family("gpumem_exporter_snapshots"), per_process)
     released = new(catalog.family("torch_cuda_empty_cache_released_bytes"), per_process)
     remediations = new(catalog.family("gpumem_exporter_remediations"), per_process)
+    dropped = new(catalog.family("gpumem_exporter_probe_records_dropped"), per_process)
+    problems = new(catalog.family("gpumem_exporter_component_problems"), per_process)
+    restarts = new(catalog.family("gpumem_exporter_helper_restarts"), per_process)
+    reports = new(
+        catalog.family("gpumem_exporter_agent_last_report_timestamp_seconds"), per_process
+    )
     for entry in stats.processes:
         ids, counts = processes.labels(entry.process), entry.counts
         for trigger, count in sorted(counts.snapshots.items()):
@@ -25,31 +31,18 @@ def families(render: Render, stats: ActionStats) -> Iterator[tuple[FamilyRows, b
         for key, count in sorted(counts.remediations.items()):
             action, _, outcome = key.partition("/")
             remediations.add({**ids, "action": action, "outcome": outcome}, count)
-    dropped = new(catalog.family("gpumem_exporter_probe_records_dropped"), per_process)
-    for entry in stats.processes:
-        if entry.counts.records_dropped:  # only where it happened: the traces' text stays
-            dropped.add(processes.labels(entry.process), entry.counts.records_dropped)
-    problems = new(catalog.family("gpumem_exporter_component_problems"), per_process)
-    for entry in stats.processes:
-        for problem, count in sorted(entry.counts.component_problems.items()):
-            problems.add({**processes.labels(entry.process), "problem": problem}, count)
-    restarts = new(catalog.family("gpumem_exporter_helper_restarts"), per_process)
-    for entry in stats.processes:
-        if entry.counts.helper_restarts:
-            restarts.add(processes.labels(entry.process), entry.counts.helper_restarts)
-    reports = new(
-        catalog.family("gpumem_exporter_agent_last_report_timestamp_seconds"), per_process
-    )
-    for entry in stats.processes:
+        # Only where they happened, and served only then: not even their HELP before (the
+        # traces' text stays as it was).
+        if counts.records_dropped:
+            dropped.add(ids, counts.records_dropped)
+        for problem, count in sorted(counts.component_problems.items()):
+            problems.add({**ids, "problem": problem}, count)
+        if counts.helper_restarts:
+            restarts.add(ids, counts.helper_restarts)
         if entry.last_report is not None:
-            reports.add(processes.labels(entry.process), entry.last_report)
+            reports.add(ids, entry.last_report)
     yield from ((snapshots, True), (released, True), (remediations, True))
-    if any(entry.counts.records_dropped for entry in stats.processes):
-        yield dropped, True  # not even its HELP before: the traces' text stays as it was
-    if any(entry.counts.helper_restarts for entry in stats.processes):
-        yield restarts, True
-    if any(entry.counts.component_problems for entry in stats.processes):
-        yield problems, True
+    yield from ((dropped, False), (restarts, False), (problems, False))
     yield reports, False
     yield from _requests(render)
     if stats.endpoint is not None:

@@ -149,7 +149,8 @@ def _serve(folder: Path, sidecar: Config | None) -> int:
         if sidecar is not None:
             # A container of its own: until it is told to stop, or its folder goes (then
             # its container restarts it, with a new one).
-            while not stop.wait(1.0) and _folder_kept(folder):
+            socket = str(folder / SOCKET_NAME)
+            while not stop.wait(1.0) and _folder_kept(folder, socket):
                 pass
             return 0
         _until_unneeded(folder_look, aggregator, stop, wake)
@@ -211,14 +212,14 @@ def _until_unneeded(
             folder_look.look()
 
 
-def _folder_kept(folder: Path, socket: str | None = None) -> bool:
-    """Whether its socket (`socket`, the path as a string where known) is still where agents
-    look for it. Someone removed the folder (a temp cleaner): new processes could not join,
-    and would start a helper that finds the port taken. Leaving closes every agent's
-    connection: their links start a new helper (counted in
-    gpumem_exporter_helper_restarts_total) in a new folder."""
+def _folder_kept(folder: Path, socket: str) -> bool:
+    """Whether its socket (`socket`, the path in `folder`) is still where agents look for it.
+    Someone removed the folder (a temp cleaner): new processes could not join, and would
+    start a helper that finds the port taken. Leaving closes every agent's connection: their
+    links start a new helper (counted in gpumem_exporter_helper_restarts_total) in a new
+    folder."""
     # os.path on a kept string: pathlib's join and stat were 70 us a look on cold caches.
-    if os.path.exists(socket if socket is not None else str(folder / SOCKET_NAME)):
+    if os.path.exists(socket):
         return True
     log.warning(
         "its folder %s was removed: leaving, for the agents' links to start a new helper", folder
